@@ -1,0 +1,3 @@
+"""interop: torch, JAX and DLPack at the edge."""
+
+__all__: list[str] = []

@@ -1,0 +1,135 @@
+"""``fused_adam_step``: one fused Adam/AdamW update of a flat buffer."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ops._arrays import array_kind, check_array, driver_for
+from ops._kernels import adam_kernel
+
+__all__ = ["adam_scalars", "fused_adam_step"]
+
+_FN = "fused_adam_step"
+
+
+def adam_scalars(*, step: int, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float, decoupled: bool) -> dict[str, float]:
+    """The kernel's host-side scalars, computed in float64 as torch does.
+
+    Rounding ``1 - beta2`` in float32 instead moves every ``exp_avg_sq`` by 1e-5
+    relative; so every derived constant is formed here and rounded once.
+    """
+    beta1, beta2 = betas
+    return {
+        "beta1": beta1, "beta2": beta2, "omb1": 1.0 - beta1, "omb2": 1.0 - beta2,
+        "step_size": lr / (1.0 - beta1**step), "bc2_sqrt": math.sqrt(1.0 - beta2**step),
+        "eps": eps,
+        "decay": 1.0 - lr * weight_decay if decoupled else 1.0,
+        "l2": 0.0 if decoupled else weight_decay,
+    }
+
+
+def _check_hyper(step: Any, lr: float, betas: tuple[float, float], eps: float,
+                 weight_decay: float) -> None:
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise ValueError(f"{_FN}: step is the 1-based count of this update and must be an int "
+                         f">= 1; got {step!r}")
+    if not lr >= 0.0:
+        raise ValueError(f"{_FN}: lr must be >= 0; got {lr!r}")
+    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+        raise ValueError(f"{_FN}: betas must be two numbers in [0, 1); got {betas!r}")
+    if not eps >= 0.0 or not weight_decay >= 0.0:
+        raise ValueError(f"{_FN}: eps and weight_decay must be >= 0; got {eps!r}, {weight_decay!r}")
+
+
+def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, step: int,
+                    lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                    weight_decay: float = 0.0, decoupled: bool = True,
+                    grad_scale: float | None = None, grad_sumsq: Any = None,
+                    max_norm: float | None = None, param_copy: Any = None,
+                    donate: bool = True) -> tuple[Any, Any, Any]:
+    """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) update, fused.
+
+    Reads param, grad and both moments once and writes param and moments once
+    (28 bytes per fp32 parameter), with the mixed-precision chores folded into
+    the same pass: unscaling by ``grad_scale``, global-norm clipping to
+    ``max_norm``, skipping the whole update when ``grad_sumsq`` is not finite,
+    and writing a bf16/fp16 copy of the new parameters into ``param_copy`` (the
+    buffer the next all-gather sends). numpy arrays run the CPU build of
+    ``ops/kernels/adam.cu``, cupy arrays the CUDA build of the same file.
+
+    The math is torch.optim.Adam/AdamW's: ``g = grad * scale (+ wd * param)``,
+    ``param *= 1 - lr * wd`` (AdamW), ``m = lerp(m, g, 1 - beta1)``,
+    ``v = beta2 * v + (1 - beta2) * g * g``,
+    ``param -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``.
+
+    Args:
+      param: float32 parameters (any shape, C-contiguous).
+      grad: gradients of param's shape, float32, bfloat16 or float16.
+      exp_avg, exp_avg_sq: float32 first and second moments, param's shape.
+      step: the 1-based index of this update (bias correction).
+      lr, betas, eps, weight_decay: as torch.optim.AdamW.
+      decoupled: True for AdamW's decoupled decay, False for Adam's L2 term.
+      grad_scale: multiplies the grads first, e.g. ``1 / loss_scale``.
+      grad_sumsq: a one-element float64 array with the sum of squares of the
+        grads as given (before ``grad_scale``), over every shard (see
+        :func:`ops.sum_of_squares`). Non-finite means an overflow somewhere: the
+        update is skipped and nothing is written. Read on the device, so a GPU
+        step needs no host synchronisation.
+      max_norm: clip the grads (after ``grad_scale``) to this global norm, as
+        ``torch.nn.utils.clip_grad_norm_``; needs ``grad_sumsq``.
+      param_copy: optional bfloat16/float16 array of param's shape that receives
+        the new parameters, rounded to nearest even.
+      donate: update param and the moments in place and return them (True), or
+        leave the inputs untouched and return new arrays (False).
+
+    Returns:
+      ``(param, exp_avg, exp_avg_sq)`` after the update.
+
+    Raises:
+      TypeError: an argument of the wrong array type or dtype.
+      ValueError: a shape mismatch, a non-contiguous or read-only buffer, or an
+        invalid hyper-parameter.
+
+    Example:
+      >>> import numpy as np, ops
+      >>> p, g = np.ones(4, np.float32), np.full(4, 0.5, np.float32)
+      >>> m, v = np.zeros_like(p), np.zeros_like(p)
+      >>> p, m, v = ops.fused_adam_step(p, g, m, v, step=1, lr=0.1)
+      >>> p.round(4).tolist()
+      [0.9, 0.9, 0.9, 0.9]
+    """
+    _check_hyper(step, lr, betas, eps, weight_decay)
+    kind = array_kind(param)
+    shape = tuple(param.shape)
+    check_array(_FN, "param", param, dtypes=("f32",), writeable=donate, kind=kind)
+    gcode = check_array(_FN, "grad", grad, dtypes=("f32", "bf16", "f16"), shape=shape, kind=kind)
+    for name, x in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+        check_array(_FN, name, x, dtypes=("f32",), shape=shape, writeable=donate, kind=kind)
+    ccode = "none"
+    if param_copy is not None:
+        ccode = check_array(_FN, "param_copy", param_copy, dtypes=("bf16", "f16"), shape=shape,
+                            writeable=True, kind=kind)
+    if grad_sumsq is not None:
+        if grad_sumsq.dtype != np.float64 or grad_sumsq.size != 1:
+            raise TypeError(f"{_FN}: grad_sumsq must be a one-element float64 array (from "
+                            f"ops.sum_of_squares); got {grad_sumsq.dtype} of shape "
+                            f"{tuple(grad_sumsq.shape)}")
+        if array_kind(grad_sumsq) != kind:
+            raise TypeError(f"{_FN}: grad_sumsq must be a {kind} array like param")
+    if max_norm is not None and (grad_sumsq is None or not max_norm > 0):
+        raise ValueError(f"{_FN}: max_norm={max_norm!r} needs max_norm > 0 and grad_sumsq, "
+                         "the global sum of squares of the grads")
+    if not donate:
+        param, exp_avg, exp_avg_sq = param.copy(), exp_avg.copy(), exp_avg_sq.copy()
+    s = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                     decoupled=decoupled)
+    args = (param, grad, exp_avg, exp_avg_sq, param_copy, param.size, grad_sumsq,
+            s["beta1"], s["beta2"], s["omb1"], s["omb2"], s["step_size"], s["bc2_sqrt"],
+            s["eps"], s["decay"], s["l2"], 1.0 if grad_scale is None else grad_scale,
+            0.0 if max_norm is None else max_norm)
+    driver_for(kind).elementwise(adam_kernel(gcode, ccode), param.size, args)
+    return param, exp_avg, exp_avg_sq

@@ -1,0 +1,85 @@
+"""Array kinds, dtype codes and argument checks shared by the kernels' callers.
+
+numpy arrays run the CPU build of a kernel, cupy arrays the CUDA build. bf16 is
+``ml_dtypes.bfloat16`` (the dtype JAX uses for numpy arrays).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ml_dtypes
+import numpy as np
+
+__all__ = ["BF16", "array_kind", "check_array", "dtype_code", "xp_of"]
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+_CODES = {np.dtype(np.float32): "f32", BF16: "bf16", np.dtype(np.float16): "f16"}
+_DTYPES = {code: dtype for dtype, code in _CODES.items()}
+
+
+def array_kind(x: Any) -> str:
+    """``"numpy"`` or ``"cupy"``; anything else is a TypeError naming its type."""
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if type(x).__module__.split(".")[0] == "cupy":
+        return "cupy"
+    raise TypeError(
+        f"expected a numpy or cupy array, got {type(x).__module__}.{type(x).__qualname__}; "
+        "convert torch or jax arrays with interop.to_numpy / interop.to_cupy (zero-copy)")
+
+
+def xp_of(x: Any) -> Any:
+    """The array module (numpy or cupy) of ``x``."""
+    if array_kind(x) == "numpy":
+        return np
+    import cupy
+
+    return cupy
+
+
+def dtype_code(dtype: Any) -> str | None:
+    """``"f32"``, ``"bf16"`` or ``"f16"`` for the kernels' dtypes, else None."""
+    return _CODES.get(np.dtype(dtype))
+
+
+def dtype_of_code(code: str) -> np.dtype:
+    return _DTYPES[code]
+
+
+def check_array(fn: str, name: str, x: Any, *, dtypes: tuple[str, ...], shape: tuple | None = None,
+                writeable: bool = False, kind: str | None = None) -> str:
+    """Validate one kernel argument; return its dtype code.
+
+    Raises TypeError for a wrong type or dtype, ValueError for a wrong shape or a
+    non-contiguous or read-only buffer, each naming ``fn`` and ``name``.
+    """
+    got = array_kind(x)
+    if kind is not None and got != kind:
+        raise TypeError(f"{fn}: {name} is a {got} array but the others are {kind} arrays; "
+                        "pass all arrays on one device")
+    code = dtype_code(x.dtype)
+    if code not in dtypes:
+        allowed = ", ".join(str(dtype_of_code(c)) for c in dtypes)
+        raise TypeError(f"{fn}: {name} must have dtype {allowed}; got {x.dtype}")
+    if shape is not None and tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{fn}: {name} must have shape {tuple(shape)} like param; "
+                         f"got {tuple(x.shape)}")
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{fn}: {name} must be C-contiguous (use np.ascontiguousarray); "
+                         f"got strides {x.strides}")
+    if writeable and got == "numpy" and not x.flags.writeable:
+        raise ValueError(f"{fn}: {name} is read-only but is written in place; pass a writeable "
+                         "array or donate=False")
+    return code
+
+
+def driver_for(kind: str) -> Any:
+    """The kernel driver for an array kind: the CPU build or the CUDA build."""
+    if kind == "numpy":
+        from ops._cpu import cpu_driver
+
+        return cpu_driver()
+    from ops._cuda import cuda_driver
+
+    return cuda_driver()

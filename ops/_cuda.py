@@ -1,0 +1,98 @@
+"""CUDA driver: launches the kernels with CuPy's ``RawModule`` on cupy arrays.
+
+The driver is written against an array module (``xp``) and a module factory so
+that, on a machine without a GPU, the very same code can run with numpy arrays
+and :class:`ops._emulate.EmulatedModule`, which executes each ``__global__``
+kernel on the CPU with the grid, block and arguments this driver passes.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ops._build import source
+from ops._kernels import Kernel, sumsq_kernels
+
+__all__ = ["NVRTC_OPTIONS", "CudaDriver", "cuda_driver"]
+
+# --fmad=false: no contraction of a*b+c, the IEEE arithmetic the CPU build and
+# torch use (see KERNELS notes in the README). CuPy adds -ftz=true itself.
+NVRTC_OPTIONS = ("--std=c++17", "--fmad=false")
+# Blocks per SM for grid-stride kernels: enough to hide latency, few partials.
+WAVES = 4
+_SCALARS = {"f4": np.float32, "f8": np.float64, "i8": np.int64}
+
+
+class CudaDriver:
+    """Launches kernels from the kernel table.
+
+    Args:
+      xp: the array module (cupy on a GPU).
+      module_factory: ``cupy.RawModule`` or a stand-in with its interface.
+      sm_count: streaming multiprocessors of the device, for grid sizes.
+    """
+
+    kind = "cupy"
+
+    def __init__(self, xp: Any, module_factory: Callable[..., Any], sm_count: int) -> None:
+        self.xp = xp
+        self._factory = module_factory
+        self.sm_count = sm_count
+        self._modules: dict[str, Any] = {}
+
+    def _module(self, family: str) -> Any:
+        if family not in self._modules:
+            self._modules[family] = self._factory(code=source(family, "cuda"),
+                                                  options=NVRTC_OPTIONS)
+        return self._modules[family]
+
+    def _function(self, kernel: Kernel) -> Any:
+        return self._module(kernel.family).get_function(kernel.name)
+
+    def grid(self, kernel: Kernel, n: int) -> int:
+        """Blocks for ``n`` elements: one element per thread, at most WAVES per SM."""
+        return max(1, min(-(-n // kernel.block), self.sm_count * WAVES))
+
+    def pack(self, kernel: Kernel, args: tuple) -> tuple:
+        """Kernel arguments as CuPy passes them: arrays, or numpy scalars of the C type."""
+        packed = []
+        for value, (_, kind) in zip(args, kernel.params, strict=True):
+            if kind == "ptr":
+                packed.append(np.uint64(0) if value is None else value)  # NULL is 8 zero bytes
+            else:
+                packed.append(_SCALARS[kind](value))
+        return tuple(packed)
+
+    def launch(self, kernel: Kernel, grid: int, args: tuple) -> None:
+        self._function(kernel)((grid,), (kernel.block,), self.pack(kernel, args))
+
+    def elementwise(self, kernel: Kernel, n: int, args: tuple) -> None:
+        """Run an elementwise kernel over ``n`` elements; args in ``kernel.params`` order."""
+        if n == 0:
+            return  # a zero-block grid is a launch error in CUDA
+        self.launch(kernel, self.grid(kernel, n), args)
+
+    def sum_of_squares(self, x: Any, code: str, out: Any) -> None:
+        """Write the float64 sum of squares of ``x`` into ``out[0]`` (no host sync)."""
+        partial, finish = sumsq_kernels(code)
+        if x.size == 0:
+            out[0] = 0.0
+            return
+        grid = self.grid(partial, x.size)
+        partials = self.xp.empty(grid, dtype=np.float64)
+        self.launch(partial, grid, (x, x.size, partials))
+        self.launch(finish, 1, (partials, grid, out))
+
+
+@functools.cache
+def cuda_driver() -> CudaDriver:
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise ImportError("cupy arrays need the 'cuda' extra: pip install 'zeroshard[cuda]'") from e
+    sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    return CudaDriver(cupy, cupy.RawModule, sm)

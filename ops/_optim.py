@@ -1,0 +1,112 @@
+"""Adam and AdamW shaped like optax's ``GradientTransformation``.
+
+``init(params) -> state`` and ``update(grads, state, params) -> (updates, state)``
+are pure, as in optax, so an ``FusedAdam`` can stand where an optax optimizer
+does. ``apply(grads, state, params) -> (params, state)`` is the fast path the
+ZeRO transforms use: it donates params and moments and updates them in place,
+one fused kernel launch per leaf (per flat unit buffer, in ``shard``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ops._adam import fused_adam_step
+from ops._arrays import xp_of
+from ops._tree import tree_util
+
+__all__ = ["AdamState", "FusedAdam", "adam", "adamw"]
+
+Schedule = Callable[[int], float]
+
+
+class AdamState(NamedTuple):
+    """Adam's state: ``count`` updates applied so far, moments ``mu`` and ``nu``."""
+
+    count: np.ndarray  # int64 scalar
+    mu: Any
+    nu: Any
+
+
+class FusedAdam(NamedTuple):
+    """An optax-shaped optimizer with a donating fused ``apply``."""
+
+    init: Callable[[Any], AdamState]
+    update: Callable[..., tuple[Any, AdamState]]
+    apply: Callable[..., tuple[Any, AdamState]]
+
+
+def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
+          weight_decay: float, decoupled: bool) -> FusedAdam:
+    def lr_at(count: int) -> float:
+        return float(learning_rate(count) if callable(learning_rate) else learning_rate)
+
+    def init(params: Any) -> AdamState:
+        tu = tree_util()
+        zeros = tu.tree_map(lambda p: xp_of(p).zeros(p.shape, dtype=np.float32), params)
+        return AdamState(np.zeros((), np.int64), zeros, tu.tree_map(lambda z: z.copy(), zeros))
+
+    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
+            grad_sumsq: Any, max_norm: Any, copies: Any) -> tuple[Any, AdamState]:
+        tu = tree_util()
+        count = int(state.count)
+        if grad_sumsq is not None and not math.isfinite(float(grad_sumsq[0])):
+            return params, state  # overflow: nothing changes, the step is not counted
+        leaves, treedef = tu.tree_flatten(params)
+        g, m, v = (treedef.flatten_up_to(t) for t in (grads, state.mu, state.nu))
+        c = treedef.flatten_up_to(copies) if copies is not None else [None] * len(leaves)
+        hp = dict(step=count + 1, lr=lr_at(count), betas=(b1, b2), eps=eps,
+                  weight_decay=weight_decay, decoupled=decoupled, grad_scale=grad_scale,
+                  grad_sumsq=grad_sumsq, max_norm=max_norm, donate=donate)
+        out = [fused_adam_step(*args, param_copy=ci, **hp)
+               for *args, ci in zip(leaves, g, m, v, c, strict=True)]
+        new_p, new_m, new_v = (treedef.unflatten([o[i] for o in out]) for i in range(3))
+        return new_p, AdamState(np.asarray(count + 1, np.int64), new_m, new_v)
+
+    def update(grads: Any, state: AdamState, params: Any = None) -> tuple[Any, AdamState]:
+        if params is None:
+            raise ValueError("FusedAdam.update needs params (for weight decay and the fused "
+                             "update): update(grads, state, params)")
+        new_params, new_state = run(grads, state, params, False, None, None, None, None)
+        updates = tree_util().tree_map(lambda new, old: new - old, new_params, params)
+        return updates, new_state
+
+    def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
+              grad_sumsq: Any = None, max_norm: float | None = None,
+              param_copies: Any = None) -> tuple[Any, AdamState]:
+        """Update params and moments in place (both donated); see fused_adam_step."""
+        return run(grads, state, params, True, grad_scale, grad_sumsq, max_norm, param_copies)
+
+    return FusedAdam(init, update, apply)
+
+
+def adamw(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999,
+          eps: float = 1e-8, weight_decay: float = 1e-2) -> FusedAdam:
+    """AdamW (decoupled weight decay), as ``torch.optim.AdamW`` / ``optax.adamw``.
+
+    Args:
+      learning_rate: a float, or a schedule ``count -> lr`` (count from 0).
+      b1, b2, eps, weight_decay: as in ``torch.optim.AdamW``.
+
+    Example:
+      >>> import numpy as np, ops
+      >>> opt = ops.adamw(1e-3)
+      >>> params = {"w": np.ones(3, np.float32)}
+      >>> state = opt.init(params)
+      >>> params, state = opt.apply({"w": np.ones(3, np.float32)}, state, params)
+      >>> int(state.count)
+      1
+    """
+    return _make(learning_rate, b1, b2, eps, weight_decay, decoupled=True)
+
+
+def adam(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999,
+         eps: float = 1e-8, weight_decay: float = 0.0) -> FusedAdam:
+    """Adam with torch.optim.Adam's L2 weight decay (added to the gradient)."""
+    return _make(learning_rate, b1, b2, eps, weight_decay, decoupled=False)
+
+

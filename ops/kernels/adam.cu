@@ -1,0 +1,106 @@
+// Fused Adam / AdamW: one pass over (param, grad, exp_avg, exp_avg_sq), with
+// the loss-scale unscale, the global-norm clip, the inf/nan skip and an
+// optional 16-bit copy of the new params folded in.
+//
+// Host-side scalars (computed in float64 by the caller, as torch does):
+//   omb1 = 1 - beta1, omb2 = 1 - beta2, step_size = lr / (1 - beta1^t),
+//   bc2_sqrt = sqrt(1 - beta2^t), decay = 1 - lr * wd (AdamW) or 1 (Adam),
+//   l2 = wd (Adam's L2 form) or 0 (AdamW).
+// sumsq (nullable) points at the global sum of squares of the grads as given:
+// non-finite means an inf/nan somewhere, and the whole update is skipped; with
+// max_norm > 0 the grads are also scaled so their norm after grad_scale is at
+// most max_norm (torch's clip_grad_norm_: coef = max_norm / (norm + 1e-6)).
+// Reading it on the device keeps a GPU step free of host synchronisation.
+#include "common.cuh"
+
+struct AdamScalars {
+  float beta1, beta2, omb1, omb2, step_size, bc2_sqrt, eps, decay, l2, gmul;
+  bool lerp_low;  // torch.lerp's formula switches at weight 0.5
+};
+
+__device__ __forceinline__ bool adam_prologue(const double* sumsq, float grad_scale,
+                                              float max_norm, float* gmul) {
+  float mul = grad_scale;
+  if (sumsq != 0) {
+    double s = *sumsq;
+    if (!zs_isfinite(s)) return false;
+    if (max_norm > 0.0f) {
+      double coef = (double)max_norm / (sqrt(s) * (double)grad_scale + 1e-6);
+      if (coef < 1.0) mul = (float)((double)grad_scale * coef);
+    }
+  }
+  *gmul = mul;
+  return true;
+}
+
+template <typename G, typename H>
+__device__ __forceinline__ void adam_elem(float* __restrict__ p, const G* __restrict__ g,
+                                          float* __restrict__ m, float* __restrict__ v,
+                                          H* __restrict__ copy, int64_t i,
+                                          const AdamScalars& a) {
+  float gi = zs_to_f32(g[i]) * a.gmul;
+  float pi = p[i];
+  gi = gi + a.l2 * pi;   // Adam: grad += wd * param
+  pi = pi * a.decay;     // AdamW: param *= 1 - lr * wd
+  float mi = m[i];
+  float d = gi - mi;
+  // exp_avg.lerp_(grad, 1 - beta1), with torch.lerp's two formulas, selected
+  // on bits: a float ternary here left the loop unvectorised.
+  mi = __uint_as_float(zs_select(a.lerp_low, __float_as_uint(mi + a.omb1 * d),
+                                 __float_as_uint(gi - d * a.beta1)));
+  float vi = v[i] * a.beta2 + a.omb2 * (gi * gi);
+  float denom = sqrtf(vi) / a.bc2_sqrt + a.eps;
+  pi = pi - a.step_size * (mi / denom);
+  p[i] = pi;
+  m[i] = mi;
+  v[i] = vi;
+  zs_store(copy, i, pi);
+}
+
+#ifdef ZS_CPU
+// The host driver's inner loop, in a function of its own so that the pointers
+// keep their __restrict__ (a lambda capture would drop it and with it the SIMD).
+template <typename G, typename H>
+static void adam_host_slice(float* __restrict__ p, const G* __restrict__ g,
+                            float* __restrict__ m, float* __restrict__ v,
+                            H* __restrict__ copy, int64_t begin, int64_t end,
+                            const AdamScalars a) {
+#pragma omp simd
+  for (int64_t i = begin; i < end; ++i) adam_elem(p, g, m, v, copy, i, a);
+}
+#endif
+
+#define ZS_ADAM_PARAMS(G, H)                                                     \
+  float *__restrict__ p, const G *__restrict__ g, float *__restrict__ m,         \
+      float *__restrict__ v, H *__restrict__ copy, int64_t n,                    \
+      const double *__restrict__ sumsq, float beta1, float beta2, float omb1,    \
+      float omb2, float step_size, float bc2_sqrt, float eps, float decay,       \
+      float l2, float grad_scale, float max_norm
+
+#define ZS_ADAM_PROLOGUE                                                         \
+  AdamScalars a = {beta1, beta2, omb1, omb2, step_size, bc2_sqrt, eps,           \
+                   decay, l2, 1.0f, omb1 < 0.5f};                                \
+  if (!adam_prologue(sumsq, grad_scale, max_norm, &a.gmul)) return;
+
+#define ZS_ADAM_ENTRY(SUFFIX, G, H)                                              \
+  extern "C" __global__ void __launch_bounds__(256)                             \
+      zs_adam_##SUFFIX(ZS_ADAM_PARAMS(G, H)) {                                   \
+    ZS_ADAM_PROLOGUE                                                             \
+    ZS_GRID_STRIDE(i, n) adam_elem(p, g, m, v, copy, i, a);                      \
+  }                                                                              \
+  ZS_HOST(extern "C" void zs_adam_##SUFFIX##_host(ZS_ADAM_PARAMS(G, H)) {        \
+    ZS_ADAM_PROLOGUE                                                             \
+    zs_host_for(n, [=](int64_t begin, int64_t end) {                             \
+      adam_host_slice(p, g, m, v, copy, begin, end, a);                          \
+    });                                                                          \
+  })
+
+ZS_ADAM_ENTRY(f32_none, float, zs_none)
+ZS_ADAM_ENTRY(f32_bf16, float, zs_bf16)
+ZS_ADAM_ENTRY(f32_f16, float, zs_f16)
+ZS_ADAM_ENTRY(bf16_none, zs_bf16, zs_none)
+ZS_ADAM_ENTRY(bf16_bf16, zs_bf16, zs_bf16)
+ZS_ADAM_ENTRY(bf16_f16, zs_bf16, zs_f16)
+ZS_ADAM_ENTRY(f16_none, zs_f16, zs_none)
+ZS_ADAM_ENTRY(f16_bf16, zs_f16, zs_bf16)
+ZS_ADAM_ENTRY(f16_f16, zs_f16, zs_f16)

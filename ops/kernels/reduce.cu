@@ -1,0 +1,86 @@
+// Sum of squares of a buffer, in float64, for global-norm clipping and inf/nan
+// detection (a non-finite sum is the found-inf flag).
+//
+// GPU: a grid-stride pass writes one partial per block (warp shuffles, then
+// shared memory across warps; no atomics), and a one-block second pass adds
+// the partials in a fixed order, so a given launch is deterministic.
+// CPU: fixed 64 Ki-element chunks summed in parallel, then added in order, so
+// the result does not depend on the number of threads.
+#include "common.cuh"
+
+#define ZS_REDUCE_BLOCK 256  // launchers must use exactly this block size
+
+// Sum of `acc` over the block; the result is valid in thread 0.
+__device__ __forceinline__ double zs_block_sum(double acc) {
+  __shared__ double warp_sums[ZS_REDUCE_BLOCK / 32];
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+  unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) warp_sums[warp] = acc;
+  __syncthreads();
+  acc = 0.0;
+  if (warp == 0) {
+    if (lane < blockDim.x / 32) acc = warp_sums[lane];
+    for (int off = 16; off > 0; off >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, off);
+  }
+  return acc;
+}
+
+template <typename T>
+__device__ __forceinline__ double zs_sumsq_thread(const T* __restrict__ x, int64_t n) {
+  double acc = 0.0;
+  ZS_GRID_STRIDE(i, n) {
+    double v = zs_to_f32(x[i]);
+    acc += v * v;
+  }
+  return acc;
+}
+
+#define ZS_SUMSQ_ENTRY(SUFFIX, T)                                                  \
+  extern "C" __global__ void __launch_bounds__(ZS_REDUCE_BLOCK)                   \
+      zs_sumsq_partial_##SUFFIX(const T* __restrict__ x, int64_t n,                \
+                                double* __restrict__ partials) {                   \
+    double s = zs_block_sum(zs_sumsq_thread(x, n));                                \
+    if (threadIdx.x == 0) partials[blockIdx.x] = s;                                \
+  }                                                                                \
+  ZS_HOST(extern "C" void zs_sumsq_##SUFFIX##_host(const T* __restrict__ x,       \
+                                                   int64_t n, double* out) {       \
+    *out = zs_sumsq_chunked(x, n);                                                 \
+  })
+
+#ifdef ZS_CPU
+#include <vector>
+template <typename T>
+static double zs_sumsq_chunked(const T* __restrict__ x, int64_t n) {
+  const int64_t chunk = 1 << 16;
+  int64_t nchunks = (n + chunk - 1) / chunk;
+  std::vector<double> parts(nchunks);
+#pragma omp parallel for schedule(static) if (nchunks > 1)
+  for (int64_t c = 0; c < nchunks; ++c) {
+    int64_t end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+    double acc = 0.0;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t i = c * chunk; i < end; ++i) {
+      double v = zs_to_f32(x[i]);
+      acc += v * v;
+    }
+    parts[c] = acc;
+  }
+  double total = 0.0;
+  for (int64_t c = 0; c < nchunks; ++c) total += parts[c];
+  return total;
+}
+#endif
+
+ZS_SUMSQ_ENTRY(f32, float)
+ZS_SUMSQ_ENTRY(bf16, zs_bf16)
+ZS_SUMSQ_ENTRY(f16, zs_f16)
+
+// Second pass: one block adds the partials, each thread a fixed strided subset.
+extern "C" __global__ void __launch_bounds__(ZS_REDUCE_BLOCK)
+    zs_sumsq_finish(const double* __restrict__ partials, int64_t nparts,
+                    double* __restrict__ out) {
+  double acc = 0.0;
+  for (int64_t i = threadIdx.x; i < nparts; i += blockDim.x) acc += partials[i];
+  double s = zs_block_sum(acc);
+  if (threadIdx.x == 0) out[0] = s;
+}

@@ -1,0 +1,144 @@
+// CPU shim: lets a C++ compiler build the CUDA kernel sources in this folder.
+//
+// [Note: one source, two targets]
+// Every kernel keeps its math in __device__ functions. nvcc/NVRTC compile the
+// __global__ grid-stride kernels; g++ compiles the same text with this shim
+// prepended, which (1) turns the CUDA qualifiers into plain C++, (2) provides
+// threadIdx/blockIdx/blockDim/gridDim as thread-locals, and (3) emulates
+// __syncthreads and full-warp shuffles so that a __global__ kernel can be run
+// on the CPU exactly as launched, one block at a time with one OS thread per
+// CUDA thread (ZS_EMULATE below). The fast CPU drivers (`*_host` entry points)
+// call the same __device__ functions from OpenMP loops.
+#pragma once
+#define ZS_CPU 1
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <cstddef>
+#include <omp.h>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __launch_bounds__(...)
+
+struct uint3 { unsigned x, y, z; };
+struct dim3 {
+  unsigned x, y, z;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+
+static thread_local uint3 threadIdx = {0, 0, 0};
+static thread_local uint3 blockIdx = {0, 0, 0};
+static thread_local dim3 blockDim(1, 1, 1);
+static thread_local dim3 gridDim(1, 1, 1);
+
+static inline float __uint_as_float(unsigned u) { float f; std::memcpy(&f, &u, 4); return f; }
+static inline unsigned __float_as_uint(float f) { unsigned u; std::memcpy(&u, &f, 4); return u; }
+using std::sqrt;
+
+#include <barrier>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+// __shared__ variables are function-local statics: one copy shared by every
+// emulated thread, which is right because blocks run one at a time.
+#define __shared__ static
+
+struct ZsBlockSync {
+  std::barrier<> block;
+  std::vector<std::unique_ptr<std::barrier<>>> warps;
+  std::vector<uint64_t> lanes;  // one 8-byte exchange slot per thread
+  ZsBlockSync(unsigned nthreads)
+      : block(nthreads), lanes(nthreads) {
+    for (unsigned w = 0; w * 32 < nthreads; ++w) {
+      unsigned n = nthreads - w * 32 < 32 ? nthreads - w * 32 : 32;
+      warps.emplace_back(new std::barrier<>(n));
+    }
+  }
+};
+static ZsBlockSync* zs_sync = nullptr;
+static thread_local unsigned zs_tid = 0;
+static thread_local int zs_bad_mask = 0;
+
+static inline void __syncthreads() { zs_sync->block.arrive_and_wait(); }
+
+template <typename T, typename F>
+static inline T zs_shfl(unsigned mask, T v, F src_lane) {
+  static_assert(sizeof(T) <= 8, "shuffle of a value wider than 8 bytes");
+  if (mask != 0xffffffffu) zs_bad_mask = 1;  // partial masks are not emulated
+  unsigned warp = zs_tid / 32, lane = zs_tid % 32;
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  zs_sync->lanes[zs_tid] = bits;
+  zs_sync->warps[warp]->arrive_and_wait();
+  unsigned src = src_lane(lane);
+  unsigned warp_size = zs_sync->lanes.size() - warp * 32;
+  if (warp_size > 32) warp_size = 32;
+  T r = v;
+  if (src < warp_size) std::memcpy(&r, &zs_sync->lanes[warp * 32 + src], sizeof(T));
+  zs_sync->warps[warp]->arrive_and_wait();
+  return r;
+}
+template <typename T>
+static inline T __shfl_down_sync(unsigned mask, T v, unsigned delta) {
+  return zs_shfl(mask, v, [delta](unsigned lane) { return lane + delta; });
+}
+template <typename T>
+static inline T __shfl_xor_sync(unsigned mask, T v, unsigned m) {
+  return zs_shfl(mask, v, [m](unsigned lane) { return lane ^ m; });
+}
+
+template <typename... A, size_t... I>
+static void zs_call(void (*k)(A...), void** args, std::index_sequence<I...>) {
+  k(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(args[I])...);
+}
+
+// Runs kernel `k` with CUDA launch semantics: every block of the grid in turn,
+// each with blockDim OS threads. `args` is laid out as cuLaunchKernel's
+// kernelParams: one pointer to each argument's value. Returns 0, or 1 when the
+// kernel used a construct the emulation cannot run faithfully.
+template <typename... A>
+static int zs_emulate_launch(void (*k)(A...), dim3 grid, dim3 block, void** args) {
+  static std::mutex one_launch_at_a_time;
+  std::lock_guard<std::mutex> guard(one_launch_at_a_time);
+  unsigned nthreads = block.x * block.y * block.z;
+  ZsBlockSync sync(nthreads);
+  zs_sync = &sync;
+  std::barrier<> between_blocks(nthreads);
+  int bad = 0;
+  std::mutex bad_lock;
+  std::vector<std::thread> threads;
+  for (unsigned t = 0; t < nthreads; ++t) {
+    threads.emplace_back([&, t] {
+      zs_tid = t;
+      threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+      blockDim = block;
+      gridDim = grid;
+      for (unsigned bz = 0; bz < grid.z; ++bz)
+        for (unsigned by = 0; by < grid.y; ++by)
+          for (unsigned bx = 0; bx < grid.x; ++bx) {
+            blockIdx = {bx, by, bz};
+            zs_call(k, args, std::index_sequence_for<A...>{});
+            between_blocks.arrive_and_wait();
+          }
+      if (zs_bad_mask) { std::lock_guard<std::mutex> g(bad_lock); bad = 1; }
+    });
+  }
+  for (auto& th : threads) th.join();
+  zs_sync = nullptr;
+  return bad;
+}
+
+#define ZS_EMULATE(name)                                                      \
+  extern "C" int zs_emu_##name(const unsigned* grid, const unsigned* block,   \
+                               void** args) {                                 \
+    return zs_emulate_launch(name, dim3(grid[0], grid[1], grid[2]),           \
+                             dim3(block[0], block[1], block[2]), args);       \
+  }

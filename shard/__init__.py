@@ -1,0 +1,3 @@
+"""shard: the functional ZeRO core."""
+
+__all__: list[str] = []
