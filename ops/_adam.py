@@ -99,7 +99,7 @@ def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, ste
       >>> p, g = np.ones(4, np.float32), np.full(4, 0.5, np.float32)
       >>> m, v = np.zeros_like(p), np.zeros_like(p)
       >>> p, m, v = ops.fused_adam_step(p, g, m, v, step=1, lr=0.1)
-      >>> p.round(4).tolist()
+      >>> [round(float(x), 4) for x in p]
       [0.9, 0.9, 0.9, 0.9]
     """
     _check_hyper(step, lr, betas, eps, weight_decay)

@@ -49,6 +49,21 @@ def _c_arg(value: Any) -> ctypes._SimpleCData:
                          "is ambiguous; pass an array or a sized numpy scalar")
 
 
+_KIND_DTYPES = {"f4": np.float32, "f8": np.float64, "i8": np.int64}
+
+
+def _check_kind(kernel: str, name: str, kind: str, value: Any) -> None:
+    """The C ABI check a GPU cannot do for us: each argument's size and meaning."""
+    if kind == "ptr":
+        ok = isinstance(value, np.ndarray) or (isinstance(value, np.uint64) and value == 0)
+    else:
+        ok = isinstance(value, np.generic) and value.dtype == _KIND_DTYPES[kind]
+    if not ok:
+        want = "an array (or uint64 0 for NULL)" if kind == "ptr" else np.dtype(_KIND_DTYPES[kind])
+        raise EmulationError(f"{kernel}: argument {name} must be {want}; got "
+                             f"{type(value).__name__}")
+
+
 class _EmulatedFunction:
     def __init__(self, lib: ctypes.CDLL, name: str) -> None:
         self.name = name
@@ -68,6 +83,8 @@ class _EmulatedFunction:
         if len(args) != len(kernel.params):
             raise EmulationError(f"{self.name}: {len(args)} arguments, the kernel takes "
                                  f"{len(kernel.params)}")
+        for value, (pname, kind) in zip(args, kernel.params, strict=True):
+            _check_kind(self.name, pname, kind, value)
         self.launches.append((grid3, block3, len(args)))
         values = [_c_arg(a) for a in args]
         argv = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))

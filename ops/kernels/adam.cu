@@ -36,21 +36,22 @@ __device__ __forceinline__ bool adam_prologue(const double* sumsq, float grad_sc
 template <typename G, typename H>
 __device__ __forceinline__ void adam_elem(float* __restrict__ p, const G* __restrict__ g,
                                           float* __restrict__ m, float* __restrict__ v,
-                                          H* __restrict__ copy, int64_t i,
+                                          H* __restrict__ copy, zs_i64 i,
                                           const AdamScalars& a) {
   float gi = zs_to_f32(g[i]) * a.gmul;
   float pi = p[i];
-  gi = gi + a.l2 * pi;   // Adam: grad += wd * param
+  gi = fmaf(pi, a.l2, gi);  // Adam: grad += wd * param (0 for AdamW)
   pi = pi * a.decay;     // AdamW: param *= 1 - lr * wd
   float mi = m[i];
+  // exp_avg.lerp_(grad, 1 - beta1) as torch's CPU kernels compute it: one fma,
+  // with torch.lerp's two formulas (weight below or above 0.5), selected on
+  // bits because a float ternary here left the loop unvectorised.
   float d = gi - mi;
-  // exp_avg.lerp_(grad, 1 - beta1), with torch.lerp's two formulas, selected
-  // on bits: a float ternary here left the loop unvectorised.
-  mi = __uint_as_float(zs_select(a.lerp_low, __float_as_uint(mi + a.omb1 * d),
-                                 __float_as_uint(gi - d * a.beta1)));
-  float vi = v[i] * a.beta2 + a.omb2 * (gi * gi);
+  mi = __uint_as_float(zs_select(a.lerp_low, __float_as_uint(fmaf(a.omb1, d, mi)),
+                                 __float_as_uint(fmaf(a.omb1 - 1.0f, d, gi))));
+  float vi = fmaf(a.omb2 * gi, gi, v[i] * a.beta2);  // mul_(beta2).addcmul_(g, g, 1 - beta2)
   float denom = sqrtf(vi) / a.bc2_sqrt + a.eps;
-  pi = pi - a.step_size * (mi / denom);
+  pi = pi + (-a.step_size * mi) / denom;  // addcdiv_(m, denom, value=-step_size)
   p[i] = pi;
   m[i] = mi;
   v[i] = vi;
@@ -63,16 +64,16 @@ __device__ __forceinline__ void adam_elem(float* __restrict__ p, const G* __rest
 template <typename G, typename H>
 static void adam_host_slice(float* __restrict__ p, const G* __restrict__ g,
                             float* __restrict__ m, float* __restrict__ v,
-                            H* __restrict__ copy, int64_t begin, int64_t end,
+                            H* __restrict__ copy, zs_i64 begin, zs_i64 end,
                             const AdamScalars a) {
 #pragma omp simd
-  for (int64_t i = begin; i < end; ++i) adam_elem(p, g, m, v, copy, i, a);
+  for (zs_i64 i = begin; i < end; ++i) adam_elem(p, g, m, v, copy, i, a);
 }
 #endif
 
 #define ZS_ADAM_PARAMS(G, H)                                                     \
   float *__restrict__ p, const G *__restrict__ g, float *__restrict__ m,         \
-      float *__restrict__ v, H *__restrict__ copy, int64_t n,                    \
+      float *__restrict__ v, H *__restrict__ copy, zs_i64 n,                    \
       const double *__restrict__ sumsq, float beta1, float beta2, float omb1,    \
       float omb2, float step_size, float bc2_sqrt, float eps, float decay,       \
       float l2, float grad_scale, float max_norm
@@ -90,7 +91,7 @@ static void adam_host_slice(float* __restrict__ p, const G* __restrict__ g,
   }                                                                              \
   ZS_HOST(extern "C" void zs_adam_##SUFFIX##_host(ZS_ADAM_PARAMS(G, H)) {        \
     ZS_ADAM_PROLOGUE                                                             \
-    zs_host_for(n, [=](int64_t begin, int64_t end) {                             \
+    zs_host_for(n, [=](zs_i64 begin, zs_i64 end) {                             \
       adam_host_slice(p, g, m, v, copy, begin, end, a);                          \
     });                                                                          \
   })

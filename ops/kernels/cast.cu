@@ -3,13 +3,13 @@
 
 #define ZS_CAST_ENTRY(NAME, X, Y)                                                 \
   extern "C" __global__ void __launch_bounds__(256)                              \
-      NAME(const X* __restrict__ x, Y* __restrict__ y, int64_t n) {              \
+      NAME(const X* __restrict__ x, Y* __restrict__ y, zs_i64 n) {              \
     ZS_GRID_STRIDE(i, n) zs_store(y, i, zs_to_f32(x[i]));                         \
   }                                                                               \
   ZS_HOST(extern "C" void NAME##_host(const X* __restrict__ x, Y* __restrict__ y, \
-                                      int64_t n) {                               \
-    zs_host_for(n, [=](int64_t begin, int64_t end) {                              \
-      _Pragma("omp simd") for (int64_t i = begin; i < end; ++i)                   \
+                                      zs_i64 n) {                               \
+    zs_host_for(n, [=](zs_i64 begin, zs_i64 end) {                              \
+      _Pragma("omp simd") for (zs_i64 i = begin; i < end; ++i)                   \
           zs_store(y, i, zs_to_f32(x[i]));                                        \
     });                                                                           \
   })

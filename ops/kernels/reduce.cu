@@ -26,7 +26,7 @@ __device__ __forceinline__ double zs_block_sum(double acc) {
 }
 
 template <typename T>
-__device__ __forceinline__ double zs_sumsq_thread(const T* __restrict__ x, int64_t n) {
+__device__ __forceinline__ double zs_sumsq_thread(const T* __restrict__ x, zs_i64 n) {
   double acc = 0.0;
   ZS_GRID_STRIDE(i, n) {
     double v = zs_to_f32(x[i]);
@@ -37,36 +37,36 @@ __device__ __forceinline__ double zs_sumsq_thread(const T* __restrict__ x, int64
 
 #define ZS_SUMSQ_ENTRY(SUFFIX, T)                                                  \
   extern "C" __global__ void __launch_bounds__(ZS_REDUCE_BLOCK)                   \
-      zs_sumsq_partial_##SUFFIX(const T* __restrict__ x, int64_t n,                \
+      zs_sumsq_partial_##SUFFIX(const T* __restrict__ x, zs_i64 n,                \
                                 double* __restrict__ partials) {                   \
     double s = zs_block_sum(zs_sumsq_thread(x, n));                                \
     if (threadIdx.x == 0) partials[blockIdx.x] = s;                                \
   }                                                                                \
   ZS_HOST(extern "C" void zs_sumsq_##SUFFIX##_host(const T* __restrict__ x,       \
-                                                   int64_t n, double* out) {       \
+                                                   zs_i64 n, double* out) {       \
     *out = zs_sumsq_chunked(x, n);                                                 \
   })
 
 #ifdef ZS_CPU
 #include <vector>
 template <typename T>
-static double zs_sumsq_chunked(const T* __restrict__ x, int64_t n) {
-  const int64_t chunk = 1 << 16;
-  int64_t nchunks = (n + chunk - 1) / chunk;
+static double zs_sumsq_chunked(const T* __restrict__ x, zs_i64 n) {
+  const zs_i64 chunk = 1 << 16;
+  zs_i64 nchunks = (n + chunk - 1) / chunk;
   std::vector<double> parts(nchunks);
 #pragma omp parallel for schedule(static) if (nchunks > 1)
-  for (int64_t c = 0; c < nchunks; ++c) {
-    int64_t end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
+  for (zs_i64 c = 0; c < nchunks; ++c) {
+    zs_i64 end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
     double acc = 0.0;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t i = c * chunk; i < end; ++i) {
+    for (zs_i64 i = c * chunk; i < end; ++i) {
       double v = zs_to_f32(x[i]);
       acc += v * v;
     }
     parts[c] = acc;
   }
   double total = 0.0;
-  for (int64_t c = 0; c < nchunks; ++c) total += parts[c];
+  for (zs_i64 c = 0; c < nchunks; ++c) total += parts[c];
   return total;
 }
 #endif
@@ -77,10 +77,10 @@ ZS_SUMSQ_ENTRY(f16, zs_f16)
 
 // Second pass: one block adds the partials, each thread a fixed strided subset.
 extern "C" __global__ void __launch_bounds__(ZS_REDUCE_BLOCK)
-    zs_sumsq_finish(const double* __restrict__ partials, int64_t nparts,
+    zs_sumsq_finish(const double* __restrict__ partials, zs_i64 nparts,
                     double* __restrict__ out) {
   double acc = 0.0;
-  for (int64_t i = threadIdx.x; i < nparts; i += blockDim.x) acc += partials[i];
+  for (zs_i64 i = threadIdx.x; i < nparts; i += blockDim.x) acc += partials[i];
   double s = zs_block_sum(acc);
   if (threadIdx.x == 0) out[0] = s;
 }

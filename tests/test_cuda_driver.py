@@ -1,0 +1,132 @@
+"""The CUDA driver, run without a GPU: its launches go through the CPU emulation
+of the very ``__global__`` kernels (same source string, same grid, block and
+argument marshalling as with CuPy), and must agree with the CPU host drivers."""
+
+from __future__ import annotations
+
+import subprocess
+
+import numpy as np
+import pytest
+
+import ops
+from ops._adam import adam_scalars
+from ops._arrays import BF16
+from ops._build import load_cpu
+from ops._cpu import cpu_driver
+from ops._emulate import EmulatedModule, EmulationError
+from ops._kernels import TABLE, adam_kernel, cast_kernel
+
+DT = {"f32": np.float32, "bf16": BF16, "f16": np.float16}
+
+
+def _adam_args(rng, n, gcode, ccode):
+    p = rng.standard_normal(n).astype(np.float32)
+    g = (rng.standard_normal(n) * 0.1).astype(DT[gcode])
+    m = (rng.standard_normal(n) * 0.01).astype(np.float32)
+    v = np.abs(rng.standard_normal(n) * 1e-3).astype(np.float32)
+    c = None if ccode == "none" else np.zeros(n, DT[ccode])
+    sumsq = np.array([np.sum(g.astype(np.float64) ** 2)])
+    s = adam_scalars(step=2, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+                     decoupled=True)
+    scalars = [s[k] for k in ("beta1", "beta2", "omb1", "omb2", "step_size", "bc2_sqrt", "eps",
+                              "decay", "l2")]
+    return [p, g, m, v, c, n, sumsq, *scalars, 0.5, 1.0]
+
+
+@pytest.mark.parametrize("n", [1, 7, 1000, 100_003])
+@pytest.mark.parametrize("gcode", ["f32", "bf16", "f16"])
+@pytest.mark.parametrize("ccode", ["none", "bf16", "f16"])
+def test_adam_launch_matches_host_driver(rng, emulated_cuda, n, gcode, ccode):
+    kernel = adam_kernel(gcode, ccode)
+    host = _adam_args(rng, n, gcode, ccode)
+    dev = [a.copy() if isinstance(a, np.ndarray) else a for a in host]
+    cpu_driver().elementwise(kernel, n, tuple(host))
+    emulated_cuda.elementwise(kernel, n, tuple(dev))
+    for a, b in zip(host, dev, strict=True):
+        if isinstance(a, np.ndarray):
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+    launches = emulated_cuda._function(kernel).launches
+    grid, block, _ = launches[-1]
+    assert block == (256, 1, 1)
+    assert grid == (min(-(-n // 256), 2 * 4), 1, 1)
+
+
+@pytest.mark.parametrize("src,dst", [("f32", "bf16"), ("f32", "f16"), ("bf16", "f32"),
+                                     ("f16", "f32")])
+def test_cast_launch_matches_host_driver(rng, emulated_cuda, src, dst):
+    n = 70_001
+    x = rng.standard_normal(n).astype(DT[src])
+    y_host, y_dev = np.zeros(n, DT[dst]), np.zeros(n, DT[dst])
+    cpu_driver().elementwise(cast_kernel(src, dst), n, (x, y_host, n))
+    emulated_cuda.elementwise(cast_kernel(src, dst), n, (x, y_dev, n))
+    np.testing.assert_array_equal(y_host.view(np.uint8), y_dev.view(np.uint8))
+
+
+@pytest.mark.parametrize("n", [0, 1, 31, 257, 100_003])
+@pytest.mark.parametrize("code", ["f32", "bf16", "f16"])
+def test_two_pass_sum_of_squares_uses_shuffles_and_barriers_faithfully(rng, emulated_cuda, n,
+                                                                       code):
+    """Warp shuffles, shared memory and __syncthreads in the emulated kernel."""
+    x = rng.standard_normal(n).astype(DT[code])
+    out = np.full(1, np.nan)
+    emulated_cuda.sum_of_squares(x, code, out)
+    np.testing.assert_allclose(out[0], np.sum(x.astype(np.float64) ** 2), rtol=1e-12)
+
+
+def test_zero_elements_launch_nothing(emulated_cuda):
+    kernel = adam_kernel("f32", "none")
+    before = len(emulated_cuda._function(kernel).launches)
+    empty = np.zeros(0, np.float32)
+    args = (empty, empty, empty, empty, None, 0, None, *[0.5] * 11)
+    emulated_cuda.elementwise(kernel, 0, args)
+    assert len(emulated_cuda._function(kernel).launches) == before
+
+
+def test_emulation_rejects_what_a_gpu_would(emulated_cuda):
+    fn = emulated_cuda._function(cast_kernel("f32", "bf16"))
+    x, y = np.zeros(4, np.float32), np.zeros(4, BF16)
+    with pytest.raises(EmulationError, match="invalid launch"):
+        fn((0,), (256,), (x, y, np.int64(4)))
+    with pytest.raises(EmulationError, match="exceeds __launch_bounds__"):
+        fn((1,), (512,), (x, y, np.int64(4)))
+    with pytest.raises(EmulationError, match="argument n must be int64; got int"):
+        fn((1,), (256,), (x, y, 4))  # a bare Python int has no C type
+    with pytest.raises(EmulationError, match="argument n must be int64; got ndarray"):
+        fn((1,), (256,), (x, y, y))
+    with pytest.raises(EmulationError, match="argument y must be an array"):
+        fn((1,), (256,), (x, np.float32(0), np.int64(4)))
+    with pytest.raises(EmulationError, match="4 arguments, the kernel takes 3"):
+        fn((1,), (256,), (x, y, np.int64(4), np.int64(4)))
+    with pytest.raises(EmulationError, match="only this package's kernel sources"):
+        EmulatedModule("extern \"C\" __global__ void k() {}")
+
+
+def test_table_lists_every_exported_kernel():
+    """Every extern "C" entry in the CPU builds is a table kernel, its host or emulation."""
+    known = set()
+    for k in TABLE.values():
+        known |= {k.name, f"zs_emu_{k.name}"} | ({k.host} if k.host else set())
+    for family in sorted({k.family for k in TABLE.values()}):
+        lib = load_cpu(family)
+        nm = subprocess.run(["nm", "-D", "--defined-only", lib._name], capture_output=True,
+                            text=True, check=True).stdout
+        exported = {line.split()[-1] for line in nm.splitlines() if " T zs_" in line}
+        assert exported, family
+        assert exported <= known, exported - known
+        assert {k.name for k in TABLE.values() if k.family == family} <= exported
+
+
+@pytest.mark.skipif("not __import__('cupy').is_available()", reason="no CUDA device here")
+def test_cupy_driver_on_a_gpu_matches_cpu(rng):  # pragma: no cover - needs a GPU
+    import cupy
+
+    n = 1_000_003
+    host = _adam_args(rng, n, "bf16", "bf16")
+    p, g, m, v, c = host[:5]
+    want = ops.fused_adam_step(p.copy(), g, m.copy(), v.copy(), step=2, lr=1e-2,
+                               weight_decay=0.1, param_copy=c)
+    dev = [cupy.asarray(a) for a in (p, g, m, v)]
+    got = ops.fused_adam_step(*dev, step=2, lr=1e-2, weight_decay=0.1)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(cupy.asnumpy(a), b)
