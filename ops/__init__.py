@@ -1,7 +1,8 @@
 """ops: kernels, communicators and functional collectives for zeroshard.
 
 Arrays and the metal: single-source CUDA/CPU kernels (fused Adam/AdamW, sums of
-squares, casts), and the optimizers built on them. numpy arrays run the CPU
+squares, casts) and the optimizers built on them; communicators (threads, gloo,
+NCCL) and the functional collectives over them. numpy arrays run the CPU
 build of each kernel, cupy arrays its CUDA build.
 """
 
@@ -9,18 +10,43 @@ from ops._adam import fused_adam_step
 from ops._arrays import BF16
 from ops._build import KernelBuildError
 from ops._cast import cast
+from ops._collectives import all_gather, all_reduce, broadcast, reduce_scatter
+from ops._comm import (
+    CollectiveError,
+    CollectiveTimeout,
+    Communicator,
+    PeerFailed,
+    Work,
+    aligned_empty,
+)
+from ops._comm_threads import ThreadCommunicator, ThreadGroup, spawn
 from ops._norm import global_norm, sum_of_squares
 from ops._optim import AdamState, FusedAdam, adam, adamw
+from ops._world import init_from_env
 
 __all__ = [
     "BF16",
     "AdamState",
+    "CollectiveError",
+    "CollectiveTimeout",
+    "Communicator",
     "FusedAdam",
     "KernelBuildError",
+    "PeerFailed",
+    "ThreadCommunicator",
+    "ThreadGroup",
+    "Work",
     "adam",
     "adamw",
+    "aligned_empty",
+    "all_gather",
+    "all_reduce",
+    "broadcast",
     "cast",
     "fused_adam_step",
     "global_norm",
+    "init_from_env",
+    "reduce_scatter",
+    "spawn",
     "sum_of_squares",
 ]

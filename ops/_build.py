@@ -129,15 +129,19 @@ def _build(src: str, out: Path, cxx: str) -> None:
 @functools.cache
 def load_cpu(family: str) -> ctypes.CDLL:
     """Compile (once, cached on disk) and load the CPU build of a kernel family."""
-    src = source(family, "cpu")
+    return load_cpu_source(source(family, "cpu"), family)
+
+
+def load_cpu_source(src: str, stem: str) -> ctypes.CDLL:
+    """Compile a self-contained C++ source with the kernels' flags, cached by hash."""
     cxx = _compiler()
     key = hashlib.sha256("\0".join([src, *CPU_FLAGS, _machine_key(cxx)]).encode()).hexdigest()
-    out = cache_dir() / f"{family}-{key[:20]}.so"
+    out = cache_dir() / f"{stem}-{key[:20]}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
         with open(out.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if not out.exists():
-                log.info("building CPU kernels %s -> %s", family, out)
+                log.info("building CPU kernels %s -> %s", stem, out)
                 _build(src, out, cxx)
     return ctypes.CDLL(str(out))

@@ -1,0 +1,264 @@
+"""Adam step benchmark: ops.fused_adam_step against torch, optax and DeepSpeed.
+
+Every implementation runs in this one process, one after another on freshly
+allocated buffers of the same sizes, and the table reports the median step time
+with ratios to torch's fused CPU Adam and to the memory-bandwidth floor.
+
+Rows:
+  floor          a one-pass stream with Adam's traffic (read p, g, m, v; write
+                 p, m, v: 28 bytes/param) and no math: the bandwidth bound.
+  ours           ops.fused_adam_step, fp32 grads (one call per tensor).
+  torch fused    torch.optim.AdamW(fused=True).
+  torch foreach  torch.optim.AdamW(foreach=True).
+  optax          optax.adamw under jax.jit with donated params and state.
+  deepspeed      DeepSpeedCPUAdam (AdamW mode), when deepspeed is importable.
+  ours phase     the whole optimizer phase of a mixed-precision step, fused:
+                 sum of squares of the grads (clip norm and inf/nan flag), then
+                 one pass doing unscale, clip, skip-on-overflow, AdamW and the
+                 bf16 copy of the new params for the next all-gather.
+  torch phase    the same phase as torch runs it: GradScaler's
+                 unscale (_amp_foreach_non_finite_check_and_unscale_),
+                 clip_grad_norm_, fused AdamW, and a bf16 copy of the params.
+
+Usage: python benchmarks/adam.py [--sizes 10e6 50e6 200e6] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+THREADS = int(os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1)))
+
+import numpy as np  # noqa: E402
+
+import ops  # noqa: E402
+from ops._build import load_cpu_source  # noqa: E402
+
+LR, WD, MAX_NORM, LOSS_SCALE = 1e-3, 0.01, 1.0, 1.0
+STREAM_SRC = r"""
+#include <cstdint>
+extern "C" void stream28(float* __restrict__ p, const float* __restrict__ g,
+                         float* __restrict__ m, float* __restrict__ v, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float gi = g[i], mi = m[i] + gi, vi = v[i] + gi;
+    m[i] = mi; v[i] = vi; p[i] += mi + vi;
+  }
+}
+"""
+
+
+def tensor_sizes(n: int, layout: str, k: int = 100, seed: int = 0) -> list[int]:
+    """One flat buffer, or ~k tensors of log-uniform sizes summing to n."""
+    if layout == "flat":
+        return [n]
+    w = np.exp(np.random.default_rng(seed).uniform(0.0, np.log(2000.0), size=k))
+    sizes = np.maximum(np.floor(w / w.sum() * n).astype(np.int64), 1)
+    sizes[-1] += n - sizes.sum()
+    return [int(s) for s in sizes]
+
+
+def _numpy_state(sizes: list[int], grad_dtype=np.float32):
+    rng = np.random.default_rng(0)
+    p = [rng.standard_normal(s, dtype=np.float32) for s in sizes]
+    g = [(rng.standard_normal(s, dtype=np.float32) * 1e-2).astype(grad_dtype) for s in sizes]
+    m = [np.zeros(s, np.float32) for s in sizes]
+    v = [np.zeros(s, np.float32) for s in sizes]
+    return p, g, m, v
+
+
+def setup_floor(sizes):
+    fn = load_cpu_source(STREAM_SRC, "bench-stream").stream28
+    fn.argtypes = [ctypes_ptr] * 4 + [ctypes_i64]
+    p, g, m, v = _numpy_state(sizes)
+
+    def step(_: int) -> None:
+        for a, b, c, d in zip(p, g, m, v, strict=True):
+            fn(a.ctypes.data, b.ctypes.data, c.ctypes.data, d.ctypes.data, a.size)
+    return step
+
+
+def setup_ours(sizes):
+    p, g, m, v = _numpy_state(sizes)
+
+    def step(t: int) -> None:
+        for a, b, c, d in zip(p, g, m, v, strict=True):
+            ops.fused_adam_step(a, b, c, d, step=t, lr=LR, weight_decay=WD)
+    return step
+
+
+def setup_ours_phase(sizes):
+    p, g, m, v = _numpy_state(sizes)
+    copies = [np.empty(s, ops.BF16) for s in sizes]
+
+    def step(t: int) -> None:
+        total = np.zeros(1)
+        for b in g:
+            total += ops.sum_of_squares(b)
+        for a, b, c, d, e in zip(p, g, m, v, copies, strict=True):
+            ops.fused_adam_step(a, b, c, d, step=t, lr=LR, weight_decay=WD,
+                                grad_scale=1.0 / LOSS_SCALE, grad_sumsq=total,
+                                max_norm=MAX_NORM, param_copy=e)
+    return step
+
+
+def _torch_params(sizes):
+    import torch
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in sizes]
+    for q in params:
+        q.grad = torch.randn_like(q) * 1e-2
+    return params
+
+
+def setup_torch(kind: str):
+    def setup(sizes):
+        import torch
+
+        params = _torch_params(sizes)
+        opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, **{kind: True})
+        return lambda _: opt.step()
+    return setup
+
+
+def setup_torch_phase(sizes):
+    import torch
+
+    params = _torch_params(sizes)
+    opt = torch.optim.AdamW(params, lr=LR, weight_decay=WD, fused=True)
+    copies = [torch.empty(q.shape, dtype=torch.bfloat16) for q in params]
+    grads = [q.grad for q in params]
+    inv_scale = torch.full((1,), 1.0 / LOSS_SCALE)
+
+    def step(_: int) -> None:
+        found_inf = torch.zeros(1)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        torch.nn.utils.clip_grad_norm_(params, MAX_NORM, foreach=True)
+        if not found_inf.item():
+            opt.step()
+        torch._foreach_copy_(copies, [q.detach() for q in params])
+    return step
+
+
+def setup_optax(sizes):
+    import jax
+    import optax
+
+    rng = np.random.default_rng(0)
+    params = [jax.device_put(rng.standard_normal(s, dtype=np.float32)) for s in sizes]
+    grads = [jax.device_put(rng.standard_normal(s, dtype=np.float32) * 1e-2) for s in sizes]
+    tx = optax.adamw(LR, weight_decay=WD)
+    box = {"p": params, "s": tx.init(params)}
+
+    def update(p, g, s):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    jitted = jax.jit(update, donate_argnums=(0, 2))
+
+    def step(_: int) -> None:
+        box["p"], box["s"] = jitted(box["p"], grads, box["s"])
+        jax.block_until_ready(box["p"])
+    return step
+
+
+def setup_deepspeed(sizes):
+    from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+    params = _torch_params(sizes)
+    opt = DeepSpeedCPUAdam(params, lr=LR, weight_decay=WD, adamw_mode=True)
+    return lambda _: opt.step()
+
+
+import ctypes  # noqa: E402
+
+ctypes_ptr, ctypes_i64 = ctypes.c_void_p, ctypes.c_int64
+
+IMPLS: dict[str, Callable] = {
+    "floor": setup_floor,
+    "ours": setup_ours,
+    "torch fused": setup_torch("fused"),
+    "torch foreach": setup_torch("foreach"),
+    "optax": setup_optax,
+    "deepspeed": setup_deepspeed,
+    "ours phase": setup_ours_phase,
+    "torch phase": setup_torch_phase,
+}
+
+
+def time_steps(step: Callable[[int], None], steps: int, warmup: int) -> list[float]:
+    times = []
+    for t in range(1, warmup + steps + 1):
+        t0 = time.perf_counter()
+        step(t)
+        if t > warmup:
+            times.append(time.perf_counter() - t0)
+    return times
+
+
+def run(n: int, layout: str, impls: list[str], steps: int, warmup: int) -> dict[str, float]:
+    sizes = tensor_sizes(n, layout)
+    medians: dict[str, float] = {}
+    for name in impls:
+        try:
+            step = IMPLS[name](sizes)
+        except ImportError as e:
+            print(f"  {name}: skipped ({e.name} is not installed)", flush=True)
+            continue
+        medians[name] = statistics.median(time_steps(step, steps, warmup))
+        del step
+        gc.collect()
+        print(f"  {layout:>5} {n / 1e6:5.0f}M {name:<14} {medians[name] * 1e3:8.1f} ms", flush=True)
+    return medians
+
+
+def table(results: dict[tuple[int, str], dict[str, float]]) -> str:
+    lines = ["| params | layout | implementation | median ms | x torch fused | x floor | GB/s |",
+             "|---|---|---|---|---|---|---|"]
+    for (n, layout), med in results.items():
+        ref, floor = med.get("torch fused"), med.get("floor")
+        for name, t in med.items():
+            vs_torch = f"{t / ref:.2f}" if ref else "-"
+            vs_floor = f"{t / floor:.2f}" if floor else "-"
+            lines.append(f"| {n / 1e6:.0f}M | {layout} | {name} | {t * 1e3:.1f} | {vs_torch} | "
+                         f"{vs_floor} | {28 * n / t / 1e9:.1f} |")
+        if "ours phase" in med and "torch phase" in med:
+            lines.append(f"| {n / 1e6:.0f}M | {layout} | **phase speed-up (torch/ours)** | | | | "
+                         f"**{med['torch phase'] / med['ours phase']:.2f}x** |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sizes", type=float, nargs="+", default=[10e6, 50e6, 200e6])
+    ap.add_argument("--layouts", nargs="+", default=["flat", "list"], choices=["flat", "list"])
+    ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", type=Path, default=None, help="also write the medians here")
+    args = ap.parse_args()
+    import torch
+
+    torch.set_num_threads(THREADS)
+    print(f"threads={THREADS} torch={torch.__version__} numpy={np.__version__}", flush=True)
+    results = {}
+    for n in (int(s) for s in args.sizes):
+        for layout in args.layouts:
+            results[(n, layout)] = run(n, layout, args.impls, args.steps, args.warmup)
+    print()
+    print(table(results))
+    if args.json:
+        args.json.write_text(json.dumps({f"{n}/{lay}": r for (n, lay), r in results.items()}))
+
+
+if __name__ == "__main__":
+    main()

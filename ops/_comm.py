@@ -1,0 +1,203 @@
+"""The communicator interface shared by every backend.
+
+[Note: collective semantics]
+Buffers are flat (1-D, C-contiguous) numpy arrays on CPU backends and cupy
+arrays on NCCL; the caller allocates outputs. For a world of size W and a
+per-rank chunk of k elements:
+
+- ``all_gather_into(out, x)``: x has k elements, out W*k; out[r*k:(r+1)*k] is
+  rank r's x, on every rank.
+- ``reduce_scatter_into(out, x, op)``: x has W*k elements, out k; out is this
+  rank's chunk of the elementwise sum (or mean) of every rank's x. Ranks are
+  added in rank order where the backend controls the order, so results are
+  reproducible.
+- ``all_reduce_(x, op)`` and ``broadcast_(x, src)`` work in place.
+
+Every rank must issue the same collectives in the same order. Async variants
+return a :class:`Work`; a blocking call first waits for this communicator's
+outstanding async work, so the order seen by the peers is the order of calls.
+Every wait is bounded by ``timeout``: a peer that died or never arrived raises
+:class:`CollectiveError` naming the collective, this rank and the bound.
+"""
+
+from __future__ import annotations
+
+import abc
+import concurrent.futures as cf
+import threading
+from typing import Any
+
+import numpy as np
+
+__all__ = ["CollectiveError", "CollectiveTimeout", "Communicator", "PeerFailed", "Work",
+           "aligned_empty"]
+
+OPS = ("sum", "mean")
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed: mismatched arguments across ranks, or a backend error."""
+
+
+class CollectiveTimeout(CollectiveError):
+    """A collective did not complete within the communicator's timeout."""
+
+
+class PeerFailed(CollectiveError):
+    """Another rank failed, so this rank's collective can never complete."""
+
+
+class Work:
+    """Handle of an async collective; ``wait()`` returns its output buffer."""
+
+    def __init__(self, future: cf.Future, name: str, timeout: float, rank: int) -> None:
+        self._future, self._name, self._timeout, self._rank = future, name, timeout, rank
+
+    def wait(self) -> Any:
+        try:
+            return self._future.result(timeout=self._timeout)
+        except cf.TimeoutError:
+            raise CollectiveTimeout(f"{self._name} on rank {self._rank} did not complete within "
+                                    f"{self._timeout:g} s") from None
+
+    def is_completed(self) -> bool:
+        return self._future.done()
+
+
+def aligned_empty(n: int, dtype: Any, align: int = 64) -> np.ndarray:
+    """An uninitialised 1-D numpy array whose data is ``align``-byte aligned.
+
+    JAX copies any host buffer that is not 64-byte aligned when it is handed
+    one through DLPack; buffers from here are shared zero-copy.
+    """
+    dtype = np.dtype(dtype)
+    raw = np.empty(n * dtype.itemsize + align, np.uint8)
+    offset = (-raw.ctypes.data) % align
+    return raw[offset:offset + n * dtype.itemsize].view(dtype)
+
+
+class Communicator(abc.ABC):
+    """One rank's view of a group of ranks (see [Note: collective semantics]).
+
+    Attributes:
+      rank: this rank, in ``[0, world_size)``.
+      world_size: the number of ranks.
+      timeout: seconds any collective may take before it raises.
+      backend: ``"threads"``, ``"gloo"`` or ``"nccl"``.
+    """
+
+    backend: str = ""
+
+    def __init__(self, rank: int, world_size: int, timeout: float) -> None:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}); got {rank}")
+        if not timeout > 0:
+            raise ValueError(f"timeout must be > 0 seconds; got {timeout!r}")
+        self.rank, self.world_size, self.timeout = rank, world_size, float(timeout)
+        self._executor: cf.ThreadPoolExecutor | None = None
+        self._pending: list[cf.Future] = []
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(rank={self.rank}, world_size={self.world_size})"
+
+    # -- the backend's blocking primitives ---------------------------------
+    @abc.abstractmethod
+    def _all_gather(self, out: Any, x: Any) -> None: ...
+
+    @abc.abstractmethod
+    def _reduce_scatter(self, out: Any, x: Any, op: str) -> None: ...
+
+    @abc.abstractmethod
+    def _all_reduce(self, x: Any, op: str) -> None: ...
+
+    @abc.abstractmethod
+    def _broadcast(self, x: Any, src: int) -> None: ...
+
+    @abc.abstractmethod
+    def _barrier(self) -> None: ...
+
+    def allocate(self, n: int, dtype: Any) -> Any:
+        """A flat buffer suited to this backend (64-byte aligned host memory)."""
+        return aligned_empty(n, dtype)
+
+    # -- the public calls ---------------------------------------------------
+    def all_gather_into(self, out: Any, x: Any) -> Any:
+        self._check_sizes("all_gather", out.size, x.size * self.world_size, out, x)
+        self._drain()
+        self._all_gather(out, x)
+        return out
+
+    def reduce_scatter_into(self, out: Any, x: Any, op: str = "sum") -> Any:
+        self._check_op("reduce_scatter", op)
+        self._check_sizes("reduce_scatter", x.size, out.size * self.world_size, out, x)
+        self._drain()
+        self._reduce_scatter(out, x, op)
+        return out
+
+    def all_reduce_(self, x: Any, op: str = "sum") -> Any:
+        self._check_op("all_reduce", op)
+        self._drain()
+        self._all_reduce(x, op)
+        return x
+
+    def broadcast_(self, x: Any, src: int = 0) -> Any:
+        if not 0 <= src < self.world_size:
+            raise ValueError(f"broadcast: src must be in [0, {self.world_size}); got {src}")
+        self._drain()
+        self._broadcast(x, src)
+        return x
+
+    def barrier(self) -> None:
+        self._drain()
+        self._barrier()
+
+    def all_gather_async(self, out: Any, x: Any) -> Work:
+        self._check_sizes("all_gather", out.size, x.size * self.world_size, out, x)
+        return self._submit("all_gather", self._all_gather, out, x)
+
+    def reduce_scatter_async(self, out: Any, x: Any, op: str = "sum") -> Work:
+        self._check_op("reduce_scatter", op)
+        self._check_sizes("reduce_scatter", x.size, out.size * self.world_size, out, x)
+        return self._submit("reduce_scatter", self._reduce_scatter, out, x, op)
+
+    def all_reduce_async(self, x: Any, op: str = "sum") -> Work:
+        self._check_op("all_reduce", op)
+        return self._submit("all_reduce", self._all_reduce, x, op)
+
+    def close(self) -> None:
+        """Wait for outstanding work and stop this rank's async worker."""
+        if self._executor is not None:
+            self._drain()
+            self._executor.shutdown(wait=True)
+            self._executor = None
+
+    # -- helpers --------------------------------------------------------------
+    def _submit(self, name: str, fn: Any, out: Any, *args: Any) -> Work:
+        with self._lock:
+            if self._executor is None:
+                self._executor = cf.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"zeroshard-{self.backend}-rank{self.rank}")
+            future = self._executor.submit(lambda: (fn(out, *args), out)[1])
+            self._pending = [f for f in self._pending if not f.done()] + [future]
+        return Work(future, name, self.timeout, self.rank)
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for future in pending:
+            Work(future, "an earlier async collective", self.timeout, self.rank).wait()
+
+    def _check_op(self, name: str, op: str) -> None:
+        if op not in OPS:
+            raise ValueError(f"{name}: op must be one of {OPS}; got {op!r}")
+
+    def _check_sizes(self, name: str, got: int, want: int, out: Any, x: Any) -> None:
+        if got != want:
+            raise ValueError(f"{name} on rank {self.rank}: with world_size={self.world_size}, "
+                             f"input of {x.size} and output of {out.size} elements do not fit")
+        if out.dtype != x.dtype:
+            raise TypeError(f"{name}: output dtype {out.dtype} differs from input dtype {x.dtype}")
+        for label, buf in (("output", out), ("input", x)):
+            if not buf.flags.c_contiguous:
+                raise ValueError(f"{name}: the {label} buffer must be C-contiguous")

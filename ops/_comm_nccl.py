@@ -1,0 +1,133 @@
+"""NCCL backend: cupy.cuda.nccl on GPUs, one process per GPU under torchrun.
+
+The NCCL unique id is made on rank 0 and shared through torch.distributed's
+TCPStore. Collectives run on this communicator's own CuPy stream, ordered after
+the work already queued on the caller's current stream (an event), and the
+caller's stream waits for them in turn: no host synchronisation per call. A
+blocking wait polls for completion and aborts the NCCL communicator when the
+timeout passes, so a dead peer surfaces as an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+
+from ops._arrays import BF16
+from ops._comm import CollectiveTimeout, Communicator
+
+__all__ = ["NCCL_DTYPES", "NcclCommunicator"]
+
+# numpy dtype -> cupy.cuda.nccl datatype name (resolved lazily: cupy is optional).
+NCCL_DTYPES = {
+    np.dtype(np.float32): "NCCL_FLOAT32", np.dtype(np.float64): "NCCL_FLOAT64",
+    np.dtype(np.float16): "NCCL_FLOAT16", BF16: "NCCL_BFLOAT16",
+    np.dtype(np.int32): "NCCL_INT32", np.dtype(np.int64): "NCCL_INT64",
+    np.dtype(np.uint8): "NCCL_UINT8", np.dtype(np.int8): "NCCL_INT8",
+}
+_UID_KEY = "zeroshard/nccl_unique_id"
+
+
+def _ptr(a: Any) -> int:
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+
+
+class NcclCommunicator(Communicator):
+    """One GPU's rank in an NCCL communicator.
+
+    Args:
+      rank, world_size: this rank and the number of ranks.
+      comm: a ``cupy.cuda.nccl.NcclCommunicator`` (or an object with its
+        methods and NCCL semantics, for testing).
+      nccl: the module with the NCCL constants (``cupy.cuda.nccl``).
+      stream: the CuPy stream collectives run on, or None (tests).
+      timeout: seconds a blocking wait may take before the communicator aborts.
+    """
+
+    backend = "nccl"
+
+    def __init__(self, rank: int, world_size: int, *, comm: Any, nccl: Any, stream: Any = None,
+                 timeout: float = 300.0) -> None:
+        super().__init__(rank, world_size, timeout)
+        self.comm, self._nccl, self.stream = comm, nccl, stream
+
+    @classmethod
+    def from_process_group(cls, *, timeout: float = 300.0) -> NcclCommunicator:  # pragma: no cover
+        """Create the communicator of every rank of torch.distributed's default group."""
+        import cupy
+        import torch.distributed as dist
+        from cupy.cuda import nccl
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        store = dist.distributed_c10d._get_default_store()
+        if rank == 0:
+            store.set(_UID_KEY, nccl.get_unique_id())  # 128 bytes
+        comm = nccl.NcclCommunicator(world, store.get(_UID_KEY), rank)
+        return cls(rank, world, comm=comm, nccl=nccl, stream=cupy.cuda.Stream(non_blocking=True),
+                   timeout=timeout)
+
+    def allocate(self, n: int, dtype: Any) -> Any:  # pragma: no cover - needs a GPU
+        import cupy
+
+        return cupy.empty(n, dtype=dtype)
+
+    # -- argument handling, testable without a GPU ---------------------------
+    def dtype_of(self, name: str, a: Any) -> int:
+        key = NCCL_DTYPES.get(np.dtype(a.dtype))
+        if key is None:
+            raise TypeError(f"{name}: NCCL cannot move dtype {a.dtype}; supported: "
+                            f"{', '.join(str(d) for d in NCCL_DTYPES)}")
+        return getattr(self._nccl, key)
+
+    def _op(self, op: str) -> int:
+        return self._nccl.NCCL_AVG if op == "mean" else self._nccl.NCCL_SUM
+
+    def _stream_ptr(self) -> int:
+        return 0 if self.stream is None else self.stream.ptr
+
+    def _launch(self, name: str, fn: Any, *args: Any) -> None:
+        if self.stream is None:
+            fn(*args, 0)
+            return
+        import cupy  # pragma: no cover - needs a GPU
+
+        ready = cupy.cuda.get_current_stream().record()  # pragma: no cover
+        self.stream.wait_event(ready)  # pragma: no cover
+        fn(*args, self.stream.ptr)  # pragma: no cover
+        cupy.cuda.get_current_stream().wait_event(self.stream.record())  # pragma: no cover
+
+    def _all_gather(self, out: Any, x: Any) -> None:
+        self._launch("all_gather", self.comm.allGather, _ptr(x), _ptr(out), x.size,
+                     self.dtype_of("all_gather", x))
+
+    def _reduce_scatter(self, out: Any, x: Any, op: str) -> None:
+        self._launch("reduce_scatter", self.comm.reduceScatter, _ptr(x), _ptr(out), out.size,
+                     self.dtype_of("reduce_scatter", x), self._op(op))
+
+    def _all_reduce(self, x: Any, op: str) -> None:
+        self._launch("all_reduce", self.comm.allReduce, _ptr(x), _ptr(x), x.size,
+                     self.dtype_of("all_reduce", x), self._op(op))
+
+    def _broadcast(self, x: Any, src: int) -> None:
+        self._launch("broadcast", self.comm.broadcast, _ptr(x), _ptr(x), x.size,
+                     self.dtype_of("broadcast", x), src)
+
+    def _barrier(self) -> None:
+        flag = self.allocate(1, np.float32)
+        flag[...] = 0
+        self._all_reduce(flag, "sum")
+        self.synchronize("barrier")
+
+    def synchronize(self, name: str = "collective") -> None:
+        """Block until this communicator's stream is idle, at most ``timeout`` s."""
+        if self.stream is None:
+            return
+        deadline = time.monotonic() + self.timeout  # pragma: no cover - needs a GPU
+        while not self.stream.done:  # pragma: no cover
+            if time.monotonic() > deadline:
+                self.comm.abort()
+                raise CollectiveTimeout(f"{name} on rank {self.rank} did not complete within "
+                                        f"{self.timeout:g} s; the NCCL communicator was aborted")
+            time.sleep(1e-4)

@@ -1,0 +1,179 @@
+"""Threads backend: N ranks in one process, one thread and communicator each.
+
+For notebooks and fast tests. Ranks exchange references through a shared slot
+table and two barriers per collective (deposit, read, and a second barrier so
+no rank reuses a buffer another is still reading). numpy releases the GIL in
+its copies and sums, so the ranks' data movement runs in parallel.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ops._comm import (
+    CollectiveError,
+    CollectiveTimeout,
+    Communicator,
+    PeerFailed,
+)
+
+__all__ = ["ThreadCommunicator", "ThreadGroup", "spawn"]
+
+DEFAULT_TIMEOUT = 300.0
+
+
+class ThreadGroup:
+    """State shared by the ranks of one in-process group."""
+
+    def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1; got {world_size}")
+        self.world_size, self.timeout = world_size, timeout
+        self._barrier = threading.Barrier(world_size)
+        self._slots: list[Any] = [None] * world_size
+        self._entered = [0] * world_size  # collectives each rank has entered
+        self.failure: tuple[int, BaseException] | None = None
+
+    def communicators(self) -> list[ThreadCommunicator]:
+        return [ThreadCommunicator(self, r) for r in range(self.world_size)]
+
+    def fail(self, rank: int, exc: BaseException) -> None:
+        """Record the first failure and wake every rank waiting in a collective."""
+        if self.failure is None:
+            self.failure = (rank, exc)
+        self._barrier.abort()
+
+    def wait(self, rank: int, name: str) -> None:
+        try:
+            self._barrier.wait(self.timeout)
+        except threading.BrokenBarrierError:
+            failure = self.failure
+            if failure is not None and failure[0] != rank:
+                r, exc = failure
+                raise PeerFailed(f"{name} on rank {rank} cannot complete: rank {r} failed "
+                                 f"({type(exc).__name__}: {exc})") from None
+            if failure is None:
+                behind = [r for r in range(self.world_size)
+                          if self._entered[r] < self._entered[rank]]
+                err = CollectiveTimeout(
+                    f"{name} on rank {rank} did not complete within {self.timeout:g} s: "
+                    f"rank(s) {behind or 'unknown'} never reached it")
+                self.fail(rank, err)
+                raise err from None
+            raise
+
+    def exchange(self, rank: int, name: str, meta: tuple, value: Any) -> list[Any]:
+        """Deposit ``value``, wait for every rank, check that all ``meta`` agree.
+
+        Returns every rank's value; they stay valid until :meth:`wait` is called
+        again (the second barrier of the collective).
+        """
+        self._entered[rank] += 1
+        self._slots[rank] = (meta, value)
+        self.wait(rank, name)
+        slots = list(self._slots)
+        metas = [m for m, _ in slots]
+        if any(m != metas[0] for m in metas):
+            detail = "; ".join(f"rank {r}: {m[1:]}" for r, m in enumerate(metas))
+            err = CollectiveError(f"{name}: ranks called collectives that do not match "
+                                  f"(size, dtype, argument): {detail}")
+            self.fail(rank, err)
+            raise err
+        return [v for _, v in slots]
+
+
+class ThreadCommunicator(Communicator):
+    """One rank of a :class:`ThreadGroup`."""
+
+    backend = "threads"
+
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        super().__init__(rank, group.world_size, group.timeout)
+        self.group = group
+
+    def _meta(self, name: str, x: Any, arg: Any = None) -> tuple:
+        return (name, None if x is None else x.size, None if x is None else str(x.dtype), arg)
+
+    def _all_gather(self, out: Any, x: Any) -> None:
+        xs = self.group.exchange(self.rank, "all_gather", self._meta("all_gather", x), x)
+        k = x.size
+        for r, xr in enumerate(xs):
+            np.copyto(out[r * k:(r + 1) * k], xr.reshape(-1))
+        self.group.wait(self.rank, "all_gather")
+
+    def _sum_slices(self, xs: list[Any], lo: int, hi: int, op: str) -> Any:
+        acc = xs[0].reshape(-1)[lo:hi].copy()
+        for xr in xs[1:]:
+            np.add(acc, xr.reshape(-1)[lo:hi], out=acc)
+        if op == "mean":
+            np.divide(acc, acc.dtype.type(self.world_size), out=acc)
+        return acc
+
+    def _reduce_scatter(self, out: Any, x: Any, op: str) -> None:
+        meta = self._meta("reduce_scatter", x, op)
+        xs = self.group.exchange(self.rank, "reduce_scatter", meta, x)
+        k = out.size
+        np.copyto(out, self._sum_slices(xs, self.rank * k, (self.rank + 1) * k, op))
+        self.group.wait(self.rank, "reduce_scatter")
+
+    def _all_reduce(self, x: Any, op: str) -> None:
+        xs = self.group.exchange(self.rank, "all_reduce", self._meta("all_reduce", x, op), x)
+        total = self._sum_slices(xs, 0, x.size, op)
+        self.group.wait(self.rank, "all_reduce")  # nobody reads x any more
+        np.copyto(x.reshape(-1), total)
+
+    def _broadcast(self, x: Any, src: int) -> None:
+        xs = self.group.exchange(self.rank, "broadcast", self._meta("broadcast", x, src), x)
+        if self.rank != src:
+            np.copyto(x, xs[src])
+        self.group.wait(self.rank, "broadcast")
+
+    def _barrier(self) -> None:
+        self.group.exchange(self.rank, "barrier", self._meta("barrier", None), None)
+        self.group.wait(self.rank, "barrier")
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
+          timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
+    """Run ``fn(comm, *args)`` on ``world_size`` thread ranks; return results by rank.
+
+    Each rank gets its own :class:`ThreadCommunicator`. If any rank raises, the
+    others' pending and future collectives fail at once (:class:`PeerFailed`)
+    and the first failure is re-raised here, annotated with its rank.
+
+    Example:
+      >>> import numpy as np, ops
+      >>> ops.spawn(lambda comm: ops.all_gather(comm, np.array([comm.rank])).tolist(), 3)
+      [[0, 1, 2], [0, 1, 2], [0, 1, 2]]
+    """
+    group = ThreadGroup(world_size, timeout)
+    comms = group.communicators()
+    results: list[Any] = [None] * world_size
+    errors: dict[int, BaseException] = {}
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(comms[rank], *args)
+            comms[rank].close()
+        except BaseException as exc:  # re-raised in the caller below
+            errors[rank] = exc
+            group.fail(rank, exc)
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"zeroshard-rank{r}", daemon=True)
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        rank, exc = group.failure if group.failure and group.failure[0] in errors else \
+            min(errors.items())
+        exc = errors[rank]
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"(raised on rank {rank} of {world_size} in ops.spawn)")
+        raise exc
+    return results

@@ -1,0 +1,35 @@
+"""The gloo backend with real processes (2 and 3 ranks), and its failure modes."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.multiproc import run_ranks
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_collective_matches_numpy(tmp_path, world):
+    reports = run_ranks("tests/gloo_worker.py", world, tmp_path, {"ZS_SCENARIO": "collectives"})
+    for r, rep in enumerate(reports):
+        assert rep.get("ok"), (r, rep)
+        assert rep["failures"] == [], (r, rep["failures"])
+
+
+def test_a_killed_process_fails_the_others_within_the_timeout(tmp_path):
+    reports = run_ranks("tests/gloo_worker.py", 3, tmp_path,
+                        {"ZS_SCENARIO": "kill", "ZS_TIMEOUT": "20"})
+    assert reports[1].get("missing"), "rank 1 was meant to die by SIGKILL"
+    for r in (0, 2):
+        rep = reports[r]
+        assert not rep["ok"], rep
+        assert rep["error"] in ("PeerFailed", "CollectiveTimeout", "CollectiveError"), rep
+        assert f"all_gather on rank {r}" in rep["message"]
+        assert rep["seconds"] < 25
+
+
+def test_mismatched_sizes_across_processes_raise(tmp_path):
+    reports = run_ranks("tests/gloo_worker.py", 2, tmp_path,
+                        {"ZS_SCENARIO": "mismatch", "ZS_TIMEOUT": "20"})
+    for rep in reports:
+        assert not rep.get("ok"), rep
+        assert "all_gather" in rep["message"], rep

@@ -1,0 +1,132 @@
+"""The NCCL backend's argument handling (pointers, element counts, dtype and op
+codes), run without a GPU against a stand-in with NCCL's semantics on host
+memory. The stand-in decodes datatypes from NCCL's own enum values (nccl.h), so
+a wrong entry in our dtype table shows as a wrong result."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import numpy as np
+import pytest
+
+from ops._arrays import BF16
+from ops._comm_nccl import NcclCommunicator
+
+nccl = pytest.importorskip("cupy.cuda.nccl")
+
+# ncclDataType_t and ncclRedOp_t values from nccl.h.
+NCCL_H_DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 4: np.int64, 6: np.float16,
+                 7: np.float32, 8: np.float64, 9: BF16}
+NCCL_H_OPS = {0: "sum", 4: "avg"}
+
+
+def _view(ptr: int, count: int, datatype: int) -> np.ndarray:
+    dtype = np.dtype(NCCL_H_DTYPES[datatype])
+    raw = (ctypes.c_char * (count * dtype.itemsize)).from_address(ptr)
+    return np.frombuffer(raw, dtype=np.uint8).view(dtype)
+
+
+class StandInNccl:
+    """One rank of an NCCL communicator, simulated on host memory with threads."""
+
+    def __init__(self, shared: dict, rank: int, world: int) -> None:
+        self.shared, self.rank, self.world = shared, rank, world
+        self.calls: list[tuple] = []
+
+    def _exchange(self, value):
+        self.shared["slots"][self.rank] = value
+        self.shared["barrier"].wait(10)
+        values = list(self.shared["slots"])
+        self.shared["barrier"].wait(10)
+        return values
+
+    def allGather(self, send, recv, count, datatype, stream):  # NCCL method names
+        self.calls.append(("allGather", count, datatype))
+        parts = self._exchange(_view(send, count, datatype).copy())
+        _view(recv, count * self.world, datatype)[...] = np.concatenate(parts)
+
+    def reduceScatter(self, send, recv, count, datatype, op, stream):
+        self.calls.append(("reduceScatter", count, datatype, op))
+        parts = self._exchange(_view(send, count * self.world, datatype).astype(np.float64))
+        total = np.sum(parts, axis=0)[self.rank * count:(self.rank + 1) * count]
+        if NCCL_H_OPS[op] == "avg":
+            total /= self.world
+        _view(recv, count, datatype)[...] = total
+
+    def allReduce(self, send, recv, count, datatype, op, stream):
+        self.calls.append(("allReduce", count, datatype, op))
+        total = np.sum(self._exchange(_view(send, count, datatype).astype(np.float64)), axis=0)
+        _view(recv, count, datatype)[...] = total / (self.world if NCCL_H_OPS[op] == "avg" else 1)
+
+    def broadcast(self, send, recv, count, datatype, root, stream):
+        self.calls.append(("broadcast", count, datatype, root))
+        parts = self._exchange(_view(send, count, datatype).copy())
+        _view(recv, count, datatype)[...] = parts[root]
+
+
+def _run(world, body):
+    shared = {"slots": [None] * world, "barrier": threading.Barrier(world)}
+    comms = [NcclCommunicator(r, world, comm=StandInNccl(shared, r, world), nccl=nccl)
+             for r in range(world)]
+    results, errors = [None] * world, []
+
+    def go(r):
+        try:
+            results[r] = body(comms[r])
+        except Exception as e:  # collected and re-raised below
+            errors.append(e)
+            shared["barrier"].abort()
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results, comms
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, BF16, np.float16],
+                         ids=["f32", "f64", "bf16", "f16"])
+def test_collectives_through_the_nccl_entry_points(world, dtype):
+    k = 7
+    xs = [np.arange(k * world, dtype=np.float64).astype(dtype) + r for r in range(world)]
+
+    def body(comm):
+        x = xs[comm.rank]
+        gathered = np.zeros(k * world * world, dtype)
+        comm.all_gather_into(gathered, x)
+        scattered = np.zeros(k, dtype)
+        comm.reduce_scatter_into(scattered, x, "mean")
+        summed = x.copy()
+        comm.all_reduce_(summed, "sum")
+        bcast = x.copy()
+        comm.broadcast_(bcast, src=world - 1)
+        return gathered, scattered, summed, bcast
+
+    results, comms = _run(world, body)
+    total = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    for r, (gathered, scattered, summed, bcast) in enumerate(results):
+        np.testing.assert_array_equal(gathered, np.concatenate(xs))
+        np.testing.assert_allclose(scattered.astype(np.float64),
+                                   (total / world)[r * k:(r + 1) * k], rtol=1e-2)
+        np.testing.assert_allclose(summed.astype(np.float64), total, rtol=1e-2)
+        np.testing.assert_array_equal(bcast, xs[-1])
+    calls = comms[0].comm.calls
+    assert [c[0] for c in calls] == ["allGather", "reduceScatter", "allReduce", "broadcast"]
+    assert [c[1] for c in calls] == [k * world, k, k * world, k * world]  # element counts
+
+
+def test_unsupported_dtype_and_non_contiguous_buffers_are_refused():
+    def body(comm):
+        with pytest.raises(TypeError, match="NCCL cannot move dtype complex64"):
+            comm.all_reduce_(np.zeros(4, np.complex64))
+        with pytest.raises(ValueError, match="C-contiguous"):
+            comm.all_gather_into(np.zeros(4, np.float32), np.zeros(8, np.float32)[::2])
+        return True
+
+    assert _run(1, body)[0] == [True]

@@ -1,0 +1,171 @@
+"""Collectives on the threads backend against numpy (np.split, sums)."""
+
+from __future__ import annotations
+
+import time
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import ops
+from ops._arrays import BF16
+
+WORLDS = [1, 2, 3, 4, 5]
+DTYPES = [np.float32, np.float64, BF16, np.float16]
+DT_IDS = ["f32", "f64", "bf16", "f16"]
+SIZES = [0, 1, 7, 1_000_003]
+
+
+def _inputs(world, n, dtype):
+    rng = np.random.default_rng(n + world)
+    return [rng.standard_normal(n).astype(dtype) for _ in range(world)]
+
+
+def _tol(dtype):
+    return {np.dtype(np.float64): 1e-12, np.dtype(np.float32): 1e-6}.get(np.dtype(dtype), 2e-2)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("n", SIZES)
+def test_all_gather(world, dtype, n):
+    xs = _inputs(world, n, dtype)
+    outs = ops.spawn(lambda comm: ops.all_gather(comm, xs[comm.rank]), world)
+    want = np.concatenate(xs)
+    for out in outs:
+        assert out.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(out, want)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("op", ["sum", "mean"])
+def test_reduce_scatter(world, dtype, n, op):
+    n = n - n % world  # reduce_scatter needs equal chunks; padding is shard's job
+    xs = _inputs(world, n, dtype)
+    outs = ops.spawn(lambda comm: ops.reduce_scatter(comm, xs[comm.rank], op=op), world)
+    total = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    if op == "mean":
+        total = total / world
+    for r, (out, want) in enumerate(zip(outs, np.split(total, world), strict=True)):
+        assert out.dtype == np.dtype(dtype), r
+        np.testing.assert_allclose(out.astype(np.float64), want, rtol=_tol(dtype),
+                                   atol=_tol(dtype) * world)
+
+
+def test_reduce_scatter_in_a_wider_dtype():
+    world, n = 4, 4096
+    xs = [np.full(n, 1 + 2.0**-8, BF16) for _ in range(world)]  # 1 + half a bf16 ulp
+    outs = ops.spawn(lambda c: ops.reduce_scatter(c, xs[c.rank], dtype=np.float32), world)
+    for out in outs:
+        assert out.dtype == np.float32 and out.shape == (n // world,)
+        np.testing.assert_array_equal(out, np.float32(world * float(xs[0][0])))
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT_IDS)
+def test_all_reduce_and_broadcast(world, dtype):
+    xs = _inputs(world, 1001, dtype)
+
+    def body(comm):
+        return (ops.all_reduce(comm, xs[comm.rank]), ops.broadcast(comm, xs[comm.rank],
+                                                                   src=world - 1))
+
+    total = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    for summed, bcast in ops.spawn(body, world):
+        np.testing.assert_allclose(summed.astype(np.float64), total, rtol=_tol(dtype),
+                                   atol=_tol(dtype) * world)
+        np.testing.assert_array_equal(bcast, xs[-1])
+
+
+def test_torch_and_jax_in_and_out():
+    def body(comm):
+        t = torch.arange(4, dtype=torch.bfloat16) + comm.rank
+        j = jnp.arange(4, dtype=jnp.float32) * (comm.rank + 1)
+        return ops.all_gather(comm, t), ops.reduce_scatter(comm, j)
+
+    for gathered, scattered in ops.spawn(body, 2):
+        assert isinstance(gathered, torch.Tensor) and gathered.dtype == torch.bfloat16
+        assert gathered.tolist() == [0, 1, 2, 3, 1, 2, 3, 4]
+        assert scattered.dtype == jnp.float32 and scattered.shape == (2,)
+    assert [s.tolist() for _, s in ops.spawn(body, 2)] == [[0.0, 3.0], [6.0, 9.0]]
+
+
+def test_async_overlaps_and_keeps_order():
+    world, n = 3, 200_000
+
+    def body(comm):
+        x = np.full(n, comm.rank, np.float32)
+        out_a, out_b = comm.allocate(n * world, np.float32), comm.allocate(n, np.float32)
+        work_a = comm.all_gather_async(out_a, x)
+        work_b = comm.reduce_scatter_async(out_b, np.ones(n * world, np.float32))
+        busy = float(np.sum(np.arange(100_000)))  # compute while the collectives run
+        summed = comm.all_reduce_(np.ones(3, np.float32))  # blocking: waits for a and b first
+        assert work_a.is_completed() and work_b.is_completed()
+        return work_a.wait(), work_b.wait(), summed, busy
+
+    for gathered, scattered, summed, _ in ops.spawn(body, world):
+        np.testing.assert_array_equal(gathered, np.repeat(np.arange(world, dtype=np.float32), n))
+        np.testing.assert_array_equal(scattered, np.full(n, world, np.float32))
+        np.testing.assert_array_equal(summed, np.full(3, world, np.float32))
+
+
+def test_a_rank_raising_stops_every_rank_promptly():
+    def body(comm):
+        if comm.rank == 2:
+            raise KeyError("boom on purpose")
+        for _ in range(3):
+            ops.all_gather(comm, np.ones(4))
+        return "unreachable"
+
+    t0 = time.perf_counter()
+    with pytest.raises(KeyError, match="boom on purpose") as info:
+        ops.spawn(body, 4, timeout=60)
+    assert time.perf_counter() - t0 < 5
+    if hasattr(info.value, "__notes__"):
+        assert "rank 2 of 4" in info.value.__notes__[0]
+
+
+def test_a_rank_that_never_arrives_times_out_with_a_clear_error():
+    def body(comm):
+        if comm.rank == 1:
+            return "skipped the collective"
+        return ops.all_reduce(comm, np.ones(2))
+
+    t0 = time.perf_counter()
+    with pytest.raises(ops.CollectiveTimeout, match=r"all_reduce on rank 0 did not complete "
+                                                    r"within 0.5 s: rank\(s\) \[1\] never"):
+        ops.spawn(body, 2, timeout=0.5)
+    assert time.perf_counter() - t0 < 5
+
+
+def test_mismatched_sizes_or_dtypes_across_ranks_are_reported():
+    def sizes(comm):
+        return ops.all_gather(comm, np.ones(3 + comm.rank, np.float32))
+
+    with pytest.raises(ops.CollectiveError, match=r"do not match.*rank 0: \(3, 'float32'"):
+        ops.spawn(sizes, 2)
+
+    def dtypes(comm):
+        return ops.all_reduce(comm, np.ones(3, np.float32 if comm.rank else np.float64))
+
+    with pytest.raises(ops.CollectiveError, match=r"float64.*float32"):
+        ops.spawn(dtypes, 2)
+
+
+def test_bad_arguments_are_caught_before_communicating():
+    def body(comm):
+        with pytest.raises(ValueError, match=r"first dimension \(5\) must divide by world_size=2"):
+            ops.reduce_scatter(comm, np.ones(5))
+        with pytest.raises(ValueError, match="op must be one of"):
+            ops.reduce_scatter(comm, np.ones(4), op="max")
+        with pytest.raises(ValueError, match="C-contiguous"):
+            ops.all_gather(comm, np.ones(8)[::2])
+        with pytest.raises(ValueError, match="src must be in"):
+            ops.broadcast(comm, np.ones(2), src=2)
+        return True
+
+    assert ops.spawn(body, 2) == [True, True]
