@@ -31,7 +31,7 @@ SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256
 
 
 def iters_for(nbytes: int) -> int:
-    return max(5, min(50, (64 << 20) // max(nbytes, 1)))
+    return max(5, min(200, (64 << 20) // max(nbytes, 1)))
 
 
 def fmt(nbytes: int) -> str:

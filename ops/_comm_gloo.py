@@ -86,6 +86,14 @@ class GlooCommunicator(Communicator):
         self._peers = [dist.get_global_rank(group, r) if group is not None else r
                        for r in range(self.world_size)]
 
+    def unchecked(self) -> GlooCommunicator:
+        if not self.check:
+            return self
+        if getattr(self, "_unchecked", None) is None:
+            self._unchecked = GlooCommunicator(self.group, timeout=self.timeout, check=False,
+                                               small_bytes=self.small_bytes)
+        return self._unchecked
+
     def _run(self, name: str, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)

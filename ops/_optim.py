@@ -33,11 +33,15 @@ class AdamState(NamedTuple):
 
 
 class FusedAdam(NamedTuple):
-    """An optax-shaped optimizer with a donating fused ``apply``."""
+    """An optax-shaped optimizer with a donating fused ``apply``.
+
+    ``learning_rate(count)`` is the rate the update after ``count`` updates uses.
+    """
 
     init: Callable[[Any], AdamState]
     update: Callable[..., tuple[Any, AdamState]]
     apply: Callable[..., tuple[Any, AdamState]]
+    learning_rate: Callable[[int], float]
 
 
 def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
@@ -81,7 +85,7 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
         """Update params and moments in place (both donated); see fused_adam_step."""
         return run(grads, state, params, True, grad_scale, grad_sumsq, max_norm, param_copies)
 
-    return FusedAdam(init, update, apply)
+    return FusedAdam(init, update, apply, lr_at)
 
 
 def adamw(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999,

@@ -1,3 +1,42 @@
-"""shard: the functional ZeRO core."""
+"""shard: the functional ZeRO core.
 
-__all__: list[str] = []
+Training state as pure pytrees with explicit sharding specs, and ZeRO stages as
+function transforms: ``step = shard.zero3(loss_fn, optimizer=..., comm=...)``,
+``state = step.init(params)``, ``state, metrics = step(state, batch)``.
+"""
+
+from ops import init_from_env, spawn
+from shard._gather import gather, split_batch
+from shard._layout import Layout, make_layout, partition, unpartition
+from shard._loss import Layered
+from shard._memory import estimate_memory
+from shard._policy import LossScale, Precision
+from shard._specs import Replicate, Shard, from_partition_spec, to_partition_spec
+from shard._state import DonatedStateError, TrainState
+from shard._zero import ZeroStep, zero0, zero1, zero2, zero3
+
+__all__ = [
+    "DonatedStateError",
+    "Layered",
+    "Layout",
+    "LossScale",
+    "Precision",
+    "Replicate",
+    "Shard",
+    "TrainState",
+    "ZeroStep",
+    "estimate_memory",
+    "from_partition_spec",
+    "gather",
+    "init_from_env",
+    "make_layout",
+    "partition",
+    "spawn",
+    "split_batch",
+    "to_partition_spec",
+    "unpartition",
+    "zero0",
+    "zero1",
+    "zero2",
+    "zero3",
+]

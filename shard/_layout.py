@@ -1,0 +1,283 @@
+"""Layouts: which leaf lives where in each rank's flat unit buffers.
+
+[Note: unit buffers]
+Leaves are grouped into units (by default one per top-level subtree of the
+params; an FSDP unit, e.g. one transformer block). Each rank keeps one flat
+buffer per unit, laid out as
+
+    [ sharded section: this rank's rows of every Shard(0) leaf, in leaf order
+      | replicated section: every Replicate() leaf, whole ]
+
+A Shard(0) leaf of shape (n, *rest) gives rank r its rows [r*R, (r+1)*R) with
+R = ceil(n / W); rows past n are zero padding (so any n shards on any W). Its
+local shard is therefore R * prod(rest) elements on every rank, and leaves are
+views into the buffer, so one collective and one fused optimizer launch serve
+a whole unit. All-gathering the sharded sections gives a (W, S) array whose
+row r is rank r's section; a leaf is the concatenation of its column block
+over the W rows, cut back to n rows (one copy, as FSDP2's copy-out). Gradients
+travel the other way (copy-in to the (W, S) layout, then one reduce-scatter);
+replicated leaves' gradients are all-reduced.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ops import aligned_empty
+from ops._tree import tree_util
+from shard._specs import Shard, resolve_specs
+
+__all__ = ["Layout", "LeafLayout", "UnitLayout", "make_layout", "partition", "unpartition"]
+
+Units = None | int | Callable[[tuple], Any]
+
+
+@dataclass(frozen=True)
+class LeafLayout:
+    """Where one leaf lives. Sizes are in elements."""
+
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    sharded: bool
+    unit: int
+    offset: int  # in the unit's local buffer
+    rows_per_rank: int  # R for sharded leaves, the leaf's rows for replicated ones
+
+    @property
+    def rows(self) -> int:
+        return self.shape[0] if self.shape else 1
+
+    @property
+    def row_size(self) -> int:
+        return int(np.prod(self.shape[1:], dtype=np.int64)) if self.shape else 1
+
+    @property
+    def size(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def local_size(self) -> int:
+        return self.rows_per_rank * self.row_size if self.sharded else self.size
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        return (self.rows_per_rank, *self.shape[1:]) if self.sharded else self.shape
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """One unit: its leaves (indices into ``Layout.leaves``) and section sizes."""
+
+    name: str
+    leaves: tuple[int, ...]
+    sharded_size: int  # S, per rank
+    replicated_size: int  # P
+
+    @property
+    def local_size(self) -> int:
+        return self.sharded_size + self.replicated_size
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The layout of a params pytree over ``world_size`` ranks (hashable, static)."""
+
+    treedef: Any
+    leaves: tuple[LeafLayout, ...]
+    units: tuple[UnitLayout, ...]
+    world_size: int
+
+    def fingerprint(self) -> int:
+        """A 63-bit hash of everything ranks must agree on."""
+        text = repr((str(self.treedef), self.leaves, self.units, self.world_size))
+        return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
+
+    def full_size(self) -> int:
+        return sum(leaf.size for leaf in self.leaves)
+
+    def local_size(self) -> int:
+        return sum(u.local_size for u in self.units)
+
+    # -- per-rank buffers <-> leaves ----------------------------------------------
+    def local_views(self, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """Each leaf's local shard, as a view into its unit's buffer."""
+        out = []
+        for leaf in self.leaves:
+            buf = buffers[leaf.unit]
+            out.append(buf[leaf.offset:leaf.offset + leaf.local_size].reshape(leaf.local_shape))
+        return out
+
+    def scatter_leaf(self, leaf: LeafLayout, x: np.ndarray, rank: int, dst: np.ndarray) -> None:
+        """Write rank ``rank``'s part of the full leaf ``x`` into ``dst`` (its local view)."""
+        if not leaf.sharded:
+            dst[...] = np.asarray(x).reshape(leaf.local_shape)
+            return
+        rows = np.asarray(x).reshape(leaf.rows, leaf.row_size)
+        lo = min(rank * leaf.rows_per_rank, leaf.rows)
+        hi = min(lo + leaf.rows_per_rank, leaf.rows)
+        flat = dst.reshape(leaf.rows_per_rank, leaf.row_size)
+        flat[:hi - lo] = rows[lo:hi]
+        flat[hi - lo:] = 0
+
+    def gathered_leaf(self, leaf: LeafLayout, gathered: np.ndarray,
+                      local: np.ndarray) -> np.ndarray:
+        """The full leaf from a unit's all-gathered (W * S) sharded sections.
+
+        Replicated leaves come from ``local`` (this rank's unit buffer).
+        """
+        if not leaf.sharded:
+            return local[leaf.offset:leaf.offset + leaf.size].reshape(leaf.shape)
+        unit = self.units[leaf.unit]
+        block = gathered.reshape(self.world_size, unit.sharded_size)[
+            :, leaf.offset:leaf.offset + leaf.local_size]
+        rows = block.reshape(self.world_size * leaf.rows_per_rank, leaf.row_size)
+        return rows[:leaf.rows].reshape(leaf.shape)
+
+    def pack_grad(self, leaf: LeafLayout, g: Any, sharded: np.ndarray, replicated: np.ndarray,
+                  *, add: bool = False) -> None:
+        """Copy (or with ``add``, add) a full gradient into a unit's reduce layout
+        (see [Note: unit buffers]); the padding rows are left at zero."""
+        g = np.asarray(g)
+        unit = self.units[leaf.unit]
+        if not leaf.sharded:
+            off = leaf.offset - unit.sharded_size
+            dst = replicated[off:off + leaf.size]
+            if add:
+                dst += g.reshape(-1)
+            else:
+                dst[...] = g.reshape(-1)
+            return
+        rows = g.reshape(leaf.rows, leaf.row_size)
+        dst = sharded.reshape(self.world_size, unit.sharded_size)[
+            :, leaf.offset:leaf.offset + leaf.local_size].reshape(
+                self.world_size, leaf.rows_per_rank, leaf.row_size)
+        for r in range(self.world_size):
+            lo = min(r * leaf.rows_per_rank, leaf.rows)
+            hi = min(lo + leaf.rows_per_rank, leaf.rows)
+            if add:
+                dst[r, :hi - lo] += rows[lo:hi]
+            else:
+                dst[r, :hi - lo] = rows[lo:hi]
+                dst[r, hi - lo:] = 0
+
+
+def _unit_keys(paths: list[tuple], units: Units) -> list[Any]:
+    tu = tree_util()
+    if units is None or isinstance(units, int):
+        depth = 1 if units is None else units
+        if depth < 1:
+            raise ValueError(f"units: a depth must be >= 1; got {depth}")
+        return [tu.keystr(p[:depth]) if p else "<root>" for p in paths]
+    if callable(units):
+        return [units(p) for p in paths]
+    raise TypeError(f"units must be None, a depth (int) or a function path -> unit key; got "
+                    f"{type(units).__name__}")
+
+
+def make_layout(params: Any, specs: Any = None, *, world_size: int, units: Units = None,
+                fn: str = "layout") -> Layout:
+    """The layout of ``params`` (arrays or ``jax.ShapeDtypeStruct``-like) on W ranks."""
+    tu = tree_util()
+    if world_size < 1:
+        raise ValueError(f"{fn}: world_size must be >= 1; got {world_size}")
+    specs = resolve_specs(params, specs, fn=fn)
+    with_paths, treedef = tu.tree_flatten_with_path(params)
+    spec_leaves = treedef.flatten_up_to(specs)
+    paths = [p for p, _ in with_paths]
+    keys = _unit_keys(paths, units)
+    order = list(dict.fromkeys(keys))
+    unit_of = [order.index(k) for k in keys]
+    leaves: list[LeafLayout | None] = [None] * len(paths)
+    unit_layouts = []
+    for u, key in enumerate(order):
+        members = [i for i, uu in enumerate(unit_of) if uu == u]
+        offset, sharded_members = 0, [i for i in members if isinstance(spec_leaves[i], Shard)]
+        for section in (sharded_members, [i for i in members if i not in sharded_members]):
+            for i in section:
+                x = with_paths[i][1]
+                shape = tuple(int(d) for d in getattr(x, "shape", ()))
+                sharded = i in sharded_members
+                rows = shape[0] if shape else 1
+                leaf = LeafLayout(tu.keystr(paths[i]), shape, str(np.dtype(x.dtype)), sharded, u,
+                                  offset, -(-rows // world_size) if sharded else rows)
+                leaves[i] = leaf
+                offset += leaf.local_size
+            if section is sharded_members:
+                sharded_size = offset
+        unit_layouts.append(UnitLayout(str(key), tuple(members), sharded_size,
+                                       offset - sharded_size))
+    return Layout(treedef, tuple(leaves), tuple(unit_layouts), world_size)
+
+
+def alloc_units(layout: Layout, dtype: Any) -> list[np.ndarray]:
+    """Zeroed, 64-byte aligned local buffers, one per unit."""
+    out = []
+    for unit in layout.units:
+        buf = aligned_empty(unit.local_size, dtype)
+        buf[...] = 0
+        out.append(buf)
+    return out
+
+
+def partition(tree: Any, specs: Any = None, *, rank: int, world_size: int,
+              units: Units = None, dtype: Any = None) -> Any:
+    """This rank's shards of a full pytree (see [Note: unit buffers]).
+
+    Args:
+      tree: the full pytree of arrays (numpy, or anything ``np.asarray`` takes).
+      specs: a spec per leaf, a prefix of the tree, or one spec (default Shard(0)).
+      rank, world_size: which shards.
+      units: how leaves group into flat buffers (default: top-level subtrees).
+      dtype: the shards' dtype (default: each unit's first leaf's dtype).
+
+    Returns:
+      The pytree of local shards: a Shard(0) leaf of shape (n, *rest) becomes
+      (ceil(n / world_size), *rest), zero-padded; a replicated leaf stays whole.
+      Leaves of one unit are views into one flat buffer.
+
+    Example:
+      >>> import numpy as np, shard
+      >>> tree = {"w": np.arange(10.0).reshape(5, 2), "b": np.ones(3)}
+      >>> shard.partition(tree, rank=1, world_size=2)["w"].tolist()
+      [[6.0, 7.0], [8.0, 9.0], [0.0, 0.0]]
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"partition: rank must be in [0, {world_size}); got {rank}")
+    layout = make_layout(tree, specs, world_size=world_size, units=units, fn="partition")
+    full = layout.treedef.flatten_up_to(tree)
+    dtypes = [np.dtype(dtype) if dtype is not None else
+              np.dtype(layout.leaves[u.leaves[0]].dtype) for u in layout.units]
+    buffers = [aligned_empty(u.local_size, d) for u, d in zip(layout.units, dtypes, strict=True)]
+    views = layout.local_views(buffers)
+    for leaf, x, dst in zip(layout.leaves, full, views, strict=True):
+        layout.scatter_leaf(leaf, x, rank, dst)
+    return layout.treedef.unflatten(views)
+
+
+def unpartition(shards: Sequence[Any], like: Any, specs: Any = None) -> Any:
+    """The full pytree from every rank's shards (the inverse of :func:`partition`).
+
+    Args:
+      shards: ``world_size`` pytrees of local shards, in rank order.
+      like: the full tree, or a tree of anything with ``shape`` and ``dtype``
+        (e.g. ``jax.ShapeDtypeStruct``), to cut padding off.
+      specs: the specs the shards were made with.
+    """
+    tu = tree_util()
+    world_size = len(shards)
+    layout = make_layout(like, specs, world_size=world_size, fn="unpartition")
+    per_rank = [layout.treedef.flatten_up_to(s) for s in shards]
+    out = []
+    for i, leaf in enumerate(layout.leaves):
+        parts = [np.asarray(p[i]) for p in per_rank]
+        if leaf.sharded:
+            out.append(np.concatenate(parts, axis=0)[:leaf.rows])
+        else:
+            out.append(parts[0])
+    return tu.tree_unflatten(layout.treedef, out)

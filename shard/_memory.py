@@ -1,0 +1,70 @@
+"""Per-rank memory of a ZeRO state, from shapes alone."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shard._layout import Units, make_layout
+from shard._policy import Precision
+
+__all__ = ["estimate_memory"]
+
+
+def estimate_memory(params: Any, *, stage: int, world_size: int,
+                    policy: Precision | None = None, specs: Any = None,
+                    units: Units = None) -> dict[str, int]:
+    """Bytes per rank, by kind, that a ZeRO stage keeps for ``params``.
+
+    The ZeRO paper's accounting, with this library's padding (each Shard(0)
+    leaf rounds its rows up to a multiple of the world size):
+
+    - params: fp32 masters, whole at stage 0, this rank's shard from stage 1;
+    - optimizer: Adam's two fp32 moments, laid out like the masters;
+    - compute_params: the params the loss sees, kept between steps: whole at
+      stages 1-2 (and at stage 0 when they differ in dtype from the masters);
+      the compute-dtype shard at stage 3 (none when it is fp32: the masters
+      are gathered directly);
+    - grads: the gradient buffer a step accumulates into, in the reduce
+      dtype: whole at stages 0-1, this rank's shard at stages 2-3;
+    - total: their sum. Live units at stage 3 (at most ``1 + prefetch`` full
+      units) and activations come on top.
+
+    Args:
+      params: a pytree of arrays or of anything with ``shape`` and ``dtype``
+        (``jax.ShapeDtypeStruct``), so nothing need be allocated.
+      stage: 0-3.
+      world_size: the number of data-parallel ranks.
+      policy: the :class:`Precision` the step will use.
+      specs, units: as given to the ZeRO transform.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, shard
+      >>> big = {"w": jax.ShapeDtypeStruct((70_000_000_000,), jnp.float32)}
+      >>> bf16 = shard.Precision(param_dtype=jnp.bfloat16)
+      >>> est = shard.estimate_memory(big, stage=3, world_size=1024, policy=bf16)
+      >>> round(est["total"] / 2**30, 2)  # GiB per rank: 16 bytes/param / 1024 ranks
+      1.02
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"estimate_memory: stage must be 0-3; got {stage!r}")
+    policy = policy or Precision()
+    compute = np.dtype(policy.param_dtype or np.float32)
+    reduce = np.dtype(policy.reduce_dtype or policy.param_dtype or np.float32)
+    layout = make_layout(params, specs, world_size=1 if stage == 0 else world_size, units=units,
+                         fn="estimate_memory")
+    local = layout.local_size()
+    full = make_layout(params, specs, world_size=1, units=units).local_size()
+    separate = compute != np.dtype(np.float32)
+    if stage in (1, 2):
+        compute_n = full
+    elif stage == 0:
+        compute_n = full if separate else 0
+    else:
+        compute_n = local if separate else 0
+    grads_n = full if stage <= 1 else local
+    out = {"params": 4 * local, "optimizer": 8 * local,
+           "compute_params": compute_n * compute.itemsize, "grads": grads_n * reduce.itemsize}
+    out["total"] = sum(out.values())
+    return out

@@ -1,0 +1,77 @@
+"""Policies: frozen dataclasses that configure a ZeRO step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ops import BF16
+
+__all__ = ["LossScale", "Precision"]
+
+_FLOATS = {np.dtype(np.float32), np.dtype(np.float16), BF16, np.dtype(np.float64)}
+
+
+def _dtype(name: str, value: Any) -> np.dtype | None:
+    if value is None:
+        return None
+    d = np.dtype(value)
+    if d not in _FLOATS:
+        raise TypeError(f"Precision: {name} must be float64, float32, bfloat16 or float16; "
+                        f"got {d}")
+    return d
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Mixed precision, as FSDP2's ``MixedPrecisionPolicy``.
+
+    Attributes:
+      param_dtype: dtype of the parameters the loss sees (and of the all-gathers
+        at stage 3); None keeps the params' own dtype.
+      reduce_dtype: dtype gradients are reduced in; None uses param_dtype.
+        float32 with bfloat16 params sums bf16 gradients in fp32.
+
+    The master copy and Adam's moments are float32 whatever these say (float64
+    params keep float64 masters for tight tests on the CPU).
+    """
+
+    param_dtype: Any = None
+    reduce_dtype: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "param_dtype", _dtype("param_dtype", self.param_dtype))
+        object.__setattr__(self, "reduce_dtype", _dtype("reduce_dtype", self.reduce_dtype))
+
+
+@dataclass(frozen=True)
+class LossScale:
+    """Dynamic loss scaling for float16 (as torch.amp.GradScaler).
+
+    The loss is multiplied by ``scale`` before the backward pass and the
+    gradients unscaled inside the fused optimizer. A step whose gradients hold
+    an inf or nan is skipped (params, moments and step count unchanged) and the
+    scale is multiplied by ``backoff``; after ``growth_interval`` good steps in a
+    row it is multiplied by ``growth``.
+    """
+
+    initial: float = 2.0**16
+    growth: float = 2.0
+    backoff: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self) -> None:
+        if not (self.initial > 0 and self.growth >= 1 and 0 < self.backoff < 1
+                and self.growth_interval >= 1):
+            raise ValueError(f"LossScale: need initial > 0, growth >= 1, 0 < backoff < 1, "
+                             f"growth_interval >= 1; got {self}")
+
+    def update(self, scale: float, good_steps: int, finite: bool) -> tuple[float, int]:
+        """The (scale, good_steps) after a step whose grads were finite or not."""
+        if not finite:
+            return scale * self.backoff, 0
+        if good_steps + 1 >= self.growth_interval:
+            return scale * self.growth, 0
+        return scale, good_steps + 1

@@ -1,0 +1,157 @@
+"""Per-step machinery: getting units' full params, and reducing their gradients.
+
+[Note: ZeRO-3 schedule]
+At stage 3 a unit's full parameters exist only while that unit computes:
+:meth:`Units.get` all-gathers the unit's compute-dtype shards (the next
+unit's all-gather is already in flight: ``prefetch`` units ahead), copies the
+leaves out, and the caller drops them after use. For a :class:`Layered` loss
+the forward pass keeps only each layer's input; the backward pass re-gathers
+each unit in reverse order, recomputes that layer's vector-Jacobian product
+(activation checkpointing at unit granularity, so no layer's residuals pin its
+parameters), and hands the unit's gradient to :class:`GradReducer`, whose
+reduce-scatter runs asynchronously while the next unit computes. A monolithic
+loss gathers every unit first (it cannot be split), as the docs say.
+At stages 0-2 :meth:`Units.get` returns views of the full compute params.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ops import Communicator, aligned_empty
+from shard._layout import Layout
+
+__all__ = ["GradReducer", "LiveBytes", "Units"]
+
+
+class LiveBytes:
+    """Counts the bytes of full unit parameters alive right now, and the peak.
+
+    Arrays are counted until they are garbage collected (weakref finalizers),
+    so anything that keeps a gathered unit alive shows up: a measurement, not
+    bookkeeping of intent.
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def track(self, a: np.ndarray) -> np.ndarray:
+        self.live += a.nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(a, self._release, a.nbytes)
+        return a
+
+    def _release(self, n: int) -> None:
+        self.live -= n
+
+
+class Units:
+    """Full parameters of one unit at a time (see [Note: ZeRO-3 schedule])."""
+
+    def __init__(self, layout: Layout, comm: Communicator, *, stage: int,
+                 local: list[np.ndarray], full: list[np.ndarray] | None,
+                 full_layout: Layout | None, prefetch: int = 1,
+                 tracker: LiveBytes | None = None) -> None:
+        self.layout, self.comm, self.stage = layout, comm, stage
+        self.local, self.full, self.full_layout = local, full, full_layout
+        self.prefetch, self.tracker = prefetch, tracker
+        self._inflight: dict[int, tuple[np.ndarray, Any]] = {}
+
+    def start(self, u: int) -> None:
+        """Begin all-gathering unit ``u`` (stage 3; no-op otherwise)."""
+        if self.stage < 3 or u in self._inflight or not 0 <= u < len(self.layout.units):
+            return
+        unit, shard = self.layout.units[u], self.local[u]
+        out = aligned_empty(unit.sharded_size * self.comm.world_size, shard.dtype)
+        work = (self.comm.all_gather_async(out, shard[:unit.sharded_size])
+                if unit.sharded_size else None)
+        self._inflight[u] = (out, work)
+
+    def get(self, u: int, upcoming: list[int] | tuple = ()) -> list[np.ndarray]:
+        """Unit ``u``'s full leaves, starting the gathers of ``upcoming`` units."""
+        unit = self.layout.units[u]
+        if self.stage < 3:
+            views = self.full_layout.local_views(self.full)
+            return [views[i] for i in unit.leaves]
+        self.start(u)
+        for v in list(upcoming)[:self.prefetch]:
+            self.start(v)
+        gathered, work = self._inflight.pop(u)
+        if work is not None:
+            work.wait()
+        leaves = []
+        for i in unit.leaves:
+            leaf = self.layout.leaves[i]
+            full = aligned_empty(leaf.size, gathered.dtype).reshape(leaf.shape)
+            full[...] = self.layout.gathered_leaf(leaf, gathered, self.local[u])
+            leaves.append(self.tracker.track(full) if self.tracker else full)
+        return leaves
+
+    def drain(self) -> None:
+        for _, work in self._inflight.values():
+            if work is not None:
+                work.wait()
+        self._inflight.clear()
+
+
+class GradReducer:
+    """Collects each unit's gradient and reduces it over the ranks.
+
+    Stages 2 and 3 reduce-scatter every unit's gradient as soon as it is
+    complete (asynchronously) and keep only this rank's shard, summed over
+    micro-batches. Stages 0 and 1 accumulate the full gradient locally and
+    reduce once, in :meth:`finish`. Replicated leaves are all-reduced.
+    """
+
+    def __init__(self, layout: Layout, comm: Communicator, *, stage: int, dtype: Any) -> None:
+        self.layout, self.comm, self.stage = layout, comm, stage
+        self.dtype = np.dtype(dtype)
+        w = comm.world_size if stage > 0 else 1
+        self.shards = [np.zeros(u.local_size, self.dtype) for u in layout.units]
+        self._full = ([np.zeros(u.sharded_size * w, self.dtype) for u in layout.units]
+                      if stage <= 1 else None)
+        self._pending: list[tuple[int, np.ndarray, Any]] = []
+
+    def add(self, u: int, grads: list[Any]) -> None:
+        """Add unit ``u``'s full leaf gradients (in the unit's leaf order)."""
+        unit, w = self.layout.units[u], self.layout.world_size
+        shard = self.shards[u]
+        replicated = shard[unit.sharded_size:]
+        if self._full is not None:  # stages 0-1: accumulate the full gradient
+            for i, g in zip(unit.leaves, grads, strict=True):
+                self.layout.pack_grad(self.layout.leaves[i], g, self._full[u], replicated,
+                                      add=True)
+            return
+        packed = np.empty(unit.sharded_size * w, self.dtype)
+        for i, g in zip(unit.leaves, grads, strict=True):
+            leaf = self.layout.leaves[i]
+            if leaf.sharded:
+                self.layout.pack_grad(leaf, g, packed, replicated)
+            else:
+                self.layout.pack_grad(leaf, g, packed, replicated, add=True)
+        if unit.sharded_size:
+            out = np.empty(unit.sharded_size, self.dtype)
+            self._pending.append((u, out, self.comm.reduce_scatter_async(out, packed, op="sum")))
+
+    def finish(self) -> list[np.ndarray]:
+        """Wait for the reductions; return per-unit gradient shards (sums over ranks)."""
+        for u, out, work in self._pending:
+            work.wait()
+            self.shards[u][:self.layout.units[u].sharded_size] += out
+        self._pending.clear()
+        for u, unit in enumerate(self.layout.units):
+            shard = self.shards[u]
+            if self._full is not None:
+                if self.stage == 0:
+                    shard[:unit.sharded_size] = self._full[u]
+                    self.comm.all_reduce_(shard, "sum")
+                    continue
+                if unit.sharded_size:
+                    self.comm.reduce_scatter_into(shard[:unit.sharded_size], self._full[u], "sum")
+            if unit.replicated_size:
+                self.comm.all_reduce_(shard[unit.sharded_size:], "sum")
+        return self.shards

@@ -1,0 +1,142 @@
+"""TrainState: one rank's training state as a pure pytree.
+
+[Note: TrainState]
+The leaves are the flat unit buffers of [Note: unit buffers]: fp32 master
+shards, Adam's two moments (same layout), the compute-dtype copy the next
+all-gather sends (stage 3 with mixed precision; otherwise the masters serve),
+the full compute params of stages 0-2 (what plain data parallelism and ZeRO-1/2
+keep whole on every rank), and scalars (step, loss scale, good steps). Static
+metadata (the layout, stage, policies) is aux data. ``params`` and ``opt``
+present the buffers as pytrees shaped like the model's params (views).
+
+A step reuses the buffers of the state it is given: that state is donated, and
+using it again raises :class:`DonatedStateError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ops import AdamState
+from ops._tree import tree_util
+from shard._layout import Layout
+
+__all__ = ["DonatedStateError", "StateMeta", "TrainState"]
+
+
+class DonatedStateError(RuntimeError):
+    """A TrainState was used after a step consumed (donated) its buffers."""
+
+
+@dataclass(frozen=True)
+class StateMeta:
+    """What a TrainState's buffers mean; static, hashable."""
+
+    layout: Layout
+    stage: int
+    rank: int
+    precision: Any
+    master_dtype: str
+    compute_dtype: str
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """One rank's training state (see [Note: TrainState]).
+
+    Attributes:
+      master: per unit, this rank's master shard (fp32; the whole unit at stage 0).
+      exp_avg, exp_avg_sq: Adam's moments, laid out like ``master``.
+      compute: per unit, the params as the loss sees them: whole at stages 0-2,
+        this rank's shard at stage 3 (empty tuple where ``master`` serves).
+      step: int64 scalar array, optimizer updates applied.
+      loss_scale: float64 scalar array (1.0 without dynamic loss scaling).
+      good_steps: int64 scalar array, finite steps since the scale last changed.
+      meta: static metadata (aux data).
+    """
+
+    master: tuple[np.ndarray, ...]
+    exp_avg: tuple[np.ndarray, ...]
+    exp_avg_sq: tuple[np.ndarray, ...]
+    compute: tuple[np.ndarray, ...]
+    step: np.ndarray
+    loss_scale: np.ndarray
+    good_steps: np.ndarray
+    meta: StateMeta
+    _live: list = field(default_factory=lambda: [True], compare=False, repr=False)
+
+    _FIELDS = ("master", "exp_avg", "exp_avg_sq", "compute", "step", "loss_scale", "good_steps")
+
+    # -- views ----------------------------------------------------------------
+    @property
+    def params(self) -> Any:
+        """This rank's master shards as a pytree shaped like the params (views)."""
+        self.check_live()
+        layout = self.meta.layout
+        return layout.treedef.unflatten(layout.local_views(self.master))
+
+    @property
+    def opt(self) -> AdamState:
+        """Adam's state as pytrees shaped like the params (views)."""
+        self.check_live()
+        layout = self.meta.layout
+        return AdamState(self.step, layout.treedef.unflatten(layout.local_views(self.exp_avg)),
+                         layout.treedef.unflatten(layout.local_views(self.exp_avg_sq)))
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind."""
+        def size(bufs: tuple) -> int:
+            return int(sum(b.nbytes for b in bufs))
+
+        return {"params": size(self.master), "optimizer": size(self.exp_avg + self.exp_avg_sq),
+                "compute_params": size(self.compute)}
+
+    def describe(self) -> str:
+        """A table of what this rank holds: units, sizes and bytes by kind."""
+        m = self.meta
+        lines = [f"TrainState: stage {m.stage}, rank {m.rank} of {m.layout.world_size}, step "
+                 f"{int(self.step)}, master {m.master_dtype}, compute {m.compute_dtype}"]
+        lines.append(f"  {'unit':<28}{'leaves':>7}{'local elems':>14}{'sharded':>10}")
+        for u in m.layout.units:
+            lines.append(f"  {u.name[:28]:<28}{len(u.leaves):>7}{u.local_size:>14,}"
+                         f"{u.sharded_size:>10,}")
+        total = 0
+        for kind, n in self.nbytes().items():
+            lines.append(f"  {kind:<20}{n / 2**20:>12.2f} MiB")
+            total += n
+        lines.append(f"  {'total':<20}{total / 2**20:>12.2f} MiB")
+        return "\n".join(lines)
+
+    # -- donation -----------------------------------------------------------
+    def check_live(self) -> None:
+        if not self._live[0]:
+            raise DonatedStateError(
+                "this TrainState was donated to a step, which reused its buffers; use the state "
+                "that step returned (state, metrics = step(state, batch))")
+
+    def donate(self) -> None:
+        self.check_live()
+        self._live[0] = False
+
+    def replace(self, **changes: Any) -> TrainState:
+        return dataclasses.replace(self, _live=[True], **changes)
+
+
+def _flatten(s: TrainState) -> tuple[tuple, StateMeta]:
+    return tuple(getattr(s, f) for f in TrainState._FIELDS), s.meta
+
+
+def _flatten_with_keys(s: TrainState) -> tuple[tuple, StateMeta]:
+    tu = tree_util()
+    return tuple((tu.GetAttrKey(f), getattr(s, f)) for f in TrainState._FIELDS), s.meta
+
+
+def _unflatten(meta: StateMeta, children: tuple) -> TrainState:
+    return TrainState(*children, meta=meta)
+
+
+tree_util().register_pytree_with_keys(TrainState, _flatten_with_keys, _unflatten, _flatten)

@@ -1,0 +1,361 @@
+"""ZeRO stages 0-3 as one function transform.
+
+``step = shard.zero3(loss_fn, optimizer=ops.adamw(1e-3), comm=comm)`` builds a
+:class:`ZeroStep`; ``state = step.init(params)`` partitions the params;
+``state, metrics = step(state, batch)`` runs one optimizer step (a list of
+batches is one step with gradient accumulation over them).
+
+What each stage shards (the ZeRO paper's P_os, P_os+g, P_os+g+p):
+
+| stage | masters + Adam moments | gradients kept                | compute params  |
+|-------|------------------------|-------------------------------|-----------------|
+| 0     | whole on every rank    | whole, all-reduced            | whole           |
+| 1     | this rank's shard      | whole, reduce-scattered once  | whole           |
+| 2     | this rank's shard      | shard, reduce-scattered early | whole           |
+| 3     | this rank's shard      | shard, reduce-scattered early | shard; gathered |
+|       |                        |                               | per unit        |
+
+One step, in order (each a small function below):
+1. for each micro-batch: gradients of the (loss-scaled) loss, unit by unit,
+   handed to the GradReducer (stage 3: [Note: ZeRO-3 schedule]);
+2. finish the reductions; the global sum of squares of the gradients and the
+   mean loss in one all-reduce;
+3. dynamic loss scaling: on inf/nan skip the step and back the scale off;
+4. the fused optimizer on every unit's shard: unscale, clip, AdamW, and the
+   compute-dtype copy of the new params, in one pass;
+5. stages 1-2: all-gather the new compute params for the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import ops
+from ops import AdamState, Communicator, FusedAdam, aligned_empty
+from shard._layout import Layout, Units, alloc_units, make_layout
+from shard._loss import JaxLoss, classify, to_jax
+from shard._policy import LossScale, Precision
+from shard._runtime import GradReducer, LiveBytes
+from shard._runtime import Units as UnitParams
+from shard._state import StateMeta, TrainState
+
+__all__ = ["ZeroStep", "zero0", "zero1", "zero2", "zero3"]
+
+log = logging.getLogger(__name__)
+
+
+class ZeroStep:
+    """A ZeRO train step; build it with :func:`zero0` ... :func:`zero3`."""
+
+    def __init__(self, loss_fn: Any, *, stage: int, optimizer: FusedAdam, comm: Communicator,
+                 specs: Any = None, units: Units = None, precision: Precision | None = None,
+                 clip_norm: float | None = None, loss_scale: LossScale | None = None,
+                 prefetch: int = 1) -> None:
+        name = f"zero{stage}"
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3; got {stage!r}")
+        if not isinstance(optimizer, FusedAdam):
+            raise TypeError(f"{name}: optimizer must be an ops.adamw(...) or ops.adam(...); got "
+                            f"{type(optimizer).__name__}")
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"{name}: comm must be an ops.Communicator (from ops.spawn or "
+                            f"ops.init_from_env); got {type(comm).__name__}")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"{name}: clip_norm must be > 0; got {clip_norm!r}")
+        if prefetch < 0:
+            raise ValueError(f"{name}: prefetch must be >= 0; got {prefetch}")
+        self.kind = classify(loss_fn)
+        self.loss_fn = JaxLoss(loss_fn) if self.kind == "jax" else loss_fn
+        self.stage, self.optimizer, self.comm = stage, optimizer, comm
+        self.specs, self.units = specs, units
+        self.precision = precision or Precision()
+        self.clip_norm, self.loss_scale, self.prefetch = clip_norm, loss_scale, prefetch
+        self.layout: Layout | None = None
+        self.full_layout: Layout | None = None
+        self.tracker = LiveBytes()
+        self.name = name
+
+    # -- init -----------------------------------------------------------------
+    def init(self, params: Any) -> TrainState:
+        """Partition full ``params`` (the same on every rank) into this rank's state."""
+        w = self.comm.world_size
+        self.layout = make_layout(params, self.specs, world_size=1 if self.stage == 0 else w,
+                                  units=self.units, fn=f"{self.name}.init")
+        self.full_layout = make_layout(params, self.specs, world_size=1, units=self.units)
+        self._agree_on_layout()
+        if self.kind == "layered" and len(self.loss_fn.layers) != len(self.layout.units):
+            raise ValueError(f"{self.name}.init: Layered has {len(self.loss_fn.layers)} layers but "
+                             f"the params form {len(self.layout.units)} units "
+                             f"({[u.name for u in self.layout.units]}); give one layer per unit")
+        master_dtype = np.dtype(np.float32)
+        compute_dtype = self.precision.param_dtype or master_dtype
+        leaves = self.layout.treedef.flatten_up_to(params)
+        master = alloc_units(self.layout, master_dtype)
+        rank = self.comm.rank if self.stage > 0 else 0
+        for leaf, x, dst in zip(self.layout.leaves, leaves,
+                                self.layout.local_views(master), strict=True):
+            self.layout.scatter_leaf(leaf, x, rank, dst)
+        compute: tuple = ()
+        if self.stage in (1, 2) or (self.stage == 0 and compute_dtype != master_dtype):
+            full = alloc_units(self.full_layout, compute_dtype)
+            for leaf, x, dst in zip(self.full_layout.leaves, leaves,
+                                    self.full_layout.local_views(full), strict=True):
+                self.full_layout.scatter_leaf(leaf, np.asarray(x).astype(compute_dtype), 0, dst)
+            compute = tuple(full)
+        elif self.stage == 3 and compute_dtype != master_dtype:
+            compute = tuple(ops.cast(m, compute_dtype) for m in master)
+        meta = StateMeta(self.layout, self.stage, self.comm.rank, self.precision,
+                         str(master_dtype), str(compute_dtype))
+        scale = self.loss_scale.initial if self.loss_scale else 1.0
+        log.info("%s: %d units, %d of %d elements on rank %d", self.name, len(self.layout.units),
+                 self.layout.local_size(), self.full_layout.local_size(), self.comm.rank)
+        return TrainState(tuple(master), tuple(np.zeros_like(m) for m in master),
+                          tuple(np.zeros_like(m) for m in master), compute,
+                          np.zeros((), np.int64), np.asarray(scale, np.float64),
+                          np.zeros((), np.int64), meta)
+
+    def _agree_on_layout(self) -> None:
+        mine = np.array([self.layout.fingerprint()], np.int64)
+        every = ops.all_gather(self.comm, mine)
+        if np.any(every != mine[0]):
+            bad = [r for r, f in enumerate(every.tolist()) if f != int(mine[0])]
+            raise ValueError(f"{self.name}.init: rank(s) {bad} built a different layout than rank "
+                             f"{self.comm.rank} (params shapes, dtypes, specs or units differ); "
+                             "every rank must init with the same params")
+        self._fast = self.comm.unchecked()
+
+    # -- step -------------------------------------------------------------------
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+        self._check_state(state)
+        state.donate()
+        micro = batch if isinstance(batch, list) else [batch]
+        if not micro:
+            raise ValueError(f"{self.name}: an empty list of micro-batches")
+        scale = float(state.loss_scale)
+        reducer = GradReducer(self.layout, self._fast, stage=self.stage,
+                              dtype=self._reduce_dtype())
+        units = self._unit_params(state)
+        losses = [self._grads(units, reducer, b, scale) for b in micro]
+        shards = reducer.finish()
+        sumsq, loss = self._norm_and_loss(shards, sum(losses) / len(micro))
+        finite = math.isfinite(sumsq)
+        w, k = self.comm.world_size, len(micro)
+        grad_scale = 1.0 / (w * k * scale)
+        metrics = {"loss": loss, "grad_norm": math.sqrt(sumsq) * grad_scale if finite else sumsq,
+                   "lr": float(self.optimizer.learning_rate(int(state.step))),
+                   "loss_scale": scale, "skipped": False}
+        new_scale, good = float(state.loss_scale), int(state.good_steps)
+        if self.loss_scale is not None:
+            new_scale, good = self.loss_scale.update(scale, good, finite)
+        if self.loss_scale is not None and not finite:
+            metrics["skipped"] = True
+            return state.replace(loss_scale=np.asarray(new_scale, np.float64),
+                                 good_steps=np.asarray(good, np.int64)), metrics
+        count = self._apply(state, shards, grad_scale, sumsq)
+        metrics["skipped"] = count == int(state.step)
+        return state.replace(step=np.asarray(count, np.int64),
+                             loss_scale=np.asarray(new_scale, np.float64),
+                             good_steps=np.asarray(good, np.int64)), metrics
+
+    def _check_state(self, state: TrainState) -> None:
+        if not isinstance(state, TrainState):
+            raise TypeError(f"{self.name}: expected the TrainState from {self.name}.init; got "
+                            f"{type(state).__name__}")
+        if self.layout is None:
+            raise RuntimeError(f"{self.name}: call init(params) before stepping")
+        m = state.meta
+        if m.stage != self.stage or m.layout != self.layout or m.rank != self.comm.rank:
+            raise ValueError(
+                f"{self.name}: this TrainState was made for stage {m.stage}, rank {m.rank} of "
+                f"{m.layout.world_size if m.stage else 'any'} ranks, but this step is stage "
+                f"{self.stage} on rank {self.comm.rank} of {self.comm.world_size}; load it "
+                "through shard.load to re-shard, or init a new state")
+
+    def _reduce_dtype(self) -> np.dtype:
+        p = self.precision
+        return np.dtype(p.reduce_dtype or p.param_dtype or np.float32)
+
+    def _unit_params(self, state: TrainState) -> UnitParams:
+        local = list(state.compute) if self.stage == 3 and state.compute else list(state.master)
+        full = list(state.compute) if self.stage in (1, 2) or (
+            self.stage == 0 and state.compute) else (list(state.master) if self.stage == 0
+                                                     else None)
+        return UnitParams(self.layout, self._fast, stage=self.stage, local=local, full=full,
+                          full_layout=self.full_layout, prefetch=self.prefetch,
+                          tracker=self.tracker)
+
+    # -- gradients ----------------------------------------------------------------
+    def _grads(self, units: UnitParams, reducer: GradReducer, batch: Any, scale: float) -> float:
+        """Loss of one micro-batch; its gradients (of loss * scale) go to ``reducer``."""
+        if self.kind == "layered":
+            return self._layered_grads(units, reducer, batch, scale)
+        n = len(self.layout.units)
+        leaves: list[Any] = [None] * len(self.layout.leaves)
+        for u in range(n):
+            for i, x in zip(self.layout.units[u].leaves, units.get(u, range(u + 1, n)),
+                            strict=True):
+                leaves[i] = to_jax(x) if self.kind == "jax" else x
+        params = self.layout.treedef.unflatten(leaves)
+        del leaves
+        kwargs = {"loss_scale": scale} if (self.loss_scale or self.kind == "jax") else {}
+        loss, grads = self.loss_fn.value_and_grad(params, batch, **kwargs)
+        del params
+        flat = self.layout.treedef.flatten_up_to(grads)
+        for u in reversed(range(n)):
+            reducer.add(u, [flat[i] for i in self.layout.units[u].leaves])
+        return float(loss)
+
+    def _layered_grads(self, units: UnitParams, reducer: GradReducer, batch: Any,
+                       scale: float) -> float:
+        import jax.numpy as jnp
+
+        fwd, bwd = self.loss_fn.compiled()
+        n = len(fwd)
+        carries: list[Any] = [None]
+        for u in range(n):
+            params = self._unit_tree(u, units.get(u, range(u + 1, n)))
+            carries.append(fwd[u](params, carries[-1], batch))
+            del params
+        loss = carries.pop()
+        ct = jnp.asarray(scale, dtype=jnp.result_type(loss))
+        for u in reversed(range(n)):
+            params = self._unit_tree(u, units.get(u, range(u - 1, -1, -1)))
+            g_params, ct = bwd[u](params, carries[u], batch, ct)
+            del params
+            carries[u] = None
+            reducer.add(u, self._unit_leaves(u, g_params))
+        return float(loss)
+
+    def _unit_tree(self, u: int, leaves: list[np.ndarray]) -> Any:
+        """Unit ``u``'s subtree of the params, as jax arrays over ``leaves``."""
+        subtrees = self.layout.treedef.children()
+        if len(subtrees) != len(self.layout.units):
+            raise ValueError(f"{self.name}: Layered needs units = the top-level subtrees of the "
+                             "params (units=None)")
+        return subtrees[u].unflatten([to_jax(x) for x in leaves])
+
+    def _unit_leaves(self, u: int, tree: Any) -> list[Any]:
+        return self.layout.treedef.children()[u].flatten_up_to(tree)
+
+    # -- norm, optimizer, refresh ---------------------------------------------------------
+    def _norm_and_loss(self, shards: list[np.ndarray], loss: float) -> tuple[float, float]:
+        """Global sum of squares of the (summed) gradients, and the mean loss over ranks."""
+        sharded = replicated = 0.0
+        for unit, g in zip(self.layout.units, shards, strict=True):
+            if unit.sharded_size:
+                sharded += float(ops.sum_of_squares(g[:unit.sharded_size])[0])
+            if unit.replicated_size:
+                replicated += float(ops.sum_of_squares(g[unit.sharded_size:])[0])
+        if self.stage == 0:  # everything is whole (and the same) on every rank
+            local, sharded = sharded + replicated, 0.0
+        totals = self._fast.all_reduce_(np.array([sharded, loss]), "sum")
+        mean_loss = float(totals[1]) / self.comm.world_size
+        if self.stage == 0:
+            return local, mean_loss
+        return float(totals[0]) + replicated, mean_loss
+
+    def _apply(self, state: TrainState, shards: list[np.ndarray], grad_scale: float,
+               sumsq: float) -> int:
+        check = self.clip_norm is not None or self.loss_scale is not None
+        copies = self._copies(state)
+        opt = AdamState(state.step, state.exp_avg, state.exp_avg_sq)
+        _, new = self.optimizer.apply(tuple(shards), opt, state.master, grad_scale=grad_scale,
+                                      grad_sumsq=np.array([sumsq]) if check else None,
+                                      max_norm=self.clip_norm, param_copies=copies)
+        if int(new.count) != int(state.step):
+            self._refresh(state, copies)
+        return int(new.count)
+
+    def _copies(self, state: TrainState) -> tuple | None:
+        """Buffers the optimizer writes the new compute-dtype params into, if any."""
+        if state.meta.compute_dtype == state.meta.master_dtype or not state.compute:
+            return None
+        if self.stage in (0, 3):
+            return state.compute
+        return tuple(aligned_empty(u.local_size, state.compute[0].dtype)
+                     for u in self.layout.units)
+
+    def _refresh(self, state: TrainState, copies: tuple | None) -> None:
+        """Stages 1-2: all-gather the updated shards into the whole compute params."""
+        if self.stage not in (1, 2):
+            return
+        src = copies or state.master
+        views = self.full_layout.local_views(list(state.compute))
+        for u, unit in enumerate(self.layout.units):
+            gathered = aligned_empty(unit.sharded_size * self.comm.world_size, src[u].dtype)
+            if unit.sharded_size:
+                self._fast.all_gather_into(gathered, src[u][:unit.sharded_size])
+            for i in unit.leaves:
+                views[i][...] = self.layout.gathered_leaf(self.layout.leaves[i], gathered, src[u])
+
+
+def _make(stage: int) -> Callable[..., ZeroStep]:
+    def transform(loss_fn: Any = None, /, *, optimizer: FusedAdam, comm: Communicator,
+                  specs: Any = None, units: Units = None, precision: Precision | None = None,
+                  clip_norm: float | None = None, loss_scale: LossScale | None = None,
+                  prefetch: int = 1) -> Any:
+        kw = dict(stage=stage, optimizer=optimizer, comm=comm, specs=specs, units=units,
+                  precision=precision, clip_norm=clip_norm, loss_scale=loss_scale,
+                  prefetch=prefetch)
+        if loss_fn is None:  # used as a decorator with arguments
+            return lambda fn: ZeroStep(fn, **kw)
+        return ZeroStep(loss_fn, **kw)
+
+    return transform
+
+
+_DOC = """ZeRO stage {stage} of ``loss_fn``: {what}.
+
+Args:
+  loss_fn: a JAX function ``(params, batch) -> scalar loss``, a
+    :class:`shard.Layered` chain of per-unit layers, or an object with
+    ``value_and_grad(params, batch) -> (loss, grads)`` (e.g. the torch adapter).
+  optimizer: ``ops.adamw(...)`` or ``ops.adam(...)``.
+  comm: this rank's communicator (``ops.spawn`` or ``ops.init_from_env``).
+  specs: a spec per leaf, a prefix of the params tree, or one spec
+    (default ``Shard(0)`` everywhere; scalars are replicated).
+  units: how leaves group into units: None (top-level subtrees), a depth, or a
+    function from a leaf's key path to its unit key.
+  precision: a :class:`shard.Precision` (e.g. bf16 params, fp32 reduction).
+  clip_norm: clip gradients to this global norm (computed across all shards).
+  loss_scale: a :class:`shard.LossScale` for dynamic float16 loss scaling.
+  prefetch: how many units ahead to all-gather at stage 3.
+
+Returns:
+  A :class:`ZeroStep`: ``state = step.init(params)``, then
+  ``state, metrics = step(state, batch)``; a list of batches is one step with
+  gradient accumulation. ``batch`` is this rank's part of the global batch.
+  metrics: loss (mean over ranks), grad_norm (before clipping), lr,
+  loss_scale, skipped.
+
+Example:
+  >>> import numpy as np, jax.numpy as jnp, ops, shard
+  >>> def loss(p, b):
+  ...     return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
+  >>> def run(comm):
+  ...     step = shard.zero{stage}(loss, optimizer=ops.adamw(1e-2), comm=comm)
+  ...     state = step.init({{"w": np.ones((3, 1), np.float32)}})
+  ...     batch = {{"x": np.ones((4, 3), np.float32), "y": np.zeros((4, 1), np.float32)}}
+  ...     state, metrics = step(state, batch)
+  ...     return round(metrics["loss"], 3)
+  >>> ops.spawn(run, 2)
+  [9.0, 9.0]
+"""
+
+zero0 = _make(0)
+zero0.__doc__ = _DOC.format(stage=0, what="plain data parallelism (everything replicated; "
+                            "gradients all-reduced)")
+zero1 = _make(1)
+zero1.__doc__ = _DOC.format(stage=1, what="optimizer states and fp32 masters sharded")
+zero2 = _make(2)
+zero2.__doc__ = _DOC.format(stage=2, what="optimizer states, masters and gradients sharded")
+zero3 = _make(3)
+zero3.__doc__ = _DOC.format(stage=3, what="optimizer states, gradients and parameters sharded; "
+                            "each unit gathered only while it computes")
+for _f, _n in ((zero0, "zero0"), (zero1, "zero1"), (zero2, "zero2"), (zero3, "zero3")):
+    _f.__name__ = _f.__qualname__ = _n

@@ -1,0 +1,128 @@
+"""ZeRO stages 0-3 against a single-process optax.adamw run on the full batch."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import ops
+import shard
+from tests import zero_models as M
+
+STEPS = 10
+STAGES = [0, 1, 2, 3]
+WORLDS = [1, 2, 3, 4]
+ZERO = {0: shard.zero0, 1: shard.zero1, 2: shard.zero2, 3: shard.zero3}
+
+
+def train(comm, *, stage, loss_fn=M.loss, precision=None, clip_norm=None, accumulate=1,
+          steps=STEPS, data=None):
+    step = ZERO[stage](loss_fn, optimizer=ops.adamw(M.LR, weight_decay=M.WD), comm=comm,
+                       precision=precision, clip_norm=clip_norm)
+    state = step.init(M.init_params())
+    losses, norms = [], []
+    for b in data or M.batches(steps):
+        local = shard.split_batch(b, rank=comm.rank, world_size=comm.world_size)
+        if accumulate > 1:
+            local = [shard.split_batch(local, rank=i, world_size=accumulate)
+                     for i in range(accumulate)]
+        state, metrics = step(state, local)
+        losses.append(metrics["loss"])
+        norms.append(metrics["grad_norm"])
+    return state, losses, norms
+
+
+def assert_shards_match(state, comm, want_params, rtol, atol=1e-6):
+    want = shard.partition(want_params, rank=comm.rank if state.meta.stage else 0,
+                           world_size=comm.world_size if state.meta.stage else 1)
+    got = state.params
+    for path_g, path_w in zip(jax.tree_util.tree_leaves_with_path(got),
+                              jax.tree_util.tree_leaves_with_path(want), strict=True):
+        np.testing.assert_allclose(path_g[1], path_w[1], rtol=rtol, atol=atol,
+                                   err_msg=f"rank {comm.rank} {jax.tree_util.keystr(path_g[0])}")
+
+
+@pytest.fixture(scope="module")
+def fp32_reference():
+    return M.reference(STEPS)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("stage", STAGES)
+def test_fp32_matches_single_process_adamw(fp32_reference, stage, world):
+    want, want_losses, want_norms = fp32_reference
+
+    def run(comm):
+        state, losses, norms = train(comm, stage=stage)
+        assert_shards_match(state, comm, want, rtol=1e-5)
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+        np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+        return shard.gather(state, comm)
+
+    for full in ops.spawn(run, world):
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                                        atol=1e-6), full, want)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("stage", [0, 3])
+def test_layered_loss_matches_monolithic(fp32_reference, stage, world):
+    want, want_losses, _ = fp32_reference
+
+    def run(comm):
+        state, losses, _ = train(comm, stage=stage, loss_fn=M.LAYERED)
+        assert_shards_match(state, comm, want, rtol=1e-5)
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+
+    ops.spawn(run, world)
+
+
+@pytest.fixture(scope="module")
+def bf16_reference():
+    return M.reference(STEPS, param_dtype=jnp.bfloat16)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_bf16_mixed_precision_stages_agree_and_track_reference(bf16_reference, world):
+    """bf16 compute params and gradients, fp32 masters and reduction."""
+    want, _, _ = bf16_reference
+    policy = shard.Precision(param_dtype=ops.BF16, reduce_dtype=np.float32)
+    finals = {}
+    for stage in STAGES:
+        def run(comm, stage=stage):
+            state, _, _ = train(comm, stage=stage, precision=policy)
+            assert state.compute[0].dtype == ops.BF16
+            assert_shards_match(state, comm, want, rtol=2e-2, atol=2e-2)
+            return shard.gather(state, comm)
+
+        finals[stage] = ops.spawn(run, world)[0]
+    for stage in STAGES[1:]:  # every stage computes the same sums in the same order
+        jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6,
+                                                                        atol=1e-7),
+                               finals[stage], finals[0])
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_gradient_accumulation_equals_one_big_batch(fp32_reference, stage):
+    want, want_losses, want_norms = fp32_reference
+
+    def run(comm):
+        state, losses, norms = train(comm, stage=stage, accumulate=3)
+        assert_shards_match(state, comm, want, rtol=1e-5)
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+        np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+
+    ops.spawn(run, 2)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_clipping_uses_the_global_norm_across_shards(stage):
+    want, _, _ = M.reference(STEPS, clip_norm=0.05)
+
+    def run(comm):
+        state, _, _ = train(comm, stage=stage, clip_norm=0.05)
+        assert_shards_match(state, comm, want, rtol=1e-5)
+
+    ops.spawn(run, 3)
