@@ -48,14 +48,21 @@ class PeerFailed(CollectiveError):
 
 
 class Work:
-    """Handle of an async collective; ``wait()`` returns its output buffer."""
+    """Handle of an async collective; ``wait()`` returns its output buffer.
 
-    def __init__(self, future: cf.Future, name: str, timeout: float, rank: int) -> None:
+    The handle (not the communicator) keeps the output alive: drop the handle
+    after waiting and the buffer's lifetime is the caller's alone.
+    """
+
+    def __init__(self, future: cf.Future, name: str, timeout: float, rank: int,
+                 out: Any = None) -> None:
         self._future, self._name, self._timeout, self._rank = future, name, timeout, rank
+        self._out = out
 
     def wait(self) -> Any:
         try:
-            return self._future.result(timeout=self._timeout)
+            self._future.result(timeout=self._timeout)
+            return self._out
         except cf.TimeoutError:
             raise CollectiveTimeout(f"{self._name} on rank {self._rank} did not complete within "
                                     f"{self._timeout:g} s") from None
@@ -187,9 +194,15 @@ class Communicator(abc.ABC):
             if self._executor is None:
                 self._executor = cf.ThreadPoolExecutor(
                     1, thread_name_prefix=f"zeroshard-{self.backend}-rank{self.rank}")
-            future = self._executor.submit(lambda: (fn(out, *args), out)[1])
-            self._pending = [f for f in self._pending if not f.done()] + [future]
-        return Work(future, name, self.timeout, self.rank)
+            future = self._executor.submit(fn, out, *args)
+            self._pending.append(future)
+        future.add_done_callback(self._forget)
+        return Work(future, name, self.timeout, self.rank, out)
+
+    def _forget(self, future: cf.Future) -> None:
+        with self._lock:
+            if future in self._pending and future.exception() is None:
+                self._pending.remove(future)
 
     def _drain(self) -> None:
         with self._lock:

@@ -13,6 +13,7 @@ Three forms:
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -54,18 +55,21 @@ class Layered:
         self.layers = list(layers)
         self._fwd: list[Any] = []
         self._bwd: list[Any] = []
+        self._lock = threading.Lock()  # thread ranks share one Layered
 
     def compiled(self) -> tuple[list[Any], list[Any]]:
         """Jitted forward and vector-Jacobian functions, one per layer."""
-        if not self._fwd:
-            import jax
+        with self._lock:
+            if not self._fwd:
+                import jax
 
-            for f in self.layers:
-                def bwd(p: Any, c: Any, b: Any, ct: Any, f: Callable = f) -> Any:
-                    return jax.vjp(lambda p, c: f(p, c, b), p, c)[1](ct)
+                def make_bwd(f: Callable[..., Any]) -> Callable[..., Any]:
+                    def bwd(p: Any, c: Any, b: Any, ct: Any) -> Any:
+                        return jax.vjp(lambda p, c: f(p, c, b), p, c)[1](ct)
+                    return bwd
 
-                self._fwd.append(jax.jit(f))
-                self._bwd.append(jax.jit(bwd))
+                self._bwd = [jax.jit(make_bwd(f)) for f in self.layers]
+                self._fwd = [jax.jit(f) for f in self.layers]
         return self._fwd, self._bwd
 
 

@@ -12,10 +12,18 @@ parameters), and hands the unit's gradient to :class:`GradReducer`, whose
 reduce-scatter runs asynchronously while the next unit computes. A monolithic
 loss gathers every unit first (it cannot be split), as the docs say.
 At stages 0-2 :meth:`Units.get` returns views of the full compute params.
+
+Dropping a unit's arrays does not free them at once: JAX releases an input
+buffer a moment after the computation that read it has finished. So, like
+FSDP's all-gather rate limiter, a new gather or copy-out waits (briefly, and
+at most ``RELEASE_WAIT`` seconds) until the full params still alive leave room
+for it within ``1 + prefetch`` units; the bound is then a measured fact.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 import weakref
 from typing import Any
 
@@ -25,6 +33,9 @@ from ops import Communicator, aligned_empty
 from shard._layout import Layout
 
 __all__ = ["GradReducer", "LiveBytes", "Units"]
+
+log = logging.getLogger(__name__)
+RELEASE_WAIT = 1.0  # seconds
 
 
 class LiveBytes:
@@ -58,37 +69,65 @@ class Units:
                  tracker: LiveBytes | None = None) -> None:
         self.layout, self.comm, self.stage = layout, comm, stage
         self.local, self.full, self.full_layout = local, full, full_layout
-        self.prefetch, self.tracker = prefetch, tracker
+        self.prefetch = prefetch
+        self.tracker = tracker if tracker is not None else LiveBytes()
+        self.bounded = True  # False: gather everything (a monolithic loss)
         self._inflight: dict[int, tuple[np.ndarray, Any]] = {}
+        item = np.dtype(local[0].dtype).itemsize if local else 4
+        self._unit_bytes = max((u.sharded_size * comm.world_size * item
+                                for u in layout.units), default=0)
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Block until ``nbytes`` more fit in ``1 + prefetch`` units (see the Note)."""
+        if not self.bounded:
+            return
+        limit = self._unit_bytes * (1 + self.prefetch)
+        deadline = time.monotonic() + RELEASE_WAIT
+        while self.tracker.live + nbytes > limit:
+            if time.monotonic() > deadline:
+                log.debug("full params still referenced after %.1f s; going over the bound",
+                          RELEASE_WAIT)
+                return
+            time.sleep(2e-5)
 
     def start(self, u: int) -> None:
         """Begin all-gathering unit ``u`` (stage 3; no-op otherwise)."""
         if self.stage < 3 or u in self._inflight or not 0 <= u < len(self.layout.units):
             return
         unit, shard = self.layout.units[u], self.local[u]
-        out = aligned_empty(unit.sharded_size * self.comm.world_size, shard.dtype)
+        nbytes = unit.sharded_size * self.comm.world_size * shard.dtype.itemsize
+        self._wait_for_room(nbytes)
+        out = self.tracker.track(aligned_empty(unit.sharded_size * self.comm.world_size,
+                                               shard.dtype))
         work = (self.comm.all_gather_async(out, shard[:unit.sharded_size])
                 if unit.sharded_size else None)
         self._inflight[u] = (out, work)
 
     def get(self, u: int, upcoming: list[int] | tuple = ()) -> list[np.ndarray]:
-        """Unit ``u``'s full leaves, starting the gathers of ``upcoming`` units."""
+        """Unit ``u``'s full leaves, then start the gathers of ``upcoming`` units.
+
+        The next gathers start only once this unit is copied out and its gather
+        buffer freed, so at most this unit and ``prefetch`` more are alive.
+        """
         unit = self.layout.units[u]
         if self.stage < 3:
             views = self.full_layout.local_views(self.full)
             return [views[i] for i in unit.leaves]
         self.start(u)
-        for v in list(upcoming)[:self.prefetch]:
-            self.start(v)
         gathered, work = self._inflight.pop(u)
         if work is not None:
             work.wait()
+        del work  # the handle references the buffer; the copy-out below is its last use
+        self._wait_for_room(gathered.nbytes)
         leaves = []
         for i in unit.leaves:
             leaf = self.layout.leaves[i]
             full = aligned_empty(leaf.size, gathered.dtype).reshape(leaf.shape)
             full[...] = self.layout.gathered_leaf(leaf, gathered, self.local[u])
-            leaves.append(self.tracker.track(full) if self.tracker else full)
+            leaves.append(self.tracker.track(full))
+        del gathered
+        for v in list(upcoming)[:self.prefetch]:
+            self.start(v)
         return leaves
 
     def drain(self) -> None:

@@ -195,6 +195,7 @@ class ZeroStep:
         if self.kind == "layered":
             return self._layered_grads(units, reducer, batch, scale)
         n = len(self.layout.units)
+        units.bounded = False  # a monolithic loss needs every unit at once
         leaves: list[Any] = [None] * len(self.layout.leaves)
         for u in range(n):
             for i, x in zip(self.layout.units[u].leaves, units.get(u, range(u + 1, n)),
@@ -212,6 +213,7 @@ class ZeroStep:
 
     def _layered_grads(self, units: UnitParams, reducer: GradReducer, batch: Any,
                        scale: float) -> float:
+        import jax
         import jax.numpy as jnp
 
         fwd, bwd = self.loss_fn.compiled()
@@ -219,13 +221,15 @@ class ZeroStep:
         carries: list[Any] = [None]
         for u in range(n):
             params = self._unit_tree(u, units.get(u, range(u + 1, n)))
-            carries.append(fwd[u](params, carries[-1], batch))
+            # Wait for the layer before dropping its params: JAX's async dispatch
+            # would otherwise keep them alive into the next unit's compute.
+            carries.append(jax.block_until_ready(fwd[u](params, carries[-1], batch)))
             del params
         loss = carries.pop()
         ct = jnp.asarray(scale, dtype=jnp.result_type(loss))
         for u in reversed(range(n)):
             params = self._unit_tree(u, units.get(u, range(u - 1, -1, -1)))
-            g_params, ct = bwd[u](params, carries[u], batch, ct)
+            g_params, ct = jax.block_until_ready(bwd[u](params, carries[u], batch, ct))
             del params
             carries[u] = None
             reducer.add(u, self._unit_leaves(u, g_params))

@@ -57,6 +57,34 @@ def check_all(comm) -> list[str]:
     return failures
 
 
+def check_zero(comm) -> list[str]:
+    """ZeRO stages 1 and 3 on gloo against the single-process reference."""
+    import jax
+
+    import shard
+    from tests import zero_models as M
+
+    failures = []
+    want, want_losses, _ = M.reference(10)
+    for stage, make in ((1, shard.zero1), (3, shard.zero3)):
+        step = make(M.LAYERED if stage == 3 else M.loss, optimizer=ops.adamw(M.LR,
+                    weight_decay=M.WD), comm=comm)
+        state = step.init(M.init_params())
+        losses = []
+        for b in M.batches(10):
+            state, metrics = step(state, shard.split_batch(b, rank=comm.rank,
+                                                           world_size=comm.world_size))
+            losses.append(metrics["loss"])
+        ref = shard.partition(want, rank=comm.rank, world_size=comm.world_size)
+        for got, exp in zip(jax.tree_util.tree_leaves(state.params),
+                            jax.tree_util.tree_leaves(ref), strict=True):
+            if not np.allclose(got, exp, rtol=1e-5, atol=1e-6):
+                failures.append(f"stage {stage}: shard differs by {np.abs(got - exp).max()}")
+        if not np.allclose(losses, want_losses, rtol=1e-5):
+            failures.append(f"stage {stage}: losses {losses} != {want_losses}")
+    return failures
+
+
 def main() -> None:
     scenario, report = os.environ["ZS_SCENARIO"], {"ok": False}
     timeout = float(os.environ.get("ZS_TIMEOUT", "60"))
@@ -66,6 +94,8 @@ def main() -> None:
         t0 = time.monotonic()
         if scenario == "collectives":
             report["failures"] = check_all(comm)
+        elif scenario == "zero":
+            report["failures"] = check_zero(comm)
         elif scenario == "kill":
             comm.barrier()
             if comm.rank == 1:

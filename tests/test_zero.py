@@ -126,3 +126,12 @@ def test_clipping_uses_the_global_norm_across_shards(stage):
         assert_shards_match(state, comm, want, rtol=1e-5)
 
     ops.spawn(run, 3)
+
+
+def test_two_gloo_processes_match_the_reference(tmp_path):
+    from tests.multiproc import run_ranks
+
+    reports = run_ranks("tests/gloo_worker.py", 2, tmp_path, {"ZS_SCENARIO": "zero"})
+    for r, rep in enumerate(reports):
+        assert rep.get("ok"), (r, rep)
+        assert rep["failures"] == [], (r, rep["failures"])
