@@ -6,6 +6,7 @@ function transforms: ``step = shard.zero3(loss_fn, optimizer=..., comm=...)``,
 """
 
 from ops import init_from_env, spawn
+from shard._checkpoint import CheckpointError, load, save
 from shard._gather import gather, split_batch
 from shard._layout import Layout, make_layout, partition, unpartition
 from shard._loss import Layered
@@ -16,6 +17,7 @@ from shard._state import DonatedStateError, TrainState
 from shard._zero import ZeroStep, zero0, zero1, zero2, zero3
 
 __all__ = [
+    "CheckpointError",
     "DonatedStateError",
     "Layered",
     "Layout",
@@ -29,8 +31,10 @@ __all__ = [
     "from_partition_spec",
     "gather",
     "init_from_env",
+    "load",
     "make_layout",
     "partition",
+    "save",
     "spawn",
     "split_batch",
     "to_partition_spec",

@@ -83,6 +83,22 @@ class ZeroStep:
     # -- init -----------------------------------------------------------------
     def init(self, params: Any) -> TrainState:
         """Partition full ``params`` (the same on every rank) into this rank's state."""
+        self.setup(params)
+        leaves = self.layout.treedef.flatten_up_to(params)
+        master = alloc_units(self.layout, np.float32)
+        rank = self.comm.rank if self.stage > 0 else 0
+        for leaf, x, dst in zip(self.layout.leaves, leaves,
+                                self.layout.local_views(master), strict=True):
+            self.layout.scatter_leaf(leaf, x, rank, dst)
+        state = self.state_from(master, [np.zeros_like(m) for m in master],
+                                [np.zeros_like(m) for m in master], full_leaves=leaves)
+        log.info("%s: %d units, %d of %d elements on rank %d", self.name, len(self.layout.units),
+                 self.layout.local_size(), self.full_layout.local_size(), self.comm.rank)
+        return state
+
+    def setup(self, params: Any) -> None:
+        """Build the layouts for ``params`` (arrays or shapes) and check that every
+        rank built the same one; ``init`` and ``shard.load`` call this."""
         w = self.comm.world_size
         self.layout = make_layout(params, self.specs, world_size=1 if self.stage == 0 else w,
                                   units=self.units, fn=f"{self.name}.init")
@@ -92,18 +108,21 @@ class ZeroStep:
             raise ValueError(f"{self.name}.init: Layered has {len(self.loss_fn.layers)} layers but "
                              f"the params form {len(self.layout.units)} units "
                              f"({[u.name for u in self.layout.units]}); give one layer per unit")
+
+    def state_from(self, master: list[np.ndarray], exp_avg: list[np.ndarray],
+                   exp_avg_sq: list[np.ndarray], *, full_leaves: list[Any], step: int = 0,
+                   loss_scale: float | None = None, good_steps: int = 0) -> TrainState:
+        """A TrainState over the given master and moment buffers (this step's layout).
+
+        ``full_leaves`` are the whole params in leaf order, for the compute
+        params stages 0-2 keep whole.
+        """
         master_dtype = np.dtype(np.float32)
         compute_dtype = self.precision.param_dtype or master_dtype
-        leaves = self.layout.treedef.flatten_up_to(params)
-        master = alloc_units(self.layout, master_dtype)
-        rank = self.comm.rank if self.stage > 0 else 0
-        for leaf, x, dst in zip(self.layout.leaves, leaves,
-                                self.layout.local_views(master), strict=True):
-            self.layout.scatter_leaf(leaf, x, rank, dst)
         compute: tuple = ()
         if self.stage in (1, 2) or (self.stage == 0 and compute_dtype != master_dtype):
             full = alloc_units(self.full_layout, compute_dtype)
-            for leaf, x, dst in zip(self.full_layout.leaves, leaves,
+            for leaf, x, dst in zip(self.full_layout.leaves, full_leaves,
                                     self.full_layout.local_views(full), strict=True):
                 self.full_layout.scatter_leaf(leaf, np.asarray(x).astype(compute_dtype), 0, dst)
             compute = tuple(full)
@@ -111,13 +130,11 @@ class ZeroStep:
             compute = tuple(ops.cast(m, compute_dtype) for m in master)
         meta = StateMeta(self.layout, self.stage, self.comm.rank, self.precision,
                          str(master_dtype), str(compute_dtype))
-        scale = self.loss_scale.initial if self.loss_scale else 1.0
-        log.info("%s: %d units, %d of %d elements on rank %d", self.name, len(self.layout.units),
-                 self.layout.local_size(), self.full_layout.local_size(), self.comm.rank)
-        return TrainState(tuple(master), tuple(np.zeros_like(m) for m in master),
-                          tuple(np.zeros_like(m) for m in master), compute,
-                          np.zeros((), np.int64), np.asarray(scale, np.float64),
-                          np.zeros((), np.int64), meta)
+        if loss_scale is None:
+            loss_scale = self.loss_scale.initial if self.loss_scale else 1.0
+        return TrainState(tuple(master), tuple(exp_avg), tuple(exp_avg_sq), compute,
+                          np.asarray(step, np.int64), np.asarray(loss_scale, np.float64),
+                          np.asarray(good_steps, np.int64), meta)
 
     def _agree_on_layout(self) -> None:
         mine = np.array([self.layout.fingerprint()], np.int64)

@@ -1,0 +1,306 @@
+"""Sharded, atomic, re-shardable checkpoints.
+
+[Note: checkpoint format]
+A checkpoint is a directory:
+
+    manifest.json            format name and version, step, loss scale, stage,
+                             world size, every leaf's name, shape, dtype, spec,
+                             unit and place in the unit buffers, and each rank
+                             file's size and SHA-256
+    rank-00000.safetensors   that rank's unit buffers: master/<u>, exp_avg/<u>,
+    ...                      exp_avg_sq/<u> (flat float32; see [Note: unit
+                             buffers]); stage 0 writes rank 0's only
+
+A save writes everything into ``<path>.tmp``; once every rank's file is on
+disk (fsync'd) and hashed, rank 0 writes the manifest and renames the
+directory into place (a previous ``<path>`` is moved to ``<path>.old`` for the
+instant between two renames, and :func:`load` falls back to it). A crash at
+any point leaves the previous checkpoint loadable.
+
+Loading re-shards: each rank reads, for every leaf, only the rows its new
+shard needs, from whichever old rank files hold them (safetensors slices,
+memory-mapped), so N ranks' checkpoints load on any M ranks and any stage.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import ops
+from ops import Communicator
+from ops._tree import tree_util
+from shard._layout import Layout, LeafLayout, alloc_units
+from shard._state import TrainState
+
+__all__ = ["CheckpointError", "leaf_names", "load", "read_manifest", "save"]
+
+log = logging.getLogger(__name__)
+FORMAT, VERSION = "zeroshard-checkpoint", 1
+KINDS = ("master", "exp_avg", "exp_avg_sq")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, truncated, corrupt, too new, or does not fit."""
+
+
+def leaf_names(layout: Layout) -> list[str]:
+    """Dotted names of the leaves (``blocks.0.w``; state_dict keys stay as they are)."""
+    tu = tree_util()
+    tree = layout.treedef.unflatten(list(range(len(layout.leaves))))
+    names = []
+    for path, _ in tu.tree_flatten_with_path(tree)[0]:
+        parts = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        names.append(".".join(parts) or "<root>")
+    return names
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_rank_file(state: TrainState, path: Path) -> tuple[str, int]:
+    from safetensors.numpy import save_file
+
+    tensors = {f"{kind}/{u}": np.ascontiguousarray(buf)
+               for kind in KINDS for u, buf in enumerate(getattr(state, kind))}
+    part = path.with_suffix(".part")
+    save_file(tensors, str(part))
+    with open(part, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(part, path)
+    return _sha256(path), path.stat().st_size
+
+
+def _manifest(state: TrainState, files: list[dict], extra: Any) -> dict:
+    m = state.meta
+    names = leaf_names(m.layout)
+    return {
+        "format": FORMAT, "version": VERSION, "step": int(state.step),
+        "loss_scale": float(state.loss_scale), "good_steps": int(state.good_steps),
+        "stage": m.stage, "world_size": m.layout.world_size,
+        "master_dtype": m.master_dtype, "compute_dtype": m.compute_dtype,
+        "leaves": [{"name": n, "path": leaf.path, "shape": list(leaf.shape), "dtype": leaf.dtype,
+                    "spec": "Shard(0)" if leaf.sharded else "Replicate()", "unit": leaf.unit,
+                    "offset": leaf.offset, "rows_per_rank": leaf.rows_per_rank}
+                   for n, leaf in zip(names, m.layout.leaves, strict=True)],
+        "units": [{"name": u.name, "sharded_size": u.sharded_size,
+                   "replicated_size": u.replicated_size} for u in m.layout.units],
+        "files": files, "extra": extra,
+    }
+
+
+def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
+         extra: Any = None) -> Path:
+    """Write a checkpoint of ``state`` (a collective: every rank calls it).
+
+    Args:
+      state: this rank's TrainState.
+      path: the checkpoint directory to create (or replace, atomically).
+      comm: this rank's communicator.
+      extra: JSON-serialisable user state (data-loader position, RNG state),
+        as DeepSpeed's ``client_sd``; rank 0's is kept.
+
+    Returns:
+      The checkpoint's path. See [Note: checkpoint format].
+    """
+    state.check_live()
+    path = Path(path)
+    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+    if extra is not None:
+        try:
+            json.dumps(extra)
+        except TypeError as e:
+            raise TypeError(f"save: extra must be JSON-serialisable ({e}); convert arrays with "
+                            ".tolist()") from None
+    if comm.rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
+        tmp.mkdir(parents=True)
+    comm.barrier()
+    writes = comm.rank == 0 or state.meta.stage > 0
+    digest, size = (_write_rank_file(state, tmp / f"rank-{comm.rank:05d}.safetensors")
+                    if writes else ("", 0))
+    info = np.frombuffer(bytes.fromhex(digest or "00" * 32), np.uint8)
+    digests = ops.all_gather(comm, info.copy()).reshape(comm.world_size, 32)
+    sizes = ops.all_gather(comm, np.array([size], np.int64))
+    if comm.rank == 0:
+        files = [{"file": f"rank-{r:05d}.safetensors", "sha256": digests[r].tobytes().hex(),
+                  "bytes": int(sizes[r])} for r in range(comm.world_size) if sizes[r] > 0]
+        manifest = tmp / "manifest.json"
+        manifest.write_text(json.dumps(_manifest(state, files, extra), indent=1))
+        with open(manifest, "rb+") as f:
+            os.fsync(f.fileno())
+        _fsync_dir(tmp)
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+        log.info("saved step %d to %s", int(state.step), path)
+    comm.barrier()
+    return path
+
+
+def read_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
+    """The checkpoint directory actually to read (see the Note) and its manifest."""
+    path = Path(path)
+    old = path.with_name(path.name + ".old")
+    if not (path / "manifest.json").exists() and (old / "manifest.json").exists():
+        log.warning("%s is incomplete; reading the previous checkpoint %s", path, old)
+        path = old
+    manifest_path = path / "manifest.json"
+    if not manifest_path.exists():
+        raise CheckpointError(f"{manifest_path}: no checkpoint here (no manifest.json)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{manifest_path}: not valid JSON ({e})") from None
+    if manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{manifest_path}: not a zeroshard checkpoint")
+    if manifest.get("version", 0) > VERSION:
+        raise CheckpointError(f"{manifest_path}: format version {manifest['version']} is newer "
+                              f"than this zeroshard reads ({VERSION}); upgrade zeroshard")
+    return path, manifest
+
+
+def _verify_files(path: Path, manifest: dict, needed: set[int]) -> None:
+    for r in sorted(needed):
+        entry = manifest["files"][r] if manifest["stage"] else manifest["files"][0]
+        f = path / entry["file"]
+        if not f.exists():
+            raise CheckpointError(f"{f}: missing shard file")
+        if f.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"{f}: truncated or altered ({f.stat().st_size} bytes, the "
+                                  f"manifest says {entry['bytes']})")
+        if _sha256(f) != entry["sha256"]:
+            raise CheckpointError(f"{f}: checksum mismatch (SHA-256 differs from the manifest)")
+
+
+class _Source:
+    """Rows of one saved leaf, read from whichever old rank files hold them."""
+
+    def __init__(self, path: Path, manifest: dict, entry: dict) -> None:
+        self.path, self.manifest, self.entry = path, manifest, entry
+        self.world = manifest["world_size"]
+        shape = entry["shape"]
+        self.rows = shape[0] if shape else 1
+        self.row_size = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
+        self.sharded = entry["spec"] == "Shard(0)"
+        self.rpr = entry["rows_per_rank"]
+
+    def ranks_for(self, lo: int, hi: int) -> list[int]:
+        if not self.sharded or hi <= lo:
+            return [0]
+        return list(range(lo // self.rpr, (hi - 1) // self.rpr + 1))
+
+    def read(self, handles: dict, kind: str, lo: int, hi: int) -> np.ndarray:
+        """Rows [lo, hi) of this leaf, as a (hi - lo, row_size) float32 array."""
+        out = np.zeros((max(hi - lo, 0), self.row_size), np.float32)
+        unit, off = self.entry["unit"], self.entry["offset"]
+        for r in self.ranks_for(lo, hi):
+            first = r * self.rpr if self.sharded else 0
+            a, b = max(lo, first), min(hi, first + self.rpr if self.sharded else self.rows)
+            if b <= a:
+                continue
+            start = off + (a - first) * self.row_size
+            sl = handles[r].get_slice(f"{kind}/{unit}")[start:start + (b - a) * self.row_size]
+            out[a - lo:b - lo] = np.asarray(sl).reshape(b - a, self.row_size)
+        return out
+
+
+def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
+         like: Any = None) -> tuple[TrainState, Any]:
+    """Load a checkpoint into ``step``'s stage and world size (a collective).
+
+    Args:
+      path: a checkpoint directory written by :func:`save`, by any number of
+        ranks at any stage.
+      step: the ZeRO transform to load into (``shard.zero3(...)`` etc.).
+      comm: this rank's communicator.
+      like: the params tree or its shapes (``jax.ShapeDtypeStruct``), needed
+        unless ``step.init`` has already run.
+
+    Returns:
+      ``(state, extra)``.
+
+    Raises:
+      CheckpointError: a missing or truncated shard file, a checksum mismatch,
+        a manifest from a newer format, or shapes that do not fit the model;
+        nothing is loaded in that case.
+    """
+    from safetensors import safe_open
+
+    path, manifest = read_manifest(path)
+    if step.layout is None or like is not None:
+        if like is None:
+            raise ValueError("load: pass like=params (or their shapes) when step.init has not "
+                             "run")
+        step.setup(like)
+    layout, rank = step.layout, (comm.rank if step.stage > 0 else 0)
+    saved = {e["path"]: e for e in manifest["leaves"]}
+    sources = []
+    for leaf in layout.leaves:
+        entry = saved.get(leaf.path)
+        if entry is None:
+            raise CheckpointError(f"{path}/manifest.json: no leaf {leaf.path} (the model has it; "
+                                  f"the checkpoint has {sorted(saved)[:5]}...)")
+        if tuple(entry["shape"]) != leaf.shape:
+            raise CheckpointError(f"{path}/manifest.json: leaf {leaf.path} has shape "
+                                  f"{tuple(entry['shape'])} in the checkpoint but {leaf.shape} "
+                                  "in the model")
+        sources.append(_Source(path, manifest, entry))
+    wanted = [_rows_of(leaf, rank) for leaf in layout.leaves]
+    needed = {r for s, (lo, hi) in zip(sources, wanted, strict=True) for r in s.ranks_for(lo, hi)}
+    needed |= {r for s in sources for r in s.ranks_for(0, s.rows)} if step.stage in (0, 1, 2) \
+        else set()
+    _verify_files(path, manifest, needed)
+    files = manifest["files"]
+    handles = {r: safe_open(str(path / (files[r] if manifest["stage"] else files[0])["file"]),
+                            framework="numpy") for r in needed}
+    buffers = {kind: alloc_units(layout, np.float32) for kind in KINDS}
+    for kind, bufs in buffers.items():
+        for leaf, src, (lo, hi), dst in zip(layout.leaves, sources, wanted,
+                                            layout.local_views(bufs), strict=True):
+            _fill(leaf, dst, src.read(handles, kind, lo, hi))
+    full_leaves = [src.read(handles, "master", 0, src.rows).reshape(leaf.shape)
+                   if step.stage in (0, 1, 2) else None
+                   for leaf, src in zip(layout.leaves, sources, strict=True)]
+    state = step.state_from(buffers["master"], buffers["exp_avg"], buffers["exp_avg_sq"],
+                            full_leaves=full_leaves, step=manifest["step"],
+                            loss_scale=manifest["loss_scale"],
+                            good_steps=manifest["good_steps"])
+    comm.barrier()
+    return state, manifest.get("extra")
+
+
+def _rows_of(leaf: LeafLayout, rank: int) -> tuple[int, int]:
+    if not leaf.sharded:
+        return 0, leaf.rows
+    lo = min(rank * leaf.rows_per_rank, leaf.rows)
+    return lo, min(lo + leaf.rows_per_rank, leaf.rows)
+
+
+def _fill(leaf: LeafLayout, dst: np.ndarray, rows: np.ndarray) -> None:
+    flat = dst.reshape(-1, leaf.row_size) if leaf.sharded else dst.reshape(leaf.rows, -1)
+    flat[:rows.shape[0]] = rows
+    flat[rows.shape[0]:] = 0
