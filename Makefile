@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ops shard interop tests benchmarks examples
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
 test: lint
