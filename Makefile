@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zeroshard-installed
 
-.PHONY: test bench lint clean
+.PHONY: demo test bench lint clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,8 +19,15 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest
 
+# A real ZeRO-3 run: a GPT on Python's standard library sources, 2 CPU ranks (gloo).
+demo: $(STAMP)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 examples/gpt.py --stage 3 --steps 1500
+
 bench: $(STAMP)
+	$(PY) -m pip install -q deepspeed -c constraints-bench.txt
 	$(PY) benchmarks/adam.py
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/collectives.py gloo
+	$(PY) benchmarks/collectives.py threads --world 2
 
 clean:
 	rm -rf $(VENV) .pytest_cache

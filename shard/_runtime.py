@@ -17,7 +17,9 @@ Dropping a unit's arrays does not free them at once: JAX releases an input
 buffer a moment after the computation that read it has finished. So, like
 FSDP's all-gather rate limiter, a new gather or copy-out waits (briefly, and
 at most ``RELEASE_WAIT`` seconds) until the full params still alive leave room
-for it within ``1 + prefetch`` units; the bound is then a measured fact.
+for it within ``1 + prefetch`` units beyond the pinned ones (a unit gathered
+with ``pinned=True`` stays for the whole step, as a torch module's root unit
+does); the bound is then a measured fact.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from shard._layout import Layout
 __all__ = ["GradReducer", "LiveBytes", "Units"]
 
 log = logging.getLogger(__name__)
-RELEASE_WAIT = 1.0  # seconds
+RELEASE_WAIT = 0.05  # seconds
 
 
 class LiveBytes:
@@ -72,6 +74,8 @@ class Units:
         self.prefetch = prefetch
         self.tracker = tracker if tracker is not None else LiveBytes()
         self.bounded = True  # False: gather everything (a monolithic loss)
+        self.pinned_bytes = 0
+        self._warned = False
         self._inflight: dict[int, tuple[np.ndarray, Any]] = {}
         item = np.dtype(local[0].dtype).itemsize if local else 4
         self._unit_bytes = max((u.sharded_size * comm.world_size * item
@@ -81,12 +85,15 @@ class Units:
         """Block until ``nbytes`` more fit in ``1 + prefetch`` units (see the Note)."""
         if not self.bounded:
             return
-        limit = self._unit_bytes * (1 + self.prefetch)
+        limit = self.pinned_bytes + self._unit_bytes * (1 + self.prefetch)
         deadline = time.monotonic() + RELEASE_WAIT
         while self.tracker.live + nbytes > limit:
             if time.monotonic() > deadline:
-                log.debug("full params still referenced after %.1f s; going over the bound",
-                          RELEASE_WAIT)
+                if not self._warned:
+                    log.warning("full unit params are still referenced %.2f s after use (held "
+                                "by the loss function?); ZeRO-3 goes over its memory bound",
+                                RELEASE_WAIT)
+                    self._warned = True
                 return
             time.sleep(2e-5)
 
@@ -103,16 +110,21 @@ class Units:
                 if unit.sharded_size else None)
         self._inflight[u] = (out, work)
 
-    def get(self, u: int, upcoming: list[int] | tuple = ()) -> list[np.ndarray]:
+    def get(self, u: int, upcoming: list[int] | tuple = (), *,
+            pinned: bool = False) -> list[np.ndarray]:
         """Unit ``u``'s full leaves, then start the gathers of ``upcoming`` units.
 
         The next gathers start only once this unit is copied out and its gather
         buffer freed, so at most this unit and ``prefetch`` more are alive.
+        ``pinned`` units are kept for the step and counted outside that bound.
         """
         unit = self.layout.units[u]
         if self.stage < 3:
             views = self.full_layout.local_views(self.full)
             return [views[i] for i in unit.leaves]
+        if pinned:
+            item = self.local[u].dtype.itemsize
+            self.pinned_bytes += unit.sharded_size * self.comm.world_size * item
         self.start(u)
         gathered, work = self._inflight.pop(u)
         if work is not None:

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import math
+import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,8 @@ class ZeroStep:
             raise ValueError(f"{name}: prefetch must be >= 0; got {prefetch}")
         self.kind = classify(loss_fn)
         self.loss_fn = JaxLoss(loss_fn) if self.kind == "jax" else loss_fn
+        if units is None:  # a loss object may know its model's units (interop.torch does)
+            units = getattr(loss_fn, "units", None) if self.kind == "provider" else None
         self.stage, self.optimizer, self.comm = stage, optimizer, comm
         self.specs, self.units = specs, units
         self.precision = precision or Precision()
@@ -82,9 +85,14 @@ class ZeroStep:
 
     # -- init -----------------------------------------------------------------
     def init(self, params: Any) -> TrainState:
-        """Partition full ``params`` (the same on every rank) into this rank's state."""
+        """Partition full ``params`` (the same on every rank) into this rank's state.
+
+        Raises ValueError if the ranks' params differ (a checksum is compared):
+        seed the model's initialisation identically on every rank.
+        """
         self.setup(params)
         leaves = self.layout.treedef.flatten_up_to(params)
+        self._agree_on_values(leaves)
         master = alloc_units(self.layout, np.float32)
         rank = self.comm.rank if self.stage > 0 else 0
         for leaf, x, dst in zip(self.layout.leaves, leaves,
@@ -135,6 +143,18 @@ class ZeroStep:
         return TrainState(tuple(master), tuple(exp_avg), tuple(exp_avg_sq), compute,
                           np.asarray(step, np.int64), np.asarray(loss_scale, np.float64),
                           np.asarray(good_steps, np.int64), meta)
+
+    def _agree_on_values(self, leaves: list[Any]) -> None:
+        digest = 1
+        for x in leaves:
+            digest = zlib.adler32(np.ascontiguousarray(x).view(np.uint8).reshape(-1), digest)
+        every = ops.all_gather(self.comm, np.array([digest], np.int64))
+        if np.any(every != every[0]):
+            bad = [r for r, d in enumerate(every.tolist()) if d != int(every[0])]
+            raise ValueError(f"{self.name}.init: the params on rank(s) {bad} differ from rank "
+                             "0's; seed the model's initialisation identically on every rank "
+                             "(thread ranks share torch's global RNG: build the model once and "
+                             "deepcopy it)")
 
     def _agree_on_layout(self) -> None:
         mine = np.array([self.layout.fingerprint()], np.int64)
@@ -211,6 +231,8 @@ class ZeroStep:
         """Loss of one micro-batch; its gradients (of loss * scale) go to ``reducer``."""
         if self.kind == "layered":
             return self._layered_grads(units, reducer, batch, scale)
+        if self.stage == 3 and hasattr(self.loss_fn, "run_units"):
+            return float(self.loss_fn.run_units(units, reducer, batch, scale))
         n = len(self.layout.units)
         units.bounded = False  # a monolithic loss needs every unit at once
         leaves: list[Any] = [None] * len(self.layout.leaves)

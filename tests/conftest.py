@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+
+# Four JAX CPU devices for the mesh tests; must precede the first jax import.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+
 import numpy as np
 import pytest
 

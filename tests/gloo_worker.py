@@ -85,6 +85,30 @@ def check_zero(comm) -> list[str]:
     return failures
 
 
+def check_torch(comm) -> list[str]:
+    """A torch MLP (ZeRO-3, full-batch parity) and the GPT (bit-identical) on gloo."""
+    import torch
+
+    from examples import gpt
+    from tests import test_interop_torch as T
+
+    failures = []
+    batches = T.data()
+    model = T.built(lambda: T.MLP(True))
+    want = T.reference(lambda: T.MLP(True), T.mse, batches)
+    got = T.zero_run(comm, 3, None, T.mse, batches, model)[0]
+    failures += [f"mlp {k}" for k in want
+                 if not np.allclose(got[k], want[k], rtol=1e-5, atol=1e-6)]
+    torch.set_num_threads(1)
+    text = gpt.corpus()
+    batches = [gpt.sample_batch(text, i, 12, T.SMALL.seq) for i in range(T.STEPS)]
+    model = T.built(lambda: gpt.GPT(T.SMALL))
+    want = T.reference_dp(model, gpt.lm_loss, batches, comm.world_size)
+    got = T.zero_run(comm, 3, None, gpt.lm_loss, batches, model)[0]
+    failures += [f"gpt {k}" for k in want if not np.array_equal(got[k], want[k])]
+    return failures
+
+
 def main() -> None:
     scenario, report = os.environ["ZS_SCENARIO"], {"ok": False}
     timeout = float(os.environ.get("ZS_TIMEOUT", "60"))
@@ -96,6 +120,8 @@ def main() -> None:
             report["failures"] = check_all(comm)
         elif scenario == "zero":
             report["failures"] = check_zero(comm)
+        elif scenario == "torch":
+            report["failures"] = check_torch(comm)
         elif scenario == "kill":
             comm.barrier()
             if comm.rank == 1:

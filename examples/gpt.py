@@ -1,0 +1,208 @@
+"""A small GPT trained with ZeRO on CPU ranks.
+
+The task is byte-level language modelling of Python's own standard library
+sources (they ship with every Python, so nothing is downloaded).
+
+Under torchrun (gloo, one process per rank):
+    torchrun --nproc-per-node 2 examples/gpt.py --stage 3
+With thread ranks in one process:
+    python examples/gpt.py --stage 3 --threads 4
+From Python (a notebook): ``examples.gpt.GPT``, ``corpus``, ``sample_batch``
+and ``train``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import resource
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from a checkout
+    sys.path.insert(0, str(ROOT))
+
+import interop.torch as it  # noqa: E402
+import ops  # noqa: E402
+import shard  # noqa: E402
+
+STDLIB_MODULES = ("argparse", "collections/__init__", "dataclasses", "functools", "inspect",
+                  "json/decoder", "json/encoder", "logging/__init__", "pathlib", "typing")
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    vocab: int = 256
+    seq: int = 64
+    d: int = 128
+    layers: int = 4
+    heads: int = 4
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.heads = cfg.heads
+        self.ln1, self.ln2 = nn.LayerNorm(cfg.d), nn.LayerNorm(cfg.d)
+        self.qkv, self.proj = nn.Linear(cfg.d, 3 * cfg.d), nn.Linear(cfg.d, cfg.d)
+        self.fc, self.out = nn.Linear(cfg.d, 4 * cfg.d), nn.Linear(4 * cfg.d, cfg.d)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)  # each (B, T, d)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
+                   for z in (q, k, v))  # (B, nh, T, hs)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        att = att.masked_fill(~mask[:t, :t], float("-inf")).softmax(dim=-1)
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Token and position embeddings, blocks, a final norm, and an output head
+    tied to the token embedding; the causal mask is a buffer."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.d)
+        self.pos_emb = nn.Embedding(cfg.seq, cfg.d)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.ln_f = nn.LayerNorm(cfg.d)
+        self.head = nn.Linear(cfg.d, cfg.vocab, bias=False)
+        self.head.weight = self.tok_emb.weight  # tied
+        self.register_buffer("mask", torch.ones(cfg.seq, cfg.seq, dtype=torch.bool).tril(),
+                             persistent=False)
+        for m in self.modules():  # GPT-2's initialisation
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.tok_emb(idx) + self.pos_emb(torch.arange(t))
+        for block in self.blocks:
+            x = block(x, self.mask)
+        return self.head(self.ln_f(x))  # (B, T, vocab)
+
+
+def lm_loss(model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    x, y = batch
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def corpus() -> np.ndarray:
+    """Bytes of some standard library modules' sources (about 700 KB)."""
+    lib = Path(argparse.__file__).parent
+    text = b"".join((lib / f"{m}.py").read_bytes() for m in STDLIB_MODULES)
+    return np.frombuffer(text, np.uint8)
+
+
+def sample_batch(data: np.ndarray, step: int, batch: int, seq: int,
+                 seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The global batch of a step: the same on every rank (split it per rank)."""
+    rng = np.random.default_rng([seed, step])
+    starts = rng.integers(0, len(data) - seq - 1, batch)
+    idx = np.stack([data[s:s + seq + 1] for s in starts]).astype(np.int64)
+    return torch.from_numpy(idx[:, :-1]), torch.from_numpy(idx[:, 1:])
+
+
+def local_part(b: tuple[torch.Tensor, torch.Tensor], comm: ops.Communicator) -> tuple:
+    n = b[0].shape[0] // comm.world_size
+    return tuple(t[comm.rank * n:(comm.rank + 1) * n] for t in b)
+
+
+ZERO = {0: shard.zero0, 1: shard.zero1, 2: shard.zero2, 3: shard.zero3}
+
+
+def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: int = 16,
+          cfg: GPTConfig = GPTConfig(), lr: float = 3e-3, seed: int = 0,
+          progress: bool = True) -> dict:
+    """Train a GPT with ZeRO ``stage``; returns losses, timings and memory."""
+    torch.manual_seed(seed)
+    model = GPT(cfg)
+    params, loss = it.functional(model, loss=lm_loss)
+    step = ZERO[stage](loss, optimizer=ops.adamw(lr, weight_decay=0.01), comm=comm,
+                       clip_norm=1.0)
+    state = step.init(params)
+    data = corpus()
+    bar = None
+    if progress and comm.rank == 0:
+        from tqdm import tqdm
+
+        bar = tqdm(total=steps, desc=f"ZeRO-{stage} x{comm.world_size}", unit="step")
+    losses, t0, tokens = [], time.perf_counter(), 0
+    for i in range(steps):
+        state, metrics = step(state, local_part(sample_batch(data, i, batch, cfg.seq), comm))
+        losses.append(metrics["loss"])
+        tokens += batch * cfg.seq
+        if bar is not None:
+            bar.set_postfix(loss=f"{metrics['loss']:.3f}",
+                            tok_s=f"{tokens / (time.perf_counter() - t0):,.0f}")
+            bar.update()
+    if bar is not None:
+        bar.close()
+    return {"losses": losses, "seconds": time.perf_counter() - t0, "state_bytes": state.nbytes(),
+            "peak_unit_bytes": step.tracker.peak, "state": state, "step": step,
+            "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+def memory_table(comm: ops.Communicator, result: dict, cfg: GPTConfig) -> str:
+    """Per-rank bytes by kind: this run's state next to plain data parallelism."""
+    params, _ = it.functional(GPT(cfg), loss=lm_loss)
+    ddp = shard.zero0(it.functional(copy.deepcopy(GPT(cfg)), loss=lm_loss)[1],
+                      optimizer=ops.adamw(1e-3), comm=comm).init(params).nbytes()
+    ours = result["state_bytes"]
+    lines = [f"{'per-rank bytes':<22}{'this run':>12}{'plain DP':>12}",
+             *(f"{kind:<22}{ours[kind] / 2**20:>10.2f}Mi{ddp[kind] / 2**20:>10.2f}Mi"
+               for kind in ours),
+             f"{'total':<22}{sum(ours.values()) / 2**20:>10.2f}Mi"
+             f"{sum(ddp.values()) / 2**20:>10.2f}Mi",
+             f"{'peak gathered units':<22}{result['peak_unit_bytes'] / 2**20:>10.2f}Mi"]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
+    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="run N thread ranks in this process instead of under torchrun")
+    args = ap.parse_args(argv)
+    cfg = GPTConfig(d=args.d, layers=args.layers)
+    torch.set_num_threads(1)
+
+    def run(comm: ops.Communicator) -> None:
+        result = train(comm, stage=args.stage, steps=args.steps, batch=args.batch, cfg=cfg,
+                       lr=args.lr)
+        table = memory_table(comm, result, cfg)
+        if comm.rank == 0:
+            first = float(np.mean(result["losses"][:10]))
+            last = float(np.mean(result["losses"][-10:]))
+            print(f"\nloss {first:.3f} -> {last:.3f} (mean of the first and last 10 steps) in "
+                  f"{result['seconds']:.0f} s on {comm.world_size} {comm.backend} ranks\n")
+            print(table)
+
+    if args.threads:
+        ops.spawn(run, args.threads)
+    else:
+        run(ops.init_from_env())
+
+
+if __name__ == "__main__":
+    main()

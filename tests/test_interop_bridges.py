@@ -1,0 +1,73 @@
+"""DLPack bridges (pointers equal), and states in and out of JAX."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import interop
+import interop.jax as ij
+import ops
+import shard
+from tests import zero_models as M
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ops.BF16, np.float16, np.int32])
+def test_round_trips_share_memory(dtype):
+    a = ops.aligned_empty(64, dtype)
+    a[...] = np.arange(64).astype(dtype)
+    t = interop.to_torch(a)
+    j = interop.to_jax(t)
+    back = interop.to_numpy(j)
+    assert interop.shares_memory(a, t) and interop.shares_memory(t, j)
+    assert interop.shares_memory(j, back) and interop.shares_memory(a, interop.to_jax(a))
+    assert interop.shares_memory(interop.to_numpy(t), a)
+    np.testing.assert_array_equal(back.astype(np.float64), np.arange(64))
+    if dtype == ops.BF16:
+        assert t.dtype == torch.bfloat16 and j.dtype == jnp.bfloat16 and back.dtype == ops.BF16
+
+
+def test_bridges_refuse_what_cannot_be_shared():
+    with pytest.raises(ValueError, match="not C-contiguous"):
+        interop.to_torch(np.ones((4, 4), np.float32)[:, ::2])
+    assert interop.to_torch(np.ones((4, 4), np.float32)[:, ::2], copy=True).shape == (4, 2)
+    ro = np.ones(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        interop.to_torch(ro)
+    with pytest.raises(TypeError, match="complex64 has no torch equivalent"):
+        interop.to_torch(np.ones(2, np.complex64))
+    with pytest.raises(TypeError, match="expected a numpy, torch, jax or cupy array"):
+        interop.to_numpy([1, 2])
+    with pytest.raises(ValueError, match="not contiguous"):
+        interop.to_numpy(torch.ones(4, 4).T)
+    with pytest.raises(TypeError, match="narrow int64 to 32 bits"):
+        interop.to_jax(np.ones(4, np.int64))
+    assert interop.to_jax(np.ones(4, np.int64), copy=True).dtype == jnp.int32
+
+
+def test_a_gathered_state_runs_in_jit_on_a_mesh():
+    mesh = ij.mesh(4)
+    specs = [{"w": shard.Shard(0), "b": shard.Shard(0)},
+             {"w": shard.Shard(0), "b": shard.Replicate(), "gain": shard.Replicate()}]
+    batch = M.batches(1)[0]
+
+    def run(comm):
+        step = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm, specs=specs)
+        state = step.init(M.init_params())
+        local = ij.local_params(state)
+        np.testing.assert_array_equal(np.asarray(local[1]["b"]), state.params[1]["b"])
+        return shard.gather(state, comm)
+
+    full = ops.spawn(run, 4)[0]
+    sharded = ij.global_params(full, mesh, specs)
+    assert sharded[1]["w"].sharding.spec == jax.sharding.PartitionSpec()  # 5 rows: replicated
+    wide = {"w": np.ones((8, 3), np.float32)}
+    assert ij.global_params(wide, mesh)["w"].sharding.spec == jax.sharding.PartitionSpec("dp")
+    value = jax.jit(M.loss)(sharded, batch)
+    np.testing.assert_allclose(float(value), float(M.loss(full, batch)), rtol=1e-6)
+    with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
+        ij.mesh(64)
