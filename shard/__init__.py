@@ -13,8 +13,9 @@ from shard._loss import Layered
 from shard._memory import estimate_memory
 from shard._policy import LossScale, Precision
 from shard._specs import Replicate, Shard, from_partition_spec, to_partition_spec
+from shard._stages import zero0, zero1, zero2, zero3
 from shard._state import DonatedStateError, TrainState
-from shard._zero import ZeroStep, zero0, zero1, zero2, zero3
+from shard._zero import ZeroStep
 
 __all__ = [
     "CheckpointError",

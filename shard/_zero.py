@@ -1,9 +1,9 @@
-"""ZeRO stages 0-3 as one function transform.
+"""ZeRO stages 0-3 as one code path: :class:`ZeroStep`.
 
-``step = shard.zero3(loss_fn, optimizer=ops.adamw(1e-3), comm=comm)`` builds a
-:class:`ZeroStep`; ``state = step.init(params)`` partitions the params;
-``state, metrics = step(state, batch)`` runs one optimizer step (a list of
-batches is one step with gradient accumulation over them).
+``step = shard.zero3(loss_fn, optimizer=ops.adamw(1e-3), comm=comm)`` (see
+``shard/_stages.py``) builds a :class:`ZeroStep`; ``state = step.init(params)``
+partitions the params; ``state, metrics = step(state, batch)`` runs one
+optimizer step (a list of batches is one step with gradient accumulation).
 
 What each stage shards (the ZeRO paper's P_os, P_os+g, P_os+g+p):
 
@@ -31,7 +31,6 @@ from __future__ import annotations
 import logging
 import math
 import zlib
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -45,7 +44,7 @@ from shard._runtime import GradReducer, LiveBytes
 from shard._runtime import Units as UnitParams
 from shard._state import StateMeta, TrainState
 
-__all__ = ["ZeroStep", "zero0", "zero1", "zero2", "zero3"]
+__all__ = ["ZeroStep"]
 
 log = logging.getLogger(__name__)
 
@@ -335,70 +334,3 @@ class ZeroStep:
                 self._fast.all_gather_into(gathered, src[u][:unit.sharded_size])
             for i in unit.leaves:
                 views[i][...] = self.layout.gathered_leaf(self.layout.leaves[i], gathered, src[u])
-
-
-def _make(stage: int) -> Callable[..., ZeroStep]:
-    def transform(loss_fn: Any = None, /, *, optimizer: FusedAdam, comm: Communicator,
-                  specs: Any = None, units: Units = None, precision: Precision | None = None,
-                  clip_norm: float | None = None, loss_scale: LossScale | None = None,
-                  prefetch: int = 1) -> Any:
-        kw = dict(stage=stage, optimizer=optimizer, comm=comm, specs=specs, units=units,
-                  precision=precision, clip_norm=clip_norm, loss_scale=loss_scale,
-                  prefetch=prefetch)
-        if loss_fn is None:  # used as a decorator with arguments
-            return lambda fn: ZeroStep(fn, **kw)
-        return ZeroStep(loss_fn, **kw)
-
-    return transform
-
-
-_DOC = """ZeRO stage {stage} of ``loss_fn``: {what}.
-
-Args:
-  loss_fn: a JAX function ``(params, batch) -> scalar loss``, a
-    :class:`shard.Layered` chain of per-unit layers, or an object with
-    ``value_and_grad(params, batch) -> (loss, grads)`` (e.g. the torch adapter).
-  optimizer: ``ops.adamw(...)`` or ``ops.adam(...)``.
-  comm: this rank's communicator (``ops.spawn`` or ``ops.init_from_env``).
-  specs: a spec per leaf, a prefix of the params tree, or one spec
-    (default ``Shard(0)`` everywhere; scalars are replicated).
-  units: how leaves group into units: None (top-level subtrees), a depth, or a
-    function from a leaf's key path to its unit key.
-  precision: a :class:`shard.Precision` (e.g. bf16 params, fp32 reduction).
-  clip_norm: clip gradients to this global norm (computed across all shards).
-  loss_scale: a :class:`shard.LossScale` for dynamic float16 loss scaling.
-  prefetch: how many units ahead to all-gather at stage 3.
-
-Returns:
-  A :class:`ZeroStep`: ``state = step.init(params)``, then
-  ``state, metrics = step(state, batch)``; a list of batches is one step with
-  gradient accumulation. ``batch`` is this rank's part of the global batch.
-  metrics: loss (mean over ranks), grad_norm (before clipping), lr,
-  loss_scale, skipped.
-
-Example:
-  >>> import numpy as np, jax.numpy as jnp, ops, shard
-  >>> def loss(p, b):
-  ...     return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)
-  >>> def run(comm):
-  ...     step = shard.zero{stage}(loss, optimizer=ops.adamw(1e-2), comm=comm)
-  ...     state = step.init({{"w": np.ones((3, 1), np.float32)}})
-  ...     batch = {{"x": np.ones((4, 3), np.float32), "y": np.zeros((4, 1), np.float32)}}
-  ...     state, metrics = step(state, batch)
-  ...     return round(metrics["loss"], 3)
-  >>> ops.spawn(run, 2)
-  [9.0, 9.0]
-"""
-
-zero0 = _make(0)
-zero0.__doc__ = _DOC.format(stage=0, what="plain data parallelism (everything replicated; "
-                            "gradients all-reduced)")
-zero1 = _make(1)
-zero1.__doc__ = _DOC.format(stage=1, what="optimizer states and fp32 masters sharded")
-zero2 = _make(2)
-zero2.__doc__ = _DOC.format(stage=2, what="optimizer states, masters and gradients sharded")
-zero3 = _make(3)
-zero3.__doc__ = _DOC.format(stage=3, what="optimizer states, gradients and parameters sharded; "
-                            "each unit gathered only while it computes")
-for _f, _n in ((zero0, "zero0"), (zero1, "zero1"), (zero2, "zero2"), (zero3, "zero3")):
-    _f.__name__ = _f.__qualname__ = _n
