@@ -7,7 +7,7 @@ with ratios to torch's fused CPU Adam and to the memory-bandwidth floor.
 Rows:
   floor          a one-pass stream with Adam's traffic (read p, g, m, v; write
                  p, m, v: 28 bytes/param) and no math: the bandwidth bound.
-  ours           ops.fused_adam_step, fp32 grads (one call per tensor).
+  ours           ops.fused_adam_multi, fp32 grads (all tensors in one call).
   torch fused    torch.optim.AdamW(fused=True).
   torch foreach  torch.optim.AdamW(foreach=True).
   optax          optax.adamw under jax.jit with donated params and state.
@@ -89,8 +89,7 @@ def setup_ours(sizes):
     p, g, m, v = _numpy_state(sizes)
 
     def step(t: int) -> None:
-        for a, b, c, d in zip(p, g, m, v, strict=True):
-            ops.fused_adam_step(a, b, c, d, step=t, lr=LR, weight_decay=WD)
+        ops.fused_adam_multi(p, g, m, v, step=t, lr=LR, weight_decay=WD)
     return step
 
 
@@ -99,13 +98,10 @@ def setup_ours_phase(sizes):
     copies = [np.empty(s, ops.BF16) for s in sizes]
 
     def step(t: int) -> None:
-        total = np.zeros(1)
-        for b in g:
-            total += ops.sum_of_squares(b)
-        for a, b, c, d, e in zip(p, g, m, v, copies, strict=True):
-            ops.fused_adam_step(a, b, c, d, step=t, lr=LR, weight_decay=WD,
-                                grad_scale=1.0 / LOSS_SCALE, grad_sumsq=total,
-                                max_norm=MAX_NORM, param_copy=e)
+        total = ops.sum_of_squares(g)
+        ops.fused_adam_multi(p, g, m, v, step=t, lr=LR, weight_decay=WD,
+                             grad_scale=1.0 / LOSS_SCALE, grad_sumsq=total, max_norm=MAX_NORM,
+                             param_copies=copies)
     return step
 
 

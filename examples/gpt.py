@@ -125,12 +125,20 @@ def local_part(b: tuple[torch.Tensor, torch.Tensor], comm: ops.Communicator) -> 
 ZERO = {0: shard.zero0, 1: shard.zero1, 2: shard.zero2, 3: shard.zero3}
 
 
-def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: int = 16,
-          cfg: GPTConfig = GPTConfig(), lr: float = 3e-3, seed: int = 0,
-          progress: bool = True) -> dict:
-    """Train a GPT with ZeRO ``stage``; returns losses, timings and memory."""
+def build(cfg: GPTConfig, seed: int = 0) -> GPT:
     torch.manual_seed(seed)
-    model = GPT(cfg)
+    return GPT(cfg)
+
+
+def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: int = 16,
+          cfg: GPTConfig = GPTConfig(), lr: float = 3e-3, model: GPT | None = None,
+          progress: bool = True) -> dict:
+    """Train a GPT with ZeRO ``stage``; returns losses, timings and memory.
+
+    Every rank must start from the same weights: pass ``model`` (each rank
+    trains a deep copy) when ranks are threads, which share torch's RNG.
+    """
+    model = copy.deepcopy(model) if model is not None else build(cfg)
     params, loss = it.functional(model, loss=lm_loss)
     step = ZERO[stage](loss, optimizer=ops.adamw(lr, weight_decay=0.01), comm=comm,
                        clip_norm=1.0)
@@ -158,10 +166,10 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
 
 
 def memory_table(comm: ops.Communicator, result: dict, cfg: GPTConfig) -> str:
-    """Per-rank bytes by kind: this run's state next to plain data parallelism."""
-    params, _ = it.functional(GPT(cfg), loss=lm_loss)
-    ddp = shard.zero0(it.functional(copy.deepcopy(GPT(cfg)), loss=lm_loss)[1],
-                      optimizer=ops.adamw(1e-3), comm=comm).init(params).nbytes()
+    """Per-rank bytes by kind: this run's state (measured) next to plain data
+    parallelism (``estimate_memory``, which the tests hold equal to a state's bytes)."""
+    params, fn = it.functional(GPT(cfg), loss=lm_loss)
+    ddp = shard.estimate_memory(params, stage=0, world_size=comm.world_size, units=fn.units)
     ours = result["state_bytes"]
     lines = [f"{'per-rank bytes':<22}{'this run':>12}{'plain DP':>12}",
              *(f"{kind:<22}{ours[kind] / 2**20:>10.2f}Mi{ddp[kind] / 2**20:>10.2f}Mi"
@@ -187,9 +195,11 @@ def main(argv: list[str] | None = None) -> None:
     cfg = GPTConfig(d=args.d, layers=args.layers)
     torch.set_num_threads(1)
 
+    model = build(cfg)
+
     def run(comm: ops.Communicator) -> None:
         result = train(comm, stage=args.stage, steps=args.steps, batch=args.batch, cfg=cfg,
-                       lr=args.lr)
+                       lr=args.lr, model=model)
         table = memory_table(comm, result, cfg)
         if comm.rank == 0:
             first = float(np.mean(result["losses"][:10]))

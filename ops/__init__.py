@@ -6,7 +6,7 @@ NCCL) and the functional collectives over them. numpy arrays run the CPU
 build of each kernel, cupy arrays its CUDA build.
 """
 
-from ops._adam import fused_adam_step
+from ops._adam import fused_adam_multi, fused_adam_step
 from ops._arrays import BF16
 from ops._build import KernelBuildError
 from ops._cast import cast
@@ -43,6 +43,7 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "cast",
+    "fused_adam_multi",
     "fused_adam_step",
     "global_norm",
     "init_from_env",

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ops._build import load_cpu
-from ops._kernels import Kernel, sumsq_kernels
+from ops._kernels import ADAM_MULTI_PARAMS, Kernel, sumsq_kernels
 
 __all__ = ["CpuDriver", "cpu_driver"]
 
@@ -35,26 +35,39 @@ class CpuDriver:
     def __init__(self) -> None:
         self._functions: dict[str, Any] = {}
 
-    def _function(self, kernel: Kernel) -> Any:
-        fn = self._functions.get(kernel.name)
+    def _function(self, family: str, cname: str, signature: tuple) -> Any:
+        fn = self._functions.get(cname)
         if fn is None:
-            if kernel.host is None:
-                raise NotImplementedError(f"kernel {kernel.name} has no CPU host driver")
-            fn = getattr(load_cpu(kernel.family), kernel.host)
-            fn.argtypes = [_CTYPES[kind] for _, kind in kernel.host_signature]
+            fn = getattr(load_cpu(family), cname)
+            fn.argtypes = [_CTYPES[kind] for _, kind in signature]
             fn.restype = None
-            self._functions[kernel.name] = fn
+            self._functions[cname] = fn
         return fn
 
     def elementwise(self, kernel: Kernel, n: int, args: tuple) -> None:
         """Run an elementwise kernel over ``n`` elements; args in ``kernel.params`` order."""
+        if kernel.host is None:
+            raise NotImplementedError(f"kernel {kernel.name} has no CPU host driver")
         sig = kernel.host_signature
-        self._function(kernel)(*(_arg(a, kind) for a, (_, kind) in zip(args, sig, strict=True)))
+        fn = self._function(kernel.family, kernel.host, sig)
+        fn(*(_arg(a, kind) for a, (_, kind) in zip(args, sig, strict=True)))
 
-    def sum_of_squares(self, x: np.ndarray, code: str, out: np.ndarray) -> None:
-        """Write the float64 sum of squares of ``x`` into ``out[0]``."""
+    def adam_multi(self, kernel: Kernel, tensors: list[tuple], scalars: tuple) -> None:
+        """One fused Adam call over many (p, g, m, v, copy) tuples; scalars from ``sumsq`` on."""
+        ptrs = np.array([0 if a is None else a.ctypes.data for t in tensors for a in t],
+                        np.int64)
+        sizes = np.array([t[0].size for t in tensors], np.int64)
+        fn = self._function(kernel.family, kernel.multi_host, ADAM_MULTI_PARAMS)
+        args = (ptrs, sizes, len(tensors), *scalars)
+        fn(*(_arg(a, kind) for a, (_, kind) in zip(args, ADAM_MULTI_PARAMS, strict=True)))
+
+    def sum_of_squares(self, xs: list[np.ndarray], code: str, out: np.ndarray) -> None:
+        """Write the float64 sum of squares of all of ``xs`` into ``out[0]``."""
         partial, _ = sumsq_kernels(code)
-        self._function(partial)(x.ctypes.data, x.size, out.ctypes.data)
+        ptrs = np.array([x.ctypes.data for x in xs], np.int64)
+        sizes = np.array([x.size for x in xs], np.int64)
+        fn = self._function(partial.family, partial.host, partial.host_signature)
+        fn(ptrs.ctypes.data, sizes.ctypes.data, len(xs), out.ctypes.data)
 
 
 @functools.cache

@@ -76,8 +76,18 @@ class CudaDriver:
             return  # a zero-block grid is a launch error in CUDA
         self.launch(kernel, self.grid(kernel, n), args)
 
-    def sum_of_squares(self, x: Any, code: str, out: Any) -> None:
-        """Write the float64 sum of squares of ``x`` into ``out[0]`` (no host sync)."""
+    def sum_of_squares(self, xs: list[Any], code: str, out: Any) -> None:
+        """Write the float64 sum of squares of all of ``xs`` into ``out[0]`` (no host
+        synchronisation: per-tensor sums are added on the device)."""
+        if len(xs) == 1:
+            self._sum_of_squares(xs[0], code, out)
+            return
+        parts = self.xp.zeros(len(xs), dtype=np.float64)
+        for i, x in enumerate(xs):
+            self._sum_of_squares(x, code, parts[i:i + 1])
+        out[0] = parts.sum()
+
+    def _sum_of_squares(self, x: Any, code: str, out: Any) -> None:
         partial, finish = sumsq_kernels(code)
         if x.size == 0:
             out[0] = 0.0

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["TABLE", "Kernel", "adam_kernel", "cast_kernel", "sumsq_kernels"]
+__all__ = ["ADAM_MULTI_PARAMS", "TABLE", "Kernel", "adam_kernel", "cast_kernel",
+           "sumsq_kernels"]
 
 # Parameter kinds: "ptr" (an array, or None for a null pointer), "f4", "f8", "i8".
 _ADAM_PARAMS = (
@@ -21,9 +22,11 @@ _ADAM_PARAMS = (
 )
 _CAST_PARAMS = (("x", "ptr"), ("y", "ptr"), ("n", "i8"))
 _SUMSQ_PARAMS = (("x", "ptr"), ("n", "i8"), ("partials", "ptr"))
-_SUMSQ_HOST_PARAMS = (("x", "ptr"), ("n", "i8"), ("out", "ptr"))
+_SUMSQ_HOST_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), ("out", "ptr"))
+_ADAM_MULTI_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), *_ADAM_PARAMS[6:])
 _FINISH_PARAMS = (("partials", "ptr"), ("nparts", "i8"), ("out", "ptr"))
 
+ADAM_MULTI_PARAMS = _ADAM_MULTI_PARAMS
 DTYPE_CODES = ("f32", "bf16", "f16")
 COPY_CODES = ("none", "bf16", "f16")
 
@@ -39,6 +42,8 @@ class Kernel:
       block: the block size every launch uses (``__launch_bounds__``).
       host: the host driver's C name, or None when the kernel has none.
       host_params: the host driver's parameters when they differ from ``params``.
+      multi_host: a host driver over many tensors in one call (``ptrs``: an int64
+        array of each tensor's pointers, ``sizes``: their lengths), or None.
     """
 
     name: str
@@ -47,6 +52,7 @@ class Kernel:
     block: int = 256
     host: str | None = None
     host_params: tuple[tuple[str, str], ...] | None = None
+    multi_host: str | None = None
 
     @property
     def host_signature(self) -> tuple[tuple[str, str], ...]:
@@ -58,7 +64,8 @@ def _entries() -> dict[str, Kernel]:
     for g in DTYPE_CODES:
         for c in COPY_CODES:
             name = f"zs_adam_{g}_{c}"
-            table[name] = Kernel(name, "adam", _ADAM_PARAMS, host=name + "_host")
+            table[name] = Kernel(name, "adam", _ADAM_PARAMS, host=name + "_host",
+                                 multi_host=name + "_multi_host")
     for x, y in (("f32", "bf16"), ("f32", "f16"), ("bf16", "f32"), ("f16", "f32")):
         name = f"zs_cast_{x}_{y}"
         table[name] = Kernel(name, "cast", _CAST_PARAMS, host=name + "_host")

@@ -20,11 +20,12 @@ def sum_of_squares(x: Any, *, out: Any = None) -> Any:
     what :func:`ops.fused_adam_step` takes as ``grad_sumsq``: add the results of
     every shard (an all-reduce) for the global value. An inf or nan anywhere in
     ``x`` makes the result non-finite: that is the overflow flag of dynamic loss
-    scaling. The order of additions is fixed for a given size and device, so the
+    scaling. The order of additions is fixed for given sizes and device, so the
     result is reproducible.
 
     Args:
-      x: a float32, bfloat16 or float16 array (any shape, C-contiguous).
+      x: a float32, bfloat16 or float16 array (any shape, C-contiguous), or a
+        pytree of them, summed together (one kernel call per dtype on the CPU).
       out: optional one-element float64 array to write into.
 
     Returns:
@@ -35,14 +36,25 @@ def sum_of_squares(x: Any, *, out: Any = None) -> Any:
       >>> float(ops.sum_of_squares(np.array([3.0, 4.0], np.float32))[0])
       25.0
     """
-    kind = array_kind(x)
-    code = check_array("sum_of_squares", "x", x, dtypes=("f32", "bf16", "f16"))
+    leaves = tree_leaves(x)
+    if not leaves:
+        raise ValueError("sum_of_squares: no arrays given")
+    kind = array_kind(leaves[0])
+    groups: dict[str, list[Any]] = {}
+    for leaf in leaves:
+        code = check_array("sum_of_squares", "x", leaf, dtypes=("f32", "bf16", "f16"), kind=kind)
+        groups.setdefault(code, []).append(leaf)
+    xp = xp_of(leaves[0])
     if out is None:
-        out = xp_of(x).zeros(1, dtype=np.float64)
+        out = xp.zeros(1, dtype=np.float64)
     elif out.dtype != np.float64 or out.size != 1 or array_kind(out) != kind:
         raise TypeError(f"sum_of_squares: out must be a one-element float64 {kind} array; got "
                         f"{out.dtype} of shape {tuple(out.shape)}")
-    driver_for(kind).sum_of_squares(x, code, out)
+    driver = driver_for(kind)
+    parts = [xp.zeros(1, dtype=np.float64) for _ in groups]
+    for part, (code, xs) in zip(parts, groups.items(), strict=True):
+        driver.sum_of_squares(xs, code, part)
+    out[...] = sum(parts[1:], parts[0])
     return out
 
 
@@ -54,7 +66,4 @@ def global_norm(tree: Any) -> float:
       >>> ops.global_norm({"a": np.array([3.0], np.float32), "b": np.array([4.0], np.float32)})
       5.0
     """
-    total = 0.0
-    for leaf in tree_leaves(tree):
-        total += float(sum_of_squares(leaf)[0])
-    return math.sqrt(total)
+    return math.sqrt(float(sum_of_squares(tree)[0]))

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ops._adam import fused_adam_step
+from ops._adam import fused_adam_multi
 from ops._arrays import xp_of
 from ops._tree import tree_util
 
@@ -62,13 +62,12 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
             return params, state  # overflow: nothing changes, the step is not counted
         leaves, treedef = tu.tree_flatten(params)
         g, m, v = (treedef.flatten_up_to(t) for t in (grads, state.mu, state.nu))
-        c = treedef.flatten_up_to(copies) if copies is not None else [None] * len(leaves)
-        hp = dict(step=count + 1, lr=lr_at(count), betas=(b1, b2), eps=eps,
-                  weight_decay=weight_decay, decoupled=decoupled, grad_scale=grad_scale,
-                  grad_sumsq=grad_sumsq, max_norm=max_norm, donate=donate)
-        out = [fused_adam_step(*args, param_copy=ci, **hp)
-               for *args, ci in zip(leaves, g, m, v, c, strict=True)]
-        new_p, new_m, new_v = (treedef.unflatten([o[i] for o in out]) for i in range(3))
+        c = treedef.flatten_up_to(copies) if copies is not None else None
+        out = fused_adam_multi(leaves, g, m, v, step=count + 1, lr=lr_at(count),
+                               betas=(b1, b2), eps=eps, weight_decay=weight_decay,
+                               decoupled=decoupled, grad_scale=grad_scale, grad_sumsq=grad_sumsq,
+                               max_norm=max_norm, param_copies=c, donate=donate)
+        new_p, new_m, new_v = (treedef.unflatten(x) for x in out)
         return new_p, AdamState(np.asarray(count + 1, np.int64), new_m, new_v)
 
     def update(grads: Any, state: AdamState, params: Any = None) -> tuple[Any, AdamState]:

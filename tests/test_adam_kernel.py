@@ -158,3 +158,24 @@ def test_bad_input_raises_precise_errors(rng):
         step(p, g, m, v, step=1, lr=1e-3, grad_sumsq=np.zeros(1, np.float32))
     with pytest.raises(TypeError, match="param_copy must have dtype"):
         step(p, g, m, v, step=1, lr=1e-3, param_copy=np.zeros(8, np.float32))
+
+
+def test_multi_tensor_call_equals_one_call_per_tensor(rng):
+    sizes = [1, 7, 65_537, 3, 200_003, 0, 70_000]
+    gdtypes = [np.float32, BF16, np.float32, np.float16, np.float32, np.float32, BF16]
+    singles = [_state(rng, n, d) for n, d in zip(sizes, gdtypes, strict=True)]
+    multi = [tuple(x.copy() for x in s) for s in singles]
+    copies = [np.zeros(n, BF16) for n in sizes]
+    copies_multi = [c.copy() for c in copies]
+    sumsq = np.array([12.5])
+    hp = dict(step=4, lr=1e-2, weight_decay=0.1, grad_scale=0.5, grad_sumsq=sumsq, max_norm=1.0)
+    for (p, g, m, v), c in zip(singles, copies, strict=True):
+        ops.fused_adam_step(p, g, m, v, param_copy=c, **hp)
+    ps, ms, vs = ops.fused_adam_multi(*zip(*multi, strict=True), param_copies=copies_multi, **hp)
+    for a, b in zip(singles, zip(ps, [t[1] for t in multi], ms, vs, strict=True), strict=True):
+        for x, y in zip(a, b, strict=True):
+            np.testing.assert_array_equal(x.view(np.uint8), y.view(np.uint8))
+    for c, cm in zip(copies, copies_multi, strict=True):
+        np.testing.assert_array_equal(c.view(np.uint16), cm.view(np.uint16))
+    with pytest.raises(ValueError, match="must be as many"):
+        ops.fused_adam_multi(ps, ps[:2], ms, vs, step=1, lr=1e-3)

@@ -70,7 +70,7 @@ def test_two_pass_sum_of_squares_uses_shuffles_and_barriers_faithfully(rng, emul
     """Warp shuffles, shared memory and __syncthreads in the emulated kernel."""
     x = rng.standard_normal(n).astype(DT[code])
     out = np.full(1, np.nan)
-    emulated_cuda.sum_of_squares(x, code, out)
+    emulated_cuda.sum_of_squares([x], code, out)
     np.testing.assert_allclose(out[0], np.sum(x.astype(np.float64) ** 2), rtol=1e-12)
 
 
@@ -106,7 +106,7 @@ def test_table_lists_every_exported_kernel():
     """Every extern "C" entry in the CPU builds is a table kernel, its host or emulation."""
     known = set()
     for k in TABLE.values():
-        known |= {k.name, f"zs_emu_{k.name}"} | ({k.host} if k.host else set())
+        known |= {k.name, f"zs_emu_{k.name}"} | {h for h in (k.host, k.multi_host) if h}
     for family in sorted({k.family for k in TABLE.values()}):
         lib = load_cpu(family)
         nm = subprocess.run(["nm", "-D", "--defined-only", lib._name], capture_output=True,

@@ -84,3 +84,13 @@ def test_cast_over_a_pytree_and_errors():
         ops.cast(np.ones(3, np.float16), ml_dtypes.bfloat16)
     with pytest.raises(TypeError, match="x must have dtype"):
         ops.cast(np.ones(3, np.float64), np.float16)
+
+
+def test_sum_of_squares_of_a_pytree_is_one_sum(rng):
+    tree = {"a": rng.standard_normal(70_001).astype(np.float32),
+            "b": [rng.standard_normal(5).astype(BF16), rng.standard_normal(130_000).astype(
+                np.float16)], "c": np.zeros(0, np.float32)}
+    want = sum(np.sum(x.astype(np.float64) ** 2) for x in (tree["a"], *tree["b"]))
+    np.testing.assert_allclose(ops.sum_of_squares(tree)[0], want, rtol=1e-12)
+    with pytest.raises(ValueError, match="no arrays"):
+        ops.sum_of_squares({})

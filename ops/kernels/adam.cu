@@ -71,9 +71,39 @@ static void adam_host_slice(float* __restrict__ p, const G* __restrict__ g,
 }
 #endif
 
+#ifdef ZS_CPU
+// Many tensors in one thread team: the concatenated index space is cut into
+// one contiguous range per thread, each range walked tensor by tensor. ptrs
+// holds (p, g, m, v, copy) for each tensor.
+template <typename G, typename H>
+static void adam_host_multi(const zs_i64* ptrs, const zs_i64* sizes, zs_i64 ntensors,
+                            const AdamScalars a) {
+  zs_i64 total = 0;
+  for (zs_i64 k = 0; k < ntensors; ++k) total += sizes[k];
+  zs_host_for(total, [=](zs_i64 begin, zs_i64 end) {
+    zs_i64 start = 0;
+    for (zs_i64 k = 0; k < ntensors && start < end; start += sizes[k], ++k) {
+      zs_i64 lo = begin > start ? begin - start : 0;
+      zs_i64 hi = end - start < sizes[k] ? end - start : sizes[k];
+      if (hi <= lo) continue;
+      const zs_i64* q = ptrs + 5 * k;
+      adam_host_slice((float*)q[0], (const G*)q[1], (float*)q[2], (float*)q[3], (H*)q[4], lo,
+                      hi, a);
+    }
+  });
+}
+#endif
+
 #define ZS_ADAM_PARAMS(G, H)                                                     \
   float *__restrict__ p, const G *__restrict__ g, float *__restrict__ m,         \
       float *__restrict__ v, H *__restrict__ copy, zs_i64 n,                    \
+      const double *__restrict__ sumsq, float beta1, float beta2, float omb1,    \
+      float omb2, float step_size, float bc2_sqrt, float eps, float decay,       \
+      float l2, float grad_scale, float max_norm
+
+// The multi-tensor host driver's parameters: n counts tensors here.
+#define ZS_ADAM_MULTI_PARAMS                                                     \
+  const zs_i64 *__restrict__ ptrs, const zs_i64 *__restrict__ sizes, zs_i64 n,   \
       const double *__restrict__ sumsq, float beta1, float beta2, float omb1,    \
       float omb2, float step_size, float bc2_sqrt, float eps, float decay,       \
       float l2, float grad_scale, float max_norm
@@ -94,6 +124,10 @@ static void adam_host_slice(float* __restrict__ p, const G* __restrict__ g,
     zs_host_for(n, [=](zs_i64 begin, zs_i64 end) {                             \
       adam_host_slice(p, g, m, v, copy, begin, end, a);                          \
     });                                                                          \
+  }                                                                              \
+  extern "C" void zs_adam_##SUFFIX##_multi_host(ZS_ADAM_MULTI_PARAMS) {          \
+    ZS_ADAM_PROLOGUE                                                             \
+    adam_host_multi<G, H>(ptrs, sizes, n, a);                                    \
   })
 
 ZS_ADAM_ENTRY(f32_none, float, zs_none)

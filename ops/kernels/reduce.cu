@@ -4,8 +4,9 @@
 // GPU: a grid-stride pass writes one partial per block (warp shuffles, then
 // shared memory across warps; no atomics), and a one-block second pass adds
 // the partials in a fixed order, so a given launch is deterministic.
-// CPU: fixed 64 Ki-element chunks summed in parallel (16 lanes each), then
-// added in order, so the result does not depend on the number of threads.
+// CPU: one call sums any number of tensors: fixed 64 Ki-element chunks summed
+// in parallel (16 lanes each), then added in order, so the result does not
+// depend on the number of threads.
 #include "common.cuh"
 
 #define ZS_REDUCE_BLOCK 256  // launchers must use exactly this block size
@@ -42,40 +43,54 @@ __device__ __forceinline__ double zs_sumsq_thread(const T* __restrict__ x, zs_i6
     double s = zs_block_sum(zs_sumsq_thread(x, n));                                \
     if (threadIdx.x == 0) partials[blockIdx.x] = s;                                \
   }                                                                                \
-  ZS_HOST(extern "C" void zs_sumsq_##SUFFIX##_host(const T* __restrict__ x,       \
-                                                   zs_i64 n, double* out) {       \
-    *out = zs_sumsq_chunked(x, n);                                                 \
+  ZS_HOST(extern "C" void zs_sumsq_##SUFFIX##_host(const zs_i64* __restrict__ ptrs,  \
+                                                   const zs_i64* __restrict__ sizes,  \
+                                                   zs_i64 n, double* out) {           \
+    *out = zs_sumsq_chunked<T>(ptrs, sizes, n);                                        \
   })
 
 #ifdef ZS_CPU
+#include <algorithm>
 #include <vector>
 // 16 running sums per chunk: one float64 accumulator would make the loop wait
 // on the adder's latency (about 12 GB/s); four vector accumulators keep up
 // with memory. The order of additions is fixed, so results are reproducible.
 template <typename T>
-static double zs_sumsq_chunked(const T* __restrict__ x, zs_i64 n) {
-  const zs_i64 chunk = 1 << 16, lanes = 16;
-  zs_i64 nchunks = (n + chunk - 1) / chunk;
+static double zs_sumsq_range(const T* __restrict__ x, zs_i64 begin, zs_i64 end) {
+  const zs_i64 lanes = 16;
+  double acc[lanes] = {0.0};
+  zs_i64 i = begin;
+  for (; i + lanes <= end; i += lanes) {
+#pragma omp simd
+    for (zs_i64 j = 0; j < lanes; ++j) {
+      double v = zs_to_f32(x[i + j]);
+      acc[j] += v * v;
+    }
+  }
+  double tail = 0.0;
+  for (; i < end; ++i) {
+    double v = zs_to_f32(x[i]);
+    tail += v * v;
+  }
+  for (zs_i64 j = 0; j < lanes; ++j) tail += acc[j];
+  return tail;
+}
+
+// The sum over several tensors: every tensor's 64 Ki-element chunks go to one
+// thread team and the chunks' sums are added in (tensor, chunk) order.
+template <typename T>
+static double zs_sumsq_chunked(const zs_i64* ptrs, const zs_i64* sizes, zs_i64 ntensors) {
+  const zs_i64 chunk = 1 << 16;
+  std::vector<zs_i64> first(ntensors + 1, 0);
+  for (zs_i64 k = 0; k < ntensors; ++k) first[k + 1] = first[k] + (sizes[k] + chunk - 1) / chunk;
+  zs_i64 nchunks = first[ntensors];
   std::vector<double> parts(nchunks);
 #pragma omp parallel for schedule(static) if (nchunks > 1)
   for (zs_i64 c = 0; c < nchunks; ++c) {
-    zs_i64 begin = c * chunk, end = (c + 1) * chunk < n ? (c + 1) * chunk : n;
-    double acc[lanes] = {0.0};
-    zs_i64 i = begin;
-    for (; i + lanes <= end; i += lanes) {
-#pragma omp simd
-      for (zs_i64 j = 0; j < lanes; ++j) {
-        double v = zs_to_f32(x[i + j]);
-        acc[j] += v * v;
-      }
-    }
-    double tail = 0.0;
-    for (; i < end; ++i) {
-      double v = zs_to_f32(x[i]);
-      tail += v * v;
-    }
-    for (zs_i64 j = 0; j < lanes; ++j) tail += acc[j];
-    parts[c] = tail;
+    zs_i64 k = std::upper_bound(first.begin(), first.end(), c) - first.begin() - 1;
+    zs_i64 begin = (c - first[k]) * chunk;
+    zs_i64 end = begin + chunk < sizes[k] ? begin + chunk : sizes[k];
+    parts[c] = zs_sumsq_range((const T*)ptrs[k], begin, end);
   }
   double total = 0.0;
   for (zs_i64 c = 0; c < nchunks; ++c) total += parts[c];
