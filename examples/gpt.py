@@ -161,6 +161,7 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     if bar is not None:
         bar.close()
     return {"losses": losses, "seconds": time.perf_counter() - t0, "state_bytes": state.nbytes(),
+            "stage": stage,
             "peak_unit_bytes": step.tracker.peak, "state": state, "step": step,
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
@@ -171,12 +172,15 @@ def memory_table(comm: ops.Communicator, result: dict, cfg: GPTConfig) -> str:
     params, fn = it.functional(GPT(cfg), loss=lm_loss)
     ddp = shard.estimate_memory(params, stage=0, world_size=comm.world_size, units=fn.units)
     ours = result["state_bytes"]
+    ours_grads = shard.estimate_memory(params, stage=result["stage"], world_size=comm.world_size,
+                                       units=fn.units)["grads"]
+    rows = [(kind, ours[kind], ddp[kind]) for kind in ours]
+    rows.append(("grads (in a step)", ours_grads, ddp["grads"]))
+    rows.append(("total", sum(r[1] for r in rows), sum(r[2] for r in rows)))
     lines = [f"{'per-rank bytes':<22}{'this run':>12}{'plain DP':>12}",
-             *(f"{kind:<22}{ours[kind] / 2**20:>10.2f}Mi{ddp[kind] / 2**20:>10.2f}Mi"
-               for kind in ours),
-             f"{'total':<22}{sum(ours.values()) / 2**20:>10.2f}Mi"
-             f"{sum(ddp.values()) / 2**20:>10.2f}Mi",
-             f"{'peak gathered units':<22}{result['peak_unit_bytes'] / 2**20:>10.2f}Mi"]
+             *(f"{k:<22}{a / 2**20:>10.2f}Mi{b / 2**20:>10.2f}Mi" for k, a, b in rows),
+             f"{'peak gathered units':<22}{result['peak_unit_bytes'] / 2**20:>10.2f}Mi",
+             f"{'peak RSS (process)':<22}{result['rss_mib']:>10.0f}Mi"]
     return "\n".join(lines)
 
 

@@ -78,12 +78,12 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
       a ``units`` function that groups the params into units.
 
     Example:
-      >>> import torch, ops, shard, interop.torch as it
-      >>> def run(comm):
-      ...     torch.manual_seed(0)
-      ...     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
-      ...                                 torch.nn.Linear(8, 1))
-      ...     params, loss = it.functional(model, loss=lambda m, b: m(b[0]).pow(2).mean())
+      >>> import copy, torch, ops, shard, interop.torch as it
+      >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+      ...                             torch.nn.Linear(8, 1))
+      >>> def run(comm):  # thread ranks: each trains its own copy of one model
+      ...     params, loss = it.functional(copy.deepcopy(model),
+      ...                                  loss=lambda m, b: m(b[0]).pow(2).mean())
       ...     step = shard.zero3(loss, optimizer=ops.adamw(1e-2), comm=comm)
       ...     state = step.init(params)
       ...     state, metrics = step(state, (torch.ones(2, 4),))
