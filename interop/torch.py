@@ -236,13 +236,12 @@ class TorchLoss:
 
     def _reduce(self, u: int) -> None:
         a = self._active
+        layout = a["units"].layout
         grads = []
-        for name in a["members"][u]:
+        for name, i in zip(a["members"][u], layout.units[u].leaves, strict=True):
             p = self.named[name]
-            leaf = a["units"].layout.leaves[a["units"].layout.units[u].leaves[
-                a["members"][u].index(name)]]
             grads.append(to_numpy(p.grad) if p.grad is not None
-                         else np.zeros(leaf.shape, np.float32))
+                         else np.zeros(layout.leaves[i].shape, np.float32))
             p.grad = None
         a["pending"][u] = set()
         a["reducer"].add(u, grads)

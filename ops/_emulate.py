@@ -41,12 +41,10 @@ def _family_of(code: str) -> str:
 
 
 def _c_arg(value: Any) -> ctypes._SimpleCData:
+    """The C value of an argument that passed :func:`_check_kind`."""
     if isinstance(value, np.ndarray):
         return ctypes.c_void_p(value.ctypes.data)
-    if isinstance(value, np.generic) and value.dtype in _SCALAR_CTYPES:
-        return _SCALAR_CTYPES[value.dtype](value.item())
-    raise EmulationError(f"kernel argument of type {type(value).__name__}: CuPy's C type for it "
-                         "is ambiguous; pass an array or a sized numpy scalar")
+    return _SCALAR_CTYPES[value.dtype](value.item())
 
 
 _KIND_DTYPES = {"f4": np.float32, "f8": np.float64, "i8": np.int64}

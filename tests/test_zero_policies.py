@@ -187,3 +187,17 @@ def test_ranks_with_different_params_are_refused_at_init():
 
     with pytest.raises(ValueError, match="built a different layout"):
         ops.spawn(run, 2)
+
+
+def test_partition_gather_and_unpartition_round_trip():
+    params = M.init_params()
+    specs = [shard.Shard(0), {"w": shard.Shard(0), "b": shard.Replicate(),
+                              "gain": shard.Replicate()}]
+    pieces = [shard.partition(params, specs, rank=r, world_size=3) for r in range(3)]
+    assert pieces[2][0]["w"].shape == (3, 5) and not pieces[2][0]["w"][1:].any()  # padding
+    whole = shard.unpartition(pieces, params, specs)
+    gathered = ops.spawn(lambda c: shard.gather(pieces[c.rank], c, specs=specs, like=params), 3)
+    for tree in (whole, *gathered):
+        for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(params),
+                        strict=True):
+            np.testing.assert_array_equal(a, b)
