@@ -98,9 +98,6 @@ class Layout:
         text = repr((str(self.treedef), self.leaves, self.units, self.world_size))
         return int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
 
-    def full_size(self) -> int:
-        return sum(leaf.size for leaf in self.leaves)
-
     def local_size(self) -> int:
         return sum(u.local_size for u in self.units)
 

@@ -142,12 +142,6 @@ class Units:
             self.start(v)
         return leaves
 
-    def drain(self) -> None:
-        for _, work in self._inflight.values():
-            if work is not None:
-                work.wait()
-        self._inflight.clear()
-
 
 class GradReducer:
     """Collects each unit's gradient and reduces it over the ranks.

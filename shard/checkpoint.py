@@ -22,7 +22,7 @@ import numpy as np
 
 from shard._checkpoint import KINDS, CheckpointError, _Source, _verify_files, read_manifest
 
-__all__ = ["consolidate", "inspect", "main"]
+__all__ = ["consolidate", "inspect", "run"]
 
 
 def consolidate(path: str | os.PathLike, out: str | os.PathLike, *,
@@ -64,7 +64,8 @@ def inspect(path: str | os.PathLike) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def run(argv: list[str] | None = None) -> tuple[int, str]:
+    """The command line's exit code and text (printed by ``python -m``)."""
     ap = argparse.ArgumentParser(prog="python -m shard.checkpoint", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -76,15 +77,14 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     try:
         if args.cmd == "inspect":
-            print(inspect(args.ckpt))
-        else:
-            written = consolidate(args.ckpt, args.out, optimizer=args.optimizer)
-            print(f"wrote {len(written)} tensors to {Path(args.out)}")
+            return 0, inspect(args.ckpt)
+        written = consolidate(args.ckpt, args.out, optimizer=args.optimizer)
+        return 0, f"wrote {len(written)} tensors to {Path(args.out)}"
     except CheckpointError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+        return 1, f"error: {e}"
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    code, text = run()
+    print(text, file=sys.stderr if code else sys.stdout)
+    raise SystemExit(code)
