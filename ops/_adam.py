@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ops._arrays import array_kind, check_array, driver_for
+from ops._arrays import array_kind, check_array, driver_for, xp_of
 from ops._kernels import adam_kernel
 
 __all__ = ["adam_scalars", "fused_adam_multi", "fused_adam_step"]
@@ -68,9 +68,10 @@ def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, ste
     ``param -= lr / (1 - beta1^t) * m / (sqrt(v) / sqrt(1 - beta2^t) + eps)``.
 
     Args:
-      param: float32 parameters (any shape, C-contiguous).
+      param: float32 parameters (any shape, C-contiguous); float64 params (with
+        float64 grads and moments) take an exact numpy path instead of a kernel.
       grad: gradients of param's shape, float32, bfloat16 or float16.
-      exp_avg, exp_avg_sq: float32 first and second moments, param's shape.
+      exp_avg, exp_avg_sq: first and second moments, param's shape and dtype.
       step: the 1-based index of this update (bias correction).
       lr, betas, eps, weight_decay: as torch.optim.AdamW.
       decoupled: True for AdamW's decoupled decay, False for Adam's L2 term.
@@ -111,8 +112,11 @@ def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, ste
     scalars = _scalars(step, lr, betas, eps, weight_decay, decoupled, grad_scale, grad_sumsq,
                        max_norm)
     p, g, m, v, c = bufs
-    driver_for(array_kind(p)).elementwise(adam_kernel(*codes), p.size,
-                                          (p, g, m, v, c, p.size, *scalars))
+    if codes[0] == "f64":
+        _adam_float64(p, g, m, v, scalars)
+    else:
+        driver_for(array_kind(p)).elementwise(adam_kernel(*codes), p.size,
+                                              (p, g, m, v, c, p.size, *scalars))
     return p, m, v
 
 
@@ -154,6 +158,10 @@ def fused_adam_multi(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequ
                        max_norm)
     driver = driver_for(array_kind(params[0]))
     for codes, tensors in groups.items():
+        if codes[0] == "f64":
+            for p, g, m, v, _ in tensors:
+                _adam_float64(p, g, m, v, scalars)
+            continue
         kernel = adam_kernel(*codes)
         if driver.kind == "numpy":
             driver.adam_multi(kernel, tensors, scalars)
@@ -181,15 +189,40 @@ def _check_tensor(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_co
                   donate: bool, kind: str | None = None) -> tuple[tuple[str, str], tuple]:
     kind = kind or array_kind(param)
     shape = tuple(param.shape)
-    check_array(_FN, "param", param, dtypes=("f32",), writeable=donate, kind=kind)
-    gcode = check_array(_FN, "grad", grad, dtypes=("f32", "bf16", "f16"), shape=shape, kind=kind)
+    pcode = check_array(_FN, "param", param, dtypes=("f32", "f64"), writeable=donate, kind=kind)
+    gdtypes = ("f64",) if pcode == "f64" else ("f32", "bf16", "f16")
+    gcode = check_array(_FN, "grad", grad, dtypes=gdtypes, shape=shape, kind=kind)
     for name, x in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        check_array(_FN, name, x, dtypes=("f32",), shape=shape, writeable=donate, kind=kind)
+        check_array(_FN, name, x, dtypes=(pcode,), shape=shape, writeable=donate, kind=kind)
     ccode = "none"
+    if param_copy is not None and pcode == "f64":
+        raise NotImplementedError(f"{_FN}: param_copy needs float32 params (a 16-bit copy of "
+                                  "float64 masters is not supported)")
     if param_copy is not None:
         ccode = check_array(_FN, "param_copy", param_copy, dtypes=("bf16", "f16"), shape=shape,
                             writeable=True, kind=kind)
     return (gcode, ccode), (param, grad, exp_avg, exp_avg_sq, param_copy)
+
+
+def _adam_float64(p: Any, g: Any, m: Any, v: Any, scalars: tuple) -> None:
+    """The kernel's arithmetic in float64 with numpy, for float64 params (exact
+    references and tight tests; the CUDA/CPU kernels are float32)."""
+    (sumsq, beta1, beta2, omb1, omb2, step_size, bc2_sqrt, eps, decay, l2, grad_scale,
+     max_norm) = scalars
+    xp = xp_of(p)
+    mul = grad_scale
+    if sumsq is not None:
+        s = float(sumsq[0])
+        if not math.isfinite(s):
+            return
+        if max_norm > 0:
+            mul = grad_scale * min(1.0, max_norm / (math.sqrt(s) * grad_scale + 1e-6))
+    gi = g * mul + l2 * p
+    p *= decay
+    d = gi - m
+    m[...] = m + omb1 * d if omb1 < 0.5 else gi - d * beta1
+    v[...] = v * beta2 + omb2 * gi * gi
+    p -= step_size * (m / (xp.sqrt(v) / bc2_sqrt + eps))
 
 
 def _scalars(step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
@@ -197,7 +230,7 @@ def _scalars(step: int, lr: float, betas: tuple[float, float], eps: float, weigh
              max_norm: float | None) -> tuple:
     """The kernel's arguments from ``sumsq`` on (see ops/_kernels.py)."""
     s = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                     decoupled=decoupled)
+                     decoupled=decoupled)  # float64; the kernels round them once, to float32
     return (grad_sumsq, s["beta1"], s["beta2"], s["omb1"], s["omb2"], s["step_size"],
             s["bc2_sqrt"], s["eps"], s["decay"], s["l2"],
             1.0 if grad_scale is None else grad_scale, 0.0 if max_norm is None else max_norm)

@@ -14,7 +14,8 @@ import numpy as np
 __all__ = ["BF16", "array_kind", "check_array", "dtype_code", "xp_of"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-_CODES = {np.dtype(np.float32): "f32", BF16: "bf16", np.dtype(np.float16): "f16"}
+_CODES = {np.dtype(np.float32): "f32", BF16: "bf16", np.dtype(np.float16): "f16",
+          np.dtype(np.float64): "f64"}  # f64: exact numpy paths (the kernels are fp32)
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 
@@ -39,7 +40,7 @@ def xp_of(x: Any) -> Any:
 
 
 def dtype_code(dtype: Any) -> str | None:
-    """``"f32"``, ``"bf16"`` or ``"f16"`` for the kernels' dtypes, else None."""
+    """``"f32"``, ``"bf16"``, ``"f16"`` or ``"f64"`` for the supported dtypes, else None."""
     return _CODES.get(np.dtype(dtype))
 
 

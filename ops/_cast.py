@@ -17,7 +17,7 @@ def _cast_leaf(x: Any, dtype: np.dtype, out: Any) -> Any:
     kind = array_kind(x)
     src = check_array("cast", "x", x, dtypes=("f32", "bf16", "f16"))
     dst = dtype_code(dtype)
-    if dst is None or (src == "f32") == (dst == "f32"):
+    if dst not in ("f32", "bf16", "f16") or (src == "f32") == (dst == "f32"):
         raise NotImplementedError(f"cast: converts float32 <-> bfloat16/float16; got {x.dtype} "
                                   f"-> {dtype}")
     if out is None:

@@ -24,8 +24,9 @@ def sum_of_squares(x: Any, *, out: Any = None) -> Any:
     result is reproducible.
 
     Args:
-      x: a float32, bfloat16 or float16 array (any shape, C-contiguous), or a
-        pytree of them, summed together (one kernel call per dtype on the CPU).
+      x: a float32, bfloat16, float16 or float64 array (any shape,
+        C-contiguous), or a pytree of them, summed together (one kernel call per
+        dtype on the CPU; float64 by numpy).
       out: optional one-element float64 array to write into.
 
     Returns:
@@ -42,7 +43,8 @@ def sum_of_squares(x: Any, *, out: Any = None) -> Any:
     kind = array_kind(leaves[0])
     groups: dict[str, list[Any]] = {}
     for leaf in leaves:
-        code = check_array("sum_of_squares", "x", leaf, dtypes=("f32", "bf16", "f16"), kind=kind)
+        code = check_array("sum_of_squares", "x", leaf, dtypes=("f32", "bf16", "f16", "f64"),
+                           kind=kind)
         groups.setdefault(code, []).append(leaf)
     xp = xp_of(leaves[0])
     if out is None:
@@ -53,7 +55,10 @@ def sum_of_squares(x: Any, *, out: Any = None) -> Any:
     driver = driver_for(kind)
     parts = [xp.zeros(1, dtype=np.float64) for _ in groups]
     for part, (code, xs) in zip(parts, groups.items(), strict=True):
-        driver.sum_of_squares(xs, code, part)
+        if code == "f64":  # exact, with numpy's pairwise summation
+            part[...] = sum(float(xp.sum(xp.square(x))) for x in xs)
+        else:
+            driver.sum_of_squares(xs, code, part)
     out[...] = sum(parts[1:], parts[0])
     return out
 

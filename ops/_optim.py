@@ -51,7 +51,8 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
 
     def init(params: Any) -> AdamState:
         tu = tree_util()
-        zeros = tu.tree_map(lambda p: xp_of(p).zeros(p.shape, dtype=np.float32), params)
+        zeros = tu.tree_map(lambda p: xp_of(p).zeros(
+            p.shape, dtype=np.float64 if p.dtype == np.float64 else np.float32), params)
         return AdamState(np.zeros((), np.int64), zeros, tu.tree_map(lambda z: z.copy(), zeros))
 
     def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,

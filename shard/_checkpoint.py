@@ -215,7 +215,7 @@ class _Source:
 
     def read(self, handles: dict, kind: str, lo: int, hi: int) -> np.ndarray:
         """Rows [lo, hi) of this leaf, as a (hi - lo, row_size) float32 array."""
-        out = np.zeros((max(hi - lo, 0), self.row_size), np.float32)
+        out = np.zeros((max(hi - lo, 0), self.row_size), self.manifest["master_dtype"])
         unit, off = self.entry["unit"], self.entry["offset"]
         for r in self.ranks_for(lo, hi):
             first = r * self.rpr if self.sharded else 0
@@ -277,7 +277,7 @@ def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
     files = manifest["files"]
     handles = {r: safe_open(str(path / (files[r] if manifest["stage"] else files[0])["file"]),
                             framework="numpy") for r in needed}
-    buffers = {kind: alloc_units(layout, np.float32) for kind in KINDS}
+    buffers = {kind: alloc_units(layout, step.master_dtype) for kind in KINDS}
     for kind, bufs in buffers.items():
         for leaf, src, (lo, hi), dst in zip(layout.leaves, sources, wanted,
                                             layout.local_views(bufs), strict=True):

@@ -212,6 +212,13 @@ def make_layout(params: Any, specs: Any = None, *, world_size: int, units: Units
     return Layout(treedef, tuple(leaves), tuple(unit_layouts), world_size)
 
 
+def master_dtype_of(layout: Layout) -> np.dtype:
+    """float64 when every leaf is float64 (exact CPU runs), else float32."""
+    if layout.leaves and all(leaf.dtype == "float64" for leaf in layout.leaves):
+        return np.dtype(np.float64)
+    return np.dtype(np.float32)
+
+
 def alloc_units(layout: Layout, dtype: Any) -> list[np.ndarray]:
     """Zeroed, 64-byte aligned local buffers, one per unit."""
     out = []

@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from shard._layout import Units, make_layout
+from shard._layout import Units, make_layout, master_dtype_of
 from shard._policy import Precision
 
 __all__ = ["estimate_memory"]
@@ -20,8 +20,9 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     The ZeRO paper's accounting, with this library's padding (each Shard(0)
     leaf rounds its rows up to a multiple of the world size):
 
-    - params: fp32 masters, whole at stage 0, this rank's shard from stage 1;
-    - optimizer: Adam's two fp32 moments, laid out like the masters;
+    - params: fp32 masters (fp64 when every param is fp64), whole at stage 0,
+      this rank's shard from stage 1;
+    - optimizer: Adam's two moments, in the masters' dtype and layout;
     - compute_params: the params the loss sees, kept between steps: whole at
       stages 1-2 (and at stage 0 when they differ in dtype from the masters);
       the compute-dtype shard at stage 3 (none when it is fp32: the masters
@@ -50,13 +51,14 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"estimate_memory: stage must be 0-3; got {stage!r}")
     policy = policy or Precision()
-    compute = np.dtype(policy.param_dtype or np.float32)
-    reduce = np.dtype(policy.reduce_dtype or policy.param_dtype or np.float32)
     layout = make_layout(params, specs, world_size=1 if stage == 0 else world_size, units=units,
                          fn="estimate_memory")
+    master = master_dtype_of(layout)
+    compute = np.dtype(policy.param_dtype or master)
+    reduce = np.dtype(policy.reduce_dtype or policy.param_dtype or master)
     local = layout.local_size()
     full = make_layout(params, specs, world_size=1, units=units).local_size()
-    separate = compute != np.dtype(np.float32)
+    separate = compute != master
     if stage in (1, 2):
         compute_n = full
     elif stage == 0:
@@ -64,7 +66,7 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     else:
         compute_n = local if separate else 0
     grads_n = full if stage <= 1 else local
-    out = {"params": 4 * local, "optimizer": 8 * local,
+    out = {"params": master.itemsize * local, "optimizer": 2 * master.itemsize * local,
            "compute_params": compute_n * compute.itemsize, "grads": grads_n * reduce.itemsize}
     out["total"] = sum(out.values())
     return out

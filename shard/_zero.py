@@ -37,7 +37,7 @@ import numpy as np
 
 import ops
 from ops import AdamState, Communicator, FusedAdam, aligned_empty
-from shard._layout import Layout, Units, alloc_units, make_layout
+from shard._layout import Layout, Units, alloc_units, make_layout, master_dtype_of
 from shard._loss import JaxLoss, classify, to_jax
 from shard._policy import LossScale, Precision
 from shard._runtime import GradReducer, LiveBytes
@@ -78,6 +78,7 @@ class ZeroStep:
         self.precision = precision or Precision()
         self.clip_norm, self.loss_scale, self.prefetch = clip_norm, loss_scale, prefetch
         self.layout: Layout | None = None
+        self.master_dtype = np.dtype(np.float32)
         self.full_layout: Layout | None = None
         self.tracker = LiveBytes()
         self.name = name
@@ -92,7 +93,7 @@ class ZeroStep:
         self.setup(params)
         leaves = self.layout.treedef.flatten_up_to(params)
         self._agree_on_values(leaves)
-        master = alloc_units(self.layout, np.float32)
+        master = alloc_units(self.layout, self.master_dtype)
         rank = self.comm.rank if self.stage > 0 else 0
         for leaf, x, dst in zip(self.layout.leaves, leaves,
                                 self.layout.local_views(master), strict=True):
@@ -110,6 +111,12 @@ class ZeroStep:
         self.layout = make_layout(params, self.specs, world_size=1 if self.stage == 0 else w,
                                   units=self.units, fn=f"{self.name}.init")
         self.full_layout = make_layout(params, self.specs, world_size=1, units=self.units)
+        self.master_dtype = master_dtype_of(self.layout)
+        if self.master_dtype == np.float64 and self.precision.param_dtype not in (
+                None, np.dtype(np.float64)):
+            raise NotImplementedError(f"{self.name}.init: float64 params keep float64 masters, "
+                                      "which mixed precision does not support; give float32 "
+                                      "params or drop precision=")
         self._agree_on_layout()
         if self.kind == "layered" and len(self.loss_fn.layers) != len(self.layout.units):
             raise ValueError(f"{self.name}.init: Layered has {len(self.loss_fn.layers)} layers but "
@@ -124,7 +131,7 @@ class ZeroStep:
         ``full_leaves`` are the whole params in leaf order, for the compute
         params stages 0-2 keep whole.
         """
-        master_dtype = np.dtype(np.float32)
+        master_dtype = self.master_dtype
         compute_dtype = self.precision.param_dtype or master_dtype
         compute: tuple = ()
         if self.stage in (1, 2) or (self.stage == 0 and compute_dtype != master_dtype):
@@ -214,7 +221,7 @@ class ZeroStep:
 
     def _reduce_dtype(self) -> np.dtype:
         p = self.precision
-        return np.dtype(p.reduce_dtype or p.param_dtype or np.float32)
+        return np.dtype(p.reduce_dtype or p.param_dtype or self.master_dtype)
 
     def _unit_params(self, state: TrainState) -> UnitParams:
         local = list(state.compute) if self.stage == 3 and state.compute else list(state.master)

@@ -136,8 +136,11 @@ def test_donate_false_leaves_inputs_untouched(rng):
 def test_bad_input_raises_precise_errors(rng):
     p, g, m, v = _state(rng, 8)
     step = ops.fused_adam_step
-    with pytest.raises(TypeError, match="param must have dtype float32; got float64"):
-        step(p.astype(np.float64), g, m, v, step=1, lr=1e-3)
+    with pytest.raises(TypeError, match="param must have dtype float32, float64; got int32"):
+        step(p.astype(np.int32), g, m, v, step=1, lr=1e-3)
+    with pytest.raises(TypeError, match="grad must have dtype float64; got float32"):
+        step(p.astype(np.float64), g, m.astype(np.float64), v.astype(np.float64), step=1,
+             lr=1e-3)
     with pytest.raises(ValueError, match=r"grad must have shape \(8,\)"):
         step(p, g[:7], m, v, step=1, lr=1e-3)
     with pytest.raises(ValueError, match="exp_avg must be C-contiguous"):
@@ -179,3 +182,18 @@ def test_multi_tensor_call_equals_one_call_per_tensor(rng):
         np.testing.assert_array_equal(c.view(np.uint16), cm.view(np.uint16))
     with pytest.raises(ValueError, match="must be as many"):
         ops.fused_adam_multi(ps, ps[:2], ms, vs, step=1, lr=1e-3)
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["adamw", "adam"])
+def test_float64_params_take_an_exact_path(rng, decoupled):
+    p, g, m, v = (x.astype(np.float64) for x in _state(rng, 1001))
+    g[0] = 3.0
+    hp = dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05, decoupled=decoupled)
+    sumsq = np.array([float(np.sum(g * g))])
+    want = adam_reference(p, g, m, v, step=2, grad_scale=0.5, max_norm=0.1, grad_sumsq=sumsq[0],
+                          **hp)
+    got = ops.fused_adam_step(p, g, m, v, step=2, grad_scale=0.5, max_norm=0.1,
+                              grad_sumsq=sumsq, **hp)
+    for x, w in zip(got, want, strict=True):
+        assert x.dtype == np.float64
+        np.testing.assert_allclose(x, w, rtol=1e-13, atol=1e-15)

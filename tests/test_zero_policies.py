@@ -201,3 +201,18 @@ def test_partition_gather_and_unpartition_round_trip():
         for a, b in zip(jax.tree_util.tree_leaves(tree), jax.tree_util.tree_leaves(params),
                         strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def test_float64_state_bytes_equal_estimate_memory():
+    params = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), M.init_params())
+    for stage in (0, 3):
+        est = shard.estimate_memory(params, stage=stage, world_size=2)
+
+        def run(comm, stage=stage):
+            return ZERO[stage](M.loss, optimizer=ops.adamw(M.LR), comm=comm).init(
+                params).nbytes()
+
+        for held in ops.spawn(run, 2):
+            assert held == {k: est[k] for k in held}
+    n = sum(x.size for x in jax.tree_util.tree_leaves(params))
+    assert shard.estimate_memory(params, stage=0, world_size=2)["optimizer"] == 16 * n
