@@ -5,15 +5,17 @@ numpy buffers cross into torch zero-copy (bf16 through an int16 view).
 [Note: gloo algorithms]
 gloo's own all_gather_into_tensor / reduce_scatter_tensor are slow for large
 messages (its reduce-scatter has long been an all-reduce underneath, moving
-twice the data it must). For large messages this backend instead posts one
-isend/irecv per peer and lets gloo's pair transports run them concurrently:
+twice the data it must). This backend instead posts one isend/irecv per peer
+and lets gloo's pair transports run them concurrently:
 - all-gather: each rank sends its chunk to every peer and receives theirs
   straight into the output: (W-1)/W of the output crosses per rank, the floor.
 - reduce-scatter: each rank sends peer p its p-th chunk and receives the peers'
   copies of its own chunk, then adds the W chunks locally in rank order (so the
   result is deterministic): again (W-1)/W of the input crosses per rank.
-Below ``SMALL_BYTES`` gloo's built-ins win (one round of latency instead of W-1
-concurrent pairs); the threshold was chosen with ``benchmarks/collectives.py``.
+Measured with ``benchmarks/collectives.py`` (2 processes, 4 KiB to 256 MiB),
+the pairwise forms were as fast or faster than the built-ins at every size, so
+``SMALL_BYTES`` (below which the built-ins would be used) is 0; the
+``small_bytes`` argument lets the benchmark force either algorithm.
 
 [Note: argument checks across processes]
 gloo aborts the whole process (std::terminate in a transport thread, nothing a
