@@ -19,8 +19,9 @@ from ops._kernels import Kernel, sumsq_kernels
 
 __all__ = ["NVRTC_OPTIONS", "CudaDriver", "cuda_driver"]
 
-# --fmad=false: no contraction of a*b+c, the IEEE arithmetic the CPU build and
-# torch use (see KERNELS notes in the README). CuPy adds -ftz=true itself.
+# --fmad=false: no contraction of a*b+c (the kernels write their fmas explicitly),
+# the same IEEE arithmetic as the CPU build (-ffp-contract=off) and torch's
+# fused Adam. CuPy adds -ftz=true itself.
 NVRTC_OPTIONS = ("--std=c++17", "--fmad=false")
 # Blocks per SM for grid-stride kernels: enough to hide latency, few partials.
 WAVES = 4
