@@ -77,9 +77,15 @@ class Units:
         self.pinned_bytes = 0
         self._warned = False
         self._inflight: dict[int, tuple[np.ndarray, Any]] = {}
-        item = np.dtype(local[0].dtype).itemsize if local else 4
-        self._unit_bytes = max((u.sharded_size * comm.world_size * item
-                                for u in layout.units), default=0)
+        self._unit_bytes = max((self._gather_bytes(u) for u in range(len(layout.units))),
+                               default=0)
+        # stages 0-2: every leaf's whole-params view, made once per step
+        self._full_views = full_layout.local_views(full) if stage < 3 else None
+
+    def _gather_bytes(self, u: int) -> int:
+        """Bytes of unit ``u``'s all-gathered sections."""
+        return (self.layout.units[u].sharded_size * self.comm.world_size
+                * self.local[u].dtype.itemsize)
 
     def _wait_for_room(self, nbytes: int) -> None:
         """Block until ``nbytes`` more fit in ``1 + prefetch`` units (see the Note)."""
@@ -102,8 +108,7 @@ class Units:
         if self.stage < 3 or u in self._inflight or not 0 <= u < len(self.layout.units):
             return
         unit, shard = self.layout.units[u], self.local[u]
-        nbytes = unit.sharded_size * self.comm.world_size * shard.dtype.itemsize
-        self._wait_for_room(nbytes)
+        self._wait_for_room(self._gather_bytes(u))
         out = self.tracker.track(aligned_empty(unit.sharded_size * self.comm.world_size,
                                                shard.dtype))
         work = (self.comm.all_gather_async(out, shard[:unit.sharded_size])
@@ -120,11 +125,9 @@ class Units:
         """
         unit = self.layout.units[u]
         if self.stage < 3:
-            views = self.full_layout.local_views(self.full)
-            return [views[i] for i in unit.leaves]
+            return [self._full_views[i] for i in unit.leaves]
         if pinned:
-            item = self.local[u].dtype.itemsize
-            self.pinned_bytes += unit.sharded_size * self.comm.world_size * item
+            self.pinned_bytes += self._gather_bytes(u)
         self.start(u)
         gathered, work = self._inflight.pop(u)
         if work is not None:
