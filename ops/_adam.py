@@ -129,9 +129,11 @@ def fused_adam_multi(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequ
                      donate: bool = True) -> tuple[list, list, list]:
     """:func:`fused_adam_step` over many tensors at once.
 
-    On the CPU, tensors sharing grad and copy dtypes go through one call and one
+    Tensors sharing grad and copy dtypes go through one call: on the CPU one
     thread team (the per-call start-up and per-tensor load imbalance of a loop
-    of single calls cost 10% at ~100 tensors); on a GPU, one launch per tensor.
+    of single calls cost 10% at ~100 tensors), on a GPU one launch over a device
+    table of the tensors' pointers (as torch's ``multi_tensor_apply``), so the
+    launch count does not grow with the number of tensors.
     Arguments are those of :func:`fused_adam_step`, as sequences.
 
     Returns:
@@ -162,12 +164,7 @@ def fused_adam_multi(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequ
             for p, g, m, v, _ in tensors:
                 _adam_float64(p, g, m, v, scalars)
             continue
-        kernel = adam_kernel(*codes)
-        if driver.kind == "numpy":
-            driver.adam_multi(kernel, tensors, scalars)
-        else:
-            for p, g, m, v, c in tensors:
-                driver.elementwise(kernel, p.size, (p, g, m, v, c, p.size, *scalars))
+        driver.adam_multi(adam_kernel(*codes), tensors, scalars)
     return [t[0] for t in out], [t[2] for t in out], [t[3] for t in out]
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ops._build import source
-from ops._kernels import Kernel, sumsq_kernels
+from ops._kernels import TABLE, Kernel, sumsq_kernels
 
 __all__ = ["NVRTC_OPTIONS", "CudaDriver", "cuda_driver"]
 
@@ -26,6 +26,11 @@ NVRTC_OPTIONS = ("--std=c++17", "--fmad=false")
 # Blocks per SM for grid-stride kernels: enough to hide latency, few partials.
 WAVES = 4
 _SCALARS = {"f4": np.float32, "f8": np.float64, "i8": np.int64}
+TABLE_CACHE = 64  # pointer tables kept on the device, by their contents
+
+
+def _address(a: Any) -> int:
+    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
 
 
 class CudaDriver:
@@ -44,6 +49,7 @@ class CudaDriver:
         self._factory = module_factory
         self.sm_count = sm_count
         self._modules: dict[str, Any] = {}
+        self._tables: dict[tuple, tuple[Any, Any]] = {}
 
     def _module(self, family: str) -> Any:
         if family not in self._modules:
@@ -77,16 +83,50 @@ class CudaDriver:
             return  # a zero-block grid is a launch error in CUDA
         self.launch(kernel, self.grid(kernel, n), args)
 
+    def table(self, rows: list[tuple], sizes: list[int]) -> tuple[Any, Any, int]:
+        """``(ptrs, starts, total)`` on the device for a multi-tensor launch.
+
+        ``rows`` holds each tensor's arrays (None for a null pointer). A ZeRO
+        step updates the same buffers every step, so tables are cached by their
+        contents (addresses and sizes) and built, and copied to the device, once.
+        """
+        ptrs = tuple(0 if a is None else _address(a) for row in rows for a in row)
+        starts = tuple(np.cumsum([0, *sizes]).tolist())
+        key = (ptrs, starts)
+        hit = self._tables.get(key)
+        if hit is None:
+            if len(self._tables) >= TABLE_CACHE:
+                self._tables.pop(next(iter(self._tables)))
+            hit = (self.xp.asarray(np.array(ptrs, np.int64)),
+                   self.xp.asarray(np.array(starts, np.int64)))
+            self._tables[key] = hit
+        return hit[0], hit[1], starts[-1]
+
+    def adam_multi(self, kernel: Kernel, tensors: list[tuple], scalars: tuple) -> None:
+        """One launch of ``kernel``'s multi-tensor form over (p, g, m, v, copy) tuples;
+        scalars from ``sumsq`` on."""
+        multi = TABLE[kernel.multi]
+        ptrs, starts, total = self.table(tensors, [t[0].size for t in tensors])
+        if total:
+            self.launch(multi, self.grid(multi, total), (ptrs, starts, len(tensors), *scalars))
+
     def sum_of_squares(self, xs: list[Any], code: str, out: Any) -> None:
-        """Write the float64 sum of squares of all of ``xs`` into ``out[0]`` (no host
-        synchronisation: per-tensor sums are added on the device)."""
+        """Write the float64 sum of squares of all of ``xs`` into ``out[0]``: one
+        launch for the per-block partials over every tensor, one to add them (no
+        host synchronisation)."""
         if len(xs) == 1:
             self._sum_of_squares(xs[0], code, out)
             return
-        parts = self.xp.zeros(len(xs), dtype=np.float64)
-        for i, x in enumerate(xs):
-            self._sum_of_squares(x, code, parts[i:i + 1])
-        out[0] = parts.sum()
+        partial, finish = sumsq_kernels(code)
+        multi = TABLE[partial.multi]
+        ptrs, starts, total = self.table([(x,) for x in xs], [x.size for x in xs])
+        if total == 0:
+            out[0] = 0.0
+            return
+        grid = self.grid(multi, total)
+        partials = self.xp.empty(grid, dtype=np.float64)
+        self.launch(multi, grid, (ptrs, starts, len(xs), partials))
+        self.launch(finish, 1, (partials, grid, out))
 
     def _sum_of_squares(self, x: Any, code: str, out: Any) -> None:
         partial, finish = sumsq_kernels(code)

@@ -9,12 +9,15 @@ itself: every block of the grid in turn, one OS thread per CUDA thread, with
 are passed as ``cuLaunchKernel`` would: one pointer to each argument's value,
 typed by the numpy scalar or array CuPy would be handed. It runs at tens of
 millions of elements per second: a test oracle for the CUDA driver and the
-kernels' GPU form, not a backend.
+kernels' GPU form, not a backend. Arrays are numpy arrays or device arrays
+with CuPy's ``.data.ptr`` (the stand-in of :mod:`ops.testing`). Launches run
+one at a time in a process: ``__shared__`` memory is emulated with statics.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from typing import Any
 
 import numpy as np
@@ -40,10 +43,19 @@ def _family_of(code: str) -> str:
     raise EmulationError("EmulatedModule runs only this package's kernel sources")
 
 
+_LAUNCH = threading.Lock()
+
+
+def _is_array(value: Any) -> bool:
+    return isinstance(value, np.ndarray) or hasattr(getattr(value, "data", None), "ptr")
+
+
 def _c_arg(value: Any) -> ctypes._SimpleCData:
     """The C value of an argument that passed :func:`_check_kind`."""
     if isinstance(value, np.ndarray):
         return ctypes.c_void_p(value.ctypes.data)
+    if _is_array(value):
+        return ctypes.c_void_p(value.data.ptr)
     return _SCALAR_CTYPES[value.dtype](value.item())
 
 
@@ -53,7 +65,7 @@ _KIND_DTYPES = {"f4": np.float32, "f8": np.float64, "i8": np.int64}
 def _check_kind(kernel: str, name: str, kind: str, value: Any) -> None:
     """The C ABI check a GPU cannot do for us: each argument's size and meaning."""
     if kind == "ptr":
-        ok = isinstance(value, np.ndarray) or (isinstance(value, np.uint64) and value == 0)
+        ok = _is_array(value) or (isinstance(value, np.uint64) and value == 0)
     else:
         ok = isinstance(value, np.generic) and value.dtype == _KIND_DTYPES[kind]
     if not ok:
@@ -86,7 +98,8 @@ class _EmulatedFunction:
         self.launches.append((grid3, block3, len(args)))
         values = [_c_arg(a) for a in args]
         argv = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
-        status = self._fn((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3), argv)
+        with _LAUNCH:
+            status = self._fn((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3), argv)
         if status != 0:
             raise EmulationError(f"{self.name}: used a partial-mask warp intrinsic, which the "
                                  "CPU emulation does not run")

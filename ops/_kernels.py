@@ -25,6 +25,9 @@ _SUMSQ_PARAMS = (("x", "ptr"), ("n", "i8"), ("partials", "ptr"))
 _SUMSQ_HOST_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), ("out", "ptr"))
 _ADAM_MULTI_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), *_ADAM_PARAMS[6:])
 _FINISH_PARAMS = (("partials", "ptr"), ("nparts", "i8"), ("out", "ptr"))
+# Multi-tensor launches: a device table of pointers and the tensors' starts.
+_ADAM_TABLE_PARAMS = (("ptrs", "ptr"), ("starts", "ptr"), ("n", "i8"), *_ADAM_PARAMS[6:])
+_SUMSQ_TABLE_PARAMS = (("ptrs", "ptr"), ("starts", "ptr"), ("n", "i8"), ("partials", "ptr"))
 
 ADAM_MULTI_PARAMS = _ADAM_MULTI_PARAMS
 DTYPE_CODES = ("f32", "bf16", "f16")
@@ -44,6 +47,8 @@ class Kernel:
       host_params: the host driver's parameters when they differ from ``params``.
       multi_host: a host driver over many tensors in one call (``ptrs``: an int64
         array of each tensor's pointers, ``sizes``: their lengths), or None.
+      multi: the ``__global__`` kernel that does this kernel's work over many
+        tensors in one launch (a device table of pointers and starts), or None.
     """
 
     name: str
@@ -53,6 +58,7 @@ class Kernel:
     host: str | None = None
     host_params: tuple[tuple[str, str], ...] | None = None
     multi_host: str | None = None
+    multi: str | None = None
 
     @property
     def host_signature(self) -> tuple[tuple[str, str], ...]:
@@ -64,15 +70,19 @@ def _entries() -> dict[str, Kernel]:
     for g in DTYPE_CODES:
         for c in COPY_CODES:
             name = f"zs_adam_{g}_{c}"
+            multi = f"zs_adam_multi_{g}_{c}"
             table[name] = Kernel(name, "adam", _ADAM_PARAMS, host=name + "_host",
-                                 multi_host=name + "_multi_host")
+                                 multi_host=name + "_multi_host", multi=multi)
+            table[multi] = Kernel(multi, "adam", _ADAM_TABLE_PARAMS)
     for x, y in (("f32", "bf16"), ("f32", "f16"), ("bf16", "f32"), ("f16", "f32")):
         name = f"zs_cast_{x}_{y}"
         table[name] = Kernel(name, "cast", _CAST_PARAMS, host=name + "_host")
     for x in DTYPE_CODES:
         name = f"zs_sumsq_partial_{x}"
+        multi = f"zs_sumsq_multi_partial_{x}"
         table[name] = Kernel(name, "reduce", _SUMSQ_PARAMS, host=f"zs_sumsq_{x}_host",
-                             host_params=_SUMSQ_HOST_PARAMS)
+                             host_params=_SUMSQ_HOST_PARAMS, multi=multi)
+        table[multi] = Kernel(multi, "reduce", _SUMSQ_TABLE_PARAMS)
     table["zs_sumsq_finish"] = Kernel("zs_sumsq_finish", "reduce", _FINISH_PARAMS)
     return table
 

@@ -74,6 +74,62 @@ def test_two_pass_sum_of_squares_uses_shuffles_and_barriers_faithfully(rng, emul
     np.testing.assert_allclose(out[0], np.sum(x.astype(np.float64) ** 2), rtol=1e-12)
 
 
+SIZES = [0, 1, 300, 7, 1000, 257, 2049]  # an empty tensor, and none a multiple of a block
+
+
+def _scalars():
+    s = adam_scalars(step=3, lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1,
+                     decoupled=True)
+    return [s[k] for k in ("beta1", "beta2", "omb1", "omb2", "step_size", "bc2_sqrt", "eps",
+                           "decay", "l2")] + [0.5, 1.0]
+
+
+@pytest.mark.parametrize("gcode,ccode", [("f32", "none"), ("bf16", "bf16"), ("f16", "f16"),
+                                         ("f32", "bf16")])
+def test_multi_tensor_adam_is_one_launch_and_matches_per_tensor(rng, emulated_cuda, gcode,
+                                                                ccode):
+    tensors = [_adam_args(rng, n, gcode, ccode)[:5] for n in SIZES]
+    sumsq = np.array([sum(float(np.sum(t[1].astype(np.float64) ** 2)) for t in tensors)])
+    want = [[a.copy() if a is not None else None for a in t] for t in tensors]
+    for p, g, m, v, c in want:
+        cpu_driver().elementwise(adam_kernel(gcode, ccode), p.size,
+                                 (p, g, m, v, c, p.size, sumsq, *_scalars()))
+    multi = TABLE[adam_kernel(gcode, ccode).multi]
+    before = len(emulated_cuda._function(multi).launches)
+    emulated_cuda.adam_multi(adam_kernel(gcode, ccode), [tuple(t) for t in tensors],
+                             (sumsq, *_scalars()))
+    launches = emulated_cuda._function(multi).launches[before:]
+    assert len(launches) == 1
+    assert launches[0][0] == (min(-(-sum(SIZES) // 256), 2 * 4), 1, 1)
+    for got_t, want_t in zip(tensors, want, strict=True):
+        for a, b in zip(got_t, want_t, strict=True):
+            if a is not None:
+                np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("code", ["f32", "bf16", "f16"])
+def test_multi_tensor_sum_of_squares_is_one_partial_launch(rng, emulated_cuda, code):
+    xs = [rng.standard_normal(n).astype(DT[code]) for n in SIZES]
+    multi = TABLE[f"zs_sumsq_multi_partial_{code}"]
+    before = len(emulated_cuda._function(multi).launches)
+    out = np.full(1, np.nan)
+    emulated_cuda.sum_of_squares(xs, code, out)
+    assert len(emulated_cuda._function(multi).launches) == before + 1
+    want = sum(float(np.sum(x.astype(np.float64) ** 2)) for x in xs)
+    np.testing.assert_allclose(out[0], want, rtol=1e-12)
+
+
+def test_pointer_tables_are_built_once_per_set_of_buffers(rng, emulated_cuda):
+    xs = [rng.standard_normal(n).astype(np.float32) for n in (3, 5)]
+    out = np.zeros(1)
+    emulated_cuda.sum_of_squares(xs, "f32", out)
+    first = dict(emulated_cuda._tables)
+    emulated_cuda.sum_of_squares(xs, "f32", out)
+    assert emulated_cuda._tables == first
+    emulated_cuda.sum_of_squares([xs[1], xs[0]], "f32", out)  # another order: another table
+    assert len(emulated_cuda._tables) == len(first) + 1
+
+
 def test_zero_elements_launch_nothing(emulated_cuda):
     kernel = adam_kernel("f32", "none")
     before = len(emulated_cuda._function(kernel).launches)

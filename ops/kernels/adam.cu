@@ -94,6 +94,37 @@ static void adam_host_multi(const zs_i64* ptrs, const zs_i64* sizes, zs_i64 nten
 }
 #endif
 
+// Many tensors in one launch (as torch's multi_tensor_apply): the tensors'
+// index spaces are concatenated, `starts` holds each tensor's first index in
+// it (ntensors + 1 entries, the last one the total) and `ptrs` the five
+// pointers (p, g, m, v, copy) of each tensor. A grid-stride thread walks its
+// indices upwards, so it finds each next tensor by stepping forward, and keeps
+// the current tensor's pointers in registers.
+template <typename G, typename H>
+__device__ __forceinline__ void adam_table(const zs_i64* __restrict__ ptrs,
+                                           const zs_i64* __restrict__ starts,
+                                           zs_i64 ntensors, const AdamScalars& a) {
+  zs_i64 k = 0, lo = 0, hi = 0;
+  float* p = 0;
+  const G* g = 0;
+  float *m = 0, *v = 0;
+  H* copy = 0;
+  ZS_GRID_STRIDE(i, starts[ntensors]) {
+    if (i >= hi) {
+      while (i >= starts[k + 1]) ++k;
+      lo = starts[k];
+      hi = starts[k + 1];
+      const zs_i64* q = ptrs + 5 * k;
+      p = (float*)q[0];
+      g = (const G*)q[1];
+      m = (float*)q[2];
+      v = (float*)q[3];
+      copy = (H*)q[4];
+    }
+    adam_elem(p, g, m, v, copy, i - lo, a);
+  }
+}
+
 #define ZS_ADAM_PARAMS(G, H)                                                     \
   float *__restrict__ p, const G *__restrict__ g, float *__restrict__ m,         \
       float *__restrict__ v, H *__restrict__ copy, zs_i64 n,                    \
@@ -108,6 +139,13 @@ static void adam_host_multi(const zs_i64* ptrs, const zs_i64* sizes, zs_i64 nten
       float omb2, float step_size, float bc2_sqrt, float eps, float decay,       \
       float l2, float grad_scale, float max_norm
 
+// The multi-tensor kernel's parameters: n counts tensors, starts has n + 1.
+#define ZS_ADAM_TABLE_PARAMS                                                     \
+  const zs_i64 *__restrict__ ptrs, const zs_i64 *__restrict__ starts, zs_i64 n, \
+      const double *__restrict__ sumsq, float beta1, float beta2, float omb1,    \
+      float omb2, float step_size, float bc2_sqrt, float eps, float decay,       \
+      float l2, float grad_scale, float max_norm
+
 #define ZS_ADAM_PROLOGUE                                                         \
   AdamScalars a = {beta1, beta2, omb1, omb2, step_size, bc2_sqrt, eps,           \
                    decay, l2, 1.0f, omb1 < 0.5f};                                \
@@ -118,6 +156,11 @@ static void adam_host_multi(const zs_i64* ptrs, const zs_i64* sizes, zs_i64 nten
       zs_adam_##SUFFIX(ZS_ADAM_PARAMS(G, H)) {                                   \
     ZS_ADAM_PROLOGUE                                                             \
     ZS_GRID_STRIDE(i, n) adam_elem(p, g, m, v, copy, i, a);                      \
+  }                                                                              \
+  extern "C" __global__ void __launch_bounds__(256)                             \
+      zs_adam_multi_##SUFFIX(ZS_ADAM_TABLE_PARAMS) {                             \
+    ZS_ADAM_PROLOGUE                                                             \
+    adam_table<G, H>(ptrs, starts, n, a);                                        \
   }                                                                              \
   ZS_HOST(extern "C" void zs_adam_##SUFFIX##_host(ZS_ADAM_PARAMS(G, H)) {        \
     ZS_ADAM_PROLOGUE                                                             \

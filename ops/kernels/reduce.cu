@@ -36,11 +36,41 @@ __device__ __forceinline__ double zs_sumsq_thread(const T* __restrict__ x, zs_i6
   return acc;
 }
 
+// The same over many tensors in one launch: `starts` holds each tensor's first
+// index in the concatenated index space (ntensors + 1 entries), `ptrs` each
+// tensor's address; a thread steps forward through the tensors as it strides.
+template <typename T>
+__device__ __forceinline__ double zs_sumsq_table_thread(const zs_i64* __restrict__ ptrs,
+                                                        const zs_i64* __restrict__ starts,
+                                                        zs_i64 ntensors) {
+  double acc = 0.0;
+  zs_i64 k = 0, lo = 0, hi = 0;
+  const T* x = 0;
+  ZS_GRID_STRIDE(i, starts[ntensors]) {
+    if (i >= hi) {
+      while (i >= starts[k + 1]) ++k;
+      lo = starts[k];
+      hi = starts[k + 1];
+      x = (const T*)ptrs[k];
+    }
+    double v = zs_to_f32(x[i - lo]);
+    acc += v * v;
+  }
+  return acc;
+}
+
 #define ZS_SUMSQ_ENTRY(SUFFIX, T)                                                  \
   extern "C" __global__ void __launch_bounds__(ZS_REDUCE_BLOCK)                   \
       zs_sumsq_partial_##SUFFIX(const T* __restrict__ x, zs_i64 n,                \
                                 double* __restrict__ partials) {                   \
     double s = zs_block_sum(zs_sumsq_thread(x, n));                                \
+    if (threadIdx.x == 0) partials[blockIdx.x] = s;                                \
+  }                                                                                \
+  extern "C" __global__ void __launch_bounds__(ZS_REDUCE_BLOCK)                   \
+      zs_sumsq_multi_partial_##SUFFIX(const zs_i64* __restrict__ ptrs,            \
+                                      const zs_i64* __restrict__ starts,          \
+                                      zs_i64 n, double* __restrict__ partials) {  \
+    double s = zs_block_sum(zs_sumsq_table_thread<T>(ptrs, starts, n));            \
     if (threadIdx.x == 0) partials[blockIdx.x] = s;                                \
   }                                                                                \
   ZS_HOST(extern "C" void zs_sumsq_##SUFFIX##_host(const zs_i64* __restrict__ ptrs,  \
