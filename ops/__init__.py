@@ -3,7 +3,8 @@
 Arrays and the metal: single-source CUDA/CPU kernels (fused Adam/AdamW, sums of
 squares, casts) and the optimizers built on them; communicators (threads, gloo,
 NCCL) and the functional collectives over them. numpy arrays run the CPU
-build of each kernel, cupy arrays its CUDA build.
+build of each kernel, device arrays (cupy, or the strict stand-in of
+:mod:`ops.testing`) its CUDA build: see [Note: devices] in ``ops/_device.py``.
 """
 
 from ops._adam import fused_adam_multi, fused_adam_step
@@ -20,16 +21,19 @@ from ops._comm import (
     aligned_empty,
 )
 from ops._comm_threads import ThreadCommunicator, ThreadGroup, spawn
+from ops._device import HOST, Device, device_of
 from ops._norm import global_norm, sum_of_squares
 from ops._optim import AdamState, FusedAdam, adam, adamw
 from ops._world import init_from_env
 
 __all__ = [
     "BF16",
+    "HOST",
     "AdamState",
     "CollectiveError",
     "CollectiveTimeout",
     "Communicator",
+    "Device",
     "FusedAdam",
     "KernelBuildError",
     "PeerFailed",
@@ -43,6 +47,7 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "cast",
+    "device_of",
     "fused_adam_multi",
     "fused_adam_step",
     "global_norm",

@@ -1,6 +1,7 @@
 """Array kinds, dtype codes and argument checks shared by the kernels' callers.
 
-numpy arrays run the CPU build of a kernel, cupy arrays the CUDA build. bf16 is
+numpy arrays run the CPU build of a kernel, device arrays (cupy, or the stand-in
+of :mod:`ops.testing`) the CUDA build (see [Note: devices]). bf16 is
 ``ml_dtypes.bfloat16`` (the dtype JAX uses for numpy arrays).
 """
 
@@ -11,6 +12,8 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 
+from ops._device import device_named, device_of
+
 __all__ = ["BF16", "array_kind", "check_array", "dtype_code", "xp_of"]
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -20,23 +23,13 @@ _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 
 def array_kind(x: Any) -> str:
-    """``"numpy"`` or ``"cupy"``; anything else is a TypeError naming its type."""
-    if isinstance(x, np.ndarray):
-        return "numpy"
-    if type(x).__module__.split(".")[0] == "cupy":
-        return "cupy"
-    raise TypeError(
-        f"expected a numpy or cupy array, got {type(x).__module__}.{type(x).__qualname__}; "
-        "convert torch or jax arrays with interop.to_numpy / interop.to_cupy (zero-copy)")
+    """The name of ``x``'s device (see [Note: devices]); a TypeError for non-arrays."""
+    return device_of(x).name
 
 
 def xp_of(x: Any) -> Any:
-    """The array module (numpy or cupy) of ``x``."""
-    if array_kind(x) == "numpy":
-        return np
-    import cupy
-
-    return cupy
+    """The array module (numpy, cupy, or the device stand-in's) of ``x``."""
+    return device_of(x).xp
 
 
 def dtype_code(dtype: Any) -> str | None:
@@ -76,11 +69,5 @@ def check_array(fn: str, name: str, x: Any, *, dtypes: tuple[str, ...], shape: t
 
 
 def driver_for(kind: str) -> Any:
-    """The kernel driver for an array kind: the CPU build or the CUDA build."""
-    if kind == "numpy":
-        from ops._cpu import cpu_driver
-
-        return cpu_driver()
-    from ops._cuda import cuda_driver
-
-    return cuda_driver()
+    """The kernel driver for a device name: the CPU build or the CUDA build."""
+    return device_named(kind).driver()

@@ -1,6 +1,7 @@
 """Functional collectives: arrays in, new arrays out.
 
-Each call takes any array a communicator's backend can move (numpy or cupy, and
+Each call takes any array a communicator's backend can move (numpy, cupy or the
+device stand-in, and
 torch tensors or jax arrays through DLPack, zero-copy where possible) and
 returns the same kind it was given. See [Note: collective semantics] in
 ``ops/_comm.py`` for what each collective means.
@@ -13,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ops._comm import Communicator
+from ops._device import device_of
 from ops._dlpack import to_native
 
 __all__ = ["all_gather", "all_reduce", "broadcast", "reduce_scatter"]
@@ -40,7 +42,8 @@ def all_gather(comm: Communicator, x: Any, *, out: Any = None) -> Any:
     flat = _flat("all_gather", native)
     shape = (comm.world_size * native.shape[0], *native.shape[1:]) if native.ndim else \
         (comm.world_size,)
-    buf = comm.allocate(flat.size * comm.world_size, flat.dtype) if out is None else \
+    buf = comm.allocate(flat.size * comm.world_size, flat.dtype, device=device_of(flat)) \
+        if out is None else \
         to_native(out)[0].reshape(-1)
     comm.all_gather_into(buf, flat)
     return back(buf.reshape(shape)) if out is None else out
@@ -71,7 +74,8 @@ def reduce_scatter(comm: Communicator, x: Any, *, op: str = "sum", dtype: Any = 
     if dtype is not None and np.dtype(dtype) != flat.dtype:
         flat = flat.astype(dtype)
     k = flat.size // comm.world_size
-    buf = comm.allocate(k, flat.dtype) if out is None else to_native(out)[0].reshape(-1)
+    buf = comm.allocate(k, flat.dtype, device=device_of(flat)) if out is None else \
+        to_native(out)[0].reshape(-1)
     comm.reduce_scatter_into(buf, flat, op)
     shape = (lead // comm.world_size, *native.shape[1:])
     return back(buf.reshape(shape)) if out is None else out
@@ -80,7 +84,7 @@ def reduce_scatter(comm: Communicator, x: Any, *, op: str = "sum", dtype: Any = 
 def all_reduce(comm: Communicator, x: Any, *, op: str = "sum") -> Any:
     """The elementwise sum (or mean) of every rank's ``x``, as a new array."""
     native, back = to_native(x)
-    buf = comm.allocate(native.size, native.dtype)
+    buf = comm.allocate(native.size, native.dtype, device=device_of(native))
     buf[...] = _flat("all_reduce", native)
     comm.all_reduce_(buf, op)
     return back(buf.reshape(native.shape))
@@ -89,7 +93,7 @@ def all_reduce(comm: Communicator, x: Any, *, op: str = "sum") -> Any:
 def broadcast(comm: Communicator, x: Any, *, src: int = 0) -> Any:
     """Rank ``src``'s ``x`` on every rank, as a new array."""
     native, back = to_native(x)
-    buf = comm.allocate(native.size, native.dtype)
+    buf = comm.allocate(native.size, native.dtype, device=device_of(native))
     buf[...] = _flat("broadcast", native)
     comm.broadcast_(buf, src)
     return back(buf.reshape(native.shape))

@@ -1,8 +1,9 @@
 """The communicator interface shared by every backend.
 
 [Note: collective semantics]
-Buffers are flat (1-D, C-contiguous) numpy arrays on CPU backends and cupy
-arrays on NCCL; the caller allocates outputs. For a world of size W and a
+Buffers are flat (1-D, C-contiguous) arrays: numpy on gloo, cupy on NCCL, and
+any device's on thread ranks (see [Note: devices]); the caller allocates
+outputs. For a world of size W and a
 per-rank chunk of k elements:
 
 - ``all_gather_into(out, x)``: x has k elements, out W*k; out[r*k:(r+1)*k] is
@@ -27,7 +28,7 @@ import concurrent.futures as cf
 import threading
 from typing import Any
 
-import numpy as np
+from ops._device import HOST, Device, aligned_empty, device_of
 
 __all__ = ["CollectiveError", "CollectiveTimeout", "Communicator", "PeerFailed", "Work",
            "aligned_empty"]
@@ -71,18 +72,6 @@ class Work:
         return self._future.done()
 
 
-def aligned_empty(n: int, dtype: Any, align: int = 64) -> np.ndarray:
-    """An uninitialised 1-D numpy array whose data is ``align``-byte aligned.
-
-    JAX copies any host buffer that is not 64-byte aligned when it is handed
-    one through DLPack; buffers from here are shared zero-copy.
-    """
-    dtype = np.dtype(dtype)
-    raw = np.empty(n * dtype.itemsize + align, np.uint8)
-    offset = (-raw.ctypes.data) % align
-    return raw[offset:offset + n * dtype.itemsize].view(dtype)
-
-
 class Communicator(abc.ABC):
     """One rank's view of a group of ranks (see [Note: collective semantics]).
 
@@ -94,6 +83,8 @@ class Communicator(abc.ABC):
     """
 
     backend: str = ""
+    #: True: moves host (numpy) memory only; False: device memory only; None: any.
+    host_memory: bool | None = None
 
     def __init__(self, rank: int, world_size: int, timeout: float) -> None:
         if not 0 <= rank < world_size:
@@ -124,9 +115,15 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _barrier(self) -> None: ...
 
-    def allocate(self, n: int, dtype: Any) -> Any:
-        """A flat buffer suited to this backend (64-byte aligned host memory)."""
-        return aligned_empty(n, dtype)
+    def allocate(self, n: int, dtype: Any, *, device: Device | None = None) -> Any:
+        """A flat buffer on ``device`` (default: the backend's own memory: 64-byte
+        aligned host memory, or the GPU for NCCL)."""
+        return (device or self.device).empty(n, dtype)
+
+    @property
+    def device(self) -> Device:
+        """Where this backend's buffers live by default."""
+        return HOST
 
     def unchecked(self) -> Communicator:
         """This rank's communicator without per-call cross-rank argument checks.
@@ -153,6 +150,7 @@ class Communicator(abc.ABC):
 
     def all_reduce_(self, x: Any, op: str = "sum") -> Any:
         self._check_op("all_reduce", op)
+        self._check_memory("all_reduce", x)
         self._drain()
         self._all_reduce(x, op)
         return x
@@ -160,6 +158,7 @@ class Communicator(abc.ABC):
     def broadcast_(self, x: Any, src: int = 0) -> Any:
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src must be in [0, {self.world_size}); got {src}")
+        self._check_memory("broadcast", x)
         self._drain()
         self._broadcast(x, src)
         return x
@@ -179,6 +178,7 @@ class Communicator(abc.ABC):
 
     def all_reduce_async(self, x: Any, op: str = "sum") -> Work:
         self._check_op("all_reduce", op)
+        self._check_memory("all_reduce", x)
         return self._submit("all_reduce", self._all_reduce, x, op)
 
     def close(self) -> None:
@@ -210,6 +210,18 @@ class Communicator(abc.ABC):
         for future in pending:
             Work(future, "an earlier async collective", self.timeout, self.rank).wait()
 
+    def _check_memory(self, name: str, buf: Any) -> None:
+        if self.host_memory is None:
+            return
+        device = device_of(buf)
+        if device.host != self.host_memory:
+            where = "host (numpy)" if self.host_memory else "GPU"
+            raise TypeError(f"{name} on rank {self.rank}: the {self.backend} backend moves "
+                            f"{where} memory, and this buffer is a {device.name} array; "
+                            + ("use NCCL for GPU arrays (ops.init_from_env() picks it on GPU "
+                               "machines)" if self.host_memory else
+                               "copy host arrays to the GPU first, or use gloo for CPU state"))
+
     def _check_op(self, name: str, op: str) -> None:
         if op not in OPS:
             raise ValueError(f"{name}: op must be one of {OPS}; got {op!r}")
@@ -220,6 +232,8 @@ class Communicator(abc.ABC):
                              f"input of {x.size} and output of {out.size} elements do not fit")
         if out.dtype != x.dtype:
             raise TypeError(f"{name}: output dtype {out.dtype} differs from input dtype {x.dtype}")
+        self._check_memory(name, x)
+        self._check_memory(name, out)
         for label, buf in (("output", out), ("input", x)):
             if not buf.flags.c_contiguous:
                 raise ValueError(f"{name}: the {label} buffer must be C-contiguous")

@@ -35,10 +35,8 @@ import datetime
 import zlib
 from typing import Any
 
-import numpy as np
-
-from ops._arrays import BF16
 from ops._comm import CollectiveError, CollectiveTimeout, Communicator, PeerFailed
+from ops._dlpack import torch_view
 
 __all__ = ["GlooCommunicator"]
 
@@ -49,15 +47,6 @@ _HEADER_TAG = 0x5A53  # headers travel on their own tag, never matched with payl
 _DTYPE_NAMES = {zlib.crc32(n.encode()): n for n in (
     "float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8",
     "uint16", "uint32", "uint64", "bool")}
-
-
-def as_torch(a: np.ndarray) -> Any:
-    """A torch tensor sharing ``a``'s memory (bfloat16 included)."""
-    import torch
-
-    if a.dtype == BF16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
 
 
 class GlooCommunicator(Communicator):
@@ -75,6 +64,7 @@ class GlooCommunicator(Communicator):
     """
 
     backend = "gloo"
+    host_memory = True
 
     def __init__(self, group: Any = None, *, timeout: float = 300.0, check: bool = True,
                  small_bytes: int = SMALL_BYTES) -> None:
@@ -162,7 +152,7 @@ class GlooCommunicator(Communicator):
             w.wait()
 
     def _all_gather(self, out: Any, x: Any) -> None:
-        o, t, k = as_torch(out), as_torch(x), x.size
+        o, t, k = torch_view(out), torch_view(x), x.size
         if x.nbytes < self.small_bytes or self.world_size == 1:
             self._checked("all_gather", x, 0,
                           lambda: self._dist.all_gather_single(o, t, self.group))
@@ -175,7 +165,7 @@ class GlooCommunicator(Communicator):
     def _reduce_scatter(self, out: Any, x: Any, op: str) -> None:
         import torch
 
-        o, t, k, w = as_torch(out), as_torch(x), out.size, self.world_size
+        o, t, k, w = torch_view(out), torch_view(x), out.size, self.world_size
         arg = int(op == "mean")
         if x.nbytes < self.small_bytes * w or w == 1:
             self._checked("reduce_scatter", x, arg, lambda: self._dist.reduce_scatter_single(
@@ -193,14 +183,14 @@ class GlooCommunicator(Communicator):
             o.div_(w)
 
     def _all_reduce(self, x: Any, op: str) -> None:
-        t = as_torch(x.reshape(-1))
+        t = torch_view(x.reshape(-1))
         self._checked("all_reduce", x, int(op == "mean"),
                       lambda: self._dist.all_reduce(t, self._dist.ReduceOp.SUM, self.group))
         if op == "mean":
             t.div_(self.world_size)
 
     def _broadcast(self, x: Any, src: int) -> None:
-        t = as_torch(x.reshape(-1))
+        t = torch_view(x.reshape(-1))
         self._checked("broadcast", x, src,
                       lambda: self._dist.broadcast(t, self._peers[src], self.group))
 

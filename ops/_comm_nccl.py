@@ -10,6 +10,8 @@ timeout passes, so a dead peer surfaces as an error instead of a hang.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from typing import Any
 
@@ -17,8 +19,9 @@ import numpy as np
 
 from ops._arrays import BF16
 from ops._comm import CollectiveTimeout, Communicator
+from ops._device import Device, cupy_device
 
-__all__ = ["NCCL_DTYPES", "NcclCommunicator"]
+__all__ = ["NCCL_DTYPES", "NcclCommunicator", "check_distinct_devices"]
 
 # numpy dtype -> cupy.cuda.nccl datatype name (resolved lazily: cupy is optional).
 NCCL_DTYPES = {
@@ -28,10 +31,37 @@ NCCL_DTYPES = {
     np.dtype(np.uint8): "NCCL_UINT8", np.dtype(np.int8): "NCCL_INT8",
 }
 _UID_KEY = "zeroshard/nccl_unique_id"
+_DEVICE_KEY = "zeroshard/nccl_device"
+
+
+def check_distinct_devices(devices: list[str]) -> None:
+    """Raise, naming the ranks and the GPU, if two ranks would share one GPU.
+
+    ``devices[r]`` is rank r's ``"host/gpu index"``.
+    """
+    seen: dict[str, list[int]] = {}
+    for rank, device in enumerate(devices):
+        seen.setdefault(device, []).append(rank)
+    shared = {d: ranks for d, ranks in seen.items() if len(ranks) > 1}
+    if shared:
+        detail = "; ".join(f"ranks {ranks} on GPU {d.split('/')[-1]} of host "
+                           f"{d.rsplit('/', 1)[0]}" for d, ranks in shared.items())
+        raise RuntimeError(f"NCCL needs one GPU per rank, but {detail}; start one process per "
+                           "GPU (torchrun --nproc-per-node = GPUs per node), or run several "
+                           "ranks on one GPU as threads (ops.spawn)")
+
+
+def _set_torch_device(index: int) -> None:  # pragma: no cover - needs a GPU
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(index)
 
 
 def _ptr(a: Any) -> int:
-    return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
+    return a.data.ptr  # a device array's address (host arrays were refused before)
 
 
 class NcclCommunicator(Communicator):
@@ -44,34 +74,51 @@ class NcclCommunicator(Communicator):
       nccl: the module with the NCCL constants (``cupy.cuda.nccl``).
       stream: the CuPy stream collectives run on, or None (tests).
       timeout: seconds a blocking wait may take before the communicator aborts.
+      device: where its buffers live (default: CuPy's current GPU).
     """
 
     backend = "nccl"
+    host_memory = False
 
     def __init__(self, rank: int, world_size: int, *, comm: Any, nccl: Any, stream: Any = None,
-                 timeout: float = 300.0) -> None:
+                 timeout: float = 300.0, device: Device | None = None) -> None:
         super().__init__(rank, world_size, timeout)
         self.comm, self._nccl, self.stream = comm, nccl, stream
+        self._device = device
+
+    @property
+    def device(self) -> Device:
+        return self._device or cupy_device()
 
     @classmethod
     def from_process_group(cls, *, timeout: float = 300.0) -> NcclCommunicator:  # pragma: no cover
-        """Create the communicator of every rank of torch.distributed's default group."""
+        """Create the communicator of every rank of torch.distributed's default group.
+
+        Each process takes the GPU ``LOCAL_RANK`` names (as torchrun sets it), for
+        CuPy and torch alike. Two ranks on one GPU fail here, naming them: NCCL
+        itself would fail later with ``NCCL_ERROR_INVALID_USAGE`` and no cause.
+        """
         import cupy
         import torch.distributed as dist
         from cupy.cuda import nccl
 
         rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        count = cupy.cuda.runtime.getDeviceCount()
+        if not 0 <= local < count:
+            raise RuntimeError(f"NCCL rank {rank}: LOCAL_RANK={local}, but this machine has "
+                               f"{count} GPU(s); start at most {count} processes per node, or "
+                               "run several ranks on one GPU as threads (ops.spawn)")
+        cupy.cuda.Device(local).use()
+        _set_torch_device(local)
         store = dist.distributed_c10d._get_default_store()
+        store.set(f"{_DEVICE_KEY}/{rank}", f"{socket.gethostname()}/{local}")
+        check_distinct_devices([store.get(f"{_DEVICE_KEY}/{r}").decode() for r in range(world)])
         if rank == 0:
             store.set(_UID_KEY, nccl.get_unique_id())  # 128 bytes
         comm = nccl.NcclCommunicator(world, store.get(_UID_KEY), rank)
         return cls(rank, world, comm=comm, nccl=nccl, stream=cupy.cuda.Stream(non_blocking=True),
                    timeout=timeout)
-
-    def allocate(self, n: int, dtype: Any) -> Any:  # pragma: no cover - needs a GPU
-        import cupy
-
-        return cupy.empty(n, dtype=dtype)
 
     # -- argument handling, testable without a GPU ---------------------------
     def dtype_of(self, name: str, a: Any) -> int:

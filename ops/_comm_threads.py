@@ -2,8 +2,11 @@
 
 For notebooks and fast tests. Ranks exchange references through a shared slot
 table and two barriers per collective (deposit, read, and a second barrier so
-no rank reuses a buffer another is still reading). numpy releases the GIL in
-its copies and sums, so the ranks' data movement runs in parallel.
+no rank reuses a buffer another is still reading). Buffers may live on any
+device (see [Note: devices]): copies and sums go through the buffers' own
+array module, so thread ranks share one GPU as they share the host. numpy
+releases the GIL in its copies and sums, so the ranks' data movement runs in
+parallel.
 """
 
 from __future__ import annotations
@@ -12,14 +15,13 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from ops._comm import (
     CollectiveError,
     CollectiveTimeout,
     Communicator,
     PeerFailed,
 )
+from ops._device import device_of
 
 __all__ = ["ThreadCommunicator", "ThreadGroup", "spawn"]
 
@@ -80,7 +82,7 @@ class ThreadGroup:
         if any(m != metas[0] for m in metas):
             detail = "; ".join(f"rank {r}: {m[1:]}" for r, m in enumerate(metas))
             err = CollectiveError(f"{name}: ranks called collectives that do not match "
-                                  f"(size, dtype, argument): {detail}")
+                                  f"(size, dtype, argument, device): {detail}")
             self.fail(rank, err)
             raise err
         return [v for _, v in slots]
@@ -96,40 +98,44 @@ class ThreadCommunicator(Communicator):
         self.group = group
 
     def _meta(self, name: str, x: Any, arg: Any = None) -> tuple:
-        return (name, None if x is None else x.size, None if x is None else str(x.dtype), arg)
+        if x is None:
+            return (name, None, None, arg, None)
+        return (name, x.size, str(x.dtype), arg, device_of(x).name)
 
     def _all_gather(self, out: Any, x: Any) -> None:
         xs = self.group.exchange(self.rank, "all_gather", self._meta("all_gather", x), x)
-        k = x.size
+        xp, k = device_of(out).xp, x.size
         for r, xr in enumerate(xs):
-            np.copyto(out[r * k:(r + 1) * k], xr.reshape(-1))
+            xp.copyto(out[r * k:(r + 1) * k], xr.reshape(-1))
         self.group.wait(self.rank, "all_gather")
 
     def _sum_slices(self, xs: list[Any], lo: int, hi: int, op: str) -> Any:
+        xp = device_of(xs[0]).xp
         acc = xs[0].reshape(-1)[lo:hi].copy()
         for xr in xs[1:]:
-            np.add(acc, xr.reshape(-1)[lo:hi], out=acc)
+            xp.add(acc, xr.reshape(-1)[lo:hi], out=acc)
         if op == "mean":
-            np.divide(acc, acc.dtype.type(self.world_size), out=acc)
+            xp.divide(acc, acc.dtype.type(self.world_size), out=acc)
         return acc
 
     def _reduce_scatter(self, out: Any, x: Any, op: str) -> None:
         meta = self._meta("reduce_scatter", x, op)
         xs = self.group.exchange(self.rank, "reduce_scatter", meta, x)
         k = out.size
-        np.copyto(out, self._sum_slices(xs, self.rank * k, (self.rank + 1) * k, op))
+        device_of(out).xp.copyto(out, self._sum_slices(xs, self.rank * k, (self.rank + 1) * k,
+                                                        op))
         self.group.wait(self.rank, "reduce_scatter")
 
     def _all_reduce(self, x: Any, op: str) -> None:
         xs = self.group.exchange(self.rank, "all_reduce", self._meta("all_reduce", x, op), x)
         total = self._sum_slices(xs, 0, x.size, op)
         self.group.wait(self.rank, "all_reduce")  # nobody reads x any more
-        np.copyto(x.reshape(-1), total)
+        device_of(x).xp.copyto(x.reshape(-1), total)
 
     def _broadcast(self, x: Any, src: int) -> None:
         xs = self.group.exchange(self.rank, "broadcast", self._meta("broadcast", x, src), x)
         if self.rank != src:
-            np.copyto(x, xs[src])
+            device_of(x).xp.copyto(x, xs[src])
         self.group.wait(self.rank, "broadcast")
 
     def _barrier(self) -> None:

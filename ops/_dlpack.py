@@ -1,9 +1,10 @@
-"""Arrays of other frameworks at the edge of ``ops``: torch tensors and jax
-arrays become numpy (CPU) or cupy (CUDA) arrays through DLPack, zero-copy, and
-results go back to the caller's framework the same way.
+"""Arrays of other frameworks at the edge of ``ops``, through DLPack.
 
-bfloat16 has no numpy DLPack code, so it crosses as 16-bit integers and is
-re-viewed as ``ml_dtypes.bfloat16`` on the numpy side (still zero-copy).
+torch tensors and jax arrays become arrays of the device they live on (numpy
+on the CPU, cupy on a GPU; see [Note: devices]), zero-copy, and results go
+back to the caller's framework the same way. bfloat16 has no numpy DLPack
+code, so it crosses as 16-bit integers and is re-viewed on the other side:
+:func:`torch_view` and :func:`jax_view` are the one place that does it.
 """
 
 from __future__ import annotations
@@ -14,57 +15,55 @@ from typing import Any
 import numpy as np
 
 from ops._arrays import BF16
+from ops._device import HOST, Device, cupy_device, device_of_or_none
 
-__all__ = ["to_native"]
+__all__ = ["jax_view", "to_native", "torch_view"]
+
+
+def torch_view(a: Any) -> Any:
+    """A torch tensor over a numpy, cupy or stand-in array's memory."""
+    import torch
+
+    bf16 = a.dtype == BF16
+    if bf16:
+        a = a.view(np.int16)
+    # numpy through from_numpy: DLPack refuses read-only numpy memory.
+    t = torch.from_numpy(a) if isinstance(a, np.ndarray) else torch.from_dlpack(a)
+    return t.view(torch.bfloat16) if bf16 else t
+
+
+def jax_view(a: Any) -> Any:
+    """A jax array over a numpy, cupy or stand-in array's memory (JAX copies
+    host buffers that are not 64-byte aligned)."""
+    import jax
+    import jax.numpy as jnp
+
+    if a.dtype == BF16:
+        return jax.lax.bitcast_convert_type(jnp.from_dlpack(a.view(np.uint16)), jnp.bfloat16)
+    return jnp.from_dlpack(a)
 
 
 def _identity(x: Any) -> Any:
     return x
 
 
-def _from_torch(t: Any) -> tuple[Any, Callable[[Any], Any]]:
-    import torch
-
-    bf16 = t.dtype == torch.bfloat16
-    src = t.detach().view(torch.int16) if bf16 else t.detach()
-    if t.device.type == "cuda":  # pragma: no cover - needs a GPU
-        import cupy
-
-        native = cupy.from_dlpack(src)
-    else:
-        native = np.from_dlpack(src)
-    if bf16:
-        native = native.view(BF16)
-
-    def back(a: Any) -> Any:
-        if a.dtype == BF16:
-            return torch.from_dlpack(a.view(np.int16)).view(torch.bfloat16)
-        return torch.from_dlpack(a)
-
-    return native, back
+def _torch_device(t: Any) -> Device:
+    return cupy_device() if t.device.type == "cuda" else HOST
 
 
-def _from_jax(x: Any) -> tuple[Any, Callable[[Any], Any]]:
-    import jax
-    import jax.numpy as jnp
-
-    native = np.asarray(x)  # zero-copy for CPU arrays; bf16 arrives as ml_dtypes
-
-    def back(a: Any) -> Any:
-        if a.dtype == BF16:
-            return jax.lax.bitcast_convert_type(jnp.from_dlpack(a.view(np.uint16)), jnp.bfloat16)
-        return jnp.from_dlpack(a)
-
-    return native, back
+def _jax_device(x: Any) -> Device:
+    platforms = {d.platform for d in x.devices()}
+    return HOST if platforms == {"cpu"} else cupy_device()
 
 
 def to_native(x: Any) -> tuple[Any, Callable[[Any], Any]]:
-    """``(native array, back)``: x as numpy/cupy, and a function returning x's kind."""
-    if isinstance(x, np.ndarray) or type(x).__module__.split(".")[0] == "cupy":
+    """``(native array, back)``: x as an array of its device, and a function
+    returning an array of that device as x's kind."""
+    if device_of_or_none(x) is not None:
         return x, _identity
     module = type(x).__module__.split(".")[0]
     if module == "torch":
-        return _from_torch(x)
+        return _torch_device(x).from_torch(x), torch_view
     if module in ("jax", "jaxlib"):
-        return _from_jax(x)
+        return _jax_device(x).from_jax(x), jax_view
     raise TypeError(f"expected a numpy, cupy, torch or jax array; got {type(x).__qualname__}")

@@ -55,8 +55,9 @@ def sum_of_squares(x: Any, *, out: Any = None) -> Any:
     driver = driver_for(kind)
     parts = [xp.zeros(1, dtype=np.float64) for _ in groups]
     for part, (code, xs) in zip(parts, groups.items(), strict=True):
-        if code == "f64":  # exact, with numpy's pairwise summation
-            part[...] = sum(float(xp.sum(xp.square(x))) for x in xs)
+        if code == "f64":  # exact, with the array module's pairwise summation
+            for x in xs:
+                part += xp.sum(xp.square(x))
         else:
             driver.sum_of_squares(xs, code, part)
     out[...] = sum(parts[1:], parts[0])

@@ -56,10 +56,13 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
         return AdamState(np.zeros((), np.int64), zeros, tu.tree_map(lambda z: z.copy(), zeros))
 
     def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
-            grad_sumsq: Any, max_norm: Any, copies: Any) -> tuple[Any, AdamState]:
+            grad_sumsq: Any, max_norm: Any, copies: Any,
+            finite: bool | None = None) -> tuple[Any, AdamState]:
         tu = tree_util()
         count = int(state.count)
-        if grad_sumsq is not None and not math.isfinite(float(grad_sumsq[0])):
+        if grad_sumsq is not None and finite is None:  # a host read of the device value
+            finite = math.isfinite(float(grad_sumsq[0]))
+        if finite is False:
             return params, state  # overflow: nothing changes, the step is not counted
         leaves, treedef = tu.tree_flatten(params)
         g, m, v = (treedef.flatten_up_to(t) for t in (grads, state.mu, state.nu))
@@ -81,9 +84,15 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
 
     def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
               grad_sumsq: Any = None, max_norm: float | None = None,
-              param_copies: Any = None) -> tuple[Any, AdamState]:
-        """Update params and moments in place (both donated); see fused_adam_step."""
-        return run(grads, state, params, True, grad_scale, grad_sumsq, max_norm, param_copies)
+              param_copies: Any = None, finite: bool | None = None) -> tuple[Any, AdamState]:
+        """Update params and moments in place (both donated); see fused_adam_step.
+
+        With ``grad_sumsq``, a non-finite value skips the update (the count does
+        not advance); it is read back to the host to decide unless the caller
+        says it knows: ``finite=True`` (or False) saves that read on a GPU.
+        """
+        return run(grads, state, params, True, grad_scale, grad_sumsq, max_norm, param_copies,
+                   finite)
 
     return FusedAdam(init, update, apply, lr_at)
 

@@ -4,24 +4,28 @@ from __future__ import annotations
 
 import datetime
 import os
+from typing import Any
 
 from ops._comm import Communicator
+from ops._device import Device, device_of
 
-__all__ = ["init_from_env"]
+__all__ = ["RoutedCommunicator", "init_from_env"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def init_from_env(*, backend: str | None = None, timeout: float = 300.0) -> Communicator:
+def init_from_env(backend: str | None = None, *, timeout: float = 300.0) -> Communicator:
     """This process's communicator under ``torchrun``.
 
     Reads RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT (set by torchrun, on one
-    node or many), initialises torch.distributed and returns a gloo
-    communicator, or an NCCL one when ``backend="nccl"`` or when CuPy sees a
-    GPU (the NCCL unique id travels through torch.distributed's TCPStore).
+    node or many) and initialises torch.distributed. The backend follows the
+    data, as torch's default ``cuda:nccl,cpu:gloo``: on a machine where CuPy
+    sees a GPU, host (numpy) buffers go over gloo and GPU buffers over NCCL
+    (created at the first GPU collective, on the GPU ``LOCAL_RANK`` names); on
+    other machines everything goes over gloo.
 
     Args:
-      backend: ``"gloo"``, ``"nccl"`` or None to choose from the machine.
+      backend: None (follow the data), ``"gloo"`` or ``"nccl"`` (one only).
       timeout: seconds any collective may take before it raises.
 
     Raises:
@@ -32,22 +36,69 @@ def init_from_env(*, backend: str | None = None, timeout: float = 300.0) -> Comm
         raise RuntimeError(f"init_from_env: {', '.join(missing)} not set; start the script with "
                            "torchrun --nproc-per-node N script.py (or use ops.spawn for thread "
                            "ranks in one process)")
-    if backend is None:
-        backend = "nccl" if _gpu_available() else "gloo"
-    if backend not in ("gloo", "nccl"):
-        raise ValueError(f"init_from_env: backend must be 'gloo' or 'nccl'; got {backend!r}")
+    if backend not in (None, "gloo", "nccl"):
+        raise ValueError(f"init_from_env: backend must be None, 'gloo' or 'nccl'; got "
+                         f"{backend!r}")
     import torch.distributed as dist
 
     if not dist.is_initialized():
         # gloo carries the store and the CPU-side synchronisation for NCCL too.
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))
-    if backend == "nccl":
-        from ops._comm_nccl import NcclCommunicator
-
-        return NcclCommunicator.from_process_group(timeout=timeout)
     from ops._comm_gloo import GlooCommunicator
+    from ops._comm_nccl import NcclCommunicator
 
-    return GlooCommunicator(timeout=timeout)
+    if backend == "nccl":
+        return NcclCommunicator.from_process_group(timeout=timeout)
+    gloo = GlooCommunicator(timeout=timeout)
+    if backend == "gloo" or not _gpu_available():
+        return gloo
+    return RoutedCommunicator(  # pragma: no cover - needs a GPU
+        gloo, lambda: NcclCommunicator.from_process_group(timeout=timeout))
+
+
+class RoutedCommunicator(Communicator):
+    """Host buffers to one communicator, device buffers to another (made on first use).
+
+    Every rank routes by the same rule, so the collectives each backend sees are
+    in the same order on every rank. The device communicator's creation is
+    itself a collective, so it happens at the first device collective, which
+    every rank reaches in step.
+    """
+
+    def __init__(self, host: Communicator, make_device: Any) -> None:
+        super().__init__(host.rank, host.world_size, host.timeout)
+        self.backend = f"{host.backend}+device"
+        self._host, self._make_device, self._device_comm = host, make_device, None
+
+    @property
+    def device(self) -> Device:
+        return self._on_device().device
+
+    def _on_device(self) -> Communicator:
+        if self._device_comm is None:
+            self._device_comm = self._make_device()
+        return self._device_comm
+
+    def _for(self, buf: Any) -> Communicator:
+        return self._host if device_of(buf).host else self._on_device()
+
+    def unchecked(self) -> Communicator:
+        return RoutedCommunicator(self._host.unchecked(), self._on_device)
+
+    def _all_gather(self, out: Any, x: Any) -> None:
+        self._for(x)._all_gather(out, x)
+
+    def _reduce_scatter(self, out: Any, x: Any, op: str) -> None:
+        self._for(x)._reduce_scatter(out, x, op)
+
+    def _all_reduce(self, x: Any, op: str) -> None:
+        self._for(x)._all_reduce(x, op)
+
+    def _broadcast(self, x: Any, src: int) -> None:
+        self._for(x)._broadcast(x, src)
+
+    def _barrier(self) -> None:
+        self._host._barrier()
 
 
 def _gpu_available() -> bool:
@@ -55,4 +106,7 @@ def _gpu_available() -> bool:
         import cupy
     except ImportError:
         return False
-    return bool(cupy.is_available())
+    try:
+        return bool(cupy.is_available())
+    except Exception:  # a broken driver installation: no usable GPU
+        return False

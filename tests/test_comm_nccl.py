@@ -1,7 +1,8 @@
 """The NCCL backend's argument handling (pointers, element counts, dtype and op
-codes), run without a GPU against a stand-in with NCCL's semantics on host
-memory. The stand-in decodes datatypes from NCCL's own enum values (nccl.h), so
-a wrong entry in our dtype table shows as a wrong result."""
+codes), run without a GPU against a stand-in with NCCL's semantics, over the
+device stand-in's arrays (whose ``.data.ptr`` is host memory). The stand-in
+decodes datatypes from NCCL's own enum values (nccl.h), so a wrong entry in our
+dtype table shows as a wrong result."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ import numpy as np
 import pytest
 
 from ops._arrays import BF16
-from ops._comm_nccl import NcclCommunicator
+from ops._comm_nccl import NcclCommunicator, check_distinct_devices
+from ops.testing import STANDIN, xp
 
 nccl = pytest.importorskip("cupy.cuda.nccl")
 
@@ -68,8 +70,8 @@ class StandInNccl:
 
 def _run(world, body):
     shared = {"slots": [None] * world, "barrier": threading.Barrier(world)}
-    comms = [NcclCommunicator(r, world, comm=StandInNccl(shared, r, world), nccl=nccl)
-             for r in range(world)]
+    comms = [NcclCommunicator(r, world, comm=StandInNccl(shared, r, world), nccl=nccl,
+                              device=STANDIN) for r in range(world)]
     results, errors = [None] * world, []
 
     def go(r):
@@ -97,16 +99,16 @@ def test_collectives_through_the_nccl_entry_points(world, dtype):
     xs = [np.arange(k * world, dtype=np.float64).astype(dtype) + r for r in range(world)]
 
     def body(comm):
-        x = xs[comm.rank]
-        gathered = np.zeros(k * world * world, dtype)
+        x = xp.asarray(xs[comm.rank])
+        gathered = comm.allocate(k * world * world, dtype)
         comm.all_gather_into(gathered, x)
-        scattered = np.zeros(k, dtype)
+        scattered = xp.zeros(k, dtype)
         comm.reduce_scatter_into(scattered, x, "mean")
         summed = x.copy()
         comm.all_reduce_(summed, "sum")
         bcast = x.copy()
         comm.broadcast_(bcast, src=world - 1)
-        return gathered, scattered, summed, bcast
+        return tuple(a.get() for a in (gathered, scattered, summed, bcast))
 
     results, comms = _run(world, body)
     total = np.sum([x.astype(np.float64) for x in xs], axis=0)
@@ -124,9 +126,26 @@ def test_collectives_through_the_nccl_entry_points(world, dtype):
 def test_unsupported_dtype_and_non_contiguous_buffers_are_refused():
     def body(comm):
         with pytest.raises(TypeError, match="NCCL cannot move dtype complex64"):
-            comm.all_reduce_(np.zeros(4, np.complex64))
+            comm.all_reduce_(xp.zeros(4, np.complex64))
         with pytest.raises(ValueError, match="C-contiguous"):
-            comm.all_gather_into(np.zeros(4, np.float32), np.zeros(8, np.float32)[::2])
+            comm.all_gather_into(xp.zeros(4, np.float32), xp.zeros(8, np.float32)[::2])
         return True
 
     assert _run(1, body)[0] == [True]
+
+
+def test_host_arrays_are_refused_before_nccl_sees_a_pointer():
+    def body(comm):
+        with pytest.raises(TypeError, match=r"nccl backend moves GPU memory.*numpy array"):
+            comm.all_reduce_(np.zeros(4, np.float32))
+        with pytest.raises(TypeError, match=r"all_gather on rank 0.*numpy array"):
+            comm.all_gather_into(xp.zeros(4, np.float32), np.zeros(4, np.float32))
+        return comm.comm.calls
+
+    assert _run(1, body)[0] == [[]]  # nothing reached NCCL
+
+
+def test_two_ranks_on_one_gpu_are_named():
+    check_distinct_devices(["a/0", "a/1", "b/0", "b/1"])
+    with pytest.raises(RuntimeError, match=r"ranks \[1, 3\] on GPU 1 of host a"):
+        check_distinct_devices(["a/0", "a/1", "b/0", "a/1"])
