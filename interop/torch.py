@@ -1,8 +1,8 @@
 """Train a torch ``nn.Module`` with the ZeRO transforms.
 
 ``params, loss = interop.torch.functional(model, loss=lambda m, b: ...)`` turns
-a module into a params pytree (numpy arrays over the module's own parameter
-memory, named by their state_dict keys) and a loss object whose
+a module into a params pytree (arrays over the module's own parameter memory:
+numpy for a CPU module, CuPy for a CUDA one; named by their state_dict keys) and a loss object whose
 ``value_and_grad`` runs the module with torch autograd. Hand both to a ZeRO
 transform: ``step = shard.zero3(loss, optimizer=..., comm=comm)``,
 ``state = step.init(params)``.
@@ -26,6 +26,10 @@ non-reentrant activation checkpointing with the gather inside it:
   hooks), the gradients go to the reduce-scatter and are dropped, and the
   unit's parameters are unbound (autograd checks a gradient against its
   parameter's shape, so they stay bound until then).
+
+Gathered leaves are bound as torch tensors over the step's device memory
+(DLPack, no copy) and gradients go to the reduce-scatter the same way, so a
+CUDA module trains on CuPy state with no host copy (see [Note: devices]).
 """
 
 from __future__ import annotations
@@ -35,7 +39,8 @@ from typing import Any
 
 import numpy as np
 
-from interop._dlpack import to_numpy, to_torch
+from ops._device import device_of_or_none
+from ops._dlpack import to_native, torch_view
 from ops._tree import tree_util
 
 __all__ = ["TorchLoss", "functional", "load_state"]
@@ -60,7 +65,7 @@ def _default_units(module: Any) -> list[tuple[str, Any]]:
 
 
 def functional(module: Any, *, loss: Callable[[Any, Any], Any],
-               units: Sequence[Any] | None = None) -> tuple[dict[str, np.ndarray], TorchLoss]:
+               units: Sequence[Any] | None = None) -> tuple[dict[str, Any], TorchLoss]:
     """A module's parameters as a pytree, and a loss the ZeRO transforms train.
 
     Args:
@@ -72,9 +77,10 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
         (default: see [Note: torch ZeRO-3]).
 
     Returns:
-      ``(params, loss_object)``: params is ``{state_dict key: numpy array}``
-      sharing memory with the parameters (tied parameters appear once, under
-      their first name); loss_object has ``value_and_grad(params, batch)`` and
+      ``(params, loss_object)``: params is ``{state_dict key: array}`` (numpy
+      for a CPU module, CuPy for a CUDA one) sharing memory with the
+      parameters (tied parameters appear once, under their first name);
+      loss_object has ``value_and_grad(params, batch)`` and
       a ``units`` function that groups the params into units.
 
     Example:
@@ -106,7 +112,11 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
             owners.setdefault(id(p), []).append(key)
     unit_of = {name: (owners[id(p)][0] if len(owners.get(id(p), [])) == 1 else ROOT)
                for name, p in named.items()}
-    params = {name: to_numpy(p.data) for name, p in named.items()}
+    devices = {p.device for p in named.values()}
+    if len(devices) > 1:
+        raise ValueError(f"functional: the module's parameters are on {sorted(map(str, devices))}; "
+                         "move it to one device first")
+    params = {name: to_native(p.data)[0] for name, p in named.items()}
     return params, TorchLoss(module, loss, named, unit_of, unit_modules)
 
 
@@ -132,22 +142,25 @@ class TorchLoss:
         return self.unit_of[path[0].key]
 
     # -- stages 0-2 (and anything with whole params) ------------------------------
-    def value_and_grad(self, params: dict[str, np.ndarray], batch: Any,
-                       loss_scale: float = 1.0) -> tuple[float, dict[str, np.ndarray]]:
-        """Loss and gradients (of ``loss_scale * loss``) at ``params``, by autograd."""
+    def value_and_grad(self, params: dict[str, Any], batch: Any,
+                       loss_scale: float = 1.0) -> tuple[Any, dict[str, Any]]:
+        """Loss and gradients (of ``loss_scale * loss``) at ``params``, by autograd:
+        a scalar tensor and ``{name: tensor}``, on the module's device."""
+        import torch
+
         for name, p in self.named.items():
-            p.data = to_torch(params[name])
+            p.data = torch_view(params[name])
             p.grad = None
         out = self.loss(self.module, batch)
         (out * loss_scale).backward()
-        grads = {name: (to_numpy(p.grad) if p.grad is not None else np.zeros_like(params[name]))
+        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p))
                  for name, p in self.named.items()}
         for p in self.named.values():
             p.grad = None
-        return float(out.detach()), grads
+        return out.detach(), grads
 
     # -- stage 3 --------------------------------------------------------------------
-    def run_units(self, units: Any, reducer: Any, batch: Any, loss_scale: float) -> float:
+    def run_units(self, units: Any, reducer: Any, batch: Any, loss_scale: float) -> Any:
         """One micro-batch at stage 3, unit by unit (see [Note: torch ZeRO-3])."""
         import torch
 
@@ -173,10 +186,10 @@ class TorchLoss:
                     self._reduce(u)
         finally:
             for p in self.named.values():
-                p.data = torch.empty(0, dtype=p.dtype)
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
                 p.grad = None
             self._active = None
-        return float(out.detach())
+        return out.detach()
 
     def _install(self) -> None:
         if self._installed:
@@ -214,16 +227,16 @@ class TorchLoss:
         finally:
             self._unbind(names)
 
-    def _bind(self, names: list[str], leaves: list[np.ndarray]) -> None:
+    def _bind(self, names: list[str], leaves: list[Any]) -> None:
         for name, leaf in zip(names, leaves, strict=True):
-            self.named[name].data = to_torch(leaf)
+            self.named[name].data = torch_view(leaf)
 
     def _unbind(self, names: list[str]) -> None:
         import torch
 
         for name in names:
             p = self.named[name]
-            p.data = torch.empty(0, dtype=p.dtype)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def _grad_ready(self, name: str) -> None:
         a = self._active
@@ -236,12 +249,10 @@ class TorchLoss:
 
     def _reduce(self, u: int) -> None:
         a = self._active
-        layout = a["units"].layout
-        grads = []
-        for name, i in zip(a["members"][u], layout.units[u].leaves, strict=True):
+        grads = []  # torch tensors, viewed on the step's device by the reducer; None is zero
+        for name in a["members"][u]:
             p = self.named[name]
-            grads.append(to_numpy(p.grad) if p.grad is not None
-                         else np.zeros(layout.leaves[i].shape, np.float32))
+            grads.append(p.grad)
             p.grad = None
         a["pending"][u] = set()
         a["reducer"].add(u, grads)
@@ -276,9 +287,20 @@ def load_state(module: Any, state_or_params: Any, *, comm: Any = None) -> Any:
         raise KeyError(f"load_state: no values for {missing[:5]}")
     with torch.no_grad():
         for name, p in named.items():
-            src = torch.as_tensor(np.asarray(params[name], np.float32))
+            src = _as_tensor(params[name])
             if tuple(src.shape) != tuple(p.shape) and p.numel() > 0:
                 raise ValueError(f"load_state: {name} has shape {tuple(src.shape)}, the module "
                                  f"{tuple(p.shape)}")
-            p.data = src.to(p.dtype).clone()
+            p.data = src.to(device=p.device, dtype=p.dtype, copy=True)
     return module
+
+
+def _as_tensor(x: Any) -> Any:
+    """A torch tensor over an array of any device (numbers and lists copied)."""
+    import torch
+
+    if device_of_or_none(x) is not None:
+        return torch_view(x)
+    if hasattr(x, "__dlpack__"):
+        return torch_view(to_native(x)[0])
+    return torch.as_tensor(np.asarray(x, np.float32))

@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 import ops
-from ops import Communicator
+from ops import Communicator, Device
+from ops._device import device_named
 from ops._tree import tree_util
 from shard._layout import Layout, LeafLayout, alloc_units
 from shard._state import TrainState
@@ -81,7 +82,9 @@ def _sha256(path: Path) -> str:
 def _write_rank_file(state: TrainState, path: Path) -> tuple[str, int]:
     from safetensors.numpy import save_file
 
-    tensors = {f"{kind}/{u}": np.ascontiguousarray(buf)
+    device = device_named(state.meta.device)  # device state: explicit copies to the host
+    tensors = {f"{kind}/{u}": np.ascontiguousarray(device.to_host(buf) if not device.host
+                                                   else buf)
                for kind in KINDS for u, buf in enumerate(getattr(state, kind))}
     part = path.with_suffix(".part")
     save_file(tensors, str(part))
@@ -229,7 +232,7 @@ class _Source:
 
 
 def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
-         like: Any = None) -> tuple[TrainState, Any]:
+         like: Any = None, device: str | Device | None = None) -> tuple[TrainState, Any]:
     """Load a checkpoint into ``step``'s stage and world size (a collective).
 
     Args:
@@ -239,6 +242,9 @@ def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
       comm: this rank's communicator.
       like: the params tree or its shapes (``jax.ShapeDtypeStruct``), needed
         unless ``step.init`` has already run.
+      device: where the state goes (``"numpy"``, ``"cupy"`` or a
+        :class:`ops.Device`); default: the device of ``like``'s arrays, else
+        the step's (that of the params ``step.init`` was given).
 
     Returns:
       ``(state, extra)``.
@@ -256,6 +262,8 @@ def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
             raise ValueError("load: pass like=params (or their shapes) when step.init has not "
                              "run")
         step.setup(like)
+    if device is not None:
+        step.device = device_named(device) if isinstance(device, str) else device
     layout, rank = step.layout, (comm.rank if step.stage > 0 else 0)
     saved = {e["path"]: e for e in manifest["leaves"]}
     sources = []
@@ -277,12 +285,14 @@ def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
     files = manifest["files"]
     handles = {r: safe_open(str(path / (files[r] if manifest["stage"] else files[0])["file"]),
                             framework="numpy") for r in needed}
-    buffers = {kind: alloc_units(layout, step.master_dtype) for kind in KINDS}
+    buffers = {kind: alloc_units(layout, step.master_dtype) for kind in KINDS}  # host
     for kind, bufs in buffers.items():
         for leaf, src, (lo, hi), dst in zip(layout.leaves, sources, wanted,
                                             layout.local_views(bufs), strict=True):
             _fill(leaf, dst, src.read(handles, kind, lo, hi))
-    full_leaves = [src.read(handles, "master", 0, src.rows).reshape(leaf.shape)
+    on_device = step.device.asarray  # host buffers: an explicit copy to a GPU
+    buffers = {kind: [on_device(b) for b in bufs] for kind, bufs in buffers.items()}
+    full_leaves = [on_device(src.read(handles, "master", 0, src.rows).reshape(leaf.shape))
                    if step.stage in (0, 1, 2) else None
                    for leaf, src in zip(layout.leaves, sources, strict=True)]
     state = step.state_from(buffers["master"], buffers["exp_avg"], buffers["exp_avg_sq"],

@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from ops import Communicator, aligned_empty
+from ops import HOST, Communicator
+from ops._device import device_named
 from ops._tree import tree_util
-from shard._layout import make_layout
+from shard._layout import make_layout, native_leaves
 from shard._state import TrainState
 
 __all__ = ["gather", "split_batch"]
+
+
+class _Shape(NamedTuple):
+    shape: tuple[int, ...]
+    dtype: Any
 
 
 def gather(x: Any, comm: Communicator, *, specs: Any = None, like: Any = None) -> Any:
@@ -26,44 +32,49 @@ def gather(x: Any, comm: Communicator, *, specs: Any = None, like: Any = None) -
         padding off); without it the padded rows are kept.
 
     Returns:
-      The full params pytree (numpy arrays), the same on every rank.
+      The full params pytree, the same on every rank, as arrays of the shards'
+      device (numpy for host state, CuPy for GPU state).
     """
     if isinstance(x, TrainState):
         x.check_live()
         layout, buffers = x.meta.layout, list(x.master)
+        device = device_named(x.meta.device)
         if x.meta.stage == 0:
             return layout.treedef.unflatten([v.copy() for v in layout.local_views(buffers)])
     else:
         tu = tree_util()
         shapes = like if like is not None else tu.tree_map(
-            lambda s: np.empty((s.shape[0] * comm.world_size, *s.shape[1:]) if s.ndim else (),
-                               s.dtype), x)
+            lambda s: _Shape((s.shape[0] * comm.world_size, *s.shape[1:]) if s.ndim else (),
+                             s.dtype), x)
         layout = make_layout(shapes, specs, world_size=comm.world_size, fn="gather")
-        buffers = [aligned_empty(u.local_size, np.asarray(
-            layout.treedef.flatten_up_to(x)[u.leaves[0]]).dtype) for u in layout.units]
-        for leaf, dst, src in zip(layout.leaves, layout.local_views(buffers),
-                                  layout.treedef.flatten_up_to(x), strict=True):
-            dst[...] = np.asarray(src).reshape(dst.shape) if leaf.sharded else np.asarray(src)
+        device, local = native_leaves(layout.treedef.flatten_up_to(x), "gather")
+        device = device or HOST
+        local = [device.asarray(s) for s in local]
+        buffers = [device.empty(u.local_size, local[u.leaves[0]].dtype) for u in layout.units]
+        for dst, src in zip(layout.local_views(buffers), local, strict=True):
+            dst[...] = src.reshape(dst.shape)
     out: list[Any] = [None] * len(layout.leaves)
     for u, unit in enumerate(layout.units):
-        gathered = aligned_empty(unit.sharded_size * comm.world_size, buffers[u].dtype)
+        gathered = device.empty(unit.sharded_size * comm.world_size, buffers[u].dtype)
         if unit.sharded_size:
             comm.all_gather_into(gathered, buffers[u][:unit.sharded_size])
         for i in unit.leaves:
-            out[i] = np.array(layout.gathered_leaf(layout.leaves[i], gathered, buffers[u]))
+            out[i] = layout.gathered_leaf(layout.leaves[i], gathered, buffers[u]).copy()
     return layout.treedef.unflatten(out)
 
 
 def split_batch(batch: Any, *, rank: int, world_size: int) -> Any:
     """Rank ``rank``'s part of a global batch: each leaf's rows, split evenly.
 
-    Raises ValueError, naming the leaf, when a leading dimension does not divide
-    by ``world_size``.
+    Leaves keep their kind (numpy, CuPy, torch or jax arrays are sliced as they
+    are; numbers and lists become numpy arrays). Raises ValueError, naming the
+    leaf, when a leading dimension does not divide by ``world_size``.
     """
     tu = tree_util()
 
     def cut(path: Any, x: Any) -> Any:
-        x = np.asarray(x)
+        if not hasattr(x, "shape"):
+            x = np.asarray(x)  # numbers and lists: host data
         if x.ndim == 0 or x.shape[0] % world_size:
             raise ValueError(f"split_batch: batch{tu.keystr(path)} has leading dimension "
                              f"{x.shape[0] if x.ndim else '(scalar)'}, which does not split "

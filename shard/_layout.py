@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ops import aligned_empty
+from ops import HOST, Device, device_of
 from ops._tree import tree_util
 from shard._specs import Shard, resolve_specs
 
@@ -110,12 +110,13 @@ class Layout:
             out.append(buf[leaf.offset:leaf.offset + leaf.local_size].reshape(leaf.local_shape))
         return out
 
-    def scatter_leaf(self, leaf: LeafLayout, x: np.ndarray, rank: int, dst: np.ndarray) -> None:
-        """Write rank ``rank``'s part of the full leaf ``x`` into ``dst`` (its local view)."""
+    def scatter_leaf(self, leaf: LeafLayout, x: Any, rank: int, dst: Any) -> None:
+        """Write rank ``rank``'s part of the full leaf ``x`` into ``dst`` (its local
+        view); ``x`` is an array of ``dst``'s device."""
         if not leaf.sharded:
-            dst[...] = np.asarray(x).reshape(leaf.local_shape)
+            dst[...] = x.reshape(leaf.local_shape)
             return
-        rows = np.asarray(x).reshape(leaf.rows, leaf.row_size)
+        rows = x.reshape(leaf.rows, leaf.row_size)
         lo = min(rank * leaf.rows_per_rank, leaf.rows)
         hi = min(lo + leaf.rows_per_rank, leaf.rows)
         flat = dst.reshape(leaf.rows_per_rank, leaf.row_size)
@@ -136,12 +137,17 @@ class Layout:
         rows = block.reshape(self.world_size * leaf.rows_per_rank, leaf.row_size)
         return rows[:leaf.rows].reshape(leaf.shape)
 
-    def pack_grad(self, leaf: LeafLayout, g: Any, sharded: np.ndarray, replicated: np.ndarray,
+    def pack_grad(self, leaf: LeafLayout, g: Any, sharded: Any, replicated: Any,
                   *, add: bool = False) -> None:
         """Copy (or with ``add``, add) a full gradient into a unit's reduce layout
-        (see [Note: unit buffers]); the padding rows are left at zero."""
-        g = np.asarray(g)
+        (see [Note: unit buffers]); the padding rows are left at zero. ``g`` is an
+        array of the buffers' device, or None for a zero gradient."""
         unit = self.units[leaf.unit]
+        if g is None:
+            if not add:
+                self.pack_grad(leaf, device_of(sharded).zeros(leaf.size, sharded.dtype), sharded,
+                               replicated)
+            return
         if not leaf.sharded:
             off = leaf.offset - unit.sharded_size
             dst = replicated[off:off + leaf.size]
@@ -219,14 +225,40 @@ def master_dtype_of(layout: Layout) -> np.dtype:
     return np.dtype(np.float32)
 
 
-def alloc_units(layout: Layout, dtype: Any) -> list[np.ndarray]:
-    """Zeroed, 64-byte aligned local buffers, one per unit."""
+def alloc_units(layout: Layout, dtype: Any, device: Device = HOST) -> list[Any]:
+    """Zeroed local buffers on ``device``, one per unit (64-byte aligned on the host)."""
+    return [device.zeros(unit.local_size, dtype) for unit in layout.units]
+
+
+def native_leaves(leaves: Sequence[Any], fn: str) -> tuple[Device | None, list[Any]]:
+    """Array leaves as arrays of the one device they live on.
+
+    numpy and device arrays stay as they are, torch tensors and jax arrays are
+    viewed through DLPack (zero-copy), and anything else (numbers, lists) goes
+    through ``np.asarray``. Returns ``(device, leaves)``, the device None when no
+    leaf is an array (shapes only); a TypeError names the first leaf on another
+    device than the others.
+    """
+    from ops._device import device_of_or_none
+    from ops._dlpack import to_native
+
+    found: tuple[Device, int] | None = None
     out = []
-    for unit in layout.units:
-        buf = aligned_empty(unit.local_size, dtype)
-        buf[...] = 0
-        out.append(buf)
-    return out
+    for i, x in enumerate(leaves):
+        if device_of_or_none(x) is None and hasattr(x, "__dlpack__"):
+            x = to_native(x)[0]
+        d = device_of_or_none(x)
+        if d is None:
+            scalar_or_list = isinstance(x, (np.generic, int, float, bool, list, tuple))
+            out.append(np.asarray(x) if scalar_or_list else x)  # shapes stay as they are
+            continue
+        if found is None:
+            found = (d, i)
+        elif d is not found[0]:
+            raise TypeError(f"{fn}: leaf {i} is a {d.name} array but leaf {found[1]} is a "
+                            f"{found[0].name} array; put every leaf on one device")
+        out.append(x)
+    return (None if found is None else found[0]), out
 
 
 def partition(tree: Any, specs: Any = None, *, rank: int, world_size: int,
@@ -234,7 +266,8 @@ def partition(tree: Any, specs: Any = None, *, rank: int, world_size: int,
     """This rank's shards of a full pytree (see [Note: unit buffers]).
 
     Args:
-      tree: the full pytree of arrays (numpy, or anything ``np.asarray`` takes).
+      tree: the full pytree of arrays (numpy, or anything ``np.asarray`` takes; or
+        arrays of one device, where the shards are then made).
       specs: a spec per leaf, a prefix of the tree, or one spec (default Shard(0)).
       rank, world_size: which shards.
       units: how leaves group into flat buffers (default: top-level subtrees).
@@ -254,13 +287,14 @@ def partition(tree: Any, specs: Any = None, *, rank: int, world_size: int,
     if not 0 <= rank < world_size:
         raise ValueError(f"partition: rank must be in [0, {world_size}); got {rank}")
     layout = make_layout(tree, specs, world_size=world_size, units=units, fn="partition")
-    full = layout.treedef.flatten_up_to(tree)
+    device, full = native_leaves(layout.treedef.flatten_up_to(tree), "partition")
+    device = device or HOST
     dtypes = [np.dtype(dtype) if dtype is not None else
               np.dtype(layout.leaves[u.leaves[0]].dtype) for u in layout.units]
-    buffers = [aligned_empty(u.local_size, d) for u, d in zip(layout.units, dtypes, strict=True)]
+    buffers = [device.empty(u.local_size, d) for u, d in zip(layout.units, dtypes, strict=True)]
     views = layout.local_views(buffers)
     for leaf, x, dst in zip(layout.leaves, full, views, strict=True):
-        layout.scatter_leaf(leaf, x, rank, dst)
+        layout.scatter_leaf(leaf, device.asarray(x).astype(dst.dtype, copy=False), rank, dst)
     return layout.treedef.unflatten(views)
 
 
@@ -276,12 +310,14 @@ def unpartition(shards: Sequence[Any], like: Any, specs: Any = None) -> Any:
     tu = tree_util()
     world_size = len(shards)
     layout = make_layout(like, specs, world_size=world_size, fn="unpartition")
-    per_rank = [layout.treedef.flatten_up_to(s) for s in shards]
+    per_rank = [native_leaves(layout.treedef.flatten_up_to(s), "unpartition")[1]
+                for s in shards]
+    device = native_leaves([p[0] for p in per_rank if p], "unpartition")[0] or HOST
     out = []
     for i, leaf in enumerate(layout.leaves):
-        parts = [np.asarray(p[i]) for p in per_rank]
+        parts = [device.asarray(p[i]) for p in per_rank]
         if leaf.sharded:
-            out.append(np.concatenate(parts, axis=0)[:leaf.rows])
+            out.append(device.xp.concatenate(parts, axis=0)[:leaf.rows])
         else:
             out.append(parts[0])
     return tu.tree_unflatten(layout.treedef, out)

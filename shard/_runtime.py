@@ -12,6 +12,7 @@ parameters), and hands the unit's gradient to :class:`GradReducer`, whose
 reduce-scatter runs asynchronously while the next unit computes. A monolithic
 loss gathers every unit first (it cannot be split), as the docs say.
 At stages 0-2 :meth:`Units.get` returns views of the full compute params.
+Every buffer here is allocated on the state's device (see [Note: devices]).
 
 Dropping a unit's arrays does not free them at once: JAX releases an input
 buffer a moment after the computation that read it has finished. So, like
@@ -31,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from ops import Communicator, aligned_empty
+from ops import Communicator, Device
 from shard._layout import Layout
 
 __all__ = ["GradReducer", "LiveBytes", "Units"]
@@ -52,10 +53,10 @@ class LiveBytes:
         self.live = 0
         self.peak = 0
 
-    def track(self, a: np.ndarray) -> np.ndarray:
+    def track(self, a: Any, device: Device) -> Any:
         self.live += a.nbytes
         self.peak = max(self.peak, self.live)
-        weakref.finalize(a, self._release, a.nbytes)
+        weakref.finalize(device.memory_owner(a), self._release, a.nbytes)
         return a
 
     def _release(self, n: int) -> None:
@@ -65,18 +66,18 @@ class LiveBytes:
 class Units:
     """Full parameters of one unit at a time (see [Note: ZeRO-3 schedule])."""
 
-    def __init__(self, layout: Layout, comm: Communicator, *, stage: int,
-                 local: list[np.ndarray], full: list[np.ndarray] | None,
+    def __init__(self, layout: Layout, comm: Communicator, *, stage: int, device: Device,
+                 local: list[Any], full: list[Any] | None,
                  full_layout: Layout | None, prefetch: int = 1,
                  tracker: LiveBytes | None = None) -> None:
-        self.layout, self.comm, self.stage = layout, comm, stage
+        self.layout, self.comm, self.stage, self.device = layout, comm, stage, device
         self.local, self.full, self.full_layout = local, full, full_layout
         self.prefetch = prefetch
         self.tracker = tracker if tracker is not None else LiveBytes()
         self.bounded = True  # False: gather everything (a monolithic loss)
         self.pinned_bytes = 0
         self._warned = False
-        self._inflight: dict[int, tuple[np.ndarray, Any]] = {}
+        self._inflight: dict[int, tuple[Any, Any]] = {}
         self._unit_bytes = max((self._gather_bytes(u) for u in range(len(layout.units))),
                                default=0)
         # stages 0-2: every leaf's whole-params view, made once per step
@@ -109,14 +110,14 @@ class Units:
             return
         unit, shard = self.layout.units[u], self.local[u]
         self._wait_for_room(self._gather_bytes(u))
-        out = self.tracker.track(aligned_empty(unit.sharded_size * self.comm.world_size,
-                                               shard.dtype))
+        out = self.tracker.track(self.device.empty(unit.sharded_size * self.comm.world_size,
+                                                   shard.dtype), self.device)
         work = (self.comm.all_gather_async(out, shard[:unit.sharded_size])
                 if unit.sharded_size else None)
         self._inflight[u] = (out, work)
 
     def get(self, u: int, upcoming: list[int] | tuple = (), *,
-            pinned: bool = False) -> list[np.ndarray]:
+            pinned: bool = False) -> list[Any]:
         """Unit ``u``'s full leaves, then start the gathers of ``upcoming`` units.
 
         The next gathers start only once this unit is copied out and its gather
@@ -137,9 +138,9 @@ class Units:
         leaves = []
         for i in unit.leaves:
             leaf = self.layout.leaves[i]
-            full = aligned_empty(leaf.size, gathered.dtype).reshape(leaf.shape)
+            full = self.device.empty(leaf.size, gathered.dtype).reshape(leaf.shape)
             full[...] = self.layout.gathered_leaf(leaf, gathered, self.local[u])
-            leaves.append(self.tracker.track(full))
+            leaves.append(self.tracker.track(full, self.device))
         del gathered
         for v in list(upcoming)[:self.prefetch]:
             self.start(v)
@@ -155,18 +156,23 @@ class GradReducer:
     reduce once, in :meth:`finish`. Replicated leaves are all-reduced.
     """
 
-    def __init__(self, layout: Layout, comm: Communicator, *, stage: int, dtype: Any) -> None:
-        self.layout, self.comm, self.stage = layout, comm, stage
+    def __init__(self, layout: Layout, comm: Communicator, *, stage: int, dtype: Any,
+                 device: Device) -> None:
+        self.layout, self.comm, self.stage, self.device = layout, comm, stage, device
         self.dtype = np.dtype(dtype)
         w = comm.world_size if stage > 0 else 1
-        self.shards = [np.zeros(u.local_size, self.dtype) for u in layout.units]
-        self._full = ([np.zeros(u.sharded_size * w, self.dtype) for u in layout.units]
+        self.shards = [device.zeros(u.local_size, self.dtype) for u in layout.units]
+        self._full = ([device.zeros(u.sharded_size * w, self.dtype) for u in layout.units]
                       if stage <= 1 else None)
-        self._pending: list[tuple[int, np.ndarray, Any]] = []
+        self._pending: list[tuple[int, Any, Any]] = []
 
     def add(self, u: int, grads: list[Any]) -> None:
-        """Add unit ``u``'s full leaf gradients (in the unit's leaf order)."""
+        """Add unit ``u``'s full leaf gradients (in the unit's leaf order): arrays of
+        the state's device, or torch tensors and jax arrays on it (viewed through
+        DLPack, no copy); None is a zero gradient."""
         unit, w = self.layout.units[u], self.layout.world_size
+        grads = [None if g is None else self._on_device(i, g)
+                 for i, g in zip(unit.leaves, grads, strict=True)]
         shard = self.shards[u]
         replicated = shard[unit.sharded_size:]
         if self._full is not None:  # stages 0-1: accumulate the full gradient
@@ -174,7 +180,7 @@ class GradReducer:
                 self.layout.pack_grad(self.layout.leaves[i], g, self._full[u], replicated,
                                       add=True)
             return
-        packed = np.empty(unit.sharded_size * w, self.dtype)
+        packed = self.device.empty(unit.sharded_size * w, self.dtype)
         for i, g in zip(unit.leaves, grads, strict=True):
             leaf = self.layout.leaves[i]
             if leaf.sharded:
@@ -182,10 +188,18 @@ class GradReducer:
             else:
                 self.layout.pack_grad(leaf, g, packed, replicated, add=True)
         if unit.sharded_size:
-            out = np.empty(unit.sharded_size, self.dtype)
+            out = self.device.empty(unit.sharded_size, self.dtype)
             self._pending.append((u, out, self.comm.reduce_scatter_async(out, packed, op="sum")))
 
-    def finish(self) -> list[np.ndarray]:
+    def _on_device(self, i: int, g: Any) -> Any:
+        leaf = self.layout.leaves[i]
+        g = self.device.asarray(g, what=f"the gradient of {leaf.path}")
+        if tuple(g.shape) != leaf.shape and g.size != leaf.size:
+            raise ValueError(f"the gradient of {leaf.path} has shape {tuple(g.shape)}; the "
+                             f"param has {leaf.shape}")
+        return g
+
+    def finish(self) -> list[Any]:
         """Wait for the reductions; return per-unit gradient shards (sums over ranks)."""
         for u, out, work in self._pending:
             work.wait()

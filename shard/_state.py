@@ -42,6 +42,7 @@ class StateMeta:
     precision: Any
     master_dtype: str
     compute_dtype: str
+    device: str = "numpy"  # where every buffer lives (see [Note: devices])
 
 
 @dataclass(frozen=True)
@@ -99,7 +100,8 @@ class TrainState:
         """A table of what this rank holds: units, sizes and bytes by kind."""
         m = self.meta
         lines = [f"TrainState: stage {m.stage}, rank {m.rank} of {m.layout.world_size}, step "
-                 f"{int(self.step)}, master {m.master_dtype}, compute {m.compute_dtype}"]
+                 f"{int(self.step)}, master {m.master_dtype}, compute {m.compute_dtype}, "
+                 f"on {m.device}"]
         lines.append(f"  {'unit':<28}{'leaves':>7}{'local elems':>14}{'sharded':>10}")
         for u in m.layout.units:
             lines.append(f"  {u.name[:28]:<28}{len(u.leaves):>7}{u.local_size:>14,}"

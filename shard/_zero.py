@@ -24,10 +24,18 @@ One step, in order (each a small function below):
 4. the fused optimizer on every unit's shard: unscale, clip, AdamW, and the
    compute-dtype copy of the new params, in one pass;
 5. stages 1-2: all-gather the new compute params for the next step.
+
+Every buffer lives on the device of the params given to ``init`` (numpy,
+CuPy, or the stand-in of :mod:`ops.testing`; see [Note: devices]). The loss,
+the sum of squares and the overflow flag stay device arrays; the step reads
+them back once, as two numbers, when it must decide on the host (clipping or
+loss scaling on: skip the step or not) and otherwise only when its metrics
+are looked at.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import zlib
@@ -36,9 +44,19 @@ from typing import Any
 import numpy as np
 
 import ops
-from ops import AdamState, Communicator, FusedAdam, aligned_empty
-from shard._layout import Layout, Units, alloc_units, make_layout, master_dtype_of
-from shard._loss import JaxLoss, classify, to_jax
+import ops._tree
+from ops import HOST, AdamState, Communicator, Device, FusedAdam
+from ops._dlpack import jax_view
+from shard._layout import (
+    Layout,
+    Units,
+    alloc_units,
+    make_layout,
+    master_dtype_of,
+    native_leaves,
+)
+from shard._loss import JaxLoss, classify
+from shard._metrics import StepMetrics
 from shard._policy import LossScale, Precision
 from shard._runtime import GradReducer, LiveBytes
 from shard._runtime import Units as UnitParams
@@ -81,6 +99,7 @@ class ZeroStep:
         self.master_dtype = np.dtype(np.float32)
         self.full_layout: Layout | None = None
         self.tracker = LiveBytes()
+        self.device: Device = HOST
         self.name = name
 
     # -- init -----------------------------------------------------------------
@@ -91,23 +110,27 @@ class ZeroStep:
         seed the model's initialisation identically on every rank.
         """
         self.setup(params)
-        leaves = self.layout.treedef.flatten_up_to(params)
+        _, leaves = native_leaves(self.layout.treedef.flatten_up_to(params), f"{self.name}.init")
+        leaves = [self.device.asarray(x) for x in leaves]
         self._agree_on_values(leaves)
-        master = alloc_units(self.layout, self.master_dtype)
+        master = alloc_units(self.layout, self.master_dtype, self.device)
         rank = self.comm.rank if self.stage > 0 else 0
         for leaf, x, dst in zip(self.layout.leaves, leaves,
                                 self.layout.local_views(master), strict=True):
             self.layout.scatter_leaf(leaf, x, rank, dst)
-        state = self.state_from(master, [np.zeros_like(m) for m in master],
-                                [np.zeros_like(m) for m in master], full_leaves=leaves)
+        zeros = [alloc_units(self.layout, self.master_dtype, self.device) for _ in range(2)]
+        state = self.state_from(master, *zeros, full_leaves=leaves)
         log.info("%s: %d units, %d of %d elements on rank %d", self.name, len(self.layout.units),
                  self.layout.local_size(), self.full_layout.local_size(), self.comm.rank)
         return state
 
     def setup(self, params: Any) -> None:
         """Build the layouts for ``params`` (arrays or shapes) and check that every
-        rank built the same one; ``init`` and ``shard.load`` call this."""
+        rank built the same one; ``init`` and ``shard.load`` call this. Arrays
+        decide the step's device; shapes keep the device it has."""
         w = self.comm.world_size
+        device, _ = native_leaves(self.layout_leaves(params), f"{self.name}.init")
+        self.device = device or self.device
         self.layout = make_layout(params, self.specs, world_size=1 if self.stage == 0 else w,
                                   units=self.units, fn=f"{self.name}.init")
         self.full_layout = make_layout(params, self.specs, world_size=1, units=self.units)
@@ -123,27 +146,31 @@ class ZeroStep:
                              f"the params form {len(self.layout.units)} units "
                              f"({[u.name for u in self.layout.units]}); give one layer per unit")
 
-    def state_from(self, master: list[np.ndarray], exp_avg: list[np.ndarray],
-                   exp_avg_sq: list[np.ndarray], *, full_leaves: list[Any], step: int = 0,
+    @staticmethod
+    def layout_leaves(params: Any) -> list[Any]:
+        return ops._tree.tree_leaves(params)
+
+    def state_from(self, master: list[Any], exp_avg: list[Any],
+                   exp_avg_sq: list[Any], *, full_leaves: list[Any], step: int = 0,
                    loss_scale: float | None = None, good_steps: int = 0) -> TrainState:
         """A TrainState over the given master and moment buffers (this step's layout).
 
-        ``full_leaves`` are the whole params in leaf order, for the compute
-        params stages 0-2 keep whole.
+        ``full_leaves`` are the whole params in leaf order (arrays of the step's
+        device), for the compute params stages 0-2 keep whole.
         """
         master_dtype = self.master_dtype
         compute_dtype = self.precision.param_dtype or master_dtype
         compute: tuple = ()
         if self.stage in (1, 2) or (self.stage == 0 and compute_dtype != master_dtype):
-            full = alloc_units(self.full_layout, compute_dtype)
+            full = alloc_units(self.full_layout, compute_dtype, self.device)
             for leaf, x, dst in zip(self.full_layout.leaves, full_leaves,
                                     self.full_layout.local_views(full), strict=True):
-                self.full_layout.scatter_leaf(leaf, np.asarray(x).astype(compute_dtype), 0, dst)
+                self.full_layout.scatter_leaf(leaf, x.astype(compute_dtype), 0, dst)
             compute = tuple(full)
         elif self.stage == 3 and compute_dtype != master_dtype:
             compute = tuple(ops.cast(m, compute_dtype) for m in master)
         meta = StateMeta(self.layout, self.stage, self.comm.rank, self.precision,
-                         str(master_dtype), str(compute_dtype))
+                         str(master_dtype), str(compute_dtype), self.device.name)
         if loss_scale is None:
             loss_scale = self.loss_scale.initial if self.loss_scale else 1.0
         return TrainState(tuple(master), tuple(exp_avg), tuple(exp_avg_sq), compute,
@@ -152,8 +179,9 @@ class ZeroStep:
 
     def _agree_on_values(self, leaves: list[Any]) -> None:
         digest = 1
-        for x in leaves:
-            digest = zlib.adler32(np.ascontiguousarray(x).view(np.uint8).reshape(-1), digest)
+        for x in leaves:  # on a GPU, an explicit copy to the host, once, at init
+            host = np.ascontiguousarray(x if self.device.host else self.device.to_host(x))
+            digest = zlib.adler32(host.view(np.uint8).reshape(-1), digest)
         every = ops.all_gather(self.comm, np.array([digest], np.int64))
         if np.any(every != every[0]):
             bad = [r for r, d in enumerate(every.tolist()) if d != int(every[0])]
@@ -173,7 +201,7 @@ class ZeroStep:
         self._fast = self.comm.unchecked()
 
     # -- step -------------------------------------------------------------------
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, dict[str, Any]]:
+    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
         self._check_state(state)
         state.donate()
         micro = batch if isinstance(batch, list) else [batch]
@@ -181,29 +209,57 @@ class ZeroStep:
             raise ValueError(f"{self.name}: an empty list of micro-batches")
         scale = float(state.loss_scale)
         reducer = GradReducer(self.layout, self._fast, stage=self.stage,
-                              dtype=self._reduce_dtype())
+                              dtype=self._reduce_dtype(), device=self.device)
         units = self._unit_params(state)
-        losses = [self._grads(units, reducer, b, scale) for b in micro]
+        totals = self.device.zeros(2, np.float64)  # [sum of squares, sum of losses]
+        with self._jax_placement():
+            for b in micro:
+                totals[1:2] += self._on_device(self._grads(units, reducer, b, scale), "the loss")
         shards = reducer.finish()
-        sumsq, loss = self._norm_and_loss(shards, sum(losses) / len(micro))
-        finite = math.isfinite(sumsq)
+        self._norm_and_loss(shards, totals)
         w, k = self.comm.world_size, len(micro)
         grad_scale = 1.0 / (w * k * scale)
-        metrics = {"loss": loss, "grad_norm": math.sqrt(sumsq) * grad_scale if finite else sumsq,
-                   "lr": float(self.optimizer.learning_rate(int(state.step))),
-                   "loss_scale": scale, "skipped": False}
-        new_scale, good = float(state.loss_scale), int(state.good_steps)
+        known = {"lr": float(self.optimizer.learning_rate(int(state.step))),
+                 "loss_scale": scale, "skipped": False}
+
+        def finish(host: np.ndarray) -> dict[str, float]:
+            sumsq = float(host[0])
+            norm = math.sqrt(sumsq) * grad_scale if math.isfinite(sumsq) else sumsq
+            return {"loss": float(host[1]) / (w * k), "grad_norm": norm}
+
+        if self.clip_norm is None and self.loss_scale is None:
+            # nothing to decide on the host: no read back until metrics are looked at
+            self._apply(state, shards, grad_scale, None)
+            return (state.replace(step=np.asarray(int(state.step) + 1, np.int64)),
+                    StepMetrics(known, totals, finish, self.device.to_host))
+        host = self.device.to_host(totals)  # the step's one read: skip it or not
+        known.update(finish(host))
+        finite = math.isfinite(float(host[0]))
+        new_scale, good = scale, int(state.good_steps)
         if self.loss_scale is not None:
             new_scale, good = self.loss_scale.update(scale, good, finite)
-        if self.loss_scale is not None and not finite:
-            metrics["skipped"] = True
-            return state.replace(loss_scale=np.asarray(new_scale, np.float64),
-                                 good_steps=np.asarray(good, np.int64)), metrics
-        count = self._apply(state, shards, grad_scale, sumsq)
-        metrics["skipped"] = count == int(state.step)
-        return state.replace(step=np.asarray(count, np.int64),
+        if finite:
+            self._apply(state, shards, grad_scale,
+                        totals[0:1] if self.clip_norm is not None else None)
+        known["skipped"] = not finite
+        return state.replace(step=np.asarray(int(state.step) + finite, np.int64),
                              loss_scale=np.asarray(new_scale, np.float64),
-                             good_steps=np.asarray(good, np.int64)), metrics
+                             good_steps=np.asarray(good, np.int64)), StepMetrics(known)
+
+    def _on_device(self, x: Any, what: str) -> Any:
+        """A loss (a number, or a torch, jax or device scalar) as a device array."""
+        if isinstance(x, (int, float)):
+            x = np.asarray(x, np.float64)
+        return self.device.asarray(x, what=f"{self.name}: {what}").reshape(1)
+
+    def _jax_placement(self) -> Any:
+        """JAX computations over host state run on JAX's CPU device, even where
+        JAX's default device is a GPU."""
+        if not self.device.host or self.kind == "provider":
+            return contextlib.nullcontext()
+        import jax
+
+        return jax.default_device(jax.devices("cpu")[0])
 
     def _check_state(self, state: TrainState) -> None:
         if not isinstance(state, TrainState):
@@ -218,6 +274,10 @@ class ZeroStep:
                 f"{m.layout.world_size if m.stage else 'any'} ranks, but this step is stage "
                 f"{self.stage} on rank {self.comm.rank} of {self.comm.world_size}; load it "
                 "through shard.load to re-shard, or init a new state")
+        if m.device != self.device.name:
+            raise ValueError(f"{self.name}: this TrainState lives on {m.device} but the step was "
+                             f"set up for {self.device.name} params; load it onto this device "
+                             "with shard.load(..., device=), or init a new state")
 
     def _reduce_dtype(self) -> np.dtype:
         p = self.precision
@@ -228,24 +288,26 @@ class ZeroStep:
         full = list(state.compute) if self.stage in (1, 2) or (
             self.stage == 0 and state.compute) else (list(state.master) if self.stage == 0
                                                      else None)
-        return UnitParams(self.layout, self._fast, stage=self.stage, local=local, full=full,
+        return UnitParams(self.layout, self._fast, stage=self.stage, device=self.device,
+                          local=local, full=full,
                           full_layout=self.full_layout, prefetch=self.prefetch,
                           tracker=self.tracker)
 
     # -- gradients ----------------------------------------------------------------
-    def _grads(self, units: UnitParams, reducer: GradReducer, batch: Any, scale: float) -> float:
-        """Loss of one micro-batch; its gradients (of loss * scale) go to ``reducer``."""
+    def _grads(self, units: UnitParams, reducer: GradReducer, batch: Any, scale: float) -> Any:
+        """Loss of one micro-batch (a number or a scalar array); its gradients (of
+        loss * scale) go to ``reducer``."""
         if self.kind == "layered":
             return self._layered_grads(units, reducer, batch, scale)
         if self.stage == 3 and hasattr(self.loss_fn, "run_units"):
-            return float(self.loss_fn.run_units(units, reducer, batch, scale))
+            return self.loss_fn.run_units(units, reducer, batch, scale)
         n = len(self.layout.units)
         units.bounded = False  # a monolithic loss needs every unit at once
         leaves: list[Any] = [None] * len(self.layout.leaves)
         for u in range(n):
             for i, x in zip(self.layout.units[u].leaves, units.get(u, range(u + 1, n)),
                             strict=True):
-                leaves[i] = to_jax(x) if self.kind == "jax" else x
+                leaves[i] = jax_view(x) if self.kind == "jax" else x
         params = self.layout.treedef.unflatten(leaves)
         del leaves
         kwargs = {"loss_scale": scale} if (self.loss_scale or self.kind == "jax") else {}
@@ -254,10 +316,10 @@ class ZeroStep:
         flat = self.layout.treedef.flatten_up_to(grads)
         for u in reversed(range(n)):
             reducer.add(u, [flat[i] for i in self.layout.units[u].leaves])
-        return float(loss)
+        return loss
 
     def _layered_grads(self, units: UnitParams, reducer: GradReducer, batch: Any,
-                       scale: float) -> float:
+                       scale: float) -> Any:
         import jax
         import jax.numpy as jnp
 
@@ -278,47 +340,47 @@ class ZeroStep:
             del params
             carries[u] = None
             reducer.add(u, self._unit_leaves(u, g_params))
-        return float(loss)
+        return loss
 
-    def _unit_tree(self, u: int, leaves: list[np.ndarray]) -> Any:
+    def _unit_tree(self, u: int, leaves: list[Any]) -> Any:
         """Unit ``u``'s subtree of the params, as jax arrays over ``leaves``."""
         subtrees = self.layout.treedef.children()
         if len(subtrees) != len(self.layout.units):
             raise ValueError(f"{self.name}: Layered needs units = the top-level subtrees of the "
                              "params (units=None)")
-        return subtrees[u].unflatten([to_jax(x) for x in leaves])
+        return subtrees[u].unflatten([jax_view(x) for x in leaves])
 
     def _unit_leaves(self, u: int, tree: Any) -> list[Any]:
         return self.layout.treedef.children()[u].flatten_up_to(tree)
 
     # -- norm, optimizer, refresh ---------------------------------------------------------
-    def _norm_and_loss(self, shards: list[np.ndarray], loss: float) -> tuple[float, float]:
-        """Global sum of squares of the (summed) gradients, and the mean loss over ranks."""
-        sharded = replicated = 0.0
+    def _norm_and_loss(self, shards: list[Any], totals: Any) -> None:
+        """``totals`` (on the device) becomes [global sum of squares of the summed
+        gradients, sum of the micro-batch losses over ranks]: one all-reduce."""
+        sharded, replicated = [], []
         for unit, g in zip(self.layout.units, shards, strict=True):
             if unit.sharded_size:
-                sharded += float(ops.sum_of_squares(g[:unit.sharded_size])[0])
+                sharded.append(g[:unit.sharded_size])
             if unit.replicated_size:
-                replicated += float(ops.sum_of_squares(g[unit.sharded_size:])[0])
+                replicated.append(g[unit.sharded_size:])
         if self.stage == 0:  # everything is whole (and the same) on every rank
-            local, sharded = sharded + replicated, 0.0
-        totals = self._fast.all_reduce_(np.array([sharded, loss]), "sum")
-        mean_loss = float(totals[1]) / self.comm.world_size
-        if self.stage == 0:
-            return local, mean_loss
-        return float(totals[0]) + replicated, mean_loss
+            replicated, sharded = sharded + replicated, []
+        if sharded:
+            ops.sum_of_squares(sharded, out=totals[0:1])
+        self._fast.all_reduce_(totals, "sum")
+        if replicated:
+            totals[0:1] += ops.sum_of_squares(replicated)
 
-    def _apply(self, state: TrainState, shards: list[np.ndarray], grad_scale: float,
-               sumsq: float) -> int:
-        check = self.clip_norm is not None or self.loss_scale is not None
+    def _apply(self, state: TrainState, shards: list[Any], grad_scale: float,
+               grad_sumsq: Any) -> None:
+        """The optimizer on every unit's shard (the gradients are finite, or not
+        checked), then stages 1-2's all-gather of the new compute params."""
         copies = self._copies(state)
         opt = AdamState(state.step, state.exp_avg, state.exp_avg_sq)
-        _, new = self.optimizer.apply(tuple(shards), opt, state.master, grad_scale=grad_scale,
-                                      grad_sumsq=np.array([sumsq]) if check else None,
-                                      max_norm=self.clip_norm, param_copies=copies)
-        if int(new.count) != int(state.step):
-            self._refresh(state, copies)
-        return int(new.count)
+        self.optimizer.apply(tuple(shards), opt, state.master, grad_scale=grad_scale,
+                             grad_sumsq=grad_sumsq, max_norm=self.clip_norm,
+                             param_copies=copies, finite=True)
+        self._refresh(state, copies)
 
     def _copies(self, state: TrainState) -> tuple | None:
         """Buffers the optimizer writes the new compute-dtype params into, if any."""
@@ -326,7 +388,7 @@ class ZeroStep:
             return None
         if self.stage in (0, 3):
             return state.compute
-        return tuple(aligned_empty(u.local_size, state.compute[0].dtype)
+        return tuple(self.device.empty(u.local_size, state.compute[0].dtype)
                      for u in self.layout.units)
 
     def _refresh(self, state: TrainState, copies: tuple | None) -> None:
@@ -336,7 +398,7 @@ class ZeroStep:
         src = copies or state.master
         views = self.full_layout.local_views(list(state.compute))
         for u, unit in enumerate(self.layout.units):
-            gathered = aligned_empty(unit.sharded_size * self.comm.world_size, src[u].dtype)
+            gathered = self.device.empty(unit.sharded_size * self.comm.world_size, src[u].dtype)
             if unit.sharded_size:
                 self._fast.all_gather_into(gathered, src[u][:unit.sharded_size])
             for i in unit.leaves:

@@ -23,3 +23,36 @@ def emulated_cuda():
     from ops._emulate import EmulatedModule
 
     return CudaDriver(np, EmulatedModule, sm_count=2)
+
+
+def gpu_present() -> bool:
+    try:
+        import cupy
+    except ImportError:
+        return False
+    return bool(cupy.is_available())
+
+
+# The ZeRO step on device state: the strict stand-in always, a real GPU when
+# there is one (see [Note: devices] in ops/_device.py).
+DEVICES = ["standin"] + (["cupy"] if gpu_present() else [])
+
+# Tests that mean the CPU pin JAX to it: on a GPU machine JAX would otherwise
+# run the references there (TF32 matmuls by default). Losses over GPU state
+# still run on the GPU: JAX computes where its committed inputs live.
+import jax  # noqa: E402
+
+jax.config.update("jax_default_device", jax.devices("cpu")[0])
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    """A device :class:`ops.Device` other than the host's."""
+    if request.param == "standin":
+        from ops.testing import STANDIN
+
+        return STANDIN
+    from ops._device import cupy_device
+
+    return cupy_device()

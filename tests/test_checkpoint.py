@@ -219,7 +219,7 @@ def test_consolidated_gpt_checkpoint_gives_the_sharded_loss(tmp_path):
             state, _ = step(state, gpt.local_part(gpt.sample_batch(text, i, 8, cfg.seq), comm))
         shard.save(state, path, comm=comm)
         full = shard.gather(state, comm)
-        return fn.value_and_grad(full, probe)[0]
+        return float(fn.value_and_grad(full, probe)[0])
 
     sharded_loss = ops.spawn(run, 2)[0]
     out = tmp_path / "gpt.safetensors"

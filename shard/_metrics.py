@@ -1,0 +1,49 @@
+"""A step's metrics, read back from the device only when they are looked at."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["StepMetrics"]
+
+
+class StepMetrics(Mapping):
+    """The metrics of one step: a read-only mapping.
+
+    Values the host already knows (``lr``, ``loss_scale``, ``skipped``) are there
+    at once. ``loss`` and ``grad_norm`` come from a small device array that is
+    copied to the host at the first look at any of them, in one read: a step on
+    a GPU whose metrics nobody reads synchronises with the device not at all.
+    """
+
+    def __init__(self, known: dict[str, Any], pending: Any = None,
+                 finish: Callable[[np.ndarray], dict[str, Any]] | None = None,
+                 to_host: Callable[[Any], np.ndarray] | None = None) -> None:
+        self._known = dict(known)
+        self._pending, self._finish, self._to_host = pending, finish, to_host
+
+    def _resolve(self) -> None:
+        if self._pending is not None:
+            host = self._to_host(self._pending)
+            self._known.update(self._finish(host))
+            self._pending = None
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._known:
+            self._resolve()
+        return self._known[key]
+
+    def __iter__(self) -> Iterator[str]:
+        self._resolve()
+        return iter(self._known)
+
+    def __len__(self) -> int:
+        self._resolve()
+        return len(self._known)
+
+    def __repr__(self) -> str:
+        self._resolve()
+        return repr(self._known)
