@@ -22,16 +22,18 @@ __all__ = ["global_params", "local_params", "mesh", "shardings"]
 log = logging.getLogger(__name__)
 
 
-def mesh(n: int | None = None, axis: str = DP_AXIS) -> Any:
+def mesh(n: int | None = None, axis: str = DP_AXIS, *, backend: str | None = None) -> Any:
     """A 1-D mesh over ``n`` JAX devices (all by default) named ``axis``.
 
-    For CPU devices, set ``XLA_FLAGS=--xla_force_host_platform_device_count=N``
-    before JAX is imported.
+    ``backend`` picks the platform as ``jax.devices(backend)`` does (``"cpu"``,
+    ``"gpu"``; default: JAX's default backend). For N CPU devices, set
+    ``XLA_FLAGS=--xla_force_host_platform_device_count=N`` before JAX is
+    imported.
     """
     import jax
     from jax.sharding import Mesh
 
-    devices = jax.devices()
+    devices = jax.devices(backend)
     n = len(devices) if n is None else n
     if n > len(devices):
         raise ValueError(f"mesh: {n} devices asked for, JAX has {len(devices)}; for CPU devices "

@@ -112,10 +112,10 @@ def check_torch(comm) -> list[str]:
 def main() -> None:
     scenario, report = os.environ["ZS_SCENARIO"], {"ok": False}
     timeout = float(os.environ.get("ZS_TIMEOUT", "60"))
+    t0 = time.monotonic()
     try:
         comm = ops.init_from_env(timeout=timeout)
         report["rank"] = comm.rank
-        t0 = time.monotonic()
         if scenario == "collectives":
             report["failures"] = check_all(comm)
         elif scenario == "zero":

@@ -50,7 +50,7 @@ def test_bridges_refuse_what_cannot_be_shared():
 
 
 def test_a_gathered_state_runs_in_jit_on_a_mesh():
-    mesh = ij.mesh(4)
+    mesh = ij.mesh(4, backend="cpu")
     specs = [{"w": shard.Shard(0), "b": shard.Shard(0)},
              {"w": shard.Shard(0), "b": shard.Replicate(), "gain": shard.Replicate()}]
     batch = M.batches(1)[0]
