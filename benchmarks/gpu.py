@@ -183,6 +183,7 @@ def run_fsdp2(s: Shape, steps: int, warmup: int, cuda: bool) -> dict:
     import torch.distributed as dist
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29518"))
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     dev = "cuda" if cuda else "cpu"
     model = build_model(s).to(dev)
@@ -349,6 +350,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--adam-sizes", type=float, nargs="*", default=[50e6, 200e6])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--row-timeout", type=float, default=300)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -361,13 +363,21 @@ def main(argv: list[str] | None = None) -> None:
         cmd = [sys.executable, __file__, "--child", row, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--adam-sizes", *map(str, args.adam_sizes)]
         cmd += ["--smoke"] if args.smoke else []
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
+                                  timeout=args.row_timeout)
+        except subprocess.TimeoutExpired as e:
+            results[row] = {"error": f"timed out after {args.row_timeout} s\n"
+                                     f"{(e.stderr or b'')[-1500:]!r}"}
+            print(f"{row}: {results[row]['error']}", file=sys.stderr, flush=True)
+            continue
         line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
         if proc.returncode or not line:
             results[row] = {"error": (proc.stderr or proc.stdout)[-2000:]}
-            print(f"{row}: failed\n{results[row]['error']}", file=sys.stderr)
+            print(f"{row}: failed\n{results[row]['error']}", file=sys.stderr, flush=True)
             continue
         results[row] = json.loads(line[-1][len("RESULT "):])
+        print(f"{row}: {json.dumps(results[row])}", flush=True)
     tokens = s.batch * s.seq
     print(f"\nGPT {s.layers} x {s.d}, {s.heads} heads, vocab {s.vocab}, "
           f"{s.batch} x {s.seq} tokens per step, {args.steps} steps after {args.warmup}")

@@ -17,7 +17,7 @@ from ops._comm import Communicator
 from ops._device import device_of
 from ops._dlpack import to_native
 
-__all__ = ["all_gather", "all_reduce", "broadcast", "reduce_scatter"]
+__all__ = ["all_gather", "all_gather_host", "all_reduce", "broadcast", "reduce_scatter"]
 
 
 def _flat(name: str, x: Any) -> Any:
@@ -47,6 +47,15 @@ def all_gather(comm: Communicator, x: Any, *, out: Any = None) -> Any:
         to_native(out)[0].reshape(-1)
     comm.all_gather_into(buf, flat)
     return back(buf.reshape(shape)) if out is None else out
+
+
+def all_gather_host(comm: Communicator, x: np.ndarray) -> np.ndarray:
+    """:func:`all_gather` of a small host array (checksums, sizes) over any
+    backend: a GPU-only backend (NCCL) moves it through an explicit device copy."""
+    if comm.host_memory is False:
+        device = comm.device
+        return device.to_host(all_gather(comm, device.from_host(x)))
+    return all_gather(comm, x)
 
 
 def reduce_scatter(comm: Communicator, x: Any, *, op: str = "sum", dtype: Any = None,

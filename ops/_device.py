@@ -162,8 +162,17 @@ def cupy_device() -> Device:
 
         return cuda_driver()
 
+    def view(x: Any) -> Any:
+        if type(x).__module__.split(".")[0] in ("jax", "jaxlib") and hasattr(
+                x, "__cuda_array_interface__"):
+            # JAX's DLPack export from thread ranks is not reliable on GPUs; its
+            # CUDA array interface is, once the array is computed.
+            x.block_until_ready()
+            return cupy.asarray(x)
+        return cupy.from_dlpack(x)
+
     return Device("cupy", cupy, False, driver=driver, to_host=cupy.asnumpy,
-                  from_host=cupy.asarray, from_dlpack=cupy.from_dlpack,
+                  from_host=cupy.asarray, from_dlpack=view,
                   synchronize=lambda: cupy.cuda.get_current_stream().synchronize(),
                   torch_device="cuda")
 

@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-import ops
 from ops import Communicator, Device
+from ops._collectives import all_gather_host
 from ops._device import device_named
 from ops._tree import tree_util
 from shard._layout import Layout, LeafLayout, alloc_units
@@ -143,8 +143,8 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
     digest, size = (_write_rank_file(state, tmp / f"rank-{comm.rank:05d}.safetensors")
                     if writes else ("", 0))
     info = np.frombuffer(bytes.fromhex(digest or "00" * 32), np.uint8)
-    digests = ops.all_gather(comm, info.copy()).reshape(comm.world_size, 32)
-    sizes = ops.all_gather(comm, np.array([size], np.int64))
+    digests = all_gather_host(comm, info.copy()).reshape(comm.world_size, 32)
+    sizes = all_gather_host(comm, np.array([size], np.int64))
     if comm.rank == 0:
         files = [{"file": f"rank-{r:05d}.safetensors", "sha256": digests[r].tobytes().hex(),
                   "bytes": int(sizes[r])} for r in range(comm.world_size) if sizes[r] > 0]

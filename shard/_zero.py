@@ -46,6 +46,7 @@ import numpy as np
 import ops
 import ops._tree
 from ops import HOST, AdamState, Communicator, Device, FusedAdam
+from ops._collectives import all_gather_host
 from ops._dlpack import jax_view
 from shard._layout import (
     Layout,
@@ -182,7 +183,7 @@ class ZeroStep:
         for x in leaves:  # on a GPU, an explicit copy to the host, once, at init
             host = np.ascontiguousarray(x if self.device.host else self.device.to_host(x))
             digest = zlib.adler32(host.view(np.uint8).reshape(-1), digest)
-        every = ops.all_gather(self.comm, np.array([digest], np.int64))
+        every = all_gather_host(self.comm, np.array([digest], np.int64))
         if np.any(every != every[0]):
             bad = [r for r, d in enumerate(every.tolist()) if d != int(every[0])]
             raise ValueError(f"{self.name}.init: the params on rank(s) {bad} differ from rank "
@@ -192,7 +193,7 @@ class ZeroStep:
 
     def _agree_on_layout(self) -> None:
         mine = np.array([self.layout.fingerprint()], np.int64)
-        every = ops.all_gather(self.comm, mine)
+        every = all_gather_host(self.comm, mine)
         if np.any(every != mine[0]):
             bad = [r for r, f in enumerate(every.tolist()) if f != int(mine[0])]
             raise ValueError(f"{self.name}.init: rank(s) {bad} built a different layout than rank "
