@@ -27,6 +27,13 @@ non-reentrant activation checkpointing with the gather inside it:
   unit's parameters are unbound (autograd checks a gradient against its
   parameter's shape, so they stay bound until then).
 
+Thread ranks on a CUDA module are the exception: torch's autograd engine runs
+the backward of every thread on one worker thread per GPU, so a collective
+inside one rank's backward would wait forever for ranks queued behind it.
+There stage 3 gathers every unit before the forward and reduces after the
+backward (correct, without the per-unit memory bound; a warning says so):
+processes under torchrun, one GPU each, keep the schedule above.
+
 Gathered leaves are bound as torch tensors over the step's device memory
 (DLPack, no copy) and gradients go to the reduce-scatter the same way, so a
 CUDA module trains on CuPy state with no host copy (see [Note: devices]).
@@ -34,6 +41,7 @@ CUDA module trains on CuPy state with no host copy (see [Note: devices]).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -45,6 +53,7 @@ from ops._tree import tree_util
 
 __all__ = ["TorchLoss", "functional", "load_state"]
 
+log = logging.getLogger(__name__)
 ROOT = "<root>"
 _CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")
 
@@ -136,6 +145,20 @@ class TorchLoss:
         self.unit_of, self.unit_modules = unit_of, unit_modules
         self._active: Any = None  # the step's (units, reducer) while run_units runs
         self._installed = False
+        self._warned = False
+
+    def hooks_usable(self, comm: Any) -> bool:
+        """Whether stage 3 may run collectives inside the backward (see the Note)."""
+        on_gpu = any(p.device.type == "cuda" for p in self.named.values())
+        if on_gpu and comm.world_size > 1 and comm.backend == "threads":
+            if not self._warned:
+                log.warning("thread ranks on a CUDA module: torch runs every thread's backward "
+                            "on one worker thread per GPU, so stage 3 gathers all units for "
+                            "the step; run one process per GPU (torchrun) for the per-unit "
+                            "memory bound")
+                self._warned = True
+            return False
+        return True
 
     def units(self, path: tuple) -> str:
         """The unit key of a params leaf (by its key path in the params dict)."""

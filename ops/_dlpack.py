@@ -34,10 +34,13 @@ def torch_view(a: Any) -> Any:
 
 def jax_view(a: Any) -> Any:
     """A jax array over a numpy, cupy or stand-in array's memory (JAX copies
-    host buffers that are not 64-byte aligned)."""
+    host buffers that are not 64-byte aligned; device buffers that are not are
+    copied here, as XLA refuses them)."""
     import jax
     import jax.numpy as jnp
 
+    if not isinstance(a, np.ndarray) and a.data.ptr % 64:
+        a = a.copy()  # XLA on GPUs takes only aligned device buffers (a leaf's view may not be)
     if a.dtype == BF16:
         return jax.lax.bitcast_convert_type(jnp.from_dlpack(a.view(np.uint16)), jnp.bfloat16)
     return jnp.from_dlpack(a)

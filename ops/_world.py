@@ -7,7 +7,7 @@ import os
 from typing import Any
 
 from ops._comm import Communicator
-from ops._device import Device, device_of
+from ops._device import device_of
 
 __all__ = ["RoutedCommunicator", "init_from_env"]
 
@@ -59,6 +59,9 @@ def init_from_env(backend: str | None = None, *, timeout: float = 300.0) -> Comm
 class RoutedCommunicator(Communicator):
     """Host buffers to one communicator, device buffers to another (made on first use).
 
+    Its own buffers (``allocate`` without a device) are host buffers: nothing
+    touches the GPU until a device buffer does.
+
     Every rank routes by the same rule, so the collectives each backend sees are
     in the same order on every rank. The device communicator's creation is
     itself a collective, so it happens at the first device collective, which
@@ -69,10 +72,6 @@ class RoutedCommunicator(Communicator):
         super().__init__(host.rank, host.world_size, host.timeout)
         self.backend = f"{host.backend}+device"
         self._host, self._make_device, self._device_comm = host, make_device, None
-
-    @property
-    def device(self) -> Device:
-        return self._on_device().device
 
     def _on_device(self) -> Communicator:
         if self._device_comm is None:

@@ -300,7 +300,8 @@ class ZeroStep:
         loss * scale) go to ``reducer``."""
         if self.kind == "layered":
             return self._layered_grads(units, reducer, batch, scale)
-        if self.stage == 3 and hasattr(self.loss_fn, "run_units"):
+        if self.stage == 3 and hasattr(self.loss_fn, "run_units") and getattr(
+                self.loss_fn, "hooks_usable", lambda comm: True)(self.comm):
             return self.loss_fn.run_units(units, reducer, batch, scale)
         n = len(self.layout.units)
         units.bounded = False  # a monolithic loss needs every unit at once

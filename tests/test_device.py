@@ -144,6 +144,8 @@ def test_torch_module_on_device_matches_torch_adamw(device, stage):
 
 
 def test_zero3_on_device_keeps_at_most_two_units_alive(device):
+    if device.torch_device == "cuda":
+        pytest.skip("thread ranks on a CUDA module gather every unit (see [Note: torch ZeRO-3])")
     depth, width = 6, 48
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
