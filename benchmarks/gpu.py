@@ -156,17 +156,20 @@ class Clock:
                 self.times.append(time.perf_counter() - t0)
 
 
-def run_torch(s: Shape, steps: int, warmup: int, cuda: bool) -> dict:
+def _torch_loop(model, s: Shape, steps: int, warmup: int, cuda: bool, autocast: bool) -> dict:
+    """Steps of a torch model with fused AdamW; ``autocast``: bf16 autocast."""
+    import contextlib
+
     import torch
 
     dev = "cuda" if cuda else "cpu"
-    model = build_model(s).to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=cuda)
     data = batches(s, warmup + steps, dev)
     losses = []
 
     def step(i):
-        with torch.autocast(dev, dtype=torch.bfloat16):
+        ctx = torch.autocast(dev, dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
+        with ctx:
             loss = lm_loss(model, data[i])
         loss.backward()
         opt.step()
@@ -178,6 +181,11 @@ def run_torch(s: Shape, steps: int, warmup: int, cuda: bool) -> dict:
     return {"times": clock.times, "loss": float(losses[-1])}
 
 
+def run_torch(s: Shape, steps: int, warmup: int, cuda: bool) -> dict:
+    return _torch_loop(build_model(s).to("cuda" if cuda else "cpu"), s, steps, warmup, cuda,
+                       autocast=True)
+
+
 def run_fsdp2(s: Shape, steps: int, warmup: int, cuda: bool) -> dict:
     import torch
     import torch.distributed as dist
@@ -185,27 +193,14 @@ def run_fsdp2(s: Shape, steps: int, warmup: int, cuda: bool) -> dict:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29518"))
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
-    dev = "cuda" if cuda else "cpu"
-    model = build_model(s).to(dev)
+    model = build_model(s).to("cuda" if cuda else "cpu")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for block in model.blocks:
         fully_shard(block, mp_policy=mp)
     fully_shard(model, mp_policy=mp)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=cuda)
-    data = batches(s, warmup + steps, dev)
-    losses = []
-
-    def step(i):
-        loss = lm_loss(model, data[i])
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.detach())
-
-    clock = Clock(cuda)
-    clock.run(step, steps, warmup)
+    out = _torch_loop(model, s, steps, warmup, cuda, autocast=False)
     dist.destroy_process_group()
-    return {"times": clock.times, "loss": float(losses[-1])}
+    return out
 
 
 def run_zero3(s: Shape, steps: int, warmup: int, cuda: bool, world: int) -> dict:

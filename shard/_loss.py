@@ -5,10 +5,18 @@ Three forms:
   ``jax.value_and_grad``. At stage 3 every unit is gathered before it runs.
 - :class:`Layered`: a chain of per-unit JAX layers. At stage 3 each unit is
   gathered just before its layer runs and freed after (see [Note: ZeRO-3
-  schedule] in ``shard/_zero.py``).
+  schedule] in ``shard/_runtime.py``).
 - any object with ``value_and_grad(params, batch) -> (loss, grads)`` (the torch
   adapter is one). With dynamic loss scaling it is called with
   ``loss_scale=s`` and must return the gradients of ``s * loss``.
+
+The unit-by-unit protocol (``Layered`` has it; an object may too, as the torch
+adapter does, to run stage 3 within the memory bound):
+``run_units(units, reducer, batch, scale) -> loss``, where ``units.get(u,
+upcoming)`` returns unit ``u``'s full leaves (starting the gathers of
+``upcoming``), ``reducer.add(u, grads)`` takes its leaf gradients of ``scale *
+loss`` (arrays of the state's device, torch tensors or jax arrays on it, or
+None for zero), and the loss is a number or a scalar array.
 """
 
 from __future__ import annotations
@@ -16,6 +24,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from ops._dlpack import jax_view
 
 __all__ = ["Layered"]
 
@@ -57,6 +67,41 @@ class Layered:
                 self._bwd = [jax.jit(make_bwd(f)) for f in self.layers]
                 self._fwd = [jax.jit(f) for f in self.layers]
         return self._fwd, self._bwd
+
+    def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
+        """One micro-batch unit by unit (see [Note: ZeRO-3 schedule]): ``units.get``
+        gives each unit's full leaves, ``reducer.add`` takes its gradients (of
+        ``scale * loss``); returns the loss (a jax scalar)."""
+        import jax
+        import jax.numpy as jnp
+
+        layout = units.layout
+        subtrees = layout.treedef.children()
+        if len(subtrees) != len(layout.units):
+            raise ValueError("Layered needs units = the top-level subtrees of the params "
+                             "(units=None)")
+
+        def tree(u: int, leaves: list[Any]) -> Any:
+            return subtrees[u].unflatten([jax_view(x) for x in leaves])
+
+        fwd, bwd = self.compiled()
+        n = len(fwd)
+        carries: list[Any] = [None]
+        for u in range(n):
+            params = tree(u, units.get(u, range(u + 1, n)))
+            # Wait for the layer before dropping its params: JAX's async dispatch
+            # would otherwise keep them alive into the next unit's compute.
+            carries.append(jax.block_until_ready(fwd[u](params, carries[-1], batch)))
+            del params
+        loss = carries.pop()
+        ct = jnp.asarray(scale, dtype=jnp.result_type(loss))
+        for u in reversed(range(n)):
+            params = tree(u, units.get(u, range(u - 1, -1, -1)))
+            g_params, ct = jax.block_until_ready(bwd[u](params, carries[u], batch, ct))
+            del params
+            carries[u] = None
+            reducer.add(u, subtrees[u].flatten_up_to(g_params))
+        return loss
 
 
 class JaxLoss:

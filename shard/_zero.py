@@ -299,7 +299,7 @@ class ZeroStep:
         """Loss of one micro-batch (a number or a scalar array); its gradients (of
         loss * scale) go to ``reducer``."""
         if self.kind == "layered":
-            return self._layered_grads(units, reducer, batch, scale)
+            return self.loss_fn.run_units(units, reducer, batch, scale)
         if self.stage == 3 and hasattr(self.loss_fn, "run_units") and getattr(
                 self.loss_fn, "hooks_usable", lambda comm: True)(self.comm):
             return self.loss_fn.run_units(units, reducer, batch, scale)
@@ -319,41 +319,6 @@ class ZeroStep:
         for u in reversed(range(n)):
             reducer.add(u, [flat[i] for i in self.layout.units[u].leaves])
         return loss
-
-    def _layered_grads(self, units: UnitParams, reducer: GradReducer, batch: Any,
-                       scale: float) -> Any:
-        import jax
-        import jax.numpy as jnp
-
-        fwd, bwd = self.loss_fn.compiled()
-        n = len(fwd)
-        carries: list[Any] = [None]
-        for u in range(n):
-            params = self._unit_tree(u, units.get(u, range(u + 1, n)))
-            # Wait for the layer before dropping its params: JAX's async dispatch
-            # would otherwise keep them alive into the next unit's compute.
-            carries.append(jax.block_until_ready(fwd[u](params, carries[-1], batch)))
-            del params
-        loss = carries.pop()
-        ct = jnp.asarray(scale, dtype=jnp.result_type(loss))
-        for u in reversed(range(n)):
-            params = self._unit_tree(u, units.get(u, range(u - 1, -1, -1)))
-            g_params, ct = jax.block_until_ready(bwd[u](params, carries[u], batch, ct))
-            del params
-            carries[u] = None
-            reducer.add(u, self._unit_leaves(u, g_params))
-        return loss
-
-    def _unit_tree(self, u: int, leaves: list[Any]) -> Any:
-        """Unit ``u``'s subtree of the params, as jax arrays over ``leaves``."""
-        subtrees = self.layout.treedef.children()
-        if len(subtrees) != len(self.layout.units):
-            raise ValueError(f"{self.name}: Layered needs units = the top-level subtrees of the "
-                             "params (units=None)")
-        return subtrees[u].unflatten([jax_view(x) for x in leaves])
-
-    def _unit_leaves(self, u: int, tree: Any) -> list[Any]:
-        return self.layout.treedef.children()[u].flatten_up_to(tree)
 
     # -- norm, optimizer, refresh ---------------------------------------------------------
     def _norm_and_loss(self, shards: list[Any], totals: Any) -> None:
