@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from ops import BF16
+from ops import BF16, HOST, device_of
+from ops._dlpack import to_native, torch_view
 
 __all__ = ["data_ptr", "shares_memory", "to_cupy", "to_jax", "to_numpy", "to_torch"]
 
@@ -72,18 +73,12 @@ def to_numpy(x: Any, *, copy: bool = False) -> np.ndarray:
     if kind == "numpy":
         return _contiguous("to_numpy", x, copy)
     if kind == "torch":
-        import torch
 
         if x.device.type != "cpu":
             raise ValueError(f"to_numpy: the tensor is on {x.device}; use to_cupy for GPU memory")
-        t = x.detach()
-        if not t.is_contiguous():
-            if not copy:
-                raise ValueError("to_numpy: the tensor is not contiguous; pass copy=True")
-            t = t.contiguous()
-        if t.dtype == torch.bfloat16:
-            return np.from_dlpack(t.view(torch.int16)).view(BF16)
-        return np.from_dlpack(t)
+        if not x.is_contiguous() and not copy:
+            raise ValueError("to_numpy: the tensor is not contiguous; pass copy=True")
+        return HOST.from_torch(x)
     if kind == "jax":
         return np.asarray(x)  # zero-copy on the CPU; read-only, as jax arrays are immutable
     raise TypeError("to_numpy: a cupy array lives on the GPU; use cupy.asnumpy to copy it")
@@ -108,9 +103,7 @@ def to_torch(x: Any, *, copy: bool = False) -> Any:
             raise ValueError("to_torch: the numpy array is read-only, and torch would wrap it as "
                              "writable; pass copy=True (or make it writeable)")
         a = a.copy()
-    if a.dtype == BF16:
-        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(a)
+    return torch_view(a)
 
 
 def to_jax(x: Any, *, copy: bool = False) -> Any:
@@ -139,7 +132,9 @@ def to_jax(x: Any, *, copy: bool = False) -> Any:
 
 
 def to_cupy(x: Any) -> Any:  # pragma: no cover - needs a GPU
-    """A cupy array over a GPU tensor's memory."""
-    import cupy
-
-    return cupy.from_dlpack(x)
+    """A cupy array over a GPU tensor's memory (bfloat16 included)."""
+    native, _ = to_native(x)
+    if device_of(native).name != "cupy":
+        raise TypeError(f"to_cupy: the {_kind(x)} array is in host memory; copy it with "
+                        "cupy.asarray")
+    return native
