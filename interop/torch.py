@@ -14,18 +14,30 @@ module's top-level children, with containers (``ModuleList``, ``Sequential``,
 block, and its head; or pass ``units=[submodules]``. Parameters that no unit
 owns alone (the root's own, and weights tied between units, such as an
 embedding shared with the output head) form a root unit that stays gathered
-for the whole step, as FSDP2's root group does. Each unit's forward runs under
-non-reentrant activation checkpointing with the gather inside it:
+for the whole step, as FSDP2's root group does. Each unit runs once per
+micro-batch, with its gathered params saved for the backward by reference:
 
-- forward: gather the unit (the next unit's all-gather already in flight),
-  bind its parameters, run it, unbind; nothing the autograd graph keeps refers
-  to the gathered memory, so it is freed when the unit returns;
-- backward: autograd recomputes the unit, which gathers it again (the
-  previous unit's all-gather in flight), and runs its backward;
+- forward: gather the unit (the next units' all-gathers already in flight),
+  bind its parameters, and run it under ``saved_tensors_hooks`` whose pack
+  hook replaces every saved tensor that is (a view of) one of the unit's
+  gathered parameters by a small reference (unit, name, shape, stride,
+  offset). Nothing autograd keeps then points at the gathered memory, so it
+  is freed when the next unit starts (the last unit stays for the backward,
+  which begins with it);
+- backward: a gradient hook on the unit's outputs gathers it again (the
+  previous units' all-gathers in flight) before its backward runs, and the
+  unpack hook hands autograd views of the re-gathered parameters (the same
+  values, so the gradients are bit for bit those of plain autograd);
 - as soon as every parameter of a unit has its gradient (post-accumulate-grad
   hooks), the gradients go to the reduce-scatter and are dropped, and the
   unit's parameters are unbound (autograd checks a gradient against its
   parameter's shape, so they stay bound until then).
+
+So, like FSDP2, a step computes each unit's forward once and keeps its
+activations. ``functional(..., activation_checkpointing=True)`` trades
+compute for activation memory instead: each unit's forward runs under
+non-reentrant activation checkpointing and is recomputed, gathered again, in
+the backward.
 
 Thread ranks on a CUDA module are the exception: torch's autograd engine runs
 the backward of every thread on one worker thread per GPU, so a collective
@@ -50,6 +62,7 @@ import numpy as np
 from ops._device import device_of_or_none
 from ops._dlpack import to_native, torch_view
 from ops._tree import tree_util
+from shard._profile import timed
 
 __all__ = ["TorchLoss", "functional", "load_state"]
 
@@ -74,7 +87,8 @@ def _default_units(module: Any) -> list[tuple[str, Any]]:
 
 
 def functional(module: Any, *, loss: Callable[[Any, Any], Any],
-               units: Sequence[Any] | None = None) -> tuple[dict[str, Any], TorchLoss]:
+               units: Sequence[Any] | None = None,
+               activation_checkpointing: bool = False) -> tuple[dict[str, Any], TorchLoss]:
     """A module's parameters as a pytree, and a loss the ZeRO transforms train.
 
     Args:
@@ -84,6 +98,10 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
         step is given (torch tensors, numpy arrays...).
       units: the submodules that form ZeRO-3 units, in execution order
         (default: see [Note: torch ZeRO-3]).
+      activation_checkpointing: at stage 3, recompute each unit's forward in
+        the backward instead of keeping its activations (less memory, about a
+        third more compute), as FSDP2's and DeepSpeed's activation
+        checkpointing do.
 
     Returns:
       ``(params, loss_object)``: params is ``{state_dict key: array}`` (numpy
@@ -126,7 +144,8 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
         raise ValueError(f"functional: the module's parameters are on {sorted(map(str, devices))}; "
                          "move it to one device first")
     params = {name: to_native(p.data)[0] for name, p in named.items()}
-    return params, TorchLoss(module, loss, named, unit_of, unit_modules)
+    return params, TorchLoss(module, loss, named, unit_of, unit_modules,
+                             activation_checkpointing=bool(activation_checkpointing))
 
 
 def _name_of(root: Any, sub: Any) -> str:
@@ -140,11 +159,14 @@ class TorchLoss:
     """The loss object :func:`functional` returns (see [Note: torch ZeRO-3])."""
 
     def __init__(self, module: Any, loss: Callable[[Any, Any], Any], named: dict[str, Any],
-                 unit_of: dict[str, str], unit_modules: list[tuple[str, Any]]) -> None:
+                 unit_of: dict[str, str], unit_modules: list[tuple[str, Any]], *,
+                 activation_checkpointing: bool = False) -> None:
         self.module, self.loss, self.named = module, loss, named
+        self.activation_checkpointing = activation_checkpointing
         self.unit_of, self.unit_modules = unit_of, unit_modules
-        self._active: Any = None  # the step's (units, reducer) while run_units runs
+        self._active: _Step | None = None  # set while run_units runs
         self._installed = False
+        self._empties: dict[Any, Any] = {}
         self._warned = False
 
     def hooks_usable(self, comm: Any) -> bool:
@@ -174,8 +196,10 @@ class TorchLoss:
         for name, p in self.named.items():
             p.data = torch_view(params[name])
             p.grad = None
-        out = self.loss(self.module, batch)
-        (out * loss_scale).backward()
+        with timed("forward"):
+            out = self.loss(self.module, batch)
+        with timed("backward"):
+            (out * loss_scale).backward()
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p))
                  for name, p in self.named.items()}
         for p in self.named.values():
@@ -185,31 +209,30 @@ class TorchLoss:
     # -- stage 3 --------------------------------------------------------------------
     def run_units(self, units: Any, reducer: Any, batch: Any, loss_scale: float) -> Any:
         """One micro-batch at stage 3, unit by unit (see [Note: torch ZeRO-3])."""
-        import torch
-
         layout = units.layout
         index = {u.name: i for i, u in enumerate(layout.units)}
         names = [path[0].key for path, _ in tree_util().tree_flatten_with_path(
             layout.treedef.unflatten(list(range(len(layout.leaves)))))[0]]
         members = {i: [names[j] for j in u.leaves] for i, u in enumerate(layout.units)}
         order = [index[key] for key, _ in self.unit_modules if key in index]
-        self._active = {"units": units, "reducer": reducer, "index": index, "order": order,
-                        "members": members, "phase": "forward", "pending": {
-                            i: set(m) for i, m in members.items()}}
+        self._active = _Step(units, reducer, index, order, members)
         self._install()
         root = index.get(ROOT)
         try:
             if root is not None:
-                self._bind(members[root], units.get(root, pinned=True))
-            out = self.loss(self.module, batch)
-            self._active["phase"] = "backward"
-            (out * loss_scale).backward()
-            for u, missing in self._active["pending"].items():
+                self._bind(root, units.get(root, pinned=True))
+            with timed("forward"):
+                out = self.loss(self.module, batch)
+            self._active.phase = "backward"
+            self._active.kept = None
+            with timed("backward"):
+                (out * loss_scale).backward()
+            for u, missing in self._active.pending.items():
                 if missing:  # parameters the loss did not use: their gradient is zero
                     self._reduce(u)
         finally:
             for p in self.named.values():
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.data = self._empty(p)
                 p.grad = None
             self._active = None
         return out.detach()
@@ -217,8 +240,6 @@ class TorchLoss:
     def _install(self) -> None:
         if self._installed:
             return
-        from torch.utils.checkpoint import checkpoint
-
         for key, m in self.unit_modules:
             if not any(self.unit_of.get(n) == key for n in self.named):
                 continue
@@ -227,60 +248,177 @@ class TorchLoss:
             def wrapped(*args: Any, _key: str = key, _forward: Any = forward, **kw: Any) -> Any:
                 if self._active is None:
                     return _forward(*args, **kw)
-                return checkpoint(self._run_unit, _key, _forward, *args, use_reentrant=False,
-                                  **kw)
+                if self.activation_checkpointing:
+                    from torch.utils.checkpoint import checkpoint
+
+                    return checkpoint(self._run_recomputed, _key, _forward, *args,
+                                      use_reentrant=False, **kw)
+                return self._run_unit(_key, _forward, *args, **kw)
 
             m.forward = wrapped
         for name, p in self.named.items():
             p.register_post_accumulate_grad_hook(lambda p, name=name: self._grad_ready(name))
         self._installed = True
 
-    def _run_unit(self, key: str, forward: Any, *args: Any, **kw: Any) -> Any:
+    def _gather(self, u: int) -> None:
+        """Gather and bind unit ``u``, starting the gather of the unit after it in
+        this phase's order."""
         a = self._active
-        u = a["index"][key]
-        pos = a["order"].index(u)
-        upcoming = (a["order"][pos + 1:] if a["phase"] == "forward"
-                    else a["order"][:pos][::-1])
-        names = a["members"][u]
-        self._bind(names, a["units"].get(u, upcoming))
-        if a["phase"] == "backward":  # recomputing: unbound once its gradients are in
-            return forward(*args, **kw)
-        try:
-            return forward(*args, **kw)
-        finally:
-            self._unbind(names)
+        pos = a.order.index(u)
+        upcoming = a.order[pos + 1:] if a.phase == "forward" else a.order[:pos][::-1]
+        self._bind(u, a.units.get(u, upcoming))
 
-    def _bind(self, names: list[str], leaves: list[Any]) -> None:
-        for name, leaf in zip(names, leaves, strict=True):
-            self.named[name].data = torch_view(leaf)
-
-    def _unbind(self, names: list[str]) -> None:
+    def _run_unit(self, key: str, forward: Any, *args: Any, **kw: Any) -> Any:
+        """A unit's forward with its gathered params saved for the backward as
+        references, not tensors (see the Note)."""
         import torch
 
-        for name in names:
-            p = self.named[name]
-            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        a = self._active
+        u = a.index[key]
+        if a.kept is not None and a.kept != u:
+            self._unbind(a.kept)  # before this unit's copy-out: the two-unit bound
+        a.kept = u
+        if u not in a.bound:
+            self._gather(u)
+        storages = {p.untyped_storage().data_ptr(): name for name, p in a.bound[u].items()
+                    if p.numel()}
+
+        def pack(t: Any) -> Any:
+            name = storages.get(t.untyped_storage().data_ptr()) if t.numel() else None
+            if name is None or t.dtype != a.bound[u][name].dtype:
+                return t
+            return _ParamRef(u, name, tuple(t.shape), t.stride(), t.storage_offset())
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            with timed("forward"):
+                out = forward(*args, **kw)
+        # Stays bound until the next unit starts: the last unit of the forward is
+        # the first of the backward, and is not gathered twice in a row.
+        hooked = [t for t in _tensors(out) if t.requires_grad]
+        if hooked:
+            torch.autograd.graph.register_multi_grad_hook(
+                hooked, lambda _grads, u=u: self._before_backward(u), mode="any")
+        return out
+
+    def _unpack(self, saved: Any) -> Any:
+        if not isinstance(saved, _ParamRef):
+            return saved
+        a = self._active
+        if saved.unit not in a.bound:  # not announced by its outputs' gradient hook
+            self._gather(saved.unit)
+        base = a.bound[saved.unit][saved.name]
+        return base.as_strided(saved.shape, saved.stride, saved.offset)
+
+    def _before_backward(self, u: int) -> None:
+        """The gradient reached unit ``u``'s outputs: gather it for its backward."""
+        a = self._active
+        if a is None or not a.pending[u]:
+            return
+        if u not in a.bound:
+            self._gather(u)
+            return
+        pos = a.order.index(u)  # still bound from the forward: prefetch the unit before it
+        with timed("library"):
+            a.units.prefetch_after(a.order[:pos][::-1])
+
+    def _run_recomputed(self, key: str, forward: Any, *args: Any, **kw: Any) -> Any:
+        """A unit's forward under activation checkpointing: the backward recomputes
+        it, gathering the unit again."""
+        a = self._active
+        u = a.index[key]
+        if u not in a.bound:
+            self._gather(u)
+        with timed(a.phase):
+            out = forward(*args, **kw)
+        if a.phase == "forward":  # recomputing: unbound once its gradients are in
+            self._unbind(u)
+        return out
+
+    def _bind(self, u: int, leaves: list[Any]) -> None:
+        with timed("library"):
+            bound = self._active.bound[u] = {}
+            for name, leaf in zip(self._active.members[u], leaves, strict=True):
+                p = self.named[name]
+                p.data = bound[name] = torch_view(leaf)
+
+    def _unbind(self, u: int) -> None:
+        with timed("library"):
+            for name in self._active.bound.pop(u, {}):
+                p = self.named[name]
+                p.data = self._empty(p)
+
+    def _empty(self, p: Any) -> Any:
+        """A 0-size tensor of ``p``'s dtype and device (one per kind, shared)."""
+        import torch
+
+        key = (p.dtype, p.device)
+        if key not in self._empties:
+            self._empties[key] = torch.empty(0, dtype=p.dtype, device=p.device)
+        return self._empties[key]
 
     def _grad_ready(self, name: str) -> None:
         a = self._active
         if a is None:
             return
-        u = a["index"][self.unit_of[name]]
-        a["pending"][u].discard(name)
-        if not a["pending"][u]:
+        u = a.index[self.unit_of[name]]
+        a.pending[u].discard(name)
+        if not a.pending[u]:
             self._reduce(u)
 
     def _reduce(self, u: int) -> None:
         a = self._active
-        grads = []  # torch tensors, viewed on the step's device by the reducer; None is zero
-        for name in a["members"][u]:
-            p = self.named[name]
-            grads.append(p.grad)
-            p.grad = None
-        a["pending"][u] = set()
-        a["reducer"].add(u, grads)
-        if a["index"].get(ROOT) != u:
-            self._unbind(a["members"][u])
+        with timed("library"):
+            grads = []  # torch tensors, viewed on the step's device by the reducer; None: zero
+            for name in a.members[u]:
+                p = self.named[name]
+                grads.append(p.grad)
+                p.grad = None
+            a.pending[u] = set()
+            a.reducer.add(u, grads)
+        if a.index.get(ROOT) != u:
+            self._unbind(u)
+
+
+class _Step:
+    """What :meth:`TorchLoss.run_units` tracks during one micro-batch."""
+
+    def __init__(self, units: Any, reducer: Any, index: dict[str, int], order: list[int],
+                 members: dict[int, list[str]]) -> None:
+        self.units, self.reducer, self.index, self.order = units, reducer, index, order
+        self.members = members
+        self.phase = "forward"
+        self.kept: int | None = None  # the unit that ran last in the forward, still bound
+        self.pending = {i: set(m) for i, m in members.items()}  # params awaiting a gradient
+        self.bound: dict[int, dict[str, Any]] = {}  # units bound now: {name: tensor}
+
+
+class _ParamRef(tuple):
+    """A saved tensor that is (a view of) a gathered parameter: (unit, name,
+    shape, stride, storage offset), re-gathered when the backward needs it."""
+
+    __slots__ = ()
+
+    def __new__(cls, unit: int, name: str, shape: tuple, stride: tuple, offset: int) -> _ParamRef:
+        return super().__new__(cls, (unit, name, shape, stride, offset))
+
+    unit = property(lambda self: self[0])
+    name = property(lambda self: self[1])
+    shape = property(lambda self: self[2])
+    stride = property(lambda self: self[3])
+    offset = property(lambda self: self[4])
+
+
+def _tensors(out: Any) -> list[Any]:
+    """The tensors in a unit's output (a tensor, or tuples, lists and dicts of them)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for x in out for t in _tensors(x)]
+    if isinstance(out, dict):
+        return [t for x in out.values() for t in _tensors(x)]
+    return []
 
 
 def load_state(module: Any, state_or_params: Any, *, comm: Any = None) -> Any:

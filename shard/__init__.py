@@ -12,12 +12,14 @@ from shard._layout import Layout, make_layout, partition, unpartition
 from shard._loss import Layered
 from shard._memory import estimate_memory
 from shard._policy import LossScale, Precision
+from shard._profile import Breakdown, profile
 from shard._specs import Replicate, Shard, from_partition_spec, to_partition_spec
 from shard._stages import zero0, zero1, zero2, zero3
 from shard._state import DonatedStateError, TrainState
 from shard._zero import ZeroStep
 
 __all__ = [
+    "Breakdown",
     "CheckpointError",
     "DonatedStateError",
     "Layered",
@@ -35,6 +37,7 @@ __all__ = [
     "load",
     "make_layout",
     "partition",
+    "profile",
     "save",
     "spawn",
     "split_batch",

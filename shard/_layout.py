@@ -22,6 +22,7 @@ replicated leaves' gradients are all-reduced.
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -55,11 +56,11 @@ class LeafLayout:
 
     @property
     def row_size(self) -> int:
-        return int(np.prod(self.shape[1:], dtype=np.int64)) if self.shape else 1
+        return math.prod(self.shape[1:]) if self.shape else 1
 
     @property
     def size(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64))
+        return math.prod(self.shape)
 
     @property
     def local_size(self) -> int:
@@ -136,6 +137,24 @@ class Layout:
             :, leaf.offset:leaf.offset + leaf.local_size]
         rows = block.reshape(self.world_size * leaf.rows_per_rank, leaf.row_size)
         return rows[:leaf.rows].reshape(leaf.shape)
+
+    def copy_gathered_leaf(self, leaf: LeafLayout, gathered: Any, local: Any, dst: Any) -> None:
+        """Write the full leaf (see :meth:`gathered_leaf`) into ``dst`` in one
+        strided copy per rank block, with no temporary."""
+        if not leaf.sharded:
+            dst[...] = local[leaf.offset:leaf.offset + leaf.size].reshape(dst.shape)
+            return
+        unit, r = self.units[leaf.unit], leaf.rows_per_rank
+        if r == 0 or leaf.size == 0:
+            return
+        block = gathered.reshape(self.world_size, unit.sharded_size)[
+            :, leaf.offset:leaf.offset + leaf.local_size].reshape(
+                self.world_size, r, leaf.row_size)
+        rows = dst.reshape(leaf.rows, leaf.row_size)
+        whole, rest = divmod(leaf.rows, r)
+        rows[:whole * r].reshape(whole, r, leaf.row_size)[...] = block[:whole]
+        if rest:
+            rows[whole * r:] = block[whole, :rest]
 
     def pack_grad(self, leaf: LeafLayout, g: Any, sharded: Any, replicated: Any,
                   *, add: bool = False) -> None:

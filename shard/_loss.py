@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ops._dlpack import jax_view
+from shard._profile import timed
 
 __all__ = ["Layered"]
 
@@ -91,13 +92,15 @@ class Layered:
             params = tree(u, units.get(u, range(u + 1, n)))
             # Wait for the layer before dropping its params: JAX's async dispatch
             # would otherwise keep them alive into the next unit's compute.
-            carries.append(jax.block_until_ready(fwd[u](params, carries[-1], batch)))
+            with timed("forward"):
+                carries.append(jax.block_until_ready(fwd[u](params, carries[-1], batch)))
             del params
         loss = carries.pop()
         ct = jnp.asarray(scale, dtype=jnp.result_type(loss))
         for u in reversed(range(n)):
             params = tree(u, units.get(u, range(u - 1, -1, -1)))
-            g_params, ct = jax.block_until_ready(bwd[u](params, carries[u], batch, ct))
+            with timed("backward"):
+                g_params, ct = jax.block_until_ready(bwd[u](params, carries[u], batch, ct))
             del params
             carries[u] = None
             reducer.add(u, subtrees[u].flatten_up_to(g_params))

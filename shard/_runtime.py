@@ -3,8 +3,12 @@
 [Note: ZeRO-3 schedule]
 At stage 3 a unit's full parameters exist only while that unit computes:
 :meth:`Units.get` all-gathers the unit's compute-dtype shards (the next
-unit's all-gather is already in flight: ``prefetch`` units ahead), copies the
-leaves out, and the caller drops them after use. For a :class:`Layered` loss
+unit's all-gather is already in flight: ``prefetch`` units ahead, and more
+while they fit in the memory bound below, so a small unit such as a norm
+does not leave the next large one's gather exposed), copies the leaves out
+in one strided copy each, and the caller drops them after use. A torch
+module keeps each unit's activations and saves its params by reference (see
+[Note: torch ZeRO-3] in ``interop/torch.py``). For a :class:`Layered` loss
 the forward pass keeps only each layer's input; the backward pass re-gathers
 each unit in reverse order, recomputes that layer's vector-Jacobian product
 (activation checkpointing at unit granularity, so no layer's residuals pin its
@@ -34,6 +38,7 @@ import numpy as np
 
 from ops import Communicator, Device
 from shard._layout import Layout
+from shard._profile import timed
 
 __all__ = ["GradReducer", "LiveBytes", "Units"]
 
@@ -104,17 +109,28 @@ class Units:
                 return
             time.sleep(2e-5)
 
-    def start(self, u: int) -> None:
-        """Begin all-gathering unit ``u`` (stage 3; no-op otherwise)."""
-        if self.stage < 3 or u in self._inflight or not 0 <= u < len(self.layout.units):
-            return
+    def _fits(self, nbytes: int) -> bool:
+        limit = self.pinned_bytes + self._unit_bytes * (1 + self.prefetch)
+        return not self.bounded or self.tracker.live + nbytes <= limit
+
+    def start(self, u: int, *, wait: bool = True) -> bool:
+        """Begin all-gathering unit ``u`` (stage 3; no-op otherwise). With
+        ``wait=False`` only if it fits in the memory bound now; returns whether
+        the unit is in flight."""
+        if self.stage < 3 or not 0 <= u < len(self.layout.units):
+            return False
+        if u in self._inflight:
+            return True
         unit, shard = self.layout.units[u], self.local[u]
+        if not wait and not self._fits(self._gather_bytes(u)):
+            return False
         self._wait_for_room(self._gather_bytes(u))
         out = self.tracker.track(self.device.empty(unit.sharded_size * self.comm.world_size,
                                                    shard.dtype), self.device)
         work = (self.comm.all_gather_async(out, shard[:unit.sharded_size])
                 if unit.sharded_size else None)
         self._inflight[u] = (out, work)
+        return True
 
     def get(self, u: int, upcoming: list[int] | tuple = (), *,
             pinned: bool = False) -> list[Any]:
@@ -123,28 +139,42 @@ class Units:
         The next gathers start only once this unit is copied out and its gather
         buffer freed, so at most this unit and ``prefetch`` more are alive.
         ``pinned`` units are kept for the step and counted outside that bound.
+        More units may be prefetched while they fit (:meth:`prefetch_after`).
         """
         unit = self.layout.units[u]
         if self.stage < 3:
             return [self._full_views[i] for i in unit.leaves]
+        with timed("library"):
+            return self._get(u, unit, upcoming, pinned)
+
+    def _get(self, u: int, unit: Any, upcoming: Any, pinned: bool) -> list[Any]:
         if pinned:
             self.pinned_bytes += self._gather_bytes(u)
         self.start(u)
         gathered, work = self._inflight.pop(u)
         if work is not None:
-            work.wait()
+            with timed("all_gather_wait"):
+                work.wait()
         del work  # the handle references the buffer; the copy-out below is its last use
         self._wait_for_room(gathered.nbytes)
         leaves = []
         for i in unit.leaves:
             leaf = self.layout.leaves[i]
             full = self.device.empty(leaf.size, gathered.dtype).reshape(leaf.shape)
-            full[...] = self.layout.gathered_leaf(leaf, gathered, self.local[u])
+            self.layout.copy_gathered_leaf(leaf, gathered, self.local[u], full)
             leaves.append(self.tracker.track(full, self.device))
         del gathered
-        for v in list(upcoming)[:self.prefetch]:
-            self.start(v)
+        self.prefetch_after(upcoming)
         return leaves
+
+    def prefetch_after(self, upcoming: Any) -> None:
+        """Start the gathers of the next ``prefetch`` units of ``upcoming``, then of
+        more while they fit in the memory bound (small units, such as norms,
+        would otherwise leave the next large unit's gather with nothing to hide
+        behind)."""
+        for i, v in enumerate(upcoming):
+            if not self.start(v, wait=i < self.prefetch):
+                return
 
 
 class GradReducer:
@@ -161,7 +191,13 @@ class GradReducer:
         self.layout, self.comm, self.stage, self.device = layout, comm, stage, device
         self.dtype = np.dtype(dtype)
         w = comm.world_size if stage > 0 else 1
-        self.shards = [device.zeros(u.local_size, self.dtype) for u in layout.units]
+        if stage >= 2:  # the first reduce-scatter of a unit writes its sharded section
+            self.shards = [device.empty(u.local_size, self.dtype) for u in layout.units]
+            for u, shard in zip(layout.units, self.shards, strict=True):
+                shard[u.sharded_size:] = 0
+        else:
+            self.shards = [device.zeros(u.local_size, self.dtype) for u in layout.units]
+        self._written: set[int] = set()  # stages 2-3: units whose shard holds a sum
         self._full = ([device.zeros(u.sharded_size * w, self.dtype) for u in layout.units]
                       if stage <= 1 else None)
         self._pending: list[tuple[int, Any, Any]] = []
@@ -170,6 +206,10 @@ class GradReducer:
         """Add unit ``u``'s full leaf gradients (in the unit's leaf order): arrays of
         the state's device, or torch tensors and jax arrays on it (viewed through
         DLPack, no copy); None is a zero gradient."""
+        with timed("library"):
+            self._add(u, grads)
+
+    def _add(self, u: int, grads: list[Any]) -> None:
         unit, w = self.layout.units[u], self.layout.world_size
         grads = [None if g is None else self._on_device(i, g)
                  for i, g in zip(unit.leaves, grads, strict=True)]
@@ -188,8 +228,12 @@ class GradReducer:
             else:
                 self.layout.pack_grad(leaf, g, packed, replicated, add=True)
         if unit.sharded_size:
-            out = self.device.empty(unit.sharded_size, self.dtype)
-            self._pending.append((u, out, self.comm.reduce_scatter_async(out, packed, op="sum")))
+            first = u not in self._written
+            out = (shard[:unit.sharded_size] if first
+                   else self.device.empty(unit.sharded_size, self.dtype))
+            self._written.add(u)
+            self._pending.append((u, None if first else out,
+                                  self.comm.reduce_scatter_async(out, packed, op="sum")))
 
     def _on_device(self, i: int, g: Any) -> Any:
         leaf = self.layout.leaves[i]
@@ -202,18 +246,28 @@ class GradReducer:
     def finish(self) -> list[Any]:
         """Wait for the reductions; return per-unit gradient shards (sums over ranks)."""
         for u, out, work in self._pending:
-            work.wait()
-            self.shards[u][:self.layout.units[u].sharded_size] += out
+            with timed("reduce_wait"):
+                work.wait()
+            if out is not None:  # a later micro-batch: add to the sum
+                self.shards[u][:self.layout.units[u].sharded_size] += out
         self._pending.clear()
+        if self.stage >= 2:
+            for u, unit in enumerate(self.layout.units):
+                if u not in self._written:  # no gradient reached this unit
+                    self.shards[u][:unit.sharded_size] = 0
         for u, unit in enumerate(self.layout.units):
             shard = self.shards[u]
             if self._full is not None:
                 if self.stage == 0:
                     shard[:unit.sharded_size] = self._full[u]
-                    self.comm.all_reduce_(shard, "sum")
+                    with timed("reduce_wait"):
+                        self.comm.all_reduce_(shard, "sum")
                     continue
                 if unit.sharded_size:
-                    self.comm.reduce_scatter_into(shard[:unit.sharded_size], self._full[u], "sum")
+                    with timed("reduce_wait"):
+                        self.comm.reduce_scatter_into(shard[:unit.sharded_size], self._full[u],
+                                                      "sum")
             if unit.replicated_size:
-                self.comm.all_reduce_(shard[unit.sharded_size:], "sum")
+                with timed("reduce_wait"):
+                    self.comm.all_reduce_(shard[unit.sharded_size:], "sum")
         return self.shards

@@ -59,6 +59,7 @@ from shard._layout import (
 from shard._loss import JaxLoss, classify
 from shard._metrics import StepMetrics
 from shard._policy import LossScale, Precision
+from shard._profile import timed
 from shard._runtime import GradReducer, LiveBytes
 from shard._runtime import Units as UnitParams
 from shard._state import StateMeta, TrainState
@@ -203,6 +204,10 @@ class ZeroStep:
 
     # -- step -------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
+        with timed("library", step=True):  # see [Note: step profile]
+            return self._step(state, batch)
+
+    def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
         self._check_state(state)
         state.donate()
         micro = batch if isinstance(batch, list) else [batch]
@@ -217,7 +222,8 @@ class ZeroStep:
             for b in micro:
                 totals[1:2] += self._on_device(self._grads(units, reducer, b, scale), "the loss")
         shards = reducer.finish()
-        self._norm_and_loss(shards, totals)
+        with timed("optimizer"):
+            self._norm_and_loss(shards, totals)
         w, k = self.comm.world_size, len(micro)
         grad_scale = 1.0 / (w * k * scale)
         known = {"lr": float(self.optimizer.learning_rate(int(state.step))),
@@ -313,7 +319,8 @@ class ZeroStep:
         params = self.layout.treedef.unflatten(leaves)
         del leaves
         kwargs = {"loss_scale": scale} if (self.loss_scale or self.kind == "jax") else {}
-        loss, grads = self.loss_fn.value_and_grad(params, batch, **kwargs)
+        with timed("compute"):
+            loss, grads = self.loss_fn.value_and_grad(params, batch, **kwargs)
         del params
         flat = self.layout.treedef.flatten_up_to(grads)
         for u in reversed(range(n)):
@@ -344,9 +351,10 @@ class ZeroStep:
         checked), then stages 1-2's all-gather of the new compute params."""
         copies = self._copies(state)
         opt = AdamState(state.step, state.exp_avg, state.exp_avg_sq)
-        self.optimizer.apply(tuple(shards), opt, state.master, grad_scale=grad_scale,
-                             grad_sumsq=grad_sumsq, max_norm=self.clip_norm,
-                             param_copies=copies, finite=True)
+        with timed("optimizer"):
+            self.optimizer.apply(tuple(shards), opt, state.master, grad_scale=grad_scale,
+                                 grad_sumsq=grad_sumsq, max_norm=self.clip_norm,
+                                 param_copies=copies, finite=True)
         self._refresh(state, copies)
 
     def _copies(self, state: TrainState) -> tuple | None:
@@ -367,6 +375,7 @@ class ZeroStep:
         for u, unit in enumerate(self.layout.units):
             gathered = self.device.empty(unit.sharded_size * self.comm.world_size, src[u].dtype)
             if unit.sharded_size:
-                self._fast.all_gather_into(gathered, src[u][:unit.sharded_size])
+                with timed("all_gather_wait"):
+                    self._fast.all_gather_into(gathered, src[u][:unit.sharded_size])
             for i in unit.leaves:
-                views[i][...] = self.layout.gathered_leaf(self.layout.leaves[i], gathered, src[u])
+                self.layout.copy_gathered_leaf(self.layout.leaves[i], gathered, src[u], views[i])

@@ -150,6 +150,76 @@ def test_zero3_on_a_module_keeps_at_most_two_units_alive():
         assert unit <= peak <= 2 * unit, peak / unit
 
 
+class CountingLinear(torch.nn.Linear):
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        type(self).calls += 1
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["saved", "recomputed"])
+def test_zero3_runs_each_unit_forward_once_unless_checkpointing(checkpointing):
+    """By default a unit's forward runs once per step, its gathered params saved
+    for the backward as references (re-gathered there); with activation
+    checkpointing it runs again in the backward. Both match torch's AdamW, and
+    both keep at most two units' full params alive."""
+    depth, width = 5, 37
+
+    def make():
+        return torch.nn.Sequential(*[torch.nn.Sequential(CountingLinear(width, width),
+                                                         torch.nn.GELU())
+                                     for _ in range(depth)])
+
+    def loss(m, b):
+        return m(b[0]).pow(2).mean()
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(12, width, generator=g),) for _ in range(4)]
+    want = reference(make, loss, batches)
+    model = built(make)
+
+    def run(comm):
+        params, fn = it.functional(copy.deepcopy(model), loss=loss,
+                                   activation_checkpointing=checkpointing)
+        step = shard.zero3(fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)
+        state = step.init(params)
+        for b in batches:
+            n = b[0].shape[0] // comm.world_size
+            state, _ = step(state, tuple(t[comm.rank * n:(comm.rank + 1) * n] for t in b))
+        return shard.gather(state, comm), step.tracker.peak
+
+    CountingLinear.calls = 0
+    results = ops.spawn(run, 3)
+    assert CountingLinear.calls == 3 * len(batches) * depth * (2 if checkpointing else 1)
+    unit = (width * width + width) * 4
+    padded = -(-width // 3) * 3 * (width + 1) * 4  # a unit's all-gathered rows, 3 ranks
+    for got, peak in results:
+        assert unit <= peak <= 2 * padded, peak / unit
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+
+
+def test_zero3_saves_param_views_as_references_not_tensors():
+    """Autograd saves ``weight.t()`` (a view) for a linear layer's backward: at the
+    end of the forward only the last unit's full params may still be alive."""
+    depth, width = 6, 32
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
+    unit = (width * width + width) * 4
+    seen = []
+
+    def loss(m, b):
+        out = m(b[0]).pow(2).mean()
+        seen.append(step.tracker.live)  # every unit's forward has run; no backward yet
+        return out
+
+    params, fn = it.functional(model, loss=loss)
+    step = shard.zero3(fn, optimizer=ops.adamw(LR), comm=ops.spawn(lambda c: c, 1)[0])
+    state = step.init(params)
+    step(state, (torch.ones(3, width),))
+    assert seen == [unit]
+
+
 def test_gpt_state_per_rank_falls_as_the_zero_formula_says():
     cfg = gpt.GPTConfig(seq=16, d=64, layers=2, heads=2)
 
