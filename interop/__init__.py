@@ -10,3 +10,12 @@
 from interop._dlpack import data_ptr, shares_memory, to_cupy, to_jax, to_numpy, to_torch
 
 __all__ = ["data_ptr", "shares_memory", "to_cupy", "to_jax", "to_numpy", "to_torch"]
+
+
+def __getattr__(name: str) -> object:
+    """``interop.torch`` and ``interop.jax`` after a bare ``import interop``."""
+    if name in ("torch", "jax"):
+        import importlib
+
+        return importlib.import_module(f"interop.{name}")
+    raise AttributeError(f"module 'interop' has no attribute {name!r}")

@@ -166,6 +166,7 @@ class TorchLoss:
         self.unit_of, self.unit_modules = unit_of, unit_modules
         self._active: _Step | None = None  # set while run_units runs
         self._installed = False
+        self._sharded = False  # a stage-3 step left the params unbound
         self._empties: dict[Any, Any] = {}
         self._warned = False
 
@@ -208,7 +209,9 @@ class TorchLoss:
 
     # -- stage 3 --------------------------------------------------------------------
     def run_units(self, units: Any, reducer: Any, batch: Any, loss_scale: float) -> Any:
-        """One micro-batch at stage 3, unit by unit (see [Note: torch ZeRO-3])."""
+        """One micro-batch, unit by unit (see [Note: torch ZeRO-3]). At stages 0-2
+        the params stay bound and each unit's gradients still go to the reducer
+        as soon as they are complete, so their reduction overlaps the backward."""
         layout = units.layout
         index = {u.name: i for i, u in enumerate(layout.units)}
         names = [path[0].key for path, _ in tree_util().tree_flatten_with_path(
@@ -216,10 +219,14 @@ class TorchLoss:
         members = {i: [names[j] for j in u.leaves] for i, u in enumerate(layout.units)}
         order = [index[key] for key, _ in self.unit_modules if key in index]
         self._active = _Step(units, reducer, index, order, members)
+        self._active.gathering = units.stage == 3
         self._install()
         root = index.get(ROOT)
         try:
-            if root is not None:
+            if not self._active.gathering:  # stages 0-2: whole params, bound for the step
+                for u in members:
+                    self._bind(u, units.get(u))
+            elif root is not None:
                 self._bind(root, units.get(root, pinned=True))
             with timed("forward"):
                 out = self.loss(self.module, batch)
@@ -231,10 +238,13 @@ class TorchLoss:
                 if missing:  # parameters the loss did not use: their gradient is zero
                     self._reduce(u)
         finally:
+            gathering = self._active.gathering
             for p in self.named.values():
-                p.data = self._empty(p)
+                if gathering:  # the module keeps stages 0-2's params (views of the state)
+                    p.data = self._empty(p)
                 p.grad = None
             self._active = None
+            self._sharded = gathering
         return out.detach()
 
     def _install(self) -> None:
@@ -246,7 +256,7 @@ class TorchLoss:
             forward = m.forward
 
             def wrapped(*args: Any, _key: str = key, _forward: Any = forward, **kw: Any) -> Any:
-                if self._active is None:
+                if self._active is None or not self._active.gathering:
                     return _forward(*args, **kw)
                 if self.activation_checkpointing:
                     from torch.utils.checkpoint import checkpoint
@@ -258,7 +268,17 @@ class TorchLoss:
             m.forward = wrapped
         for name, p in self.named.items():
             p.register_post_accumulate_grad_hook(lambda p, name=name: self._grad_ready(name))
+        self.module.register_forward_pre_hook(self._check_usable)
         self._installed = True
+
+    def _check_usable(self, module: Any, args: Any) -> None:
+        if self._active is None and self._sharded and any(
+                p.numel() == 0 for p in self.named.values()):
+            raise RuntimeError(
+                "this module's parameters are sharded by a ZeRO-3 step (each rank holds only "
+                "its shards): write the trained params back with interop.torch.load_state("
+                "module, state, comm=comm), or train a copy.deepcopy(model) and keep the "
+                "original for evaluation")
 
     def _gather(self, u: int) -> None:
         """Gather and bind unit ``u``, starting the gather of the unit after it in
@@ -375,7 +395,7 @@ class TorchLoss:
                 p.grad = None
             a.pending[u] = set()
             a.reducer.add(u, grads)
-        if a.index.get(ROOT) != u:
+        if a.gathering and a.index.get(ROOT) != u:
             self._unbind(u)
 
 
@@ -387,6 +407,7 @@ class _Step:
         self.units, self.reducer, self.index, self.order = units, reducer, index, order
         self.members = members
         self.phase = "forward"
+        self.gathering = True  # stage 3: units are gathered and freed; else bound throughout
         self.kept: int | None = None  # the unit that ran last in the forward, still bound
         self.pending = {i: set(m) for i, m in members.items()}  # params awaiting a gradient
         self.bound: dict[int, dict[str, Any]] = {}  # units bound now: {name: tensor}

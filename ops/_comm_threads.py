@@ -38,6 +38,8 @@ class ThreadGroup:
         self._barrier = threading.Barrier(world_size)
         self._slots: list[Any] = [None] * world_size
         self._entered = [0] * world_size  # collectives each rank has entered
+        self._returned: set[int] = set()  # ranks whose function has returned
+        self._lock = threading.Lock()
         self.failure: tuple[int, BaseException] | None = None
 
     def communicators(self) -> list[ThreadCommunicator]:
@@ -49,6 +51,16 @@ class ThreadGroup:
             self.failure = (rank, exc)
         self._barrier.abort()
 
+    def returned(self, rank: int) -> None:
+        """Rank ``rank``'s function returned: ranks waiting in a collective it never
+        entered fail now, naming it, instead of at the timeout."""
+        with self._lock:
+            self._returned.add(rank)
+            ahead = [r for r in range(self.world_size) if self._entered[r] > self._entered[rank]]
+        if ahead:
+            self.fail(rank, RankReturned(f"rank {rank} returned from its function while rank(s) "
+                                         f"{ahead} wait in a collective it never called"))
+
     def wait(self, rank: int, name: str) -> None:
         try:
             self._barrier.wait(self.timeout)
@@ -56,7 +68,8 @@ class ThreadGroup:
             failure = self.failure
             if failure is not None and failure[0] != rank:
                 r, exc = failure
-                raise PeerFailed(f"{name} on rank {rank} cannot complete: rank {r} failed "
+                who = "the caller of ops.spawn" if r < 0 else f"rank {r}"
+                raise PeerFailed(f"{name} on rank {rank} cannot complete: {who} failed "
                                  f"({type(exc).__name__}: {exc})") from None
             if failure is None:
                 behind = [r for r in range(self.world_size)
@@ -74,7 +87,16 @@ class ThreadGroup:
         Returns every rank's value; they stay valid until :meth:`wait` is called
         again (the second barrier of the collective).
         """
-        self._entered[rank] += 1
+        with self._lock:
+            gone = sorted(self._returned - {rank})
+            self._entered[rank] += 1
+        if gone:
+            err = PeerFailed(f"{name} on rank {rank} cannot complete: rank(s) {gone} already "
+                             "returned from their function")
+            self.fail(rank, err)
+            raise err
+        if self.failure is not None:  # interrupted, or a peer failed outside a collective
+            self.wait(rank, name)
         self._slots[rank] = (meta, value)
         self.wait(rank, name)
         slots = list(self._slots)
@@ -86,6 +108,10 @@ class ThreadGroup:
             self.fail(rank, err)
             raise err
         return [v for _, v in slots]
+
+
+class RankReturned(PeerFailed):
+    """A rank's function returned while its peers waited in a collective."""
 
 
 class ThreadCommunicator(Communicator):
@@ -165,6 +191,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
         try:
             results[rank] = fn(comms[rank], *args)
             comms[rank].close()
+            group.returned(rank)
         except BaseException as exc:  # re-raised in the caller below
             errors[rank] = exc
             group.fail(rank, exc)
@@ -173,8 +200,17 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
                for r in range(world_size)]
     for t in threads:
         t.start()
-    for t in threads:
-        t.join()
+    try:
+        for t in threads:
+            while t.is_alive():  # join in slices: Ctrl-C reaches the main thread at once
+                t.join(0.1)
+    except KeyboardInterrupt:
+        # Every rank fails at its next collective (within one unit's compute);
+        # wait for them so nothing keeps running after control returns.
+        group.fail(-1, KeyboardInterrupt("interrupted"))
+        for t in threads:
+            t.join(group.timeout)
+        raise
     if errors:
         rank, exc = group.failure if group.failure and group.failure[0] in errors else \
             min(errors.items())

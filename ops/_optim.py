@@ -44,8 +44,35 @@ class FusedAdam(NamedTuple):
     learning_rate: Callable[[int], float]
 
 
+def _number(fn: str, name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False,
+            hi_open: bool = False) -> float:
+    """``value`` as a float in the range, or a TypeError/ValueError naming it."""
+    try:
+        if isinstance(value, (str, bytes, bool)):
+            raise TypeError
+        x = float(value)  # numbers, and numpy, jax or torch scalars
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}: {name} must be a number; got {type(value).__name__} "
+                        f"{value!r}") from None
+    below = x <= lo if lo_open else x < lo
+    above = x >= hi if hi_open else x > hi
+    if math.isnan(x) or below or above:
+        interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}{')' if hi_open else ']'}"
+        raise ValueError(f"{fn}: {name} must be in {interval}; got {value!r}")
+    return x
+
+
 def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
           weight_decay: float, decoupled: bool) -> FusedAdam:
+    fn = "adamw" if decoupled else "adam"
+    if not callable(learning_rate):
+        learning_rate = _number(fn, "learning_rate", learning_rate, 0.0, math.inf,
+                                hi_open=True)
+    b1 = _number(fn, "b1", b1, 0.0, 1.0, hi_open=True)
+    b2 = _number(fn, "b2", b2, 0.0, 1.0, hi_open=True)
+    eps = _number(fn, "eps", eps, 0.0, math.inf, hi_open=True)
+    weight_decay = _number(fn, "weight_decay", weight_decay, 0.0, math.inf, hi_open=True)
+
     def lr_at(count: int) -> float:
         return float(learning_rate(count) if callable(learning_rate) else learning_rate)
 
@@ -102,8 +129,11 @@ def adamw(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999,
     """AdamW (decoupled weight decay), as ``torch.optim.AdamW`` / ``optax.adamw``.
 
     Args:
-      learning_rate: a float, or a schedule ``count -> lr`` (count from 0).
-      b1, b2, eps, weight_decay: as in ``torch.optim.AdamW``.
+      learning_rate: a float >= 0, or a schedule ``count -> lr`` (count from 0),
+        such as an optax schedule.
+      b1, b2: in [0, 1); eps, weight_decay: >= 0; as in ``torch.optim.AdamW``.
+        A TypeError or ValueError naming the argument is raised here, not at
+        the first step.
 
     Example:
       >>> import numpy as np, ops

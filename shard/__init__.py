@@ -7,7 +7,7 @@ function transforms: ``step = shard.zero3(loss_fn, optimizer=..., comm=...)``,
 
 from ops import init_from_env, spawn
 from shard._checkpoint import CheckpointError, load, save
-from shard._gather import gather, split_batch
+from shard._gather import MicroBatches, gather, split_batch
 from shard._layout import Layout, make_layout, partition, unpartition
 from shard._loss import Layered
 from shard._memory import estimate_memory
@@ -25,6 +25,7 @@ __all__ = [
     "Layered",
     "Layout",
     "LossScale",
+    "MicroBatches",
     "Precision",
     "Replicate",
     "Shard",

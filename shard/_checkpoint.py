@@ -39,6 +39,7 @@ from ops._collectives import all_gather_host
 from ops._device import device_named
 from ops._tree import tree_util
 from shard._layout import Layout, LeafLayout, alloc_units
+from shard._paths import shapes_from_manifest
 from shard._state import TrainState
 
 __all__ = ["CheckpointError", "leaf_names", "load", "read_manifest", "save"]
@@ -126,6 +127,9 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
     Returns:
       The checkpoint's path. See [Note: checkpoint format].
     """
+    if not isinstance(state, TrainState):
+        raise TypeError(f"save: state must be a TrainState (save(state, path, comm=comm)); got "
+                        f"{type(state).__name__}")
     state.check_live()
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
@@ -240,8 +244,9 @@ def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
         ranks at any stage.
       step: the ZeRO transform to load into (``shard.zero3(...)`` etc.).
       comm: this rank's communicator.
-      like: the params tree or its shapes (``jax.ShapeDtypeStruct``), needed
-        unless ``step.init`` has already run.
+      like: the params tree or its shapes (``jax.ShapeDtypeStruct``). Without
+        it: the layout of the step's ``init``, or, on a fresh step, the shapes
+        the manifest records (for params that are dicts and lists).
       device: where the state goes (``"numpy"``, ``"cupy"`` or a
         :class:`ops.Device`); default: the device of ``like``'s arrays, else
         the step's (that of the params ``step.init`` was given).
@@ -252,15 +257,24 @@ def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
     Raises:
       CheckpointError: a missing or truncated shard file, a checksum mismatch,
         a manifest from a newer format, or shapes that do not fit the model;
-        nothing is loaded in that case.
+        nothing is loaded in that case, and the step is left as it was.
     """
+    path, manifest = read_manifest(path)
+    before = (step.layout, step.full_layout, step.master_dtype, step.device)
+    try:  # a checkpoint that does not fit leaves the step as it was
+        return _load(path, manifest, step, comm, like, device)
+    except BaseException:
+        step.layout, step.full_layout, step.master_dtype, step.device = before
+        raise
+
+
+def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
+          device: Any) -> tuple[TrainState, Any]:
     from safetensors import safe_open
 
-    path, manifest = read_manifest(path)
-    if step.layout is None or like is not None:
-        if like is None:
-            raise ValueError("load: pass like=params (or their shapes) when step.init has not "
-                             "run")
+    if like is None and step.layout is None:
+        like = shapes_from_manifest(manifest, f"{path}/manifest.json")
+    if like is not None:
         step.setup(like)
     if device is not None:
         step.device = device_named(device) if isinstance(device, str) else device

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -12,12 +12,41 @@ from ops._tree import tree_util
 from shard._layout import make_layout, native_leaves
 from shard._state import TrainState
 
-__all__ = ["gather", "split_batch"]
+__all__ = ["MicroBatches", "gather", "split_batch"]
 
 
-class _Shape(NamedTuple):
-    shape: tuple[int, ...]
-    dtype: Any
+class MicroBatches(tuple):
+    """The micro-batches of one optimizer step (gradient accumulation).
+
+    ``step(state, shard.MicroBatches([b1, b2, b3]))`` takes the gradients of
+    each micro-batch (each this rank's part), sums them, and steps once; the
+    loss and gradients are means over micro-batches and ranks, as one batch of
+    their concatenation would give. Any other batch (a list from a torch
+    ``DataLoader`` included) is one micro-batch, handed to the loss as it is.
+    DeepSpeed calls this ``gradient_accumulation_steps``.
+
+    Example:
+      >>> import numpy as np, shard
+      >>> batch = {"x": np.ones((8, 3))}
+      >>> len(shard.MicroBatches(shard.split_batch(batch, rank=i, world_size=4)
+      ...                        for i in range(4)))
+      4
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, batches: Any) -> MicroBatches:
+        if isinstance(batches, (dict, str, bytes)) or not hasattr(batches, "__iter__"):
+            raise TypeError(f"MicroBatches takes an iterable of batches; got "
+                            f"{type(batches).__name__}")
+        out = super().__new__(cls, batches)
+        if not out:
+            raise ValueError("MicroBatches: no micro-batches (an optimizer step needs at least "
+                             "one)")
+        return out
+
+    def __repr__(self) -> str:
+        return f"MicroBatches({len(self)} micro-batches)"
 
 
 def gather(x: Any, comm: Communicator, *, specs: Any = None, like: Any = None) -> Any:
@@ -28,8 +57,8 @@ def gather(x: Any, comm: Communicator, *, specs: Any = None, like: Any = None) -
         pytree of local shards as made by :func:`shard.partition`.
       comm: this rank's communicator.
       specs: for a pytree of shards, the specs it was made with.
-      like: for a pytree of shards, the full tree or its shapes (to cut the
-        padding off); without it the padded rows are kept.
+      like: for a pytree of shards (required), the full tree or anything with
+        its shapes and dtypes, such as ``jax.ShapeDtypeStruct``s.
 
     Returns:
       The full params pytree, the same on every rank, as arrays of the shards'
@@ -42,14 +71,21 @@ def gather(x: Any, comm: Communicator, *, specs: Any = None, like: Any = None) -
         if x.meta.stage == 0:
             return layout.treedef.unflatten([v.copy() for v in layout.local_views(buffers)])
     else:
-        tu = tree_util()
-        shapes = like if like is not None else tu.tree_map(
-            lambda s: _Shape((s.shape[0] * comm.world_size, *s.shape[1:]) if s.ndim else (),
-                             s.dtype), x)
-        layout = make_layout(shapes, specs, world_size=comm.world_size, fn="gather")
+        if like is None:
+            raise TypeError("gather: a pytree of shards does not say the full shapes (shards "
+                            "carry padding rows, and stage 0 'shards' are whole params); pass "
+                            "the TrainState itself, gather(state, comm), or like=the full "
+                            "params (or their shapes) and specs=")
+        layout = make_layout(like, specs, world_size=comm.world_size, fn="gather")
         device, local = native_leaves(layout.treedef.flatten_up_to(x), "gather")
         device = device or HOST
         local = [device.asarray(s) for s in local]
+        for leaf, s in zip(layout.leaves, local, strict=True):
+            if tuple(s.shape) != leaf.local_shape:
+                raise ValueError(f"gather: shard {leaf.path} has shape {tuple(s.shape)}, but a "
+                                 f"{leaf.shape} leaf on {comm.world_size} ranks has "
+                                 f"{leaf.local_shape} shards (made with other specs or another "
+                                 "world size?)")
         buffers = [device.empty(u.local_size, local[u.leaves[0]].dtype) for u in layout.units]
         for dst, src in zip(layout.local_views(buffers), local, strict=True):
             dst[...] = src.reshape(dst.shape)

@@ -201,6 +201,8 @@ class GradReducer:
         self._full = ([device.zeros(u.sharded_size * w, self.dtype) for u in layout.units]
                       if stage <= 1 else None)
         self._pending: list[tuple[int, Any, Any]] = []
+        self._early: dict[int, Any] = {}  # stages 0-1: units whose reduction is in flight
+        self.final = True  # the micro-batch being added is the step's last
 
     def add(self, u: int, grads: list[Any]) -> None:
         """Add unit ``u``'s full leaf gradients (in the unit's leaf order): arrays of
@@ -219,6 +221,11 @@ class GradReducer:
             for i, g in zip(unit.leaves, grads, strict=True):
                 self.layout.pack_grad(self.layout.leaves[i], g, self._full[u], replicated,
                                       add=True)
+            if self.final and unit.sharded_size:  # complete: reduce it while others compute
+                self._early[u] = (
+                    self.comm.all_reduce_async(self._full[u], "sum") if self.stage == 0 else
+                    self.comm.reduce_scatter_async(shard[:unit.sharded_size], self._full[u],
+                                                   op="sum"))
             return
         packed = self.device.empty(unit.sharded_size * w, self.dtype)
         for i, g in zip(unit.leaves, grads, strict=True):
@@ -257,16 +264,18 @@ class GradReducer:
                     self.shards[u][:unit.sharded_size] = 0
         for u, unit in enumerate(self.layout.units):
             shard = self.shards[u]
-            if self._full is not None:
-                if self.stage == 0:
-                    shard[:unit.sharded_size] = self._full[u]
-                    with timed("reduce_wait"):
-                        self.comm.all_reduce_(shard, "sum")
-                    continue
-                if unit.sharded_size:
-                    with timed("reduce_wait"):
+            if self._full is not None and unit.sharded_size:
+                work = self._early.pop(u, None)
+                with timed("reduce_wait"):
+                    if work is not None:
+                        work.wait()
+                    elif self.stage == 0:
+                        self.comm.all_reduce_(self._full[u], "sum")
+                    else:
                         self.comm.reduce_scatter_into(shard[:unit.sharded_size], self._full[u],
                                                       "sum")
+                if self.stage == 0:
+                    shard[:unit.sharded_size] = self._full[u]
             if unit.replicated_size:
                 with timed("reduce_wait"):
                     self.comm.all_reduce_(shard[unit.sharded_size:], "sum")

@@ -47,8 +47,10 @@ Args:
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then
-  ``state, metrics = step(state, batch)``; a list of batches is one step with
-  gradient accumulation. ``batch`` is this rank's part of the global batch.
+  ``state, metrics = step(state, batch)``, where ``batch`` is this rank's part
+  of the global batch (any pytree: a dict, a tuple or list of arrays...);
+  ``step(state, shard.MicroBatches([b1, b2]))`` is one step with gradient
+  accumulation.
   metrics: loss (mean over ranks), grad_norm (before clipping), lr,
   loss_scale, skipped.
 

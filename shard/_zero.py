@@ -3,7 +3,8 @@
 ``step = shard.zero3(loss_fn, optimizer=ops.adamw(1e-3), comm=comm)`` (see
 ``shard/_stages.py``) builds a :class:`ZeroStep`; ``state = step.init(params)``
 partitions the params; ``state, metrics = step(state, batch)`` runs one
-optimizer step (a list of batches is one step with gradient accumulation).
+optimizer step (``shard.MicroBatches([b1, b2])`` is one step with gradient
+accumulation; any other batch, lists included, is one micro-batch).
 
 What each stage shards (the ZeRO paper's P_os, P_os+g, P_os+g+p):
 
@@ -31,6 +32,19 @@ the sum of squares and the overflow flag stay device arrays; the step reads
 them back once, as two numbers, when it must decide on the host (clipping or
 loss scaling on: skip the step or not) and otherwise only when its metrics
 are looked at.
+
+[Note: non-finite gradients]
+A step whose gradients hold an inf or a nan anywhere (on any rank) is skipped,
+in every configuration: params, moments and the compute copy stay as they
+were, ``metrics["skipped"]`` is True and a warning is logged. With a loss
+scale the scale backs off as well (and no warning: overflow is expected
+there). Where the host decides anyway (clipping, loss scaling, or stages 1-2
+with a 16-bit compute copy, whose fresh copy buffers a skipped kernel would
+leave unwritten) the step counter does not advance. Otherwise the fused kernel
+reads the sum of squares on the device and skips there, so a GPU step still
+reads nothing back: the counter advances (the learning-rate schedule and Adam's
+bias correction count the skipped step), and ``skipped`` is known when the
+metrics are looked at.
 """
 
 from __future__ import annotations
@@ -48,6 +62,7 @@ import ops._tree
 from ops import HOST, AdamState, Communicator, Device, FusedAdam
 from ops._collectives import all_gather_host
 from ops._dlpack import jax_view
+from shard._gather import MicroBatches
 from shard._layout import (
     Layout,
     Units,
@@ -67,6 +82,7 @@ from shard._state import StateMeta, TrainState
 __all__ = ["ZeroStep"]
 
 log = logging.getLogger(__name__)
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
 class ZeroStep:
@@ -130,23 +146,31 @@ class ZeroStep:
         """Build the layouts for ``params`` (arrays or shapes) and check that every
         rank built the same one; ``init`` and ``shard.load`` call this. Arrays
         decide the step's device; shapes keep the device it has."""
-        w = self.comm.world_size
-        device, _ = native_leaves(self.layout_leaves(params), f"{self.name}.init")
-        self.device = device or self.device
-        self.layout = make_layout(params, self.specs, world_size=1 if self.stage == 0 else w,
-                                  units=self.units, fn=f"{self.name}.init")
-        self.full_layout = make_layout(params, self.specs, world_size=1, units=self.units)
-        self.master_dtype = master_dtype_of(self.layout)
-        if self.master_dtype == np.float64 and self.precision.param_dtype not in (
+        w, fn = self.comm.world_size, f"{self.name}.init"
+        device, _ = native_leaves(self.layout_leaves(params), fn)
+        layout = make_layout(params, self.specs, world_size=1 if self.stage == 0 else w,
+                             units=self.units, fn=fn)
+        if not layout.leaves:
+            raise ValueError(f"{fn}: the params tree has no leaves: nothing to train")
+        for leaf in layout.leaves:
+            if leaf.dtype not in FLOAT_DTYPES:
+                raise TypeError(f"{fn}: params{leaf.path} is {leaf.dtype}; ZeRO trains "
+                                "floating-point params (float16, bfloat16, float32, float64): "
+                                "keep integer, boolean and complex state out of params")
+        master_dtype = master_dtype_of(layout)
+        if master_dtype == np.float64 and self.precision.param_dtype not in (
                 None, np.dtype(np.float64)):
-            raise NotImplementedError(f"{self.name}.init: float64 params keep float64 masters, "
-                                      "which mixed precision does not support; give float32 "
-                                      "params or drop precision=")
-        self._agree_on_layout()
-        if self.kind == "layered" and len(self.loss_fn.layers) != len(self.layout.units):
-            raise ValueError(f"{self.name}.init: Layered has {len(self.loss_fn.layers)} layers but "
-                             f"the params form {len(self.layout.units)} units "
-                             f"({[u.name for u in self.layout.units]}); give one layer per unit")
+            raise NotImplementedError(f"{fn}: float64 params keep float64 masters, which mixed "
+                                      "precision does not support; give float32 params or drop "
+                                      "precision=")
+        if self.kind == "layered" and len(self.loss_fn.layers) != len(layout.units):
+            raise ValueError(f"{fn}: Layered has {len(self.loss_fn.layers)} layers but the "
+                             f"params form {len(layout.units)} units "
+                             f"({[u.name for u in layout.units]}); give one layer per unit")
+        self._agree_on_layout(layout)
+        self.device = device or self.device
+        self.layout, self.master_dtype = layout, master_dtype
+        self.full_layout = make_layout(params, self.specs, world_size=1, units=self.units)
 
     @staticmethod
     def layout_leaves(params: Any) -> list[Any]:
@@ -192,8 +216,8 @@ class ZeroStep:
                              "(thread ranks share torch's global RNG: build the model once and "
                              "deepcopy it)")
 
-    def _agree_on_layout(self) -> None:
-        mine = np.array([self.layout.fingerprint()], np.int64)
+    def _agree_on_layout(self, layout: Layout) -> None:
+        mine = np.array([layout.fingerprint()], np.int64)
         every = all_gather_host(self.comm, mine)
         if np.any(every != mine[0]):
             bad = [r for r, f in enumerate(every.tolist()) if f != int(mine[0])]
@@ -209,17 +233,18 @@ class ZeroStep:
 
     def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
         self._check_state(state)
+        micro = list(batch) if isinstance(batch, MicroBatches) else [batch]
+        for b in micro:
+            self._check_batch(b)
         state.donate()
-        micro = batch if isinstance(batch, list) else [batch]
-        if not micro:
-            raise ValueError(f"{self.name}: an empty list of micro-batches")
         scale = float(state.loss_scale)
         reducer = GradReducer(self.layout, self._fast, stage=self.stage,
                               dtype=self._reduce_dtype(), device=self.device)
         units = self._unit_params(state)
         totals = self.device.zeros(2, np.float64)  # [sum of squares, sum of losses]
         with self._jax_placement():
-            for b in micro:
+            for i, b in enumerate(micro):
+                reducer.final = i == len(micro) - 1
                 totals[1:2] += self._on_device(self._grads(units, reducer, b, scale), "the loss")
         shards = reducer.finish()
         with timed("optimizer"):
@@ -234,11 +259,25 @@ class ZeroStep:
             norm = math.sqrt(sumsq) * grad_scale if math.isfinite(sumsq) else sumsq
             return {"loss": float(host[1]) / (w * k), "grad_norm": norm}
 
-        if self.clip_norm is None and self.loss_scale is None:
-            # nothing to decide on the host: no read back until metrics are looked at
-            self._apply(state, shards, grad_scale, None)
+        fresh_copies = self.stage in (1, 2) and bool(state.compute) and (
+            state.meta.compute_dtype != state.meta.master_dtype)
+        if self.clip_norm is None and self.loss_scale is None and not fresh_copies:
+            # Nothing to decide on the host: no read back until metrics are looked
+            # at. The kernel reads the sum of squares on the device and skips the
+            # update when it is not finite (see [Note: non-finite gradients]).
+            del known["skipped"]
+
+            def finish_and_flag(host: np.ndarray) -> dict[str, Any]:
+                out = finish(host)
+                out["skipped"] = not math.isfinite(float(host[0]))
+                if out["skipped"]:
+                    log.warning("%s: non-finite gradients (inf or nan) at step %d: the update "
+                                "was skipped", self.name, int(state.step))
+                return out
+
+            self._apply(state, shards, grad_scale, totals[0:1])
             return (state.replace(step=np.asarray(int(state.step) + 1, np.int64)),
-                    StepMetrics(known, totals, finish, self.device.to_host))
+                    StepMetrics(known, totals, finish_and_flag, self.device.to_host))
         host = self.device.to_host(totals)  # the step's one read: skip it or not
         known.update(finish(host))
         finite = math.isfinite(float(host[0]))
@@ -248,10 +287,23 @@ class ZeroStep:
         if finite:
             self._apply(state, shards, grad_scale,
                         totals[0:1] if self.clip_norm is not None else None)
+        elif self.loss_scale is None:
+            log.warning("%s: non-finite gradients (inf or nan) at step %d: the update was "
+                        "skipped", self.name, int(state.step))
         known["skipped"] = not finite
         return state.replace(step=np.asarray(int(state.step) + finite, np.int64),
                              loss_scale=np.asarray(new_scale, np.float64),
                              good_steps=np.asarray(good, np.int64)), StepMetrics(known)
+
+    def _check_batch(self, batch: Any) -> None:
+        """An empty batch would give a nan loss (a mean over nothing) silently."""
+        tu = ops._tree.tree_util()
+        for path, x in tu.tree_flatten_with_path(batch)[0]:
+            shape = getattr(x, "shape", None)
+            if shape is not None and len(shape) > 0 and shape[0] == 0:
+                raise ValueError(f"{self.name}: batch{tu.keystr(path)} has no rows (shape "
+                                 f"{tuple(shape)}) on rank {self.comm.rank}; every rank needs a "
+                                 "non-empty part of the batch")
 
     def _on_device(self, x: Any, what: str) -> Any:
         """A loss (a number, or a torch, jax or device scalar) as a device array."""
@@ -306,8 +358,10 @@ class ZeroStep:
         loss * scale) go to ``reducer``."""
         if self.kind == "layered":
             return self.loss_fn.run_units(units, reducer, batch, scale)
-        if self.stage == 3 and hasattr(self.loss_fn, "run_units") and getattr(
-                self.loss_fn, "hooks_usable", lambda comm: True)(self.comm):
+        # Unit by unit: stage 3 within its memory bound; stages 0-2 (host state) so
+        # that each unit's reduction overlaps the rest of the backward.
+        if (self.stage == 3 or self.device.host) and hasattr(self.loss_fn, "run_units") and (
+                getattr(self.loss_fn, "hooks_usable", lambda comm: True)(self.comm)):
             return self.loss_fn.run_units(units, reducer, batch, scale)
         n = len(self.layout.units)
         units.bounded = False  # a monolithic loss needs every unit at once

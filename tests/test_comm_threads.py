@@ -132,13 +132,32 @@ def test_a_rank_raising_stops_every_rank_promptly():
 def test_a_rank_that_never_arrives_times_out_with_a_clear_error():
     def body(comm):
         if comm.rank == 1:
-            return "skipped the collective"
+            time.sleep(1.5)  # busy elsewhere: still running, never calls the collective
+            return "late"
         return ops.all_reduce(comm, np.ones(2))
 
     t0 = time.perf_counter()
     with pytest.raises(ops.CollectiveTimeout, match=r"all_reduce on rank 0 did not complete "
                                                     r"within 0.5 s: rank\(s\) \[1\] never"):
         ops.spawn(body, 2, timeout=0.5)
+    assert time.perf_counter() - t0 < 5
+
+
+@pytest.mark.parametrize("order", ["returns first", "waits first"])
+def test_a_rank_that_returns_early_fails_its_peers_at_once_naming_it(order):
+    def body(comm):
+        if comm.rank == 1:
+            if order == "waits first":
+                time.sleep(0.2)  # rank 0 is already waiting in the all_reduce
+            return "skipped the collective"
+        if order == "returns first":
+            time.sleep(0.2)  # rank 1 has returned before rank 0 gets here
+        return ops.all_reduce(comm, np.ones(2))
+
+    t0 = time.perf_counter()
+    with pytest.raises(ops.PeerFailed, match=r"all_reduce on rank 0 cannot complete: .*rank"
+                                             r".*1.* returned"):
+        ops.spawn(body, 2, timeout=60)
     assert time.perf_counter() - t0 < 5
 
 
@@ -169,3 +188,23 @@ def test_bad_arguments_are_caught_before_communicating():
         return True
 
     assert ops.spawn(body, 2) == [True, True]
+
+
+def test_ctrl_c_in_spawn_stops_every_rank_and_leaves_no_threads():
+    import _thread
+    import threading
+
+    def forever(comm):
+        x = np.ones(1000)
+        while True:  # a training loop: compute, then a collective
+            time.sleep(0.01)
+            ops.all_reduce(comm, x)
+
+    before = set(threading.enumerate())
+    threading.Timer(0.3, _thread.interrupt_main).start()
+    t0 = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt):
+        ops.spawn(forever, 3, timeout=60)
+    assert time.perf_counter() - t0 < 5
+    assert not [t for t in set(threading.enumerate()) - before
+                if t.is_alive() and t.name.startswith("zeroshard-rank")]

@@ -264,3 +264,43 @@ def test_two_gloo_processes_train_torch_modules(tmp_path):
     for r, rep in enumerate(reports):
         assert rep.get("ok"), (r, rep)
         assert rep["failures"] == [], (r, rep["failures"])
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_gradient_reductions_start_inside_the_backward(stage):
+    """Each unit's reduction is launched from the gradient hooks while autograd
+    still runs the earlier units' backward: communication overlaps compute."""
+    model = built(lambda: torch.nn.Sequential(*[torch.nn.Linear(9, 9) for _ in range(4)]))
+    zero = (shard.zero0, shard.zero1, shard.zero2, shard.zero3)[stage]
+
+    def run(comm):
+        launched = []
+        for name in ("all_reduce_async", "reduce_scatter_async"):
+            original = getattr(type(comm), name)
+
+            def spy(self, *a, _original=original, **kw):
+                launched.append(torch._C._current_graph_task_id())
+                return _original(self, *a, **kw)
+
+            setattr(comm, name, spy.__get__(comm))
+        params, fn = it.functional(copy.deepcopy(model), loss=lambda m, b: m(b).pow(2).mean())
+        step = zero(fn, optimizer=ops.adamw(LR), comm=comm)
+        state = step.init(params)
+        step(state, torch.ones(3, 9))
+        return launched
+
+    for launched in ops.spawn(run, 2):
+        inside = [t for t in launched if t != -1]
+        assert len(inside) >= 3, launched  # the last unit's may come after the backward
+
+
+def test_a_module_trained_at_stage_3_says_how_to_get_its_params_back():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    params, fn = it.functional(model, loss=lambda m, b: m(b).sum())
+    comm = ops.spawn(lambda c: c, 1)[0]
+    step = shard.zero3(fn, optimizer=ops.adamw(LR), comm=comm)
+    state, _ = step(step.init(params), torch.ones(2, 4))
+    with pytest.raises(RuntimeError, match=r"load_state\(module, state, comm=comm\)"):
+        model(torch.ones(1, 4))
+    it.load_state(model, state, comm=comm)
+    assert model(torch.ones(1, 4)).shape == (1, 2)

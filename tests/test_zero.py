@@ -26,8 +26,8 @@ def train(comm, *, stage, loss_fn=M.loss, precision=None, clip_norm=None, accumu
     for b in data or M.batches(steps):
         local = shard.split_batch(b, rank=comm.rank, world_size=comm.world_size)
         if accumulate > 1:
-            local = [shard.split_batch(local, rank=i, world_size=accumulate)
-                     for i in range(accumulate)]
+            local = shard.MicroBatches(shard.split_batch(local, rank=i, world_size=accumulate)
+                                       for i in range(accumulate))
         state, metrics = step(state, local)
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
