@@ -296,7 +296,7 @@ def report(results: dict, args: argparse.Namespace) -> str:
         lines += ["", f"GPT {size}: {n:.1f}M params, 2 ranks x 8 x {SEQ} tokens; peers' AdamW "
                   f"{args.peer_adam}; medians of {args.passes} pass(es) x {args.steps} steps",
                   "| mode | ms/step | passes | tokens/s | RSS/rank MiB | vs DDP | vs FSDP2 "
-                  "| loss first -> last |", "|---|---|---|---|---|---|---|---|"]
+                  "| loss first -> last* |", "|---|---|---|---|---|---|---|---|"]
         for m in MODES:
             if m not in rows:
                 continue
@@ -308,6 +308,8 @@ def report(results: dict, args: argparse.Namespace) -> str:
                          f"| {rss:.0f}{' (process/2)' if m.endswith('threads') else ''} "
                          f"| {ratio['ddp']} | {ratio['fsdp2']} "
                          f"| {r[0]['loss_first']:.4f} -> {r[0]['loss_last']:.4f} |")
+        lines.append("* the peers print rank 0's own loss, this library the mean over the "
+                     "ranks (metrics['loss'])")
         if args.profile:
             for m in OURS:
                 profs = [p["profile_ms"] for p in rows.get(m, []) if "profile_ms" in p]

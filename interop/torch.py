@@ -167,8 +167,24 @@ class TorchLoss:
         self._active: _Step | None = None  # set while run_units runs
         self._installed = False
         self._sharded = False  # a stage-3 step left the params unbound
+        self._rank: int | None = None  # the rank this object serves (see claim)
+        self._dtype = next(iter(named.values())).dtype  # the module's own param dtype
+        self._compute_dtype: Any = None  # set in a step when mixed precision changes it
         self._empties: dict[Any, Any] = {}
         self._warned = False
+
+    def claim(self, comm: Any) -> None:
+        """Bind this loss object to ``comm``'s rank (the step's ``init`` calls it): a
+        module is one rank's, so thread ranks sharing one object are refused
+        before they train on each other's parameters or wait on each other's
+        hooks."""
+        if self._rank is not None and self._rank != comm.rank:
+            raise ValueError(
+                f"interop.torch.functional: this loss object belongs to rank {self._rank}, and "
+                f"rank {comm.rank} uses it too; every rank needs its own module and loss: "
+                "params, loss = interop.torch.functional(copy.deepcopy(model), loss=...) "
+                "inside the function each rank runs")
+        self._rank = comm.rank
 
     def hooks_usable(self, comm: Any) -> bool:
         """Whether stage 3 may run collectives inside the backward (see the Note)."""
@@ -197,10 +213,15 @@ class TorchLoss:
         for name, p in self.named.items():
             p.data = torch_view(params[name])
             p.grad = None
-        with timed("forward"):
-            out = self.loss(self.module, batch)
-        with timed("backward"):
-            (out * loss_scale).backward()
+        self._install()
+        self._set_compute_dtype(next(iter(self.named.values())).dtype)
+        try:
+            with timed("forward"):
+                out = self.loss(self.module, batch)
+            with timed("backward"):
+                (out * loss_scale).backward()
+        finally:
+            self._compute_dtype = None
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p))
                  for name, p in self.named.items()}
         for p in self.named.values():
@@ -220,6 +241,8 @@ class TorchLoss:
         order = [index[key] for key, _ in self.unit_modules if key in index]
         self._active = _Step(units, reducer, index, order, members)
         self._active.gathering = units.stage == 3
+        self._set_compute_dtype(_torch_dtype(units.local[0].dtype if units.stage == 3
+                                             else units.full[0].dtype))
         self._install()
         root = index.get(ROOT)
         try:
@@ -244,8 +267,12 @@ class TorchLoss:
                     p.data = self._empty(p)
                 p.grad = None
             self._active = None
+            self._compute_dtype = None
             self._sharded = gathering
         return out.detach()
+
+    def _set_compute_dtype(self, dtype: Any) -> None:
+        self._compute_dtype = dtype if dtype != self._dtype else None
 
     def _install(self) -> None:
         if self._installed:
@@ -268,11 +295,33 @@ class TorchLoss:
             m.forward = wrapped
         for name, p in self.named.items():
             p.register_post_accumulate_grad_hook(lambda p, name=name: self._grad_ready(name))
-        self.module.register_forward_pre_hook(self._check_usable)
+        self.module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self._installed = True
 
-    def _check_usable(self, module: Any, args: Any) -> None:
-        if self._active is None and self._sharded and any(
+    def _before_forward(self, module: Any, args: Any, kwargs: Any) -> Any:
+        """The root module's pre-hook: refuse a sharded module outside a step; in a
+        step, cast floating inputs to the compute dtype (FSDP2's
+        ``cast_forward_inputs``) when mixed precision changed it."""
+        dtype = self._compute_dtype
+        if dtype is None:
+            if self._active is None:
+                self._check_usable()
+            return None
+        import torch
+
+        def cast(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+            if isinstance(x, (tuple, list)):
+                return type(x)(cast(v) for v in x)
+            if isinstance(x, dict):
+                return {k: cast(v) for k, v in x.items()}
+            return x
+
+        return cast(args), cast(kwargs)
+
+    def _check_usable(self) -> None:
+        if self._sharded and any(
                 p.numel() == 0 for p in self.named.values()):
             raise RuntimeError(
                 "this module's parameters are sharded by a ZeRO-3 step (each rank holds only "
@@ -427,6 +476,14 @@ class _ParamRef(tuple):
     shape = property(lambda self: self[2])
     stride = property(lambda self: self[3])
     offset = property(lambda self: self[4])
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    """The torch dtype of a numpy (or CuPy, or ml_dtypes) dtype."""
+    import torch
+
+    name = str(dtype)
+    return getattr(torch, name)
 
 
 def _tensors(out: Any) -> list[Any]:

@@ -14,10 +14,26 @@ __all__ = ["LossScale", "Precision"]
 _FLOATS = {np.dtype(np.float32), np.dtype(np.float16), BF16, np.dtype(np.float64)}
 
 
+_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+            "float": "float32", "fp64": "float64", "double": "float64"}
+
+
 def _dtype(name: str, value: Any) -> np.dtype | None:
+    """A numpy dtype from numpy, JAX or torch dtypes and their names."""
     if value is None:
         return None
-    d = np.dtype(value)
+    text = str(value)
+    if text.startswith("torch."):  # torch.bfloat16 and friends
+        value = text[len("torch."):]
+    if isinstance(value, str):
+        value = _ALIASES.get(value, value)
+        if value == "bfloat16":
+            return BF16
+    try:
+        d = np.dtype(value)
+    except TypeError:
+        raise TypeError(f"Precision: {name} must be a floating dtype (numpy, JAX or torch, or "
+                        f"a name such as 'bfloat16'); got {value!r}") from None
     if d not in _FLOATS:
         raise TypeError(f"Precision: {name} must be float64, float32, bfloat16 or float16; "
                         f"got {d}")
@@ -30,7 +46,10 @@ class Precision:
 
     Attributes:
       param_dtype: dtype of the parameters the loss sees (and of the all-gathers
-        at stage 3); None keeps the params' own dtype.
+        at stage 3); None keeps the params' own dtype. numpy, JAX and torch
+        dtypes and names ('bf16', 'bfloat16', 'fp16'...) are accepted. A torch
+        module's floating inputs are cast to it, as FSDP2's
+        ``cast_forward_inputs`` does.
       reduce_dtype: dtype gradients are reduced in; None uses param_dtype.
         float32 with bfloat16 params sums bf16 gradients in fp32.
 

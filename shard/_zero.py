@@ -147,6 +147,8 @@ class ZeroStep:
         rank built the same one; ``init`` and ``shard.load`` call this. Arrays
         decide the step's device; shapes keep the device it has."""
         w, fn = self.comm.world_size, f"{self.name}.init"
+        if hasattr(self.loss_fn, "claim"):  # a loss object that serves one rank
+            self.loss_fn.claim(self.comm)
         device, _ = native_leaves(self.layout_leaves(params), fn)
         layout = make_layout(params, self.specs, world_size=1 if self.stage == 0 else w,
                              units=self.units, fn=fn)

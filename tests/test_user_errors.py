@@ -195,3 +195,40 @@ def test_non_finite_gradients_skip_the_step_the_same_way(stage, clip, caplog):
         assert skipped is True
         np.testing.assert_array_equal(w, np.ones(5, np.float32))
     assert "non-finite gradients" in caplog.text
+
+
+def test_one_torch_loss_object_shared_by_thread_ranks_is_refused():
+    model = torch.nn.Linear(3, 2)
+    params, fn = it.functional(model, loss=lambda m, b: m(b).sum())
+
+    def run(comm):
+        step = shard.zero3(fn, optimizer=ops.adamw(1e-3), comm=comm)
+        step.init(params)
+
+    with pytest.raises(ValueError, match=r"belongs to rank \d, and rank \d uses it too"):
+        ops.spawn(run, 2, timeout=30)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_precision_casts_a_torch_modules_inputs(stage):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    x = torch.randn(5, 6)
+    zero = (shard.zero2, shard.zero3)[stage - 2]
+
+    def run(comm, precision):
+        params, fn = it.functional(copy.deepcopy(model), loss=lambda m, b: m(b).pow(2).mean())
+        step = zero(fn, optimizer=ops.adamw(1e-2), comm=comm, precision=precision)
+        state = step.init(params)
+        losses = []
+        for _ in range(3):
+            state, metrics = step(state, x)  # float32 input, bf16 params
+            losses.append(metrics["loss"])
+        return losses
+
+    want = ops.spawn(lambda c: run(c, None), 2)[0]
+    for precision in (shard.Precision(param_dtype=torch.bfloat16), shard.Precision("bf16")):
+        got = ops.spawn(lambda c, p=precision: run(c, p), 2)[0]
+        np.testing.assert_allclose(got, want, rtol=3e-2)
+    with pytest.raises(TypeError, match="param_dtype must be"):
+        shard.Precision(param_dtype=torch.int32)
