@@ -41,6 +41,8 @@ Args:
   units: how leaves group into units: None (top-level subtrees), a depth, or a
     function from a leaf's key path to its unit key.
   precision: a :class:`shard.Precision` (e.g. bf16 params, fp32 reduction).
+    Default: the params' own dtype, so bfloat16 or float16 params compute in
+    it, with float32 masters and moments (params mixing dtypes must say).
   clip_norm: clip gradients to this global norm (computed across all shards).
   loss_scale: a :class:`shard.LossScale` for dynamic float16 loss scaling.
   prefetch: how many units ahead to all-gather at stage 3.

@@ -111,7 +111,7 @@ class ZeroStep:
             units = getattr(loss_fn, "units", None) if self.kind == "provider" else None
         self.stage, self.optimizer, self.comm = stage, optimizer, comm
         self.specs, self.units = specs, units
-        self.precision = precision or Precision()
+        self.precision = self._precision_arg = precision or Precision()
         self.clip_norm, self.loss_scale, self.prefetch = clip_norm, loss_scale, prefetch
         self.layout: Layout | None = None
         self.master_dtype = np.dtype(np.float32)
@@ -159,8 +159,15 @@ class ZeroStep:
                 raise TypeError(f"{fn}: params{leaf.path} is {leaf.dtype}; ZeRO trains "
                                 "floating-point params (float16, bfloat16, float32, float64): "
                                 "keep integer, boolean and complex state out of params")
+        precision = self._precision_arg
+        dtypes = sorted({leaf.dtype for leaf in layout.leaves})
+        if precision.param_dtype is None and {"float16", "bfloat16"} & set(dtypes):
+            if len(dtypes) > 1:  # 16-bit params: compute in their dtype, if they agree
+                raise ValueError(f"{fn}: the params mix dtypes {dtypes}; say which one the loss "
+                                 "computes in: precision=shard.Precision(param_dtype=...)")
+            precision = Precision(param_dtype=dtypes[0], reduce_dtype=precision.reduce_dtype)
         master_dtype = master_dtype_of(layout)
-        if master_dtype == np.float64 and self.precision.param_dtype not in (
+        if master_dtype == np.float64 and precision.param_dtype not in (
                 None, np.dtype(np.float64)):
             raise NotImplementedError(f"{fn}: float64 params keep float64 masters, which mixed "
                                       "precision does not support; give float32 params or drop "
@@ -171,7 +178,7 @@ class ZeroStep:
                              f"({[u.name for u in layout.units]}); give one layer per unit")
         self._agree_on_layout(layout)
         self.device = device or self.device
-        self.layout, self.master_dtype = layout, master_dtype
+        self.layout, self.master_dtype, self.precision = layout, master_dtype, precision
         self.full_layout = make_layout(params, self.specs, world_size=1, units=self.units)
 
     @staticmethod

@@ -232,3 +232,25 @@ def test_bf16_precision_casts_a_torch_modules_inputs(stage):
         np.testing.assert_allclose(got, want, rtol=3e-2)
     with pytest.raises(TypeError, match="param_dtype must be"):
         shard.Precision(param_dtype=torch.int32)
+
+
+def test_16_bit_params_compute_in_their_dtype_with_fp32_masters():
+    import jax.numpy as jnp
+
+    from ops import BF16
+
+    seen = []
+
+    def loss(p, b):
+        seen.append(p["w"].dtype)
+        return jnp.sum(p["w"].astype(jnp.float32) ** 2)
+
+    step = shard.zero2(loss, optimizer=ops.adamw(1e-2), comm=one_comm())
+    state = step.init({"w": np.ones((4, 2), BF16)})
+    state, metrics = step(state, None)
+    assert seen == [jnp.bfloat16] and metrics["loss"] == 8.0
+    assert state.meta.compute_dtype == "bfloat16" and state.meta.master_dtype == "float32"
+    with pytest.raises(ValueError, match=r"mix dtypes \['bfloat16', 'float32'\]"):
+        step.init({"w": np.ones(2, BF16), "b": np.ones(2, np.float32)})
+    state = step.init({"w": np.ones(3, np.float32)})  # fp32 params again: fp32 compute
+    assert state.meta.compute_dtype == "float32"
