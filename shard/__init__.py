@@ -7,6 +7,7 @@ function transforms: ``step = shard.zero3(loss_fn, optimizer=..., comm=...)``,
 
 from ops import init_from_env, spawn
 from shard._checkpoint import CheckpointError, load, save
+from shard._deepspeed import DeepSpeedConfig, from_deepspeed_config
 from shard._gather import MicroBatches, gather, split_batch
 from shard._layout import Layout, make_layout, partition, unpartition
 from shard._loss import Layered
@@ -21,6 +22,7 @@ from shard._zero import ZeroStep
 __all__ = [
     "Breakdown",
     "CheckpointError",
+    "DeepSpeedConfig",
     "DonatedStateError",
     "Layered",
     "Layout",
@@ -32,6 +34,7 @@ __all__ = [
     "TrainState",
     "ZeroStep",
     "estimate_memory",
+    "from_deepspeed_config",
     "from_partition_spec",
     "gather",
     "init_from_env",

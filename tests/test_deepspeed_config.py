@@ -1,0 +1,138 @@
+"""shard.from_deepspeed_config: each supported key, and unsupported ones named."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+import ops
+import shard
+from ops import BF16
+
+
+def cfg(**kw):
+    return shard.from_deepspeed_config(kw)
+
+
+def one_step(opt):
+    params = {"w": np.full(4, 2.0, np.float32)}
+    state = opt.init(params)
+    new, _ = opt.update({"w": np.full(4, 0.5, np.float32)}, state, params)
+    return new["w"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stage_picks_the_transform(stage):
+    c = cfg(zero_optimization={"stage": stage, "overlap_comm": True})
+    step = c.transform(lambda p, b: 0.0, comm=ops.spawn(lambda x: x, 1)[0])
+    assert c.stage == stage and step.stage == stage and step.name == f"zero{stage}"
+
+
+def test_fp16_maps_to_float16_and_a_loss_scale():
+    c = cfg(fp16={"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500,
+                  "hysteresis": 1})
+    assert c.precision.param_dtype == np.float16 and c.precision.reduce_dtype == np.float32
+    assert c.loss_scale == shard.LossScale(initial=2.0**12, growth_interval=500)
+
+
+def test_bf16_and_clipping():
+    c = cfg(bf16={"enabled": True}, gradient_clipping=0.5)
+    assert c.precision.param_dtype == BF16 and c.loss_scale is None and c.clip_norm == 0.5
+    assert cfg(gradient_clipping=0.0).clip_norm is None
+
+
+def test_batch_sizes_are_checked_against_the_world_size():
+    c = cfg(train_batch_size=32, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4)
+    assert c.gradient_accumulation_steps == 4
+    c.transform(lambda p, b: 0.0, comm=ops.spawn(lambda x: x, 2)[0])  # 4 x 4 x 2 = 32
+    with pytest.raises(ValueError, match=r"train_batch_size 32 != .* x world size 1"):
+        c.transform(lambda p, b: 0.0, comm=ops.spawn(lambda x: x, 1)[0])
+
+
+@pytest.mark.parametrize("kind, mode, want", [
+    ("AdamW", None, ops.adamw), ("Adam", None, ops.adamw), ("Adam", False, ops.adam)])
+def test_optimizer_types_and_params(kind, mode, want):
+    params = {"lr": 0.1, "betas": [0.8, 0.99], "eps": 1e-6, "weight_decay": 0.2}
+    if mode is not None:
+        params["adam_w_mode"] = mode
+    c = cfg(optimizer={"type": kind, "params": params})
+    np.testing.assert_array_equal(one_step(c.optimizer),
+                                  one_step(want(0.1, 0.8, 0.99, 1e-6, 0.2)))
+
+
+def ds_warmup(it, lo, hi, warmup, linear):
+    if it < 0:
+        return lo
+    warmup = max(2, warmup)
+    if it < warmup:
+        return lo + (hi - lo) * (it / warmup if linear else math.log(it + 1) / math.log(warmup))
+    return hi
+
+
+@pytest.mark.parametrize("linear", [False, True])
+def test_warmup_lr_follows_deepspeeds_iterations(linear):
+    c = cfg(optimizer={"type": "AdamW", "params": {"lr": 1e-3}},
+            scheduler={"type": "WarmupLR", "params": {
+                "warmup_min_lr": 1e-5, "warmup_max_lr": 1e-3, "warmup_num_steps": 10,
+                "warmup_type": "linear" if linear else "log"}})
+    got = [c.optimizer.learning_rate(n) for n in range(15)]
+    want = [ds_warmup(n - 1, 1e-5, 1e-3, 10, linear) for n in range(15)]
+    np.testing.assert_allclose(got, want, rtol=1e-12)
+    assert got[0] == 1e-5 and got[-1] == 1e-3
+
+
+def test_warmup_decay_and_cosine_schedules():
+    decay = cfg(scheduler={"type": "WarmupDecayLR", "params": {
+        "total_num_steps": 20, "warmup_max_lr": 0.1, "warmup_num_steps": 5,
+        "warmup_type": "linear"}})
+    lr = decay.optimizer.learning_rate
+    assert lr(0) == 0.0 and lr(3) == pytest.approx(0.1 * 2 / 5)
+    assert lr(6) == pytest.approx(0.1 * (20 - 5) / 15) and lr(21) == 0.0
+    cosine = cfg(optimizer={"type": "AdamW", "params": {"lr": 0.2}},
+                 scheduler={"type": "WarmupCosineLR", "params": {
+                     "total_num_steps": 12, "warmup_num_steps": 2, "cos_min_ratio": 0.1}})
+    lr = cosine.optimizer.learning_rate
+    assert lr(0) == 0.0 and lr(1) == 0.0  # log warm-up: log(1) = 0
+    assert lr(3) == pytest.approx(0.2 * (0.1 + 0.9 * (1 + math.cos(math.pi * 0.1)) / 2))
+    assert lr(100) == pytest.approx(0.2 * 0.1)
+
+
+def test_schedules_match_deepspeed_itself():
+    deepspeed = pytest.importorskip("deepspeed.runtime.lr_schedules")
+    torch = pytest.importorskip("torch")
+    for sched in ({"type": "WarmupLR", "params": {"warmup_min_lr": 1e-4, "warmup_max_lr": 1e-2,
+                                                  "warmup_num_steps": 7}},
+                  {"type": "WarmupDecayLR", "params": {"total_num_steps": 30,
+                                                       "warmup_num_steps": 7,
+                                                       "warmup_type": "linear"}},
+                  {"type": "WarmupCosineLR", "params": {"total_num_steps": 30,
+                                                        "warmup_num_steps": 7}}):
+        c = cfg(optimizer={"type": "AdamW", "params": {"lr": 3e-3}}, scheduler=json.loads(
+            json.dumps(sched)))
+        opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
+        ds = getattr(deepspeed, sched["type"])(opt, **sched["params"])
+        want = []
+        for _ in range(35):
+            want.append(opt.param_groups[0]["lr"])
+            ds.step()
+        got = [c.optimizer.learning_rate(n) for n in range(35)]
+        np.testing.assert_allclose(got, want, rtol=1e-9, err_msg=sched["type"])
+
+
+def test_unsupported_keys_are_named_or_warned(tmp_path, caplog):
+    bad = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+           "fp16": {"enabled": True, "hysteresis": 2}, "steps_per_print": 10,
+           "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
+           "scheduler": {"type": "OneCycle", "params": {}}}
+    with pytest.raises(ValueError) as e:
+        shard.from_deepspeed_config(bad)
+    for name in ("zero_optimization.offload_optimizer", "fp16.hysteresis", "steps_per_print",
+                 "optimizer.type='Lamb'", "scheduler.type='OneCycle'"):
+        assert name in str(e.value), name
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(bad))
+    c = shard.from_deepspeed_config(path, unsupported="warn")
+    assert c.stage == 2 and "steps_per_print" in caplog.text
