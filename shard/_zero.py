@@ -59,7 +59,7 @@ import numpy as np
 
 import ops
 import ops._tree
-from ops import HOST, AdamState, Communicator, Device, FusedAdam
+from ops import HOST, Communicator, Device, FusedAdam
 from ops._collectives import all_gather_host
 from ops._dlpack import jax_view
 from shard._gather import MicroBatches
@@ -78,6 +78,7 @@ from shard._profile import timed
 from shard._runtime import GradReducer, LiveBytes
 from shard._runtime import Units as UnitParams
 from shard._state import StateMeta, TrainState
+from shard._update import UpdatePhase
 
 __all__ = ["ZeroStep"]
 
@@ -85,7 +86,7 @@ log = logging.getLogger(__name__)
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-class ZeroStep:
+class ZeroStep(UpdatePhase):
     """A ZeRO train step; build it with :func:`zero0` ... :func:`zero3`."""
 
     def __init__(self, loss_fn: Any, *, stage: int, optimizer: FusedAdam, comm: Communicator,
@@ -389,56 +390,3 @@ class ZeroStep:
         for u in reversed(range(n)):
             reducer.add(u, [flat[i] for i in self.layout.units[u].leaves])
         return loss
-
-    # -- norm, optimizer, refresh ---------------------------------------------------------
-    def _norm_and_loss(self, shards: list[Any], totals: Any) -> None:
-        """``totals`` (on the device) becomes [global sum of squares of the summed
-        gradients, sum of the micro-batch losses over ranks]: one all-reduce."""
-        sharded, replicated = [], []
-        for unit, g in zip(self.layout.units, shards, strict=True):
-            if unit.sharded_size:
-                sharded.append(g[:unit.sharded_size])
-            if unit.replicated_size:
-                replicated.append(g[unit.sharded_size:])
-        if self.stage == 0:  # everything is whole (and the same) on every rank
-            replicated, sharded = sharded + replicated, []
-        if sharded:
-            ops.sum_of_squares(sharded, out=totals[0:1])
-        self._fast.all_reduce_(totals, "sum")
-        if replicated:
-            totals[0:1] += ops.sum_of_squares(replicated)
-
-    def _apply(self, state: TrainState, shards: list[Any], grad_scale: float,
-               grad_sumsq: Any) -> None:
-        """The optimizer on every unit's shard (the gradients are finite, or not
-        checked), then stages 1-2's all-gather of the new compute params."""
-        copies = self._copies(state)
-        opt = AdamState(state.step, state.exp_avg, state.exp_avg_sq)
-        with timed("optimizer"):
-            self.optimizer.apply(tuple(shards), opt, state.master, grad_scale=grad_scale,
-                                 grad_sumsq=grad_sumsq, max_norm=self.clip_norm,
-                                 param_copies=copies, finite=True)
-        self._refresh(state, copies)
-
-    def _copies(self, state: TrainState) -> tuple | None:
-        """Buffers the optimizer writes the new compute-dtype params into, if any."""
-        if state.meta.compute_dtype == state.meta.master_dtype or not state.compute:
-            return None
-        if self.stage in (0, 3):
-            return state.compute
-        return tuple(self.device.empty(u.local_size, state.compute[0].dtype)
-                     for u in self.layout.units)
-
-    def _refresh(self, state: TrainState, copies: tuple | None) -> None:
-        """Stages 1-2: all-gather the updated shards into the whole compute params."""
-        if self.stage not in (1, 2):
-            return
-        src = copies or state.master
-        views = self.full_layout.local_views(list(state.compute))
-        for u, unit in enumerate(self.layout.units):
-            gathered = self.device.empty(unit.sharded_size * self.comm.world_size, src[u].dtype)
-            if unit.sharded_size:
-                with timed("all_gather_wait"):
-                    self._fast.all_gather_into(gathered, src[u][:unit.sharded_size])
-            for i in unit.leaves:
-                self.layout.copy_gathered_leaf(self.layout.leaves[i], gathered, src[u], views[i])
