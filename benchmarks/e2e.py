@@ -33,7 +33,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SIZES = {"23m": dict(layers=6, d=512, heads=8), "91m": dict(layers=12, d=768, heads=12)}
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/gpu.py: the model
+SIZES = {"23m": dict(layers=6, d=512, heads=8), "91m": dict(layers=12, d=768, heads=12),
+         "tiny": dict(layers=2, d=32, heads=2)}  # tiny: the benchmark's own check
 VOCAB, SEQ, BATCH, LR, WD = 4096, 128, 8, 1e-4, 0.01
 PEERS = ("ddp", "fsdp2", "deepspeed")
 OURS = ("zero0", "zero1", "zero2", "zero3", "zero3-recompute", "zero3-threads")
@@ -41,41 +43,11 @@ MODES = PEERS + OURS
 
 
 def gpt(layers: int, d: int, heads: int):
-    import torch
-    import torch.nn.functional as F
-    from torch import nn
+    """The GPT of benchmarks/gpu.py (the peers' harness architecture), at CPU sizes."""
+    from gpu import Shape, build_model
 
-    class Block(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-            self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            b, t, _ = x.shape
-            q, k, v = (z.view(b, t, heads, d // heads).transpose(1, 2)
-                       for z in self.qkv(self.ln1(x)).split(d, dim=2))
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
-            return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-    class GPT(nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            self.tok, self.pos = nn.Embedding(VOCAB, d), nn.Embedding(SEQ, d)
-            self.blocks = nn.ModuleList(Block() for _ in range(layers))
-            self.ln_f = nn.LayerNorm(d)
-            self.head = nn.Linear(d, VOCAB, bias=False)
-
-        def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            x = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
-            for block in self.blocks:
-                x = block(x)
-            return self.head(self.ln_f(x))
-
-    torch.manual_seed(0)
-    return GPT()
+    return build_model(Shape(vocab=VOCAB, seq=SEQ, d=d, layers=layers, heads=heads,
+                             batch=BATCH))
 
 
 def lm_loss(model, batch):
