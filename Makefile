@@ -6,11 +6,13 @@ STAMP := $(VENV)/.zeroshard-installed
 .PHONY: demo test bench lint clean
 
 $(STAMP): pyproject.toml
+	@echo "== setting up $(VENV): torch 2.13.0 (CPU), JAX, CuPy and the test tools (a few minutes the first time)"
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,cuda]'
+	$(PY) -m pip install --progress-bar on torch==2.13.0
+	$(PY) -m pip install --progress-bar on -e '.[dev,cuda]'
 	touch $(STAMP)
+	@echo "== $(VENV) is ready"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
