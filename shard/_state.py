@@ -96,22 +96,41 @@ class TrainState:
         return {"params": size(self.master), "optimizer": size(self.exp_avg + self.exp_avg_sq),
                 "compute_params": size(self.compute)}
 
+    def padding(self) -> list[int]:
+        """Per unit, the elements of this rank's shard that are padding rows (a
+        Shard(0) leaf whose rows do not divide by the world size)."""
+        layout, rank = self.meta.layout, (self.meta.rank if self.meta.stage else 0)
+        out = [0] * len(layout.units)
+        for leaf in layout.leaves:
+            if leaf.sharded:
+                mine = max(0, min(leaf.rows_per_rank, leaf.rows - rank * leaf.rows_per_rank))
+                out[leaf.unit] += (leaf.rows_per_rank - mine) * leaf.row_size
+        return out
+
     def describe(self) -> str:
-        """A table of what this rank holds: units, sizes and bytes by kind."""
+        """A table of what this rank holds: units, sizes (with padding) and bytes."""
         m = self.meta
-        lines = [f"TrainState: stage {m.stage}, rank {m.rank} of {m.layout.world_size}, step "
-                 f"{int(self.step)}, master {m.master_dtype}, compute {m.compute_dtype}, "
-                 f"on {m.device}"]
-        lines.append(f"  {'unit':<28}{'leaves':>7}{'local elems':>14}{'sharded':>10}")
-        for u in m.layout.units:
-            lines.append(f"  {u.name[:28]:<28}{len(u.leaves):>7}{u.local_size:>14,}"
-                         f"{u.sharded_size:>10,}")
+        lines = [repr(self)]
+        lines.append(f"  {'unit':<28}{'leaves':>7}{'elements':>10}{'sharded':>10}{'padding':>9}")
+        for u, pad in zip(m.layout.units, self.padding(), strict=True):
+            lines.append(f"  {u.name[:28]:<28}{len(u.leaves):>7}{_count(u.local_size):>10}"
+                         f"{_count(u.sharded_size):>10}{_count(pad):>9}")
         total = 0
         for kind, n in self.nbytes().items():
-            lines.append(f"  {kind:<20}{n / 2**20:>12.2f} MiB")
+            lines.append(f"  {kind:<20}{_bytes(n):>12}")
             total += n
-        lines.append(f"  {'total':<20}{total / 2**20:>12.2f} MiB")
+        lines.append(f"  {'total':<20}{_bytes(total):>12}")
         return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        m = self.meta
+        if not self._live[0]:
+            return f"TrainState(donated; stage {m.stage}, rank {m.rank})"
+        here = m.layout.local_size()
+        return (f"TrainState(stage {m.stage}, rank {m.rank} of {m.layout.world_size}, step "
+                f"{int(self.step)}, {len(m.layout.units)} units, {_count(here)} elements here, "
+                f"{_bytes(sum(self.nbytes().values()))}, {m.master_dtype} masters, "
+                f"{m.compute_dtype} compute, on {m.device})")
 
     # -- donation -----------------------------------------------------------
     def check_live(self) -> None:
@@ -126,6 +145,21 @@ class TrainState:
 
     def replace(self, **changes: Any) -> TrainState:
         return dataclasses.replace(self, _live=[True], **changes)
+
+
+def _count(n: int) -> str:
+    """1234567 -> '1.23M'."""
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
+
+
+def _bytes(n: int) -> str:
+    for div, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"
 
 
 def _flatten(s: TrainState) -> tuple[tuple, StateMeta]:

@@ -254,3 +254,21 @@ def test_16_bit_params_compute_in_their_dtype_with_fp32_masters():
         step.init({"w": np.ones(2, BF16), "b": np.ones(2, np.float32)})
     state = step.init({"w": np.ones(3, np.float32)})  # fp32 params again: fp32 compute
     assert state.meta.compute_dtype == "float32"
+
+
+def test_train_state_repr_is_short_and_describe_shows_padding():
+    import jax.numpy as jnp
+
+    def run(comm):
+        step = shard.zero3(lambda p, b: jnp.sum(p["w"] ** 2), optimizer=ops.adamw(1e-3),
+                           comm=comm)
+        state = step.init({"w": np.ones((7, 300), np.float32), "b": np.ones(5, np.float32)})
+        text = (repr(state), state.describe(), state.padding())
+        step(state, None)
+        return (*text, repr(state))
+
+    short, table, padding, donated = ops.spawn(run, 2)[1]
+    assert len(short) < 200 and "rank 1 of 2" in short and "14.1 KiB" in short
+    assert padding == [1, 300]  # rank 1 holds rows 4-6 of w's 7 (and 1 padding row) and of b
+    assert "padding" in table and table.splitlines()[3].split()[-1] == "300"
+    assert donated.startswith("TrainState(donated")

@@ -127,7 +127,7 @@ def test_specs_prefixes_and_partition_specs():
                                                  world_size=comm.world_size))
         assert state.params[1]["b"].shape == (3,)  # replicated: whole on every rank
         assert state.params[0]["w"].shape == (4, 5)  # ceil(7 / 2) rows
-        return "TrainState: stage 2" in state.describe()
+        return "TrainState(stage 2" in state.describe()
 
     assert ops.spawn(run, 2) == [True, True]
 
