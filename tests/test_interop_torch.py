@@ -304,3 +304,40 @@ def test_a_module_trained_at_stage_3_says_how_to_get_its_params_back():
         model(torch.ones(1, 4))
     it.load_state(model, state, comm=comm)
     assert model(torch.ones(1, 4)).shape == (1, 2)
+
+
+def test_state_dict_has_tied_names_and_rank_0s_buffers_for_a_strict_load():
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Linear(5, 6, bias=False)
+            self.norm = torch.nn.BatchNorm1d(6)
+            self.head = torch.nn.Linear(6, 5, bias=False)
+            self.back = torch.nn.Linear(5, 6, bias=False)
+            self.back.weight = self.emb.weight  # tied across units
+
+        def forward(self, x):
+            return self.back(self.head(self.norm(self.emb(x))))
+
+    model = built(Net)
+
+    def run(comm):
+        net = copy.deepcopy(model)
+        params, fn = it.functional(net, loss=lambda m, b: m(b).pow(2).mean())
+        step = shard.zero3(fn, optimizer=ops.adamw(LR), comm=comm)
+        state = step.init(params)
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(comm.rank))
+        state, _ = step(state, x)  # each rank's BatchNorm sees its own batch
+        local_mean = net.norm.running_mean.clone()
+        return it.state_dict(net, state, comm=comm), local_mean, shard.gather(state, comm)
+
+    results = ops.spawn(run, 2)
+    (sd0, mean0, whole), (sd1, mean1, _) = results
+    assert not torch.equal(mean0, mean1)  # the ranks' statistics differ ...
+    for k in sd0:  # ... and both dicts hold rank 0's
+        assert torch.equal(sd0[k], sd1[k]), k
+    assert torch.equal(sd0["norm.running_mean"], mean0)
+    assert "back.weight" in sd0 and torch.equal(sd0["back.weight"], sd0["emb.weight"])
+    np.testing.assert_array_equal(sd0["head.weight"].numpy(), whole["head.weight"])
+    fresh = Net()
+    fresh.load_state_dict(sd0, strict=True)
