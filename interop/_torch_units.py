@@ -42,12 +42,7 @@ class UnitHooks:
         """One micro-batch, unit by unit (see [Note: torch ZeRO-3]). At stages 0-2
         the params stay bound and each unit's gradients still go to the reducer
         as soon as they are complete, so their reduction overlaps the backward."""
-        layout = units.layout
-        index = {u.name: i for i, u in enumerate(layout.units)}
-        names = [path[0].key for path, _ in tree_util().tree_flatten_with_path(
-            layout.treedef.unflatten(list(range(len(layout.leaves)))))[0]]
-        members = {i: [names[j] for j in u.leaves] for i, u in enumerate(layout.units)}
-        order = [index[key] for key, _ in self.unit_modules if key in index]
+        index, order, members = self._plan(units.layout)
         self._active = _Step(units, reducer, index, order, members)
         self._active.gathering = units.stage == 3
         self._set_compute_dtype(_torch_dtype(units.local[0].dtype if units.stage == 3
@@ -79,6 +74,20 @@ class UnitHooks:
             self._compute_dtype = None
             self._sharded = gathering
         return out.detach()
+
+    def _plan(self, layout: Any) -> tuple[dict[str, int], list[int], dict[int, list[str]]]:
+        """Unit indices by key, the units in forward order, and each unit's param
+        names: worked out once per layout, not per step."""
+        cached = getattr(self, "_plan_cache", None)
+        if cached is not None and cached[0] is layout:
+            return cached[1]
+        index = {u.name: i for i, u in enumerate(layout.units)}
+        names = [path[0].key for path, _ in tree_util().tree_flatten_with_path(
+            layout.treedef.unflatten(list(range(len(layout.leaves)))))[0]]
+        members = {i: [names[j] for j in u.leaves] for i, u in enumerate(layout.units)}
+        order = [index[key] for key, _ in self.unit_modules if key in index]
+        self._plan_cache = (layout, (index, order, members))
+        return index, order, members
 
     def _install(self) -> None:
         if self._installed:
