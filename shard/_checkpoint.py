@@ -260,11 +260,12 @@ def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
         nothing is loaded in that case, and the step is left as it was.
     """
     path, manifest = read_manifest(path)
-    before = (step.layout, step.full_layout, step.master_dtype, step.device)
+    before = (step.layout, step.full_layout, step.master_dtype, step.device, step.precision)
     try:  # a checkpoint that does not fit leaves the step as it was
         return _load(path, manifest, step, comm, like, device)
     except BaseException:
-        step.layout, step.full_layout, step.master_dtype, step.device = before
+        (step.layout, step.full_layout, step.master_dtype, step.device,
+         step.precision) = before
         raise
 
 

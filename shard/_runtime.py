@@ -97,9 +97,8 @@ class Units:
         """Block until ``nbytes`` more fit in ``1 + prefetch`` units (see the Note)."""
         if not self.bounded:
             return
-        limit = self.pinned_bytes + self._unit_bytes * (1 + self.prefetch)
         deadline = time.monotonic() + RELEASE_WAIT
-        while self.tracker.live + nbytes > limit:
+        while not self._fits(nbytes):
             if time.monotonic() > deadline:
                 if not self._warned:
                     log.warning("full unit params are still referenced %.2f s after use (held "
@@ -110,6 +109,7 @@ class Units:
             time.sleep(2e-5)
 
     def _fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit in ``1 + prefetch`` units beyond the pinned ones."""
         limit = self.pinned_bytes + self._unit_bytes * (1 + self.prefetch)
         return not self.bounded or self.tracker.live + nbytes <= limit
 

@@ -45,8 +45,10 @@ class UpdatePhase:
 
     def _apply(self, state: TrainState, shards: list[Any], grad_scale: float,
                grad_sumsq: Any) -> None:
-        """The optimizer on every unit's shard (the gradients are finite, or not
-        checked), then stages 1-2's all-gather of the new compute params."""
+        """The optimizer on every unit's shard, then stages 1-2's all-gather of the
+        new compute params. With ``grad_sumsq`` (a device array) the kernel clips
+        by it and skips the update where it is not finite, reading it on the
+        device (see [Note: non-finite gradients])."""
         copies = self._copies(state)
         opt = AdamState(state.step, state.exp_avg, state.exp_avg_sq)
         with timed("optimizer"):
