@@ -109,7 +109,17 @@ def test_schedules_match_deepspeed_itself():
                                                        "warmup_num_steps": 7,
                                                        "warmup_type": "linear"}},
                   {"type": "WarmupCosineLR", "params": {"total_num_steps": 30,
-                                                        "warmup_num_steps": 7}}):
+                                                        "warmup_num_steps": 7}},
+                  {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2,
+                                                  "cycle_first_step_size": 6,
+                                                  "cycle_second_step_size": 9,
+                                                  "decay_lr_rate": 0.5, "decay_step_size": 4,
+                                                  "cycle_momentum": False}},
+                  {"type": "OneCycle", "params": {"cycle_min_lr": 1e-4, "cycle_max_lr": 1e-2,
+                                                  "cycle_first_step_size": 8,
+                                                  "cycle_first_stair_count": 4,
+                                                  "cycle_second_stair_count": 2,
+                                                  "cycle_momentum": False}}):
         c = cfg(optimizer={"type": "AdamW", "params": {"lr": 3e-3}}, scheduler=json.loads(
             json.dumps(sched)))
         opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=3e-3)
@@ -122,15 +132,29 @@ def test_schedules_match_deepspeed_itself():
         np.testing.assert_allclose(got, want, rtol=1e-9, err_msg=sched["type"])
 
 
+def test_one_cycle_lr_and_its_momentum_cycling():
+    params = {"cycle_min_lr": 0.01, "cycle_max_lr": 0.1, "cycle_first_step_size": 4,
+              "decay_lr_rate": 1.0, "decay_step_size": 2, "cycle_momentum": False}
+    lr = cfg(scheduler={"type": "OneCycle", "params": params}).optimizer.learning_rate
+    assert lr(0) == 0.01 and lr(1) == pytest.approx(0.01 + 0.09 / 4)
+    assert lr(4) == pytest.approx(0.1) and lr(8) == pytest.approx(0.01)
+    assert lr(9) == pytest.approx(0.01 / 1.5) and lr(11) == pytest.approx(0.01 / 2.5)
+    with pytest.raises(ValueError, match="cycle_momentum"):  # DeepSpeed's default: true
+        cfg(scheduler={"type": "OneCycle", "params": {"cycle_min_lr": 0.01,
+                                                      "cycle_max_lr": 0.1}})
+    with pytest.raises(ValueError, match="cycle_min_lr and cycle_max_lr"):
+        cfg(scheduler={"type": "OneCycle", "params": {"cycle_momentum": False}})
+
+
 def test_unsupported_keys_are_named_or_warned(tmp_path, caplog):
     bad = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
            "fp16": {"enabled": True, "hysteresis": 2}, "steps_per_print": 10,
            "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
-           "scheduler": {"type": "OneCycle", "params": {}}}
+           "scheduler": {"type": "CyclicLR", "params": {}}}
     with pytest.raises(ValueError) as e:
         shard.from_deepspeed_config(bad)
     for name in ("zero_optimization.offload_optimizer", "fp16.hysteresis", "steps_per_print",
-                 "optimizer.type='Lamb'", "scheduler.type='OneCycle'"):
+                 "optimizer.type='Lamb'", "scheduler.type='CyclicLR'"):
         assert name in str(e.value), name
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(bad))
