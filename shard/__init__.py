@@ -12,6 +12,7 @@ from shard._gather import MicroBatches, gather, split_batch
 from shard._layout import Layout, make_layout, partition, unpartition
 from shard._loss import Layered
 from shard._memory import estimate_memory
+from shard._monitor import CSVLogger, TensorBoardLogger
 from shard._policy import LossScale, Precision
 from shard._profile import Breakdown, profile
 from shard._specs import Replicate, Shard, from_partition_spec, to_partition_spec
@@ -21,6 +22,7 @@ from shard._zero import ZeroStep
 
 __all__ = [
     "Breakdown",
+    "CSVLogger",
     "CheckpointError",
     "DeepSpeedConfig",
     "DonatedStateError",
@@ -31,6 +33,7 @@ __all__ = [
     "Precision",
     "Replicate",
     "Shard",
+    "TensorBoardLogger",
     "TrainState",
     "ZeroStep",
     "estimate_memory",

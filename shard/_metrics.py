@@ -13,10 +13,12 @@ __all__ = ["StepMetrics"]
 class StepMetrics(Mapping):
     """The metrics of one step: a read-only mapping.
 
-    Values the host already knows (``lr``, ``loss_scale``, ``skipped``) are there
-    at once. ``loss`` and ``grad_norm`` come from a small device array that is
-    copied to the host at the first look at any of them, in one read: a step on
-    a GPU whose metrics nobody reads synchronises with the device not at all.
+    Values the host already knows (``lr``, ``loss_scale``, ``skipped``,
+    ``time_ms``: the step's time split, see [Note: step profile], and
+    ``tokens_per_s`` when the step was told its ``tokens``) are there at once.
+    ``loss`` and ``grad_norm`` come from a small device array that is copied to
+    the host at the first look at any of them, in one read: a step on a GPU
+    whose metrics nobody reads synchronises with the device not at all.
     """
 
     def __init__(self, known: dict[str, Any], pending: Any = None,
@@ -24,6 +26,10 @@ class StepMetrics(Mapping):
                  to_host: Callable[[Any], np.ndarray] | None = None) -> None:
         self._known = dict(known)
         self._pending, self._finish, self._to_host = pending, finish, to_host
+
+    def add(self, **values: Any) -> None:
+        """Values the host knows, added after the step (its times)."""
+        self._known.update(values)
 
     def _resolve(self) -> None:
         if self._pending is not None:

@@ -16,9 +16,11 @@ step's time:
 - ``library``: everything else the step does in Python: copies in and out of
   the flat buffers, binding parameters, hooks, bookkeeping.
 
-Timers are thread-local (thread ranks profile separately), nest (a region's
-time excludes the regions timed inside it), and cost one attribute lookup when
-no profile is active.
+Timers are thread-local (thread ranks profile separately) and nest (a
+region's time excludes the regions timed inside it). Every step also times
+itself alone (:func:`step_breakdown`): ``metrics["time_ms"]`` is that step's
+split, and an enclosing ``profile`` block adds it to its totals. The times are
+the host's: on a GPU, kernels the host has only queued are not waited for.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["CATEGORIES", "Breakdown", "profile", "timed"]
+__all__ = ["CATEGORIES", "Breakdown", "profile", "step_breakdown", "timed"]
 
 CATEGORIES = ("forward", "backward", "compute", "all_gather_wait", "reduce_wait", "optimizer",
               "library")
@@ -51,6 +53,11 @@ class Breakdown:
 
     def total_ms(self) -> float:
         return sum(self.ms_per_step().values())
+
+    def split_ms(self) -> dict[str, float]:
+        """``{"step": total, category: ms, ...}`` per step, every category."""
+        ms = self.ms_per_step()
+        return {"step": sum(ms.values()), **ms}
 
     def table(self) -> str:
         """The non-empty categories as ``ms per step`` and share of the step."""
@@ -85,6 +92,24 @@ def profile() -> Iterator[Breakdown]:
         yield b
     finally:
         _local.breakdown = outer
+
+
+@contextlib.contextmanager
+def step_breakdown() -> Iterator[Breakdown]:
+    """Time one step alone; on exit its times are added to the enclosing
+    :func:`profile`, if any, as if that profile had timed it."""
+    outer = getattr(_local, "breakdown", None)
+    _local.breakdown = b = Breakdown()
+    try:
+        yield b
+    finally:
+        _local.breakdown = outer
+        if outer is not None:
+            for k, v in b.seconds.items():
+                outer.seconds[k] += v
+            outer.steps += b.steps
+            if outer._stack:  # a region timed around the step excludes it
+                outer._stack[-1][1] += sum(b.seconds.values())
 
 
 class timed:

@@ -17,10 +17,10 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
     def transform(loss_fn: Any = None, /, *, optimizer: FusedAdam, comm: Communicator,
                   specs: Any = None, units: Units = None, precision: Precision | None = None,
                   clip_norm: float | None = None, loss_scale: LossScale | None = None,
-                  prefetch: int = 1) -> Any:
+                  prefetch: int = 1, loggers: Any = ()) -> Any:
         kw = dict(stage=stage, optimizer=optimizer, comm=comm, specs=specs, units=units,
                   precision=precision, clip_norm=clip_norm, loss_scale=loss_scale,
-                  prefetch=prefetch)
+                  prefetch=prefetch, loggers=loggers)
         if loss_fn is None:  # used as a decorator with arguments
             return lambda fn: ZeroStep(fn, **kw)
         return ZeroStep(loss_fn, **kw)
@@ -46,15 +46,19 @@ Args:
   clip_norm: clip gradients to this global norm (computed across all shards).
   loss_scale: a :class:`shard.LossScale` for dynamic float16 loss scaling.
   prefetch: how many units ahead to all-gather at stage 3.
+  loggers: callables ``(step, metrics)`` run after every step on rank 0, such
+    as ``shard.CSVLogger(path)`` or ``shard.TensorBoardLogger(log_dir)``.
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then
   ``state, metrics = step(state, batch)``, where ``batch`` is this rank's part
   of the global batch (any pytree: a dict, a tuple or list of arrays...);
   ``step(state, shard.MicroBatches([b1, b2]))`` is one step with gradient
-  accumulation.
+  accumulation; ``step(state, batch, tokens=n)`` adds ``tokens_per_s``.
   metrics: loss (mean over ranks), grad_norm (before clipping), lr,
-  loss_scale, skipped.
+  loss_scale, skipped, time_ms (this rank's step time and its split: forward,
+  backward, all_gather_wait, reduce_wait, optimizer, ...; see
+  ``shard.profile``).
 
 Example:
   >>> import numpy as np, jax.numpy as jnp, ops, shard

@@ -74,7 +74,7 @@ from shard._layout import (
 from shard._loss import JaxLoss, classify
 from shard._metrics import StepMetrics
 from shard._policy import LossScale, Precision
-from shard._profile import timed
+from shard._profile import step_breakdown, timed
 from shard._runtime import GradReducer, LiveBytes
 from shard._runtime import Units as UnitParams
 from shard._state import StateMeta, TrainState
@@ -92,7 +92,7 @@ class ZeroStep(UpdatePhase):
     def __init__(self, loss_fn: Any, *, stage: int, optimizer: FusedAdam, comm: Communicator,
                  specs: Any = None, units: Units = None, precision: Precision | None = None,
                  clip_norm: float | None = None, loss_scale: LossScale | None = None,
-                 prefetch: int = 1) -> None:
+                 prefetch: int = 1, loggers: Any = ()) -> None:
         name = f"zero{stage}"
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3; got {stage!r}")
@@ -106,6 +106,11 @@ class ZeroStep(UpdatePhase):
             raise ValueError(f"{name}: clip_norm must be > 0; got {clip_norm!r}")
         if prefetch < 0:
             raise ValueError(f"{name}: prefetch must be >= 0; got {prefetch}")
+        self.loggers = (loggers,) if callable(loggers) else tuple(loggers or ())
+        for lg in self.loggers:
+            if not callable(lg):
+                raise TypeError(f"{name}: loggers must be callables (step, metrics), such as "
+                                f"shard.CSVLogger; got {type(lg).__name__}")
         self.kind = classify(loss_fn)
         self.loss_fn = JaxLoss(loss_fn) if self.kind == "jax" else loss_fn
         if units is None:  # a loss object may know its model's units (interop.torch does)
@@ -237,9 +242,23 @@ class ZeroStep(UpdatePhase):
         self._fast = self.comm.unchecked()
 
     # -- step -------------------------------------------------------------------
-    def __call__(self, state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
-        with timed("library", step=True):  # see [Note: step profile]
-            return self._step(state, batch)
+    def __call__(self, state: TrainState, batch: Any, *,
+                 tokens: int | None = None) -> tuple[TrainState, StepMetrics]:
+        """One optimizer step. ``tokens``: how many tokens (or samples) this rank's
+        ``batch`` holds, for ``metrics["tokens_per_s"]`` (this rank's rate)."""
+        if tokens is not None and (isinstance(tokens, bool) or not isinstance(
+                tokens, (int, np.integer)) or tokens < 0):
+            raise ValueError(f"{self.name}: tokens must be a count >= 0; got {tokens!r}")
+        with step_breakdown() as b:  # see [Note: step profile]
+            with timed("library", step=True):
+                state, metrics = self._step(state, batch)
+        split = b.split_ms()
+        metrics.add(time_ms=split)
+        if tokens is not None:
+            metrics.add(tokens_per_s=1e3 * int(tokens) / max(split["step"], 1e-9))
+        for logger in self.loggers if self.comm.rank == 0 else ():
+            logger(int(state.step), metrics)
+        return state, metrics
 
     def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
         self._check_state(state)
