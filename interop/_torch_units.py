@@ -37,12 +37,14 @@ class UnitHooks:
     _empties: dict[Any, Any]
     _set_compute_dtype: Any
     _before_forward: Any
+    sync_buffers: Any
 
     def run_units(self, units: Any, reducer: Any, batch: Any, loss_scale: float) -> Any:
         """One micro-batch, unit by unit (see [Note: torch ZeRO-3]). At stages 0-2
         the params stay bound and each unit's gradients still go to the reducer
         as soon as they are complete, so their reduction overlaps the backward."""
         index, order, members = self._plan(units.layout)
+        self.sync_buffers()
         self._active = _Step(units, reducer, index, order, members)
         self._active.gathering = units.stage == 3
         self._set_compute_dtype(_torch_dtype(units.local[0].dtype if units.stage == 3

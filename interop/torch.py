@@ -59,6 +59,7 @@ from typing import Any
 
 import numpy as np
 
+from interop._torch_buffers import BufferState
 from interop._torch_units import ROOT, UnitHooks, _Step
 from ops._device import device_of_or_none
 from ops._dlpack import to_native, torch_view
@@ -87,7 +88,8 @@ def _default_units(module: Any) -> list[tuple[str, Any]]:
 
 def functional(module: Any, *, loss: Callable[[Any, Any], Any],
                units: Sequence[Any] | None = None,
-               activation_checkpointing: bool = False) -> tuple[dict[str, Any], TorchLoss]:
+               activation_checkpointing: bool = False,
+               broadcast_buffers: bool = True) -> tuple[dict[str, Any], TorchLoss]:
     """A module's parameters as a pytree, and a loss the ZeRO transforms train.
 
     Args:
@@ -101,6 +103,9 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
         the backward instead of keeping its activations (less memory, about a
         third more compute), as FSDP2's and DeepSpeed's activation
         checkpointing do.
+      broadcast_buffers: give every rank rank 0's buffers (BatchNorm's running
+        statistics) before each forward, as DDP does (see [Note: torch
+        buffers]); checkpoints keep rank 0's either way.
 
     Returns:
       ``(params, loss_object)``: params is ``{state_dict key: array}`` (numpy
@@ -144,7 +149,8 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
                          "move it to one device first")
     params = {name: to_native(p.data)[0] for name, p in named.items()}
     return params, TorchLoss(module, loss, named, unit_of, unit_modules,
-                             activation_checkpointing=bool(activation_checkpointing))
+                             activation_checkpointing=bool(activation_checkpointing),
+                             broadcast_buffers=bool(broadcast_buffers))
 
 
 def _name_of(root: Any, sub: Any) -> str:
@@ -154,14 +160,17 @@ def _name_of(root: Any, sub: Any) -> str:
     raise ValueError("functional: units must be submodules of the module")
 
 
-class TorchLoss(UnitHooks):
-    """The loss object :func:`functional` returns (see [Note: torch ZeRO-3])."""
+class TorchLoss(UnitHooks, BufferState):
+    """The loss object :func:`functional` returns (see [Note: torch ZeRO-3] and
+    [Note: torch buffers])."""
 
     def __init__(self, module: Any, loss: Callable[[Any, Any], Any], named: dict[str, Any],
                  unit_of: dict[str, str], unit_modules: list[tuple[str, Any]], *,
-                 activation_checkpointing: bool = False) -> None:
+                 activation_checkpointing: bool = False, broadcast_buffers: bool = True) -> None:
         self.module, self.loss, self.named = module, loss, named
         self.activation_checkpointing = activation_checkpointing
+        self.broadcast_buffers = broadcast_buffers
+        self._comm: Any = None
         self.unit_of, self.unit_modules = unit_of, unit_modules
         self._active: _Step | None = None  # set while run_units runs
         self._installed = False
@@ -183,7 +192,7 @@ class TorchLoss(UnitHooks):
                 f"rank {comm.rank} uses it too; every rank needs its own module and loss: "
                 "params, loss = interop.torch.functional(copy.deepcopy(model), loss=...) "
                 "inside the function each rank runs")
-        self._rank = comm.rank
+        self._rank, self._comm = comm.rank, comm
 
     def hooks_usable(self, comm: Any) -> bool:
         """Whether stage 3 may run collectives inside the backward (see the Note)."""
@@ -212,6 +221,7 @@ class TorchLoss(UnitHooks):
         for name, p in self.named.items():
             p.data = torch_view(params[name])
             p.grad = None
+        self.sync_buffers()
         self._install()
         self._set_compute_dtype(next(iter(self.named.values())).dtype)
         try:

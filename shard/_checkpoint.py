@@ -10,6 +10,8 @@ A checkpoint is a directory:
     rank-00000.safetensors   that rank's unit buffers: master/<u>, exp_avg/<u>,
     ...                      exp_avg_sq/<u> (flat float32; see [Note: unit
                              buffers]); stage 0 writes rank 0's only
+    module.safetensors       a torch module's buffers (rank 0's) and, in the
+                             manifest, its tied names ([Note: torch buffers])
 
 A save writes everything into ``<path>.tmp``; once every rank's file is on
 disk (fsync'd) and hashed, rank 0 writes the manifest and renames the
@@ -42,7 +44,7 @@ from shard._layout import Layout, LeafLayout, alloc_units
 from shard._paths import shapes_from_manifest
 from shard._state import TrainState
 
-__all__ = ["CheckpointError", "leaf_names", "load", "read_manifest", "save"]
+__all__ = ["CheckpointError", "leaf_names", "load", "read_manifest", "read_module_file", "save"]
 
 log = logging.getLogger(__name__)
 FORMAT, VERSION = "zeroshard-checkpoint", 1
@@ -95,7 +97,37 @@ def _write_rank_file(state: TrainState, path: Path) -> tuple[str, int]:
     return _sha256(path), path.stat().st_size
 
 
-def _manifest(state: TrainState, files: list[dict], extra: Any) -> dict:
+def _write_module_file(state: TrainState, directory: Path) -> dict | None:
+    """Rank 0's torch buffers and tied names (see [Note: torch buffers])."""
+    if state.meta.module_state is None:
+        return None
+    from safetensors.numpy import save_file
+
+    buffers, aliases = state.meta.module_state()
+    path = directory / "module.safetensors"
+    save_file({k: np.array(v, order="C") for k, v in buffers.items()}, str(path))
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())
+    return {"file": path.name, "sha256": _sha256(path), "bytes": path.stat().st_size,
+            "buffers": sorted(buffers), "aliases": aliases}
+
+
+def read_module_file(path: Path, manifest: dict) -> tuple[dict[str, np.ndarray], dict]:
+    """A checkpoint's module buffers and tied names (empty when it has none)."""
+    entry = manifest.get("module")
+    if not entry:
+        return {}, {}
+    from safetensors.numpy import load_file
+
+    f = path / entry["file"]
+    if not f.exists() or f.stat().st_size != entry["bytes"] or _sha256(f) != entry["sha256"]:
+        raise CheckpointError(f"{f}: missing, truncated or altered (size or SHA-256 differs "
+                              "from the manifest)")
+    return load_file(str(f)), dict(entry["aliases"])
+
+
+def _manifest(state: TrainState, files: list[dict], extra: Any,
+              module: dict | None = None) -> dict:
     m = state.meta
     names = leaf_names(m.layout)
     return {
@@ -109,7 +141,7 @@ def _manifest(state: TrainState, files: list[dict], extra: Any) -> dict:
                    for n, leaf in zip(names, m.layout.leaves, strict=True)],
         "units": [{"name": u.name, "sharded_size": u.sharded_size,
                    "replicated_size": u.replicated_size} for u in m.layout.units],
-        "files": files, "extra": extra,
+        "files": files, "extra": extra, **({"module": module} if module else {}),
     }
 
 
@@ -152,8 +184,9 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
     if comm.rank == 0:
         files = [{"file": f"rank-{r:05d}.safetensors", "sha256": digests[r].tobytes().hex(),
                   "bytes": int(sizes[r])} for r in range(comm.world_size) if sizes[r] > 0]
+        module = _write_module_file(state, tmp)
         manifest = tmp / "manifest.json"
-        manifest.write_text(json.dumps(_manifest(state, files, extra), indent=1))
+        manifest.write_text(json.dumps(_manifest(state, files, extra, module), indent=1))
         with open(manifest, "rb+") as f:
             os.fsync(f.fileno())
         _fsync_dir(tmp)
@@ -314,8 +347,29 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
                             full_leaves=full_leaves, step=manifest["step"],
                             loss_scale=manifest["loss_scale"],
                             good_steps=manifest["good_steps"])
+    _load_module(path, manifest, step)
     comm.barrier()
     return state, manifest.get("extra")
+
+
+def _load_module(path: Path, manifest: dict, step: Any) -> None:
+    """The checkpoint's buffers into the step's torch module, if both have them."""
+    buffers, _ = read_module_file(path, manifest)
+    target = getattr(step.loss_fn, "load_buffers", None)
+    if target is None:
+        if buffers:
+            log.warning("%s: the checkpoint holds module buffers %s, which this step's loss "
+                        "has nowhere to put", path, sorted(buffers)[:5])
+        return
+    if "module" not in manifest:
+        if step.loss_fn.buffers():
+            log.warning("%s: the checkpoint holds no module buffers; the module keeps its own",
+                        path)
+        return
+    try:
+        target(buffers, f"{path}/module.safetensors")
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def _rows_of(leaf: LeafLayout, rank: int) -> tuple[int, int]:

@@ -43,6 +43,10 @@ class StateMeta:
     master_dtype: str
     compute_dtype: str
     device: str = "numpy"  # where every buffer lives (see [Note: devices])
+    # () -> (buffers, tied names) of the torch module the state trains, which
+    # checkpoints keep beside the params (see [Note: torch buffers]); None for
+    # other losses. Not part of the state's identity.
+    module_state: Any = field(default=None, compare=False, hash=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -211,7 +211,8 @@ class ZeroStep(UpdatePhase):
         elif self.stage == 3 and compute_dtype != master_dtype:
             compute = tuple(ops.cast(m, compute_dtype) for m in master)
         meta = StateMeta(self.layout, self.stage, self.comm.rank, self.precision,
-                         str(master_dtype), str(compute_dtype), self.device.name)
+                         str(master_dtype), str(compute_dtype), self.device.name,
+                         getattr(self.loss_fn, "module_state", None))
         if loss_scale is None:
             loss_scale = self.loss_scale.initial if self.loss_scale else 1.0
         return TrainState(tuple(master), tuple(exp_avg), tuple(exp_avg_sq), compute,

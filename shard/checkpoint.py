@@ -5,9 +5,10 @@
 
 ``consolidate`` writes the full fp32 parameters (and with ``--optimizer`` the
 Adam moments, as ``<name>.exp_avg`` / ``<name>.exp_avg_sq``) into one
-safetensors file, named by the leaves' dotted names: for a torch module's params
-these are its state_dict keys, so
-``module.load_state_dict(safetensors.torch.load_file(OUT), strict=False)``
+safetensors file, named by the leaves' dotted names. For a torch module's
+params these are its state_dict keys, and the file also holds its buffers and
+every tied name (see [Note: torch buffers]), so
+``module.load_state_dict(safetensors.torch.load_file(OUT), strict=True)``
 loads it; numpy and JAX read it with ``safetensors.numpy.load_file``.
 """
 
@@ -20,7 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from shard._checkpoint import KINDS, CheckpointError, _Source, _verify_files, read_manifest
+from shard._checkpoint import (
+    KINDS,
+    CheckpointError,
+    _Source,
+    _verify_files,
+    read_manifest,
+    read_module_file,
+)
 
 __all__ = ["consolidate", "inspect", "run"]
 
@@ -45,6 +53,10 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, *,
         for kind in KINDS if optimizer else KINDS[:1]:
             name = entry["name"] if kind == "master" else f"{entry['name']}.{kind}"
             tensors[name] = src.read(handles, kind, 0, src.rows).reshape(entry["shape"])
+    buffers, aliases = read_module_file(path, manifest)
+    tensors.update(buffers)
+    for alias, name in aliases.items():  # safetensors keeps no shared tensors: a copy each
+        tensors[alias] = tensors[name].copy()
     save_file(tensors, str(out), metadata={"step": str(manifest["step"])})
     return {k: tuple(v.shape) for k, v in tensors.items()}
 

@@ -228,7 +228,7 @@ def test_consolidated_gpt_checkpoint_gives_the_sharded_loss(tmp_path):
     from safetensors.torch import load_file
 
     plain = gpt.GPT(cfg)
-    missing, unexpected = plain.load_state_dict(load_file(str(out)), strict=False)
-    assert missing == ["head.weight"] and unexpected == []  # tied to tok_emb.weight
+    plain.load_state_dict(load_file(str(out)), strict=True)  # head.weight, tied, included
+    assert torch.equal(plain.head.weight, plain.tok_emb.weight)
     with torch.no_grad():
         assert float(gpt.lm_loss(plain, probe)) == pytest.approx(sharded_loss, rel=1e-6)
