@@ -102,9 +102,12 @@ class ThreadGroup:
         slots = list(self._slots)
         metas = [m for m, _ in slots]
         if any(m != metas[0] for m in metas):
-            detail = "; ".join(f"rank {r}: {m[1:]}" for r, m in enumerate(metas))
+            detail = "; ".join(f"rank {r}: {m[0]}" + ("" if m[1] is None else f"{m[1:]}")
+                               for r, m in enumerate(metas))
             err = CollectiveError(f"{name}: ranks called collectives that do not match "
-                                  f"(size, dtype, argument, device): {detail}")
+                                  f"(collective (size, dtype, argument, device)): {detail}; "
+                                  "every rank must make the same calls in the same order "
+                                  "(save and load included)")
             self.fail(rank, err)
             raise err
         return [v for _, v in slots]

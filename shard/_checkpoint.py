@@ -26,6 +26,7 @@ memory-mapped), so N ranks' checkpoints load on any M ranks and any stage.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -36,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from ops import Communicator, Device
+from ops import CollectiveError, Communicator, Device
 from ops._collectives import all_gather_host
 from ops._device import device_named
 from ops._tree import tree_util
@@ -145,6 +146,16 @@ def _manifest(state: TrainState, files: list[dict], extra: Any,
     }
 
 
+@contextlib.contextmanager
+def _every_rank(fn: str, comm: Communicator) -> Any:
+    """A failed collective inside save or load says what the likely cause is."""
+    try:
+        yield
+    except CollectiveError as e:
+        raise type(e)(f"{fn}: {e}; {fn} is a collective: every rank must call it at the same "
+                      f"point of its training loop (rank {comm.rank} was in {fn})") from e
+
+
 def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
          extra: Any = None) -> Path:
     """Write a checkpoint of ``state`` (a collective: every rank calls it).
@@ -174,7 +185,8 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
     if comm.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
         tmp.mkdir(parents=True)
-    comm.barrier()
+    with _every_rank("save", comm):
+        comm.barrier()
     writes = comm.rank == 0 or state.meta.stage > 0
     digest, size = (_write_rank_file(state, tmp / f"rank-{comm.rank:05d}.safetensors")
                     if writes else ("", 0))
@@ -295,7 +307,8 @@ def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
     path, manifest = read_manifest(path)
     before = (step.layout, step.full_layout, step.master_dtype, step.device, step.precision)
     try:  # a checkpoint that does not fit leaves the step as it was
-        return _load(path, manifest, step, comm, like, device)
+        with _every_rank("load", comm):
+            return _load(path, manifest, step, comm, like, device)
     except BaseException:
         (step.layout, step.full_layout, step.master_dtype, step.device,
          step.precision) = before

@@ -131,6 +131,18 @@ def main() -> None:
             if comm.rank == 1:
                 os.kill(os.getpid(), signal.SIGKILL)
             ops.all_gather(comm, np.ones(4_000_000, np.float32))
+        elif scenario == "save0":  # only rank 0 saves; the others train on
+            import jax.numpy as jnp
+
+            import shard
+
+            step = shard.zero2(lambda p, b: jnp.sum(p["w"] ** 2), optimizer=ops.adamw(1e-2),
+                               comm=comm)
+            state, _ = step(step.init({"w": np.ones(1000, np.float32)}), None)
+            if comm.rank == 0:
+                shard.save(state, os.environ["ZS_OUT"] + ".ck", comm=comm)
+            for _ in range(3):
+                state, _ = step(state, None)
         elif scenario == "mismatch":
             ops.all_gather(comm, np.ones(100_000 + comm.rank, np.float32))
         report["ok"] = True

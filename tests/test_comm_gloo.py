@@ -27,6 +27,15 @@ def test_a_killed_process_fails_the_others_within_the_timeout(tmp_path):
         assert rep["seconds"] < 25
 
 
+def test_a_save_only_rank_0_calls_fails_every_rank_with_the_cause(tmp_path):
+    reports = run_ranks("tests/gloo_worker.py", 2, tmp_path,
+                        {"ZS_SCENARIO": "save0", "ZS_TIMEOUT": "4"})
+    assert reports[0]["error"] == "CollectiveTimeout", reports[0]
+    assert "save is a collective: every rank must call it" in reports[0]["message"]
+    assert reports[1]["error"] == "CollectiveTimeout", reports[1]  # in its step's reduction
+    assert all(r["seconds"] < 30 for r in reports)
+
+
 def test_mismatched_sizes_across_processes_raise(tmp_path):
     reports = run_ranks("tests/gloo_worker.py", 2, tmp_path,
                         {"ZS_SCENARIO": "mismatch", "ZS_TIMEOUT": "20"})

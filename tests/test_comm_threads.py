@@ -165,7 +165,7 @@ def test_mismatched_sizes_or_dtypes_across_ranks_are_reported():
     def sizes(comm):
         return ops.all_gather(comm, np.ones(3 + comm.rank, np.float32))
 
-    with pytest.raises(ops.CollectiveError, match=r"do not match.*rank 0: \(3, 'float32'"):
+    with pytest.raises(ops.CollectiveError, match=r"match.*rank 0: all_gather\(3, 'float32'"):
         ops.spawn(sizes, 2)
 
     def dtypes(comm):

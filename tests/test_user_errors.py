@@ -272,3 +272,20 @@ def test_train_state_repr_is_short_and_describe_shows_padding():
     assert padding == [1, 300]  # rank 1 holds rows 4-6 of w's 7 (and 1 padding row) and of b
     assert "padding" in table and table.splitlines()[3].split()[-1] == "300"
     assert donated.startswith("TrainState(donated")
+
+
+def test_a_save_only_rank_0_calls_fails_at_once_and_says_why(tmp_path):
+    import jax.numpy as jnp
+
+    def run(comm):
+        step = shard.zero2(lambda p, b: jnp.sum(p["w"] ** 2), optimizer=ops.adamw(1e-2),
+                           comm=comm)
+        state, _ = step(step.init({"w": np.ones(9, np.float32)}), None)
+        if comm.rank == 0:
+            shard.save(state, tmp_path / "ck", comm=comm)
+        step(state, None)
+
+    with pytest.raises(ops.CollectiveError) as e:
+        ops.spawn(run, 2, timeout=60)
+    assert "rank 0: barrier; rank 1: reduce_scatter" in str(e.value)
+    assert "(save and load included)" in str(e.value)
