@@ -237,6 +237,28 @@ class TorchLoss(UnitHooks, BufferState):
             p.grad = None
         return out.detach(), grads
 
+    def loss_value(self, params: dict[str, Any], batch: Any) -> Any:
+        """The loss at ``params`` in eval mode under ``torch.no_grad``, with rank
+        0's buffers (for ``ZeroStep.evaluate``, a collective); the module's
+        parameters and mode are restored."""
+        import torch
+
+        self.sync_buffers()
+        before = {name: p.data for name, p in self.named.items()}
+        training = self.module.training
+        self._set_compute_dtype(_torch_dtype_of(params))
+        try:
+            for name, p in self.named.items():
+                p.data = torch_view(params[name])
+            self.module.eval()
+            with torch.no_grad():
+                return self.loss(self.module, batch).detach()
+        finally:
+            self._compute_dtype = None
+            self.module.train(training)
+            for name, p in self.named.items():
+                p.data = before[name]
+
     # -- stage 3 --------------------------------------------------------------------
     def _set_compute_dtype(self, dtype: Any) -> None:
         self._compute_dtype = dtype if dtype != self._dtype else None
@@ -268,9 +290,9 @@ class TorchLoss(UnitHooks, BufferState):
                 p.numel() == 0 for p in self.named.values()):
             raise RuntimeError(
                 "this module's parameters are sharded by a ZeRO-3 step (each rank holds only "
-                "its shards): write the trained params back with interop.torch.load_state("
-                "module, state, comm=comm), or train a copy.deepcopy(model) and keep the "
-                "original for evaluation")
+                "its shards): evaluate with step.evaluate(state, batch), write the trained "
+                "params back with interop.torch.load_state(module, state, comm=comm), or train "
+                "a copy.deepcopy(model)")
 
 
 def load_state(module: Any, state_or_params: Any, *, comm: Any = None) -> Any:
@@ -350,6 +372,10 @@ def state_dict(module: Any, state_or_params: Any, *, comm: Any = None) -> dict[s
             buf = torch.as_tensor(ops.broadcast(comm, buf, src=0)).to(value.device)
         out[key] = buf
     return out
+
+
+def _torch_dtype_of(params: dict[str, Any]) -> Any:
+    return torch_view(next(iter(params.values()))).dtype
 
 
 def _as_tensor(x: Any) -> Any:

@@ -107,6 +107,21 @@ class Layered:
         return loss
 
 
+    def loss_units(self, units: Any, batch: Any) -> Any:
+        """The loss, forward only, unit by unit (for ``ZeroStep.evaluate``)."""
+        import jax
+
+        subtrees = units.layout.treedef.children()
+        fwd, _ = self.compiled()
+        carry = None
+        for u in range(len(fwd)):
+            params = subtrees[u].unflatten([jax_view(x) for x in
+                                            units.get(u, range(u + 1, len(fwd)))])
+            carry = jax.block_until_ready(fwd[u](params, carry, batch))
+            del params  # (waited for: async dispatch would keep it alive)
+        return carry
+
+
 class JaxLoss:
     """A monolithic JAX loss with a jitted, loss-scaled value_and_grad."""
 
@@ -115,6 +130,7 @@ class JaxLoss:
 
         self.fn = fn
         self._vg = jax.jit(jax.value_and_grad(lambda p, b, s: fn(p, b) * s))
+        self.loss_value = jax.jit(fn)
 
     def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> tuple[Any, Any]:
         scaled, grads = self._vg(params, batch, loss_scale)

@@ -54,7 +54,8 @@ Returns:
   ``state, metrics = step(state, batch)``, where ``batch`` is this rank's part
   of the global batch (any pytree: a dict, a tuple or list of arrays...);
   ``step(state, shard.MicroBatches([b1, b2]))`` is one step with gradient
-  accumulation; ``step(state, batch, tokens=n)`` adds ``tokens_per_s``.
+  accumulation; ``step(state, batch, tokens=n)`` adds ``tokens_per_s``;
+  ``step.evaluate(state, batch)`` is the loss with no gradients and no update.
   metrics: loss (mean over ranks), grad_norm (before clipping), lr,
   loss_scale, skipped, time_ms (this rank's step time and its split: forward,
   backward, all_gather_wait, reduce_wait, optimizer, ...; see

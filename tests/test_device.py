@@ -317,3 +317,16 @@ def test_collectives_on_device_arrays(device, world):
 def test_jnp_results_are_viewed_not_copied_on_the_host():
     x = jnp.arange(4.0, dtype=jnp.float32)
     assert HOST.asarray(x).ctypes.data == x.unsafe_buffer_pointer()
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_evaluate_on_device_matches_the_host(device, stage):
+    def run(comm, dev):
+        step, state, _, _ = train(comm, dev, stage=stage, steps=2)
+        b = shard.split_batch(M.batches(3)[-1], rank=comm.rank, world_size=comm.world_size)
+        return step.evaluate(state, b)
+
+    on_device = ops.spawn(lambda c: run(c, device), 3)
+    on_host = ops.spawn(lambda c: run(c, HOST), 3)
+    assert on_device == pytest.approx(on_host, rel=1e-6)
+    assert len(set(on_device)) == 1

@@ -1,0 +1,59 @@
+"""Evaluation: :meth:`ZeroStep.evaluate`, the loss at a state's params with no
+gradients and no update."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import ops
+from ops._dlpack import jax_view
+
+__all__ = ["EvalPhase"]
+
+
+class EvalPhase:
+    """The evaluation method of ``ZeroStep`` (which provides the attributes)."""
+
+    layout: Any
+    comm: Any
+    device: Any
+    kind: str
+    loss_fn: Any
+    name: str
+
+    def evaluate(self, state: Any, batch: Any) -> float:
+        """The loss at ``state``'s params on this rank's ``batch``, averaged over
+        the ranks (a collective: every rank calls it); no gradients, no update,
+        the state stays usable.
+
+        A ``Layered`` loss runs unit by unit (at stage 3 within the training
+        step's memory bound); other losses see the whole params at once, as
+        FSDP's ``summon_full_params``. A torch module runs in eval mode
+        (BatchNorm's running statistics, no dropout) under ``torch.no_grad``.
+        """
+        self._check_state(state)
+        state.check_live()
+        self._check_batch(batch)
+        units = self._unit_params(state)
+        n = len(self.layout.units)
+        with self._jax_placement():
+            if self.kind == "layered":
+                loss = self.loss_fn.loss_units(units, batch)
+            else:
+                units.bounded = False
+                leaves: list[Any] = [None] * len(self.layout.leaves)
+                for u in range(n):
+                    for i, x in zip(self.layout.units[u].leaves, units.get(u, range(u + 1, n)),
+                                    strict=True):
+                        leaves[i] = jax_view(x) if self.kind == "jax" else x
+                params = self.layout.treedef.unflatten(leaves)
+                del leaves
+                value = getattr(self.loss_fn, "loss_value", None)
+                loss = value(params, batch) if value is not None else \
+                    self.loss_fn.value_and_grad(params, batch)[0]
+                del params
+            total = self._on_device(loss, "the loss").astype(np.float64)
+        total = ops.all_reduce(self.comm, total)
+        return float(self.device.to_host(total)[0]) / self.comm.world_size
