@@ -9,6 +9,11 @@ import pytest
 from nbclient import NotebookClient
 
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
+# each notebook's closing check prints this once its assertions hold
+CHECKED = {"01_quickstart.ipynb": "largest difference from torch.optim.AdamW",
+           "02_memory_by_stage.ipynb": "measured bytes equal estimate_memory",
+           "03_jax_interop.ipynb": "jit loss equals step.evaluate",
+           "04_transforms_by_hand.ipynb": "hand-built ZeRO-3 step equals shard.zero3"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -20,4 +25,7 @@ def test_notebook_runs(path):
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                       for o in c.outputs)
-    assert "largest difference from torch.optim.AdamW" in outputs
+    assert CHECKED[path.name] in outputs
+    if path.name.startswith("02"):  # the plot was drawn
+        assert any("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
+                   for o in c.outputs)
