@@ -122,7 +122,10 @@ class Units:
         if u in self._inflight:
             return True
         unit, shard = self.layout.units[u], self.local[u]
-        if not wait and not self._fits(self._gather_bytes(u)):
+        # an extra prefetch leaves room for the copy-out of every unit in flight,
+        # which briefly holds that unit twice
+        copies = sum(out.nbytes for out, _ in self._inflight.values())
+        if not wait and not self._fits(self._gather_bytes(u) + copies):
             return False
         self._wait_for_room(self._gather_bytes(u))
         out = self.tracker.track(self.device.empty(unit.sharded_size * self.comm.world_size,

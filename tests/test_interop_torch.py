@@ -158,6 +158,22 @@ class CountingLinear(torch.nn.Linear):
         return super().forward(x)
 
 
+def test_extra_prefetches_leave_room_for_the_unit_being_copied_out(caplog):
+    """A small unit (the final norm) after a large one (the block) is prefetched
+    only if the block's copy-out, which briefly holds it twice, still fits."""
+    cfg = gpt.GPTConfig(seq=16, d=32, layers=1, heads=2)
+    model = built(lambda: gpt.GPT(cfg))
+    text = gpt.corpus()
+    batches = [gpt.sample_batch(text, i, 4, cfg.seq) for i in range(2)]
+    runs = ops.spawn(lambda c: zero_run(c, 3, None, gpt.lm_loss, batches, model)[1], 2)
+    assert "memory bound" not in caplog.text
+    for step in runs:
+        units = step.layout.units
+        root = [u.name for u in units].index("<root>")
+        largest = max(u.sharded_size for u in units) * 2 * 4
+        assert step.tracker.peak <= units[root].sharded_size * 2 * 4 + 2 * largest
+
+
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["saved", "recomputed"])
 def test_zero3_runs_each_unit_forward_once_unless_checkpointing(checkpointing):
     """By default a unit's forward runs once per step, its gathered params saved
