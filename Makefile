@@ -21,9 +21,15 @@ lint: $(STAMP)
 test: lint
 	$(PY) -m pytest
 
-# A real ZeRO-3 run: a GPT on Python's standard library sources, 2 CPU ranks (gloo).
+# A real ZeRO-3 run: a GPT on Python's standard library sources, 2 CPU ranks (gloo),
+# stopped at step 1000 with a checkpoint, resumed from it to step 1500, then sampled.
+DEMO_DIR ?= runs/demo
 demo: $(STAMP)
-	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 examples/gpt.py --stage 3 --steps 1500
+	rm -rf $(DEMO_DIR)
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 examples/gpt.py --stage 3 \
+		--steps 1000 --save $(DEMO_DIR) --sample 0
+	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 examples/gpt.py --stage 3 \
+		--steps 1500 --save $(DEMO_DIR) --resume
 
 bench: $(STAMP)
 	$(PY) -m pip install -q deepspeed -c constraints-bench.txt

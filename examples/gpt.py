@@ -7,8 +7,11 @@ Under torchrun (gloo, one process per rank):
     torchrun --nproc-per-node 2 examples/gpt.py --stage 3
 With thread ranks in one process:
     python examples/gpt.py --stage 3 --threads 4
-From Python (a notebook): ``examples.gpt.GPT``, ``corpus``, ``sample_batch``
-and ``train``.
+Checkpoints and resuming (the data stream continues where it stopped):
+    torchrun --nproc-per-node 2 examples/gpt.py --steps 1000 --save runs/gpt
+    torchrun --nproc-per-node 3 examples/gpt.py --steps 1500 --save runs/gpt --resume
+From Python (a notebook): ``examples.gpt.GPT``, ``corpus``, ``sample_batch``,
+``train`` and ``generate``.
 """
 
 from __future__ import annotations
@@ -132,38 +135,72 @@ def build(cfg: GPTConfig, seed: int = 0) -> GPT:
 
 def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: int = 16,
           cfg: GPTConfig = GPTConfig(), lr: float = 3e-3, model: GPT | None = None,
-          progress: bool = True) -> dict:
-    """Train a GPT with ZeRO ``stage``; returns losses, timings and memory.
+          progress: bool = True, save: str | Path | None = None, save_every: int = 500,
+          resume: bool = False) -> dict:
+    """Train a GPT with ZeRO ``stage`` up to step ``steps``; returns losses,
+    timings and memory.
 
     Every rank must start from the same weights: pass ``model`` (each rank
     trains a deep copy) when ranks are threads, which share torch's RNG.
+    ``save``: a directory; the checkpoint ``<save>/checkpoint`` is written every
+    ``save_every`` steps and at the end, and ``<save>/metrics.csv`` logs every
+    10th step. ``resume``: continue from that checkpoint (any world size or
+    stage), with the data stream where it stopped.
     """
     model = copy.deepcopy(model) if model is not None else build(cfg)
     params, loss = it.functional(model, loss=lm_loss)
+    loggers = [shard.CSVLogger(Path(save) / "metrics.csv", every=10)] if save else []
     step = ZERO[stage](loss, optimizer=ops.adamw(lr, weight_decay=0.01), comm=comm,
-                       clip_norm=1.0)
-    state = step.init(params)
+                       clip_norm=1.0, loggers=loggers)
+    state, first = step.init(params), 0
+    ckpt = Path(save) / "checkpoint" if save else None
+    if resume and ckpt is not None and (ckpt / "manifest.json").exists():
+        state, extra = shard.load(ckpt, step, comm=comm)
+        first = int(extra["next_batch"])
+        if comm.rank == 0:
+            print(f"resumed from {ckpt} at step {first}")
     data = corpus()
     bar = None
     if progress and comm.rank == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=steps, desc=f"ZeRO-{stage} x{comm.world_size}", unit="step")
-    losses, t0, tokens = [], time.perf_counter(), 0
-    for i in range(steps):
-        state, metrics = step(state, local_part(sample_batch(data, i, batch, cfg.seq), comm))
+        bar = tqdm(total=steps, initial=first, desc=f"ZeRO-{stage} x{comm.world_size}",
+                   unit="step")
+    losses, t0 = [], time.perf_counter()
+    local_tokens = batch // comm.world_size * cfg.seq
+    for i in range(first, steps):
+        state, metrics = step(state, local_part(sample_batch(data, i, batch, cfg.seq), comm),
+                              tokens=local_tokens)
         losses.append(metrics["loss"])
-        tokens += batch * cfg.seq
         if bar is not None:
             bar.set_postfix(loss=f"{metrics['loss']:.3f}",
-                            tok_s=f"{tokens / (time.perf_counter() - t0):,.0f}")
+                            tok_s=f"{metrics['tokens_per_s'] * comm.world_size:,.0f}")
             bar.update()
+        if ckpt is not None and ((i + 1) % save_every == 0 or i + 1 == steps):
+            shard.save(state, ckpt, comm=comm, extra={"next_batch": i + 1})
     if bar is not None:
         bar.close()
+    for logger in loggers:
+        logger.close()
     return {"losses": losses, "seconds": time.perf_counter() - t0, "state_bytes": state.nbytes(),
-            "stage": stage,
+            "stage": stage, "first_step": first,
             "peak_unit_bytes": step.tracker.peak, "state": state, "step": step,
+            "module": model,
             "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+
+
+@torch.no_grad()
+def generate(model: GPT, prompt: bytes, n: int, *, temperature: float = 0.8,
+             seed: int = 0) -> bytes:
+    """``n`` bytes sampled from ``model`` after ``prompt``."""
+    model.eval()
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.tensor([list(prompt)], dtype=torch.int64)
+    for _ in range(n):
+        logits = model(idx[:, -model.cfg.seq:])[0, -1] / temperature
+        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=g)
+        idx = torch.cat([idx, nxt[None]], dim=1)
+    return bytes(idx[0, len(prompt):].tolist())
 
 
 def memory_table(comm: ops.Communicator, result: dict, cfg: GPTConfig) -> str:
@@ -195,6 +232,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=0,
                     help="run N thread ranks in this process instead of under torchrun")
+    ap.add_argument("--save", default=None,
+                    help="directory for the checkpoint and metrics.csv (none by default)")
+    ap.add_argument("--save-every", type=int, default=500)
+    ap.add_argument("--resume", action="store_true",
+                    help="continue from <save>/checkpoint when it exists")
+    ap.add_argument("--sample", type=int, default=200,
+                    help="bytes of text to generate at the end (0: none)")
     args = ap.parse_args(argv)
     cfg = GPTConfig(d=args.d, layers=args.layers)
     torch.set_num_threads(1)
@@ -203,14 +247,22 @@ def main(argv: list[str] | None = None) -> None:
 
     def run(comm: ops.Communicator) -> None:
         result = train(comm, stage=args.stage, steps=args.steps, batch=args.batch, cfg=cfg,
-                       lr=args.lr, model=model)
+                       lr=args.lr, model=model, save=args.save, save_every=args.save_every,
+                       resume=args.resume)
         table = memory_table(comm, result, cfg)
-        if comm.rank == 0:
+        if args.sample:  # every rank gathers (a collective); rank 0 samples
+            it.load_state(result["module"], result["state"], comm=comm)
+        if comm.rank == 0 and result["losses"]:
             first = float(np.mean(result["losses"][:10]))
             last = float(np.mean(result["losses"][-10:]))
-            print(f"\nloss {first:.3f} -> {last:.3f} (mean of the first and last 10 steps) in "
-                  f"{result['seconds']:.0f} s on {comm.world_size} {comm.backend} ranks\n")
+            print(f"\nloss {first:.3f} -> {last:.3f} (mean of the first and last 10 steps of "
+                  f"steps {result['first_step']}-{args.steps}) in {result['seconds']:.0f} s on "
+                  f"{comm.world_size} {comm.backend} ranks\n")
             print(table)
+        if comm.rank == 0 and args.sample:
+            prompt = b"def "
+            text = prompt + generate(result["module"], prompt, args.sample)
+            print("\nsample:\n" + text.decode("utf-8", errors="replace"))
 
     if args.threads:
         ops.spawn(run, args.threads)
