@@ -178,6 +178,7 @@ class TorchLoss(UnitHooks, BufferState):
         self._rank: int | None = None  # the rank this object serves (see claim)
         self._dtype = next(iter(named.values())).dtype  # the module's own param dtype
         self._compute_dtype: Any = None  # set in a step when mixed precision changes it
+        self.cast_forward_inputs = True  # Precision's; the step sets it
         self._empties: dict[Any, Any] = {}
         self._warned = False
 
@@ -268,7 +269,7 @@ class TorchLoss(UnitHooks, BufferState):
         step, cast floating inputs to the compute dtype (FSDP2's
         ``cast_forward_inputs``) when mixed precision changed it."""
         dtype = self._compute_dtype
-        if dtype is None:
+        if dtype is None or not self.cast_forward_inputs:
             if self._active is None:
                 self._check_usable()
             return None

@@ -47,11 +47,13 @@ class Precision:
     Attributes:
       param_dtype: dtype of the parameters the loss sees (and of the all-gathers
         at stage 3); None keeps the params' own dtype. numpy, JAX and torch
-        dtypes and names ('bf16', 'bfloat16', 'fp16'...) are accepted. A torch
-        module's floating inputs are cast to it, as FSDP2's
-        ``cast_forward_inputs`` does.
+        dtypes and names ('bf16', 'bfloat16', 'fp16'...) are accepted.
       reduce_dtype: dtype gradients are reduced in; None uses param_dtype.
         float32 with bfloat16 params sums bf16 gradients in fp32.
+      cast_forward_inputs: cast the batch's floating arrays (a JAX loss's
+        batch, a torch module's forward inputs) to ``param_dtype`` when it
+        differs from the masters', as FSDP2's option of that name; otherwise
+        a float32 batch would silently promote the compute to float32.
 
     The master copy and Adam's moments are float32 whatever these say (float64
     params keep float64 masters for tight tests on the CPU).
@@ -59,6 +61,7 @@ class Precision:
 
     param_dtype: Any = None
     reduce_dtype: Any = None
+    cast_forward_inputs: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "param_dtype", _dtype("param_dtype", self.param_dtype))

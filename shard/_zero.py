@@ -185,6 +185,8 @@ class ZeroStep(UpdatePhase, EvalPhase, StepChecks):
         self._agree_on_layout(layout)
         self.device = device or self.device
         self.layout, self.master_dtype, self.precision = layout, master_dtype, precision
+        if hasattr(self.loss_fn, "cast_forward_inputs"):  # the torch adapter casts itself
+            self.loss_fn.cast_forward_inputs = precision.cast_forward_inputs
         self.full_layout = make_layout(params, self.specs, world_size=1, units=self.units)
 
     @staticmethod
@@ -243,6 +245,7 @@ class ZeroStep(UpdatePhase, EvalPhase, StepChecks):
         micro = list(batch) if isinstance(batch, MicroBatches) else [batch]
         for b in micro:
             self._check_batch(b)
+        micro = [self._cast_inputs(b) for b in micro]
         state.donate()
         scale = float(state.loss_scale)
         reducer = GradReducer(self.layout, self._fast, stage=self.stage,
@@ -301,6 +304,23 @@ class ZeroStep(UpdatePhase, EvalPhase, StepChecks):
         return state.replace(step=np.asarray(int(state.step) + finite, np.int64),
                              loss_scale=np.asarray(new_scale, np.float64),
                              good_steps=np.asarray(good, np.int64)), StepMetrics(known)
+
+    def _cast_inputs(self, batch: Any) -> Any:
+        """A JAX loss's batch with its floating arrays in the compute dtype (see
+        ``Precision.cast_forward_inputs``; a torch module casts in its forward)."""
+        p = self.precision
+        if (self.kind == "provider" or not p.cast_forward_inputs or p.param_dtype is None
+                or p.param_dtype == self.master_dtype):
+            return batch
+
+        def cast(x: Any) -> Any:
+            dtype = getattr(x, "dtype", None)
+            if dtype is None or not hasattr(x, "astype"):
+                return x
+            d = np.dtype(dtype)
+            return x.astype(p.param_dtype) if d.kind == "f" and d != p.param_dtype else x
+
+        return ops._tree.tree_map(cast, batch)
 
     def _on_device(self, x: Any, what: str) -> Any:
         """A loss (a number, or a torch, jax or device scalar) as a device array."""

@@ -289,3 +289,27 @@ def test_a_save_only_rank_0_calls_fails_at_once_and_says_why(tmp_path):
         ops.spawn(run, 2, timeout=60)
     assert "rank 0: barrier; rank 1: reduce_scatter" in str(e.value)
     assert "(save and load included)" in str(e.value)
+
+
+@pytest.mark.parametrize("cast", [True, False])
+def test_mixed_precision_casts_a_jax_losss_float_inputs(cast):
+    import jax.numpy as jnp
+
+    from ops import BF16
+
+    seen = []
+
+    def loss(p, b):
+        seen.append((b["x"].dtype, b["ids"].dtype))
+        return jnp.mean((b["x"] @ p["w"]).astype(jnp.float32) ** 2)
+
+    step = shard.zero3(loss, optimizer=ops.adamw(1e-2), comm=one_comm(),
+                       precision=shard.Precision(param_dtype="bf16", cast_forward_inputs=cast))
+    state = step.init({"w": np.ones((3, 2), np.float32)})
+    batch = {"x": np.ones((4, 3), np.float32), "ids": np.arange(4)}
+    state, metrics = step(state, batch)
+    x_dtype, ids_dtype = seen[-1]
+    assert x_dtype == (BF16 if cast else np.float32)
+    assert jnp.issubdtype(ids_dtype, jnp.integer)  # only floating arrays are cast
+    assert batch["x"].dtype == np.float32  # the caller's arrays are not touched
+    assert np.isfinite(metrics["loss"])
