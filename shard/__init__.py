@@ -13,6 +13,7 @@ from shard._layout import Layout, make_layout, partition, unpartition
 from shard._loss import Layered
 from shard._memory import estimate_memory
 from shard._monitor import CSVLogger, TensorBoardLogger
+from shard._offload import Offload
 from shard._policy import LossScale, Precision
 from shard._profile import Breakdown, profile
 from shard._specs import Replicate, Shard, from_partition_spec, to_partition_spec
@@ -30,6 +31,7 @@ __all__ = [
     "Layout",
     "LossScale",
     "MicroBatches",
+    "Offload",
     "Precision",
     "Replicate",
     "Shard",

@@ -84,12 +84,19 @@ def _sha256(path: Path) -> str:
 
 
 def _write_rank_file(state: TrainState, path: Path) -> tuple[str, int]:
+    if state.meta.offload == "disk":  # the tier's file is a rank file: a hard link
+        source = next(Path(b.filename) for b in state.master if hasattr(b, "filename"))
+        try:
+            os.link(source, path)
+        except OSError:  # another file system: a copy
+            shutil.copyfile(source, path)
+        return _sha256(path), path.stat().st_size
     from safetensors.numpy import save_file
 
     device = device_named(state.meta.device)  # device state: explicit copies to the host
-    tensors = {f"{kind}/{u}": np.ascontiguousarray(device.to_host(buf) if not device.host
-                                                   else buf)
-               for kind in KINDS for u, buf in enumerate(getattr(state, kind))}
+    tensors = {f"{kind}/{u}": np.ascontiguousarray(
+        buf if device.host or isinstance(buf, np.ndarray) else device.to_host(buf))
+        for kind in KINDS for u, buf in enumerate(getattr(state, kind))}
     part = path.with_suffix(".part")
     save_file(tensors, str(part))
     with open(part, "rb+") as f:
@@ -352,14 +359,22 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
                                             layout.local_views(bufs), strict=True):
             _fill(leaf, dst, src.read(handles, kind, lo, hi))
     on_device = step.device.asarray  # host buffers: an explicit copy to a GPU
-    buffers = {kind: [on_device(b) for b in bufs] for kind, bufs in buffers.items()}
     full_leaves = [on_device(src.read(handles, "master", 0, src.rows).reshape(leaf.shape))
                    if step.stage in (0, 1, 2) else None
                    for leaf, src in zip(layout.leaves, sources, strict=True)]
+    copies = None
+    if step.offload is not None:  # into host memory or the disk tier, unit by unit
+        def fill(u: int, kind: str, buf: np.ndarray) -> None:
+            buf[...] = buffers[kind][u]
+
+        *bufs, copies = step._offloaded_buffers(fill)
+        buffers = dict(zip(KINDS, bufs, strict=True))
+    else:
+        buffers = {kind: [on_device(b) for b in bufs] for kind, bufs in buffers.items()}
     state = step.state_from(buffers["master"], buffers["exp_avg"], buffers["exp_avg_sq"],
                             full_leaves=full_leaves, step=manifest["step"],
                             loss_scale=manifest["loss_scale"],
-                            good_steps=manifest["good_steps"])
+                            good_steps=manifest["good_steps"], copies=copies)
     _load_module(path, manifest, step)
     comm.barrier()
     return state, manifest.get("extra")

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from shard._layout import Units, make_layout, master_dtype_of
+from shard._offload import Offload
 from shard._policy import Precision
 
 __all__ = ["estimate_memory"]
@@ -14,7 +15,7 @@ __all__ = ["estimate_memory"]
 
 def estimate_memory(params: Any, *, stage: int, world_size: int,
                     policy: Precision | None = None, specs: Any = None,
-                    units: Units = None) -> dict[str, int]:
+                    units: Units = None, offload: Offload | None = None) -> dict[str, int]:
     """Bytes per rank, by kind, that a ZeRO stage keeps for ``params``.
 
     The ZeRO paper's accounting, with this library's padding (each Shard(0)
@@ -31,6 +32,11 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
       dtype: whole at stages 0-1, this rank's shard at stages 2-3;
     - total: their sum. Live units at stage 3 (at most ``1 + prefetch`` full
       units) and activations come on top.
+
+    With ``offload`` (a :class:`shard.Offload`) the masters and moments leave
+    the device, stage 3 keeps a compute-dtype shard there even in fp32, and
+    ``on_device``, ``on_host`` and ``on_disk`` say where the bytes are (for CPU
+    training the device is host memory too).
 
     Args:
       params: a pytree of arrays or of anything with ``shape`` and ``dtype``
@@ -64,9 +70,14 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     elif stage == 0:
         compute_n = full if separate else 0
     else:
-        compute_n = local if separate else 0
+        compute_n = local if separate or offload is not None else 0
     grads_n = full if stage <= 1 else local
     out = {"params": master.itemsize * local, "optimizer": 2 * master.itemsize * local,
            "compute_params": compute_n * compute.itemsize, "grads": grads_n * reduce.itemsize}
     out["total"] = sum(out.values())
+    if offload is not None:
+        kept = out["params"] + out["optimizer"]
+        out.update(on_device=out["compute_params"] + out["grads"],
+                   on_host=kept if offload.optimizer == "host" else 0,
+                   on_disk=kept if offload.optimizer == "disk" else 0)
     return out

@@ -7,6 +7,7 @@ from typing import Any
 
 from ops import Communicator, FusedAdam
 from shard._layout import Units
+from shard._offload import Offload
 from shard._policy import LossScale, Precision
 from shard._zero import ZeroStep
 
@@ -17,10 +18,10 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
     def transform(loss_fn: Any = None, /, *, optimizer: FusedAdam, comm: Communicator,
                   specs: Any = None, units: Units = None, precision: Precision | None = None,
                   clip_norm: float | None = None, loss_scale: LossScale | None = None,
-                  prefetch: int = 1, loggers: Any = ()) -> Any:
+                  prefetch: int = 1, loggers: Any = (), offload: Offload | None = None) -> Any:
         kw = dict(stage=stage, optimizer=optimizer, comm=comm, specs=specs, units=units,
                   precision=precision, clip_norm=clip_norm, loss_scale=loss_scale,
-                  prefetch=prefetch, loggers=loggers)
+                  prefetch=prefetch, loggers=loggers, offload=offload)
         if loss_fn is None:  # used as a decorator with arguments
             return lambda fn: ZeroStep(fn, **kw)
         return ZeroStep(loss_fn, **kw)
@@ -48,6 +49,9 @@ Args:
   prefetch: how many units ahead to all-gather at stage 3.
   loggers: callables ``(step, metrics)`` run after every step on rank 0, such
     as ``shard.CSVLogger(path)`` or ``shard.TensorBoardLogger(log_dir)``.
+  offload: a :class:`shard.Offload`: the fp32 masters and Adam's moments in host
+    memory (``Offload("host")``) or in files (``Offload("disk", path=...)``),
+    updated there by the same kernel; stages 1-3.
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then

@@ -43,6 +43,8 @@ class StateMeta:
     master_dtype: str
     compute_dtype: str
     device: str = "numpy"  # where every buffer lives (see [Note: devices])
+    offload: str | None = None  # "host" or "disk": masters and moments there (the rest
+    #                             on ``device``; see [Note: offload])
     # () -> (buffers, tied names) of the torch module the state trains, which
     # checkpoints keep beside the params (see [Note: torch buffers]); None for
     # other losses. Not part of the state's identity.
@@ -100,6 +102,16 @@ class TrainState:
         return {"params": size(self.master), "optimizer": size(self.exp_avg + self.exp_avg_sq),
                 "compute_params": size(self.compute)}
 
+    def tiers(self) -> dict[str, int]:
+        """Bytes this rank holds by where they live: ``device`` (the compute
+        params; everything without offload), ``host`` and ``disk`` (an
+        offloaded state's masters and moments; see [Note: offload])."""
+        n = self.nbytes()
+        kept = n["params"] + n["optimizer"]
+        where = self.meta.offload
+        return {"device": n["compute_params"] + (0 if where else kept),
+                "host": kept if where == "host" else 0, "disk": kept if where == "disk" else 0}
+
     def padding(self) -> list[int]:
         """Per unit, the elements of this rank's shard that are padding rows (a
         Shard(0) leaf whose rows do not divide by the world size)."""
@@ -134,7 +146,8 @@ class TrainState:
         return (f"TrainState(stage {m.stage}, rank {m.rank} of {m.layout.world_size}, step "
                 f"{int(self.step)}, {len(m.layout.units)} units, {_count(here)} elements here, "
                 f"{_bytes(sum(self.nbytes().values()))}, {m.master_dtype} masters, "
-                f"{m.compute_dtype} compute, on {m.device})")
+                f"{m.compute_dtype} compute, on {m.device}"
+                + (f"; masters and moments on {m.offload})" if m.offload else ")"))
 
     # -- donation -----------------------------------------------------------
     def check_live(self) -> None:

@@ -25,6 +25,7 @@ class UpdatePhase:
     optimizer: Any
     clip_norm: Any
     _fast: Any
+    _apply_offloaded: Any
 
     def _norm_and_loss(self, shards: list[Any], totals: Any) -> None:
         """``totals`` (on the device) becomes [global sum of squares of the summed
@@ -44,11 +45,14 @@ class UpdatePhase:
             totals[0:1] += ops.sum_of_squares(replicated)
 
     def _apply(self, state: TrainState, shards: list[Any], grad_scale: float,
-               grad_sumsq: Any) -> None:
+               grad_sumsq: Any) -> TrainState:
         """The optimizer on every unit's shard, then stages 1-2's all-gather of the
-        new compute params. With ``grad_sumsq`` (a device array) the kernel clips
-        by it and skips the update where it is not finite, reading it on the
-        device (see [Note: non-finite gradients])."""
+        new compute params; returns the state (new buffers for the disk tier).
+        With ``grad_sumsq`` (a device array) the kernel clips by it and skips the
+        update where it is not finite, reading it on the device (see [Note:
+        non-finite gradients])."""
+        if state.meta.offload is not None:
+            return self._apply_offloaded(state, shards, grad_scale, grad_sumsq)
         copies = self._copies(state)
         opt = AdamState(state.step, state.exp_avg, state.exp_avg_sq)
         with timed("optimizer"):
@@ -56,6 +60,7 @@ class UpdatePhase:
                                  grad_sumsq=grad_sumsq, max_norm=self.clip_norm,
                                  param_copies=copies, finite=True)
         self._refresh(state, copies)
+        return state
 
     def _copies(self, state: TrainState) -> tuple | None:
         """Buffers the optimizer writes the new compute-dtype params into, if any."""

@@ -73,6 +73,8 @@ from shard._layout import (
 )
 from shard._loss import JaxLoss, classify
 from shard._metrics import StepMetrics
+from shard._offload import Offload
+from shard._offload_step import OffloadPhase
 from shard._policy import LossScale, Precision
 from shard._profile import step_breakdown, timed
 from shard._runtime import GradReducer, LiveBytes
@@ -86,13 +88,13 @@ log = logging.getLogger(__name__)
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 
 
-class ZeroStep(UpdatePhase, EvalPhase, StepChecks):
+class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
     """A ZeRO train step; build it with :func:`zero0` ... :func:`zero3`."""
 
     def __init__(self, loss_fn: Any, *, stage: int, optimizer: FusedAdam, comm: Communicator,
                  specs: Any = None, units: Units = None, precision: Precision | None = None,
                  clip_norm: float | None = None, loss_scale: LossScale | None = None,
-                 prefetch: int = 1, loggers: Any = ()) -> None:
+                 prefetch: int = 1, loggers: Any = (), offload: Offload | None = None) -> None:
         name = f"zero{stage}"
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3; got {stage!r}")
@@ -106,6 +108,13 @@ class ZeroStep(UpdatePhase, EvalPhase, StepChecks):
             raise ValueError(f"{name}: clip_norm must be > 0; got {clip_norm!r}")
         if prefetch < 0:
             raise ValueError(f"{name}: prefetch must be >= 0; got {prefetch}")
+        if offload is not None and not isinstance(offload, Offload):
+            raise TypeError(f"{name}: offload must be a shard.Offload(...); got "
+                            f"{type(offload).__name__}")
+        if offload is not None and stage == 0:
+            raise ValueError(f"{name}: offload is for stages 1-3 (stage 0 keeps everything whole "
+                             "on every rank); use zero1, zero2 or zero3")
+        self.offload, self._tier = offload, None
         self.loggers = (loggers,) if callable(loggers) else tuple(loggers or ())
         for lg in self.loggers:
             if not callable(lg):
@@ -137,8 +146,23 @@ class ZeroStep(UpdatePhase, EvalPhase, StepChecks):
         _, leaves = native_leaves(self.layout.treedef.flatten_up_to(params), f"{self.name}.init")
         leaves = [self.device.asarray(x) for x in leaves]
         self._agree_on_values(leaves)
-        master = alloc_units(self.layout, self.master_dtype, self.device)
         rank = self.comm.rank if self.stage > 0 else 0
+        if self.offload is not None:  # masters and moments in host memory or on disk
+            def fill(u: int, kind: str, buf: Any) -> None:
+                if kind != "master":
+                    return
+                for i in self.layout.units[u].leaves:
+                    leaf = self.layout.leaves[i]
+                    x = leaves[i] if self.device.host else self.device.to_host(leaves[i])
+                    self.layout.scatter_leaf(leaf, x, rank, buf[
+                        leaf.offset:leaf.offset + leaf.local_size].reshape(leaf.local_shape))
+
+            *bufs, copies = self._offloaded_buffers(fill)
+            state = self.state_from(*bufs, full_leaves=leaves, copies=copies)
+            log.info("%s: masters and moments offloaded to %s", self.name,
+                     self.offload.optimizer)
+            return state
+        master = alloc_units(self.layout, self.master_dtype, self.device)
         for leaf, x, dst in zip(self.layout.leaves, leaves,
                                 self.layout.local_views(master), strict=True):
             self.layout.scatter_leaf(leaf, x, rank, dst)
@@ -185,6 +209,7 @@ class ZeroStep(UpdatePhase, EvalPhase, StepChecks):
         self._agree_on_layout(layout)
         self.device = device or self.device
         self.layout, self.master_dtype, self.precision = layout, master_dtype, precision
+        self._setup_offload()
         if hasattr(self.loss_fn, "cast_forward_inputs"):  # the torch adapter casts itself
             self.loss_fn.cast_forward_inputs = precision.cast_forward_inputs
         self.full_layout = make_layout(params, self.specs, world_size=1, units=self.units)
@@ -195,11 +220,14 @@ class ZeroStep(UpdatePhase, EvalPhase, StepChecks):
 
     def state_from(self, master: list[Any], exp_avg: list[Any],
                    exp_avg_sq: list[Any], *, full_leaves: list[Any], step: int = 0,
-                   loss_scale: float | None = None, good_steps: int = 0) -> TrainState:
+                   loss_scale: float | None = None, good_steps: int = 0,
+                   copies: list[Any] | None = None) -> TrainState:
         """A TrainState over the given master and moment buffers (this step's layout).
 
         ``full_leaves`` are the whole params in leaf order (arrays of the step's
-        device), for the compute params stages 0-2 keep whole.
+        device), for the compute params stages 0-2 keep whole. ``copies``: an
+        offloaded state's compute-dtype copy of each unit's masters (host
+        arrays), which stage 3 keeps on the device.
         """
         master_dtype = self.master_dtype
         compute_dtype = self.precision.param_dtype or master_dtype
@@ -210,10 +238,13 @@ class ZeroStep(UpdatePhase, EvalPhase, StepChecks):
                                     self.full_layout.local_views(full), strict=True):
                 self.full_layout.scatter_leaf(leaf, x.astype(compute_dtype), 0, dst)
             compute = tuple(full)
+        elif self.stage == 3 and copies is not None:
+            compute = tuple(self.device.asarray(c) for c in copies)
         elif self.stage == 3 and compute_dtype != master_dtype:
             compute = tuple(ops.cast(m, compute_dtype) for m in master)
         meta = StateMeta(self.layout, self.stage, self.comm.rank, self.precision,
                          str(master_dtype), str(compute_dtype), self.device.name,
+                         self.offload.optimizer if self.offload else None,
                          getattr(self.loss_fn, "module_state", None))
         if loss_scale is None:
             loss_scale = self.loss_scale.initial if self.loss_scale else 1.0
@@ -285,7 +316,7 @@ class ZeroStep(UpdatePhase, EvalPhase, StepChecks):
                                 "was skipped", self.name, int(state.step))
                 return out
 
-            self._apply(state, shards, grad_scale, totals[0:1])
+            state = self._apply(state, shards, grad_scale, totals[0:1])
             return (state.replace(step=np.asarray(int(state.step) + 1, np.int64)),
                     StepMetrics(known, totals, finish_and_flag, self.device.to_host))
         host = self.device.to_host(totals)  # the step's one read: skip it or not
@@ -295,8 +326,8 @@ class ZeroStep(UpdatePhase, EvalPhase, StepChecks):
         if self.loss_scale is not None:
             new_scale, good = self.loss_scale.update(scale, good, finite)
         if finite:
-            self._apply(state, shards, grad_scale,
-                        totals[0:1] if self.clip_norm is not None else None)
+            state = self._apply(state, shards, grad_scale,
+                                totals[0:1] if self.clip_norm is not None else None)
         elif self.loss_scale is None:
             log.warning("%s: non-finite gradients (inf or nan) at step %d: the update was "
                         "skipped", self.name, int(state.step))

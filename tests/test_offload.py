@@ -1,0 +1,200 @@
+"""shard.Offload: masters and moments in host memory or in the disk tier follow the
+unoffloaded trajectory bit for bit ([Note: offload])."""
+
+from __future__ import annotations
+
+import os
+import tracemalloc
+
+import jax
+import numpy as np
+import pytest
+
+import ops
+import shard
+from ops._device import HOST, device_of_or_none
+from ops.testing import to_device
+from tests import zero_models as M
+
+ZERO = {1: shard.zero1, 2: shard.zero2, 3: shard.zero3}
+BF16 = dict(precision=shard.Precision(param_dtype="bf16", reduce_dtype="float32"),
+            clip_norm=0.5, loss_scale=shard.LossScale(initial=2.0**8))
+
+
+def policy(tier, tmp_path):
+    return shard.Offload(tier, path=tmp_path if tier == "disk" else None,
+                         **({"chunk_mb": 1} if tier == "disk" else {}))
+
+
+def trajectory(comm, stage, *, offload=None, device=HOST, steps=4, **kw):
+    step = ZERO[stage](M.loss, optimizer=ops.adamw(M.LR, weight_decay=M.WD), comm=comm,
+                       offload=offload, **kw)
+    state = step.init(to_device(M.init_params(), device))
+    losses = []
+    for b in M.batches(steps):
+        state, m = step(state, shard.split_batch(b, rank=comm.rank, world_size=comm.world_size))
+        losses.append(m["loss"])
+    whole = shard.gather(state, comm)
+    leaves = [np.asarray(x) if device_of_or_none(x) in (None, HOST) else
+              device_of_or_none(x).to_host(x) for x in jax.tree_util.tree_leaves(whole)]
+    return leaves, losses, state
+
+
+def assert_same(got, want):
+    for a, b in zip(got[0], want[0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert got[1] == want[1]
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_offloaded_trajectory_is_bit_identical(tmp_path, tier, stage, world):
+    want = ops.spawn(lambda c: trajectory(c, stage), world)
+    got = ops.spawn(lambda c: trajectory(c, stage, offload=policy(tier, tmp_path)), world)
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+    state = got[0][2]
+    assert state.meta.offload == tier
+    kinds = {type(b).__name__ for b in state.master + state.exp_avg}
+    assert kinds == ({"memmap"} if tier == "disk" else {"ndarray"})
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("stage", [2, 3])
+def test_mixed_precision_clipping_and_loss_scaling_offloaded(tmp_path, tier, stage):
+    want = ops.spawn(lambda c: trajectory(c, stage, steps=5, **BF16), 2)
+    got = ops.spawn(lambda c: trajectory(c, stage, offload=policy(tier, tmp_path), steps=5,
+                                         **BF16), 2)
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_offload_on_the_device_stand_in(device, tmp_path, tier, stage):
+    want = ops.spawn(lambda c: trajectory(c, stage), 3)
+    got = ops.spawn(lambda c: trajectory(c, stage, offload=policy(tier, tmp_path),
+                                         device=device), 3)
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+    state = got[0][2]
+    assert all(device_of_or_none(b) is device for b in state.compute)  # compute stays
+    assert all(isinstance(b, np.ndarray) for b in state.master)  # masters on the host
+
+
+def test_disk_tier_checkpoints_are_hard_links_and_steps_never_rewrite_them(tmp_path):
+    tier = shard.Offload("disk", path=tmp_path / "tier", chunk_mb=1)
+
+    def run(comm):
+        step = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm, offload=tier)
+        state = step.init(M.init_params())
+        batches = M.batches(6)
+        for b in batches[:3]:
+            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=2))
+        shard.save(state, tmp_path / "ck", comm=comm)
+        tier_file = next(b.filename for b in state.master if hasattr(b, "filename"))
+        linked = os.stat(tier_file).st_ino == os.stat(
+            tmp_path / "ck" / f"rank-{comm.rank:05d}.safetensors").st_ino
+        for b in batches[3:]:  # new generations; the checkpoint's files untouched
+            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=2))
+        return linked, shard.gather(state, comm)
+
+    results = ops.spawn(run, 2)
+    assert all(linked for linked, _ in results)
+
+    def resume(comm, offload):  # at another world size, offloaded or not
+        step = shard.zero2(M.loss, optimizer=ops.adamw(M.LR), comm=comm, offload=offload)
+        state, _ = shard.load(tmp_path / "ck", step, comm=comm, like=M.init_params())
+        for b in M.batches(6)[3:]:
+            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=3))
+        return shard.gather(state, comm)
+
+    want = jax.tree_util.tree_leaves(results[0][1])
+    for offload in (None, shard.Offload("disk", path=tmp_path / "tier2"), shard.Offload()):
+        got = jax.tree_util.tree_leaves(ops.spawn(lambda c, o=offload: resume(c, o), 3)[0])
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_failed_disk_update_leaves_the_previous_generation(tmp_path, monkeypatch):
+    tier = shard.Offload("disk", path=tmp_path, chunk_mb=1)
+    comm = ops.spawn(lambda c: c, 1)[0]
+    step = shard.zero1(M.loss, optimizer=ops.adamw(M.LR), comm=comm, offload=tier)
+    state = step.init(M.init_params())
+    state, _ = step(state, M.batches(1)[0])
+    before = {k: [np.array(b) for b in getattr(state, k)] for k in ("master", "exp_avg")}
+    src = next(b.filename for b in state.master if hasattr(b, "filename"))
+    real = os.pwrite
+
+    def full_disk(fd, data, offset):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        step(state, M.batches(2)[1])
+    monkeypatch.setattr(os, "pwrite", real)
+    files = sorted(p.name for p in (tmp_path / "rank-00000").iterdir())
+    assert files == [os.path.basename(src)]  # the partial generation is gone
+    for k, bufs in before.items():
+        for a, b in zip(getattr(state, k), bufs, strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_disk_tier_update_holds_a_few_chunks_not_the_state(tmp_path):
+    rng = np.random.default_rng(0)
+    params = [{"w": rng.standard_normal((1024, 1024)).astype(np.float32) * 0.02}
+              for _ in range(4)]  # 4M params: 48 MiB of masters and moments
+
+    def loss(p, b):
+        h = b
+        for layer in p:
+            h = jax.numpy.tanh(h @ layer["w"])
+        return jax.numpy.mean(h ** 2)
+
+    comm = ops.spawn(lambda c: c, 1)[0]
+    step = shard.zero3(loss, optimizer=ops.adamw(1e-3), comm=comm,
+                       precision=shard.Precision(param_dtype="bf16"),
+                       offload=shard.Offload("disk", path=tmp_path, chunk_mb=1))
+    state = step.init(params)
+    del params
+    batch = np.ones((2, 1024), np.float32)
+    state, _ = step(state, batch)  # warm (jit)
+    tracemalloc.start()
+    state, m = step(state, batch)
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    state_bytes = 12 * 4 * 1024 * 1024
+    # bf16 gradients (8 MiB), one gathered unit and its copy, three 1 MiB chunk sets
+    assert peak < state_bytes / 2, peak / 2**20
+    assert np.isfinite(m["loss"])
+
+
+def test_estimate_memory_reports_each_tier_as_the_state_holds_it(tmp_path):
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    M.init_params())
+    for tier in ("host", "disk"):
+        for stage in (1, 2, 3):
+            off = policy(tier, tmp_path)
+            est = shard.estimate_memory(shapes, stage=stage, world_size=3, offload=off)
+
+            def held(comm, stage=stage, off=off):
+                return ZERO[stage](M.loss, optimizer=ops.adamw(M.LR), comm=comm,
+                                   offload=off).init(M.init_params()).tiers()
+
+            got = ops.spawn(held, 3)[0]
+            assert got[tier] == est[f"on_{tier}"] == est["params"] + est["optimizer"]
+            assert got["device"] == est["compute_params"] > 0, (tier, stage)
+            assert est["on_device"] == est["compute_params"] + est["grads"]
+
+
+def test_bad_offload_arguments_are_refused():
+    comm = ops.spawn(lambda c: c, 1)[0]
+    with pytest.raises(ValueError, match="stages 1-3"):
+        shard.zero0(M.loss, optimizer=ops.adamw(M.LR), comm=comm, offload=shard.Offload())
+    with pytest.raises(ValueError, match="needs path="):
+        shard.Offload("disk")
+    with pytest.raises(ValueError, match="'host' or 'disk'"):
+        shard.Offload("nvme")
+    with pytest.raises(TypeError, match=r"shard\.Offload"):
+        shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm, offload="cpu")
