@@ -27,7 +27,6 @@ memory-mapped), so N ranks' checkpoints load on any M ranks and any stage.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -41,6 +40,8 @@ from ops import CollectiveError, Communicator, Device
 from ops._collectives import all_gather_host
 from ops._device import device_named
 from ops._tree import tree_util
+from shard._checkpoint_files import CheckpointError, _sha256
+from shard._checkpoint_module import _load_module, _write_module_file, read_module_file
 from shard._layout import Layout, LeafLayout, alloc_units
 from shard._paths import shapes_from_manifest
 from shard._state import TrainState
@@ -50,10 +51,6 @@ __all__ = ["CheckpointError", "leaf_names", "load", "read_manifest", "read_modul
 log = logging.getLogger(__name__)
 FORMAT, VERSION = "zeroshard-checkpoint", 1
 KINDS = ("master", "exp_avg", "exp_avg_sq")
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, truncated, corrupt, too new, or does not fit."""
 
 
 def leaf_names(layout: Layout) -> list[str]:
@@ -73,14 +70,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _write_rank_file(state: TrainState, path: Path) -> tuple[str, int]:
@@ -103,35 +92,6 @@ def _write_rank_file(state: TrainState, path: Path) -> tuple[str, int]:
         os.fsync(f.fileno())
     os.replace(part, path)
     return _sha256(path), path.stat().st_size
-
-
-def _write_module_file(state: TrainState, directory: Path) -> dict | None:
-    """Rank 0's torch buffers and tied names (see [Note: torch buffers])."""
-    if state.meta.module_state is None:
-        return None
-    from safetensors.numpy import save_file
-
-    buffers, aliases = state.meta.module_state()
-    path = directory / "module.safetensors"
-    save_file({k: np.array(v, order="C") for k, v in buffers.items()}, str(path))
-    with open(path, "rb+") as f:
-        os.fsync(f.fileno())
-    return {"file": path.name, "sha256": _sha256(path), "bytes": path.stat().st_size,
-            "buffers": sorted(buffers), "aliases": aliases}
-
-
-def read_module_file(path: Path, manifest: dict) -> tuple[dict[str, np.ndarray], dict]:
-    """A checkpoint's module buffers and tied names (empty when it has none)."""
-    entry = manifest.get("module")
-    if not entry:
-        return {}, {}
-    from safetensors.numpy import load_file
-
-    f = path / entry["file"]
-    if not f.exists() or f.stat().st_size != entry["bytes"] or _sha256(f) != entry["sha256"]:
-        raise CheckpointError(f"{f}: missing, truncated or altered (size or SHA-256 differs "
-                              "from the manifest)")
-    return load_file(str(f)), dict(entry["aliases"])
 
 
 def _manifest(state: TrainState, files: list[dict], extra: Any,
@@ -378,26 +338,6 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
     _load_module(path, manifest, step)
     comm.barrier()
     return state, manifest.get("extra")
-
-
-def _load_module(path: Path, manifest: dict, step: Any) -> None:
-    """The checkpoint's buffers into the step's torch module, if both have them."""
-    buffers, _ = read_module_file(path, manifest)
-    target = getattr(step.loss_fn, "load_buffers", None)
-    if target is None:
-        if buffers:
-            log.warning("%s: the checkpoint holds module buffers %s, which this step's loss "
-                        "has nowhere to put", path, sorted(buffers)[:5])
-        return
-    if "module" not in manifest:
-        if step.loss_fn.buffers():
-            log.warning("%s: the checkpoint holds no module buffers; the module keeps its own",
-                        path)
-        return
-    try:
-        target(buffers, f"{path}/module.safetensors")
-    except ValueError as e:
-        raise CheckpointError(str(e)) from None
 
 
 def _rows_of(leaf: LeafLayout, rank: int) -> tuple[int, int]:

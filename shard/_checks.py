@@ -1,5 +1,6 @@
-"""Checks a ZeRO step makes before it changes anything: that every rank agrees on
-the params and layout (at init), and that a state and batch fit the step."""
+"""Checks a ZeRO step makes before it changes anything (that every rank agrees on
+the params and layout at init, and that a state and batch fit the step), and
+the batch's cast to the compute dtype."""
 
 from __future__ import annotations
 
@@ -24,6 +25,9 @@ class StepChecks:
     name: str
     stage: int
     layout: Any
+    kind: str
+    precision: Any
+    master_dtype: Any
     _fast: Any
 
     def _agree_on_values(self, leaves: list[Any]) -> None:
@@ -58,6 +62,23 @@ class StepChecks:
                 raise ValueError(f"{self.name}: batch{tu.keystr(path)} has no rows (shape "
                                  f"{tuple(shape)}) on rank {self.comm.rank}; every rank needs a "
                                  "non-empty part of the batch")
+
+    def _cast_inputs(self, batch: Any) -> Any:
+        """A JAX loss's batch with its floating arrays in the compute dtype (see
+        ``Precision.cast_forward_inputs``; a torch module casts in its forward)."""
+        p = self.precision
+        if (self.kind == "provider" or not p.cast_forward_inputs or p.param_dtype is None
+                or p.param_dtype == self.master_dtype):
+            return batch
+
+        def cast(x: Any) -> Any:
+            dtype = getattr(x, "dtype", None)
+            if dtype is None or not hasattr(x, "astype"):
+                return x
+            d = np.dtype(dtype)
+            return x.astype(p.param_dtype) if d.kind == "f" and d != p.param_dtype else x
+
+        return ops._tree.tree_map(cast, batch)
 
     def _check_state(self, state: TrainState) -> None:
         if not isinstance(state, TrainState):

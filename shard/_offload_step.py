@@ -4,6 +4,7 @@ update that runs there."""
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,8 @@ from shard._offload import KINDS, DiskTier, Offload
 from shard._profile import timed
 
 __all__ = ["OffloadPhase"]
+
+log = logging.getLogger(__name__)
 
 
 class OffloadPhase:
@@ -31,6 +34,9 @@ class OffloadPhase:
     master_dtype: Any
     precision: Any
     _tier: DiskTier | None
+    name: str
+    state_from: Any
+    _refresh: Any
 
     def _setup_offload(self) -> None:
         """The disk tier for this layout (host memory needs nothing)."""
@@ -41,6 +47,22 @@ class OffloadPhase:
         tier = self._tier
         if tier is None or tier.sizes != sizes or tier.dtype != self.master_dtype:
             self._tier = DiskTier(self.offload, self.comm.rank, sizes, self.master_dtype)
+
+    def _offloaded_init(self, leaves: list[Any], rank: int) -> Any:
+        """``init``'s state with the masters scattered straight into host memory or
+        the disk tier, one unit at a time."""
+        def fill(u: int, kind: str, buf: Any) -> None:
+            if kind != "master":
+                return
+            for i in self.layout.units[u].leaves:
+                leaf = self.layout.leaves[i]
+                x = leaves[i] if self.device.host else self.device.to_host(leaves[i])
+                self.layout.scatter_leaf(leaf, x, rank, buf[
+                    leaf.offset:leaf.offset + leaf.local_size].reshape(leaf.local_shape))
+
+        *bufs, copies = self._offloaded_buffers(fill)
+        log.info("%s: masters and moments offloaded to %s", self.name, self.offload.optimizer)
+        return self.state_from(*bufs, full_leaves=leaves, copies=copies)
 
     def _offloaded_buffers(self, fill: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
         """Masters and moments where the policy keeps them, unit by unit, and the

@@ -148,20 +148,7 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
         self._agree_on_values(leaves)
         rank = self.comm.rank if self.stage > 0 else 0
         if self.offload is not None:  # masters and moments in host memory or on disk
-            def fill(u: int, kind: str, buf: Any) -> None:
-                if kind != "master":
-                    return
-                for i in self.layout.units[u].leaves:
-                    leaf = self.layout.leaves[i]
-                    x = leaves[i] if self.device.host else self.device.to_host(leaves[i])
-                    self.layout.scatter_leaf(leaf, x, rank, buf[
-                        leaf.offset:leaf.offset + leaf.local_size].reshape(leaf.local_shape))
-
-            *bufs, copies = self._offloaded_buffers(fill)
-            state = self.state_from(*bufs, full_leaves=leaves, copies=copies)
-            log.info("%s: masters and moments offloaded to %s", self.name,
-                     self.offload.optimizer)
-            return state
+            return self._offloaded_init(leaves, rank)
         master = alloc_units(self.layout, self.master_dtype, self.device)
         for leaf, x, dst in zip(self.layout.leaves, leaves,
                                 self.layout.local_views(master), strict=True):
@@ -335,23 +322,6 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
         return state.replace(step=np.asarray(int(state.step) + finite, np.int64),
                              loss_scale=np.asarray(new_scale, np.float64),
                              good_steps=np.asarray(good, np.int64)), StepMetrics(known)
-
-    def _cast_inputs(self, batch: Any) -> Any:
-        """A JAX loss's batch with its floating arrays in the compute dtype (see
-        ``Precision.cast_forward_inputs``; a torch module casts in its forward)."""
-        p = self.precision
-        if (self.kind == "provider" or not p.cast_forward_inputs or p.param_dtype is None
-                or p.param_dtype == self.master_dtype):
-            return batch
-
-        def cast(x: Any) -> Any:
-            dtype = getattr(x, "dtype", None)
-            if dtype is None or not hasattr(x, "astype"):
-                return x
-            d = np.dtype(dtype)
-            return x.astype(p.param_dtype) if d.kind == "f" and d != p.param_dtype else x
-
-        return ops._tree.tree_map(cast, batch)
 
     def _on_device(self, x: Any, what: str) -> Any:
         """A loss (a number, or a torch, jax or device scalar) as a device array."""
