@@ -37,6 +37,7 @@ bench: $(STAMP)
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/collectives.py gloo
 	$(PY) benchmarks/collectives.py threads --world 2
 	$(PY) benchmarks/e2e.py --profile
+	$(PY) benchmarks/offload.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -6,7 +6,9 @@ with ``unsupported="warn"`` a warning), never silently ignored.
 
 - ``zero_optimization.stage``: ``zero0``-``zero3``;
   ``overlap_comm``, ``contiguous_gradients``, ``reduce_scatter`` (true): what
-  every stage does;
+  every stage does; ``offload_optimizer``: ``device`` ``cpu`` (``pin_memory``
+  accepted) is ``shard.Offload("host")``, ``nvme`` with ``nvme_path`` is
+  ``shard.Offload("disk", path=nvme_path)``;
 - ``fp16``: ``enabled``, ``initial_scale_power``, ``loss_scale_window``,
   ``hysteresis`` (1 only): ``Precision(float16)`` and a ``LossScale``;
 - ``bf16.enabled``: ``Precision(bfloat16)``;
@@ -33,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from ops import FusedAdam, adam, adamw
+from shard._offload import Offload
 from shard._policy import LossScale, Precision
 
 __all__ = ["DeepSpeedConfig", "from_deepspeed_config"]
@@ -53,6 +56,7 @@ class DeepSpeedConfig:
     gradient_accumulation_steps: int
     micro_batch_size: int | None
     train_batch_size: int | None
+    offload: Offload | None = None
 
     def transform(self, loss_fn: Any, *, comm: Any, **kwargs: Any) -> Any:
         """``shard.zero{stage}(loss_fn, ...)`` with this config's options. A step
@@ -68,7 +72,8 @@ class DeepSpeedConfig:
                                  f" x world size {comm.world_size}")
         zero = (zero0, zero1, zero2, zero3)[self.stage]
         return zero(loss_fn, optimizer=self.optimizer, comm=comm, precision=self.precision,
-                    clip_norm=self.clip_norm, loss_scale=self.loss_scale, **kwargs)
+                    clip_norm=self.clip_norm, loss_scale=self.loss_scale,
+                    **({"offload": self.offload} if self.offload else {}), **kwargs)
 
 
 def from_deepspeed_config(config: dict | str | os.PathLike, *,
@@ -106,6 +111,7 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *,
     for key in _ALWAYS:
         if zero.pop(key, True) is not True:
             bad.append(f"zero_optimization.{key}=false (always on here)")
+    offload = _offload(dict(zero.pop("offload_optimizer", {}) or {}), stage, bad)
     bad += [f"zero_optimization.{k}" for k in zero]
 
     precision, loss_scale = None, None
@@ -162,7 +168,27 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *,
                            precision=precision, loss_scale=loss_scale,
                            clip_norm=float(clip) if clip else None,
                            gradient_accumulation_steps=accumulation, micro_batch_size=micro,
-                           train_batch_size=total)
+                           train_batch_size=total, offload=offload)
+
+
+def _offload(cfg: dict, stage: int, bad: list[str]) -> Offload | None:
+    """``zero_optimization.offload_optimizer`` as a :class:`shard.Offload`."""
+    device = cfg.pop("device", "none")
+    cfg.pop("pin_memory", None)  # host buffers are what they are here
+    path = cfg.pop("nvme_path", None)
+    bad += [f"zero_optimization.offload_optimizer.{k}" for k in cfg]
+    if device in ("none", None):
+        return None
+    if stage == 0:
+        bad.append("zero_optimization.offload_optimizer at stage 0 (stages 1-3 offload)")
+        return None
+    if device == "cpu":
+        return Offload("host")
+    if device == "nvme" and path:
+        return Offload("disk", path=path)
+    bad.append(f"zero_optimization.offload_optimizer.device={device!r} (cpu, or nvme with "
+               "nvme_path)")
+    return None
 
 
 def _schedule(sched: dict, lr: float, bad: list[str]) -> Callable[[int], float]:

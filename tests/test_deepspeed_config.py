@@ -146,14 +146,30 @@ def test_one_cycle_lr_and_its_momentum_cycling():
         cfg(scheduler={"type": "OneCycle", "params": {"cycle_momentum": False}})
 
 
+def test_offload_optimizer_maps_to_shard_offload(tmp_path):
+    host = cfg(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu",
+                                                                  "pin_memory": True}})
+    assert host.offload == shard.Offload("host")
+    disk = cfg(zero_optimization={"stage": 3, "offload_optimizer": {
+        "device": "nvme", "nvme_path": str(tmp_path)}})
+    assert disk.offload == shard.Offload("disk", path=str(tmp_path))
+    step = disk.transform(lambda p, b: 0.0, comm=ops.spawn(lambda x: x, 1)[0])
+    assert step.offload.optimizer == "disk"
+    with pytest.raises(ValueError, match=r"offload_optimizer\.device='nvme'"):
+        cfg(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme"}})
+    with pytest.raises(ValueError, match=r"offload_optimizer\.buffer_count"):
+        cfg(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu",
+                                                                 "buffer_count": 4}})
+
+
 def test_unsupported_keys_are_named_or_warned(tmp_path, caplog):
-    bad = {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    bad = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}},
            "fp16": {"enabled": True, "hysteresis": 2}, "steps_per_print": 10,
            "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
            "scheduler": {"type": "CyclicLR", "params": {}}}
     with pytest.raises(ValueError) as e:
         shard.from_deepspeed_config(bad)
-    for name in ("zero_optimization.offload_optimizer", "fp16.hysteresis", "steps_per_print",
+    for name in ("zero_optimization.offload_param", "fp16.hysteresis", "steps_per_print",
                  "optimizer.type='Lamb'", "scheduler.type='CyclicLR'"):
         assert name in str(e.value), name
     path = tmp_path / "ds.json"

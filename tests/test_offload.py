@@ -4,7 +4,10 @@ unoffloaded trajectory bit for bit ([Note: offload])."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import tracemalloc
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -71,11 +74,12 @@ def test_mixed_precision_clipping_and_loss_scaling_offloaded(tmp_path, tier, sta
 
 
 @pytest.mark.parametrize("tier", ["host", "disk"])
-@pytest.mark.parametrize("stage", [1, 3])
-def test_offload_on_the_device_stand_in(device, tmp_path, tier, stage):
-    want = ops.spawn(lambda c: trajectory(c, stage), 3)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 3])
+def test_offload_on_the_device_stand_in(device, tmp_path, tier, stage, world):
+    want = ops.spawn(lambda c: trajectory(c, stage), world)
     got = ops.spawn(lambda c: trajectory(c, stage, offload=policy(tier, tmp_path),
-                                         device=device), 3)
+                                         device=device), world)
     for g, w in zip(got, want, strict=True):
         assert_same(g, w)
     state = got[0][2]
@@ -198,3 +202,17 @@ def test_bad_offload_arguments_are_refused():
         shard.Offload("nvme")
     with pytest.raises(TypeError, match=r"shard\.Offload"):
         shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm, offload="cpu")
+
+
+def test_offload_benchmark_prints_its_table(tmp_path):
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "offload.py"), "--params",
+                          "2e6", "--width", "512", "--steps", "1", "--chunk-mb", "1",
+                          "--probe-mb", "16", "--path", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, PYTHONPATH=str(root)))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| mode | step s | optimizer s | disk floor s")
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["ram", "disk"]
+    assert "sequential write" in out.stdout
