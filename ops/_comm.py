@@ -14,6 +14,19 @@ per-rank chunk of k elements:
   reproducible.
 - ``all_reduce_(x, op)`` and ``broadcast_(x, src)`` work in place.
 
+[Note: point-to-point]
+``send(x, dst, tag=)`` and ``recv_(out, src, tag=)`` move one flat buffer
+between two ranks; messages from one rank to another with one tag arrive in
+the order they were sent. ``send`` returns once the message is handed over:
+on thread ranks at once (it is copied), on gloo once the transport took it
+(large messages may wait for the matching ``recv_``, so a pair of ranks must
+not both send first). ``recv_`` checks the size and dtype before any payload
+moves (a mismatch raises :class:`CollectiveError` naming both), waits at most
+``timeout``, and fails at once when the sender failed or returned (threads)
+or its process is gone (gloo). ``split(color)`` (a collective) gives the
+communicator of the ranks that passed the same color, ranked in their order
+here: a device mesh's data-parallel and pipeline groups.
+
 Every rank must issue the same collectives in the same order. Async variants
 return a :class:`Work`; a blocking call first waits for this communicator's
 outstanding async work, so the order seen by the peers is the order of calls.
@@ -166,6 +179,60 @@ class Communicator(abc.ABC):
     def barrier(self) -> None:
         self._drain()
         self._barrier()
+
+    def send(self, x: Any, dst: int, *, tag: int = 0) -> None:
+        """Send ``x`` to rank ``dst`` (see [Note: point-to-point])."""
+        self._check_p2p("send", x, dst, tag)
+        self._drain()
+        self._send(x, dst, tag)
+
+    def recv_(self, out: Any, src: int, *, tag: int = 0) -> Any:
+        """Receive rank ``src``'s message into ``out`` (see [Note: point-to-point])."""
+        self._check_p2p("recv", out, src, tag)
+        self._drain()
+        self._recv(out, src, tag)
+        return out
+
+    def split(self, color: int) -> Communicator:
+        """The communicator of the ranks that pass the same ``color`` (a collective;
+        see [Note: point-to-point])."""
+        raise NotImplementedError(f"split: the {self.backend} backend has no sub-communicators "
+                                  "yet (threads and gloo have)")
+
+    def _send(self, x: Any, dst: int, tag: int) -> None:
+        raise NotImplementedError(f"send: the {self.backend} backend has no point-to-point "
+                                  "yet (threads and gloo have)")
+
+    def _recv(self, out: Any, src: int, tag: int) -> None:
+        raise NotImplementedError(f"recv: the {self.backend} backend has no point-to-point "
+                                  "yet (threads and gloo have)")
+
+    def _check_p2p(self, name: str, buf: Any, peer: int, tag: int) -> None:
+        if not 0 <= peer < self.world_size or peer == self.rank:
+            raise ValueError(f"{name} on rank {self.rank}: the peer must be another rank in "
+                             f"[0, {self.world_size}); got {peer}")
+        if isinstance(tag, bool) or not isinstance(tag, int) or not 0 <= tag < 2**20:
+            raise ValueError(f"{name}: tag must be an int in [0, 2**20); got {tag!r}")
+        self._check_memory(name, buf)
+        if not buf.flags.c_contiguous:
+            raise ValueError(f"{name}: the buffer must be C-contiguous")
+
+    def _colors(self, color: int) -> list[int]:
+        """Every rank's color, by rank (for ``split``)."""
+        import numpy as np
+
+        if isinstance(color, bool) or not isinstance(color, int) or color < 0:
+            raise ValueError(f"split: color must be an int >= 0; got {color!r}")
+        mine = np.array([color], np.int64)
+        every = np.empty(self.world_size, np.int64)
+        if self.host_memory is False:
+            device = self.device
+            out = device.empty(self.world_size, np.int64)
+            self.all_gather_into(out, device.from_host(mine))
+            every = device.to_host(out)
+        else:
+            self.all_gather_into(every, mine)
+        return [int(c) for c in every]
 
     def all_gather_async(self, out: Any, x: Any) -> Work:
         self._check_sizes("all_gather", out.size, x.size * self.world_size, out, x)

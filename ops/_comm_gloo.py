@@ -41,9 +41,10 @@ from ops._dlpack import torch_view
 __all__ = ["GlooCommunicator"]
 
 SMALL_BYTES = 0
-_CODES = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4}
+_CODES = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4, "p2p": 5}
 _NAMES = {v: k for k, v in _CODES.items()}
 _HEADER_TAG = 0x5A53  # headers travel on their own tag, never matched with payloads
+_P2P_TAG = 0x100000  # point-to-point tag t: payload on _P2P_TAG + 2t, header on + 2t + 1
 _DTYPE_NAMES = {zlib.crc32(n.encode()): n for n in (
     "float32", "float64", "float16", "bfloat16", "int8", "int16", "int32", "int64", "uint8",
     "uint16", "uint32", "uint64", "bool")}
@@ -197,3 +198,35 @@ class GlooCommunicator(Communicator):
     def _barrier(self) -> None:
         self._run("barrier", self._dist.monitored_barrier, self.group,
                   datetime.timedelta(seconds=self.timeout))
+
+    def _send(self, x: Any, dst: int, tag: int) -> None:
+        """A header (size, dtype, tag), then the payload (see [Note: point-to-point])."""
+        dist, peer = self._dist, self._peers[dst]
+        works = [dist.isend(self._header("p2p", x, tag), peer, group=self.group,
+                            tag=_P2P_TAG + 2 * tag + 1),
+                 dist.isend(torch_view(x.reshape(-1)), peer, group=self.group,
+                            tag=_P2P_TAG + 2 * tag)]
+        self._run(f"send to rank {dst}", lambda: [w.wait() for w in works])
+
+    def _recv(self, out: Any, src: int, tag: int) -> None:
+        import torch
+
+        dist, peer = self._dist, self._peers[src]
+        header = torch.empty(4, dtype=torch.int64)
+        self._run(f"recv from rank {src}", lambda: dist.irecv(
+            header, peer, group=self.group, tag=_P2P_TAG + 2 * tag + 1).wait())
+        _, n, d, _ = header.tolist()
+        if n != out.size or d != zlib.crc32(str(out.dtype).encode()):
+            raise CollectiveError(f"recv on rank {self.rank}: rank {src} sent {n} elements of "
+                                  f"{_DTYPE_NAMES.get(d, d)} with tag {tag}, but the receive is "
+                                  f"for {out.size} elements of {out.dtype}")
+        self._run(f"recv from rank {src}", lambda: dist.irecv(
+            torch_view(out.reshape(-1)), peer, group=self.group, tag=_P2P_TAG + 2 * tag).wait())
+
+    def split(self, color: int) -> GlooCommunicator:
+        colors = self._colors(color)
+        members = [self._peers[r] for r, c in enumerate(colors) if c == color]
+        group = self._dist.new_group(members, timeout=datetime.timedelta(seconds=self.timeout),
+                                     backend="gloo", use_local_synchronization=True)
+        return GlooCommunicator(group, timeout=self.timeout, check=self.check,
+                                small_bytes=self.small_bytes)

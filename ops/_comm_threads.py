@@ -11,7 +11,9 @@ parallel.
 
 from __future__ import annotations
 
+import collections
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -41,15 +43,30 @@ class ThreadGroup:
         self._returned: set[int] = set()  # ranks whose function has returned
         self._lock = threading.Lock()
         self.failure: tuple[int, BaseException] | None = None
+        self._mail: dict[tuple[int, int, int], collections.deque] = \
+            collections.defaultdict(collections.deque)
+        self._mail_cv = threading.Condition(threading.Lock())
+        # sub-groups made by split: (group, its members' ranks here)
+        self._children: dict[tuple[int, int], tuple[ThreadGroup, list[int]]] = {}
+        self._parent: ThreadGroup | None = None
 
     def communicators(self) -> list[ThreadCommunicator]:
         return [ThreadCommunicator(self, r) for r in range(self.world_size)]
 
     def fail(self, rank: int, exc: BaseException) -> None:
-        """Record the first failure and wake every rank waiting in a collective."""
+        """Record the first failure and wake every rank waiting in a collective or
+        a receive, here and in the groups split from (or containing) this one."""
+        if self.failure is not None and self._barrier.broken:
+            return
         if self.failure is None:
             self.failure = (rank, exc)
         self._barrier.abort()
+        with self._mail_cv:
+            self._mail_cv.notify_all()
+        for child, members in list(self._children.values()):
+            child.fail(members.index(rank) if rank in members else -1, exc)
+        if self._parent is not None:
+            self._parent.fail(-1, exc)
 
     def returned(self, rank: int) -> None:
         """Rank ``rank``'s function returned: ranks waiting in a collective it never
@@ -57,6 +74,11 @@ class ThreadGroup:
         with self._lock:
             self._returned.add(rank)
             ahead = [r for r in range(self.world_size) if self._entered[r] > self._entered[rank]]
+        with self._mail_cv:
+            self._mail_cv.notify_all()
+        for child, members in list(self._children.values()):
+            if rank in members:
+                child.returned(members.index(rank))
         if ahead:
             self.fail(rank, RankReturned(f"rank {rank} returned from its function while rank(s) "
                                          f"{ahead} wait in a collective it never called"))
@@ -111,6 +133,47 @@ class ThreadGroup:
             self.fail(rank, err)
             raise err
         return [v for _, v in slots]
+
+
+    # -- point-to-point (see [Note: point-to-point]) ------------------------------
+    def post(self, src: int, dst: int, tag: int, meta: tuple, value: Any) -> None:
+        with self._mail_cv:
+            self._mail[src, dst, tag].append((meta, value))
+            self._mail_cv.notify_all()
+
+    def take(self, rank: int, src: int, tag: int, meta: tuple) -> Any:
+        """The next message from ``src`` to ``rank`` with ``tag`` (its meta checked)."""
+        deadline = time.monotonic() + self.timeout
+        err: BaseException | None = None
+        with self._mail_cv:
+            box = self._mail[src, rank, tag]
+            while not box:
+                failure = self.failure
+                if failure is not None and failure[0] != rank:
+                    r, exc = failure
+                    who = "the caller of ops.spawn" if r < 0 else f"rank {r}"
+                    err = PeerFailed(f"recv from rank {src} on rank {rank} cannot complete: "
+                                     f"{who} failed ({type(exc).__name__}: {exc})")
+                elif src in self._returned:
+                    err = RankReturned(f"recv on rank {rank}: rank {src} returned from its "
+                                       "function without sending the message")
+                elif time.monotonic() > deadline:
+                    err = CollectiveTimeout(f"recv from rank {src} on rank {rank} did not "
+                                            f"complete within {self.timeout:g} s")
+                if err is not None:
+                    break
+                self._mail_cv.wait(min(0.1, max(deadline - time.monotonic(), 0.001)))
+            else:
+                got, value = box.popleft()
+        if err is None and got != meta:
+            err = CollectiveError(f"recv on rank {rank}: rank {src} sent {got[1]} elements of "
+                                  f"{got[2]} with tag {tag}, but the receive is for {meta[1]} "
+                                  f"elements of {meta[2]}")
+        if err is not None:
+            if not isinstance(err, PeerFailed):
+                self.fail(rank, err)
+            raise err
+        return value
 
 
 class RankReturned(PeerFailed):
@@ -170,6 +233,27 @@ class ThreadCommunicator(Communicator):
     def _barrier(self) -> None:
         self.group.exchange(self.rank, "barrier", self._meta("barrier", None), None)
         self.group.wait(self.rank, "barrier")
+
+    def _send(self, x: Any, dst: int, tag: int) -> None:
+        self.group.post(self.rank, dst, tag, self._meta("p2p", x), x.copy())
+
+    def _recv(self, out: Any, src: int, tag: int) -> None:
+        value = self.group.take(self.rank, src, tag, self._meta("p2p", out))
+        device_of(out).xp.copyto(out, value)
+
+    def split(self, color: int) -> ThreadCommunicator:
+        colors = self._colors(color)
+        members = [r for r, c in enumerate(colors) if c == color]
+        self._splits = getattr(self, "_splits", 0) + 1
+        parent = self.group
+        with parent._lock:
+            key = (self._splits, color)
+            if key not in parent._children:
+                child = ThreadGroup(len(members), parent.timeout)
+                child._parent = parent
+                parent._children[key] = (child, members)
+            child = parent._children[key][0]
+        return ThreadCommunicator(child, members.index(self.rank))
 
 
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any,

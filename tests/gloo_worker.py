@@ -143,6 +143,29 @@ def main() -> None:
                 shard.save(state, os.environ["ZS_OUT"] + ".ck", comm=comm)
             for _ in range(3):
                 state, _ = step(state, None)
+        elif scenario == "p2p":  # 4 ranks: a ring, a mismatch caught, and a 2 x 2 mesh
+            w, r = comm.world_size, comm.rank
+            if r % 2 == 0:
+                comm.send(np.full(1000, r, np.float32), (r + 1) % w, tag=3)
+                got = comm.recv_(np.empty(1000, np.float32), (r - 1) % w, tag=3)
+            else:
+                got = comm.recv_(np.empty(1000, np.float32), (r - 1) % w, tag=3)
+                comm.send(np.full(1000, r, np.float32), (r + 1) % w, tag=3)
+            report["ring"] = float(got[0])
+            data, pipe = comm.split(r // 2), comm.split(r % 2)  # data: {0,1},{2,3}
+            report["data"] = ops.all_gather(data, np.array([r])).tolist()
+            report["pipe"] = ops.all_gather(pipe, np.array([r])).tolist()
+            if pipe.rank == 0:  # pipeline neighbours on their own group
+                pipe.send(np.arange(5, dtype=np.float64), 1)
+            else:
+                report["pipe_recv"] = pipe.recv_(np.empty(5, np.float64), 0).tolist()
+            if r == 0:
+                comm.send(np.zeros(7, np.float32), 1, tag=9)
+            elif r == 1:
+                try:
+                    comm.recv_(np.empty(8, np.float32), 0, tag=9)
+                except ops.CollectiveError as e:
+                    report["mismatch"] = str(e)
         elif scenario == "mismatch":
             ops.all_gather(comm, np.ones(100_000 + comm.rank, np.float32))
         report["ok"] = True

@@ -36,6 +36,21 @@ def test_a_save_only_rank_0_calls_fails_every_rank_with_the_cause(tmp_path):
     assert all(r["seconds"] < 30 for r in reports)
 
 
+def test_point_to_point_and_split_across_four_processes(tmp_path):
+    reports = run_ranks("tests/gloo_worker.py", 4, tmp_path,
+                        {"ZS_SCENARIO": "p2p", "ZS_TIMEOUT": "20"})
+    for r, rep in enumerate(reports):
+        assert rep.get("ok") or r == 0, rep
+        assert rep["ring"] == (r - 1) % 4
+        assert rep["data"] == ([0, 1] if r < 2 else [2, 3])
+        assert rep["pipe"] == ([0, 2] if r % 2 == 0 else [1, 3])
+    assert reports[2]["pipe_recv"] == reports[3]["pipe_recv"] == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert "rank 0 sent 7 elements of float32 with tag 9" in reports[1]["mismatch"]
+    # the refused payload is never taken: its sender fails (here when rank 1 exits)
+    assert reports[0]["error"] in ("PeerFailed", "CollectiveTimeout"), reports[0]
+    assert "send to rank 1" in reports[0]["message"]
+
+
 def test_mismatched_sizes_across_processes_raise(tmp_path):
     reports = run_ranks("tests/gloo_worker.py", 2, tmp_path,
                         {"ZS_SCENARIO": "mismatch", "ZS_TIMEOUT": "20"})
