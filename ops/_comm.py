@@ -186,6 +186,20 @@ class Communicator(abc.ABC):
         self._drain()
         self._send(x, dst, tag)
 
+    def isend(self, x: Any, dst: int, *, tag: int = 0) -> Any:
+        """Start sending ``x`` to ``dst``; ``wait()`` on the handle before reusing
+        ``x`` (see [Note: point-to-point]). Sends that must not wait for their
+        receiver (two ranks sending to each other at once) use this."""
+        self._check_p2p("send", x, dst, tag)
+        self._drain()
+        return self._isend(x, dst, tag)
+
+    def _isend(self, x: Any, dst: int, tag: int) -> Any:
+        self._send(x, dst, tag)  # buffered backends: done at once
+        done: cf.Future = cf.Future()
+        done.set_result(None)
+        return Work(done, "send", self.timeout, self.rank, x)
+
     def recv_(self, out: Any, src: int, *, tag: int = 0) -> Any:
         """Receive rank ``src``'s message into ``out`` (see [Note: point-to-point])."""
         self._check_p2p("recv", out, src, tag)

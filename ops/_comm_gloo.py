@@ -200,13 +200,16 @@ class GlooCommunicator(Communicator):
                   datetime.timedelta(seconds=self.timeout))
 
     def _send(self, x: Any, dst: int, tag: int) -> None:
+        self._isend(x, dst, tag).wait()
+
+    def _isend(self, x: Any, dst: int, tag: int) -> Any:
         """A header (size, dtype, tag), then the payload (see [Note: point-to-point])."""
         dist, peer = self._dist, self._peers[dst]
         works = [dist.isend(self._header("p2p", x, tag), peer, group=self.group,
                             tag=_P2P_TAG + 2 * tag + 1),
                  dist.isend(torch_view(x.reshape(-1)), peer, group=self.group,
                             tag=_P2P_TAG + 2 * tag)]
-        self._run(f"send to rank {dst}", lambda: [w.wait() for w in works])
+        return _Sending(self, f"send to rank {dst}", works, x)
 
     def _recv(self, out: Any, src: int, tag: int) -> None:
         import torch
@@ -230,3 +233,14 @@ class GlooCommunicator(Communicator):
                                      backend="gloo", use_local_synchronization=True)
         return GlooCommunicator(group, timeout=self.timeout, check=self.check,
                                 small_bytes=self.small_bytes)
+
+
+class _Sending:
+    """A gloo send in flight; ``wait()`` raises as a collective would."""
+
+    def __init__(self, comm: GlooCommunicator, name: str, works: list, buf: Any) -> None:
+        self._comm, self._name, self._works, self._buf = comm, name, works, buf
+
+    def wait(self) -> Any:
+        self._comm._run(self._name, lambda: [w.wait() for w in self._works])
+        return self._buf

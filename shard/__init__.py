@@ -14,6 +14,7 @@ from shard._loss import Layered
 from shard._memory import estimate_memory
 from shard._monitor import CSVLogger, TensorBoardLogger
 from shard._offload import Offload
+from shard._pipeline import Pipeline, pipeline
 from shard._policy import LossScale, Precision
 from shard._profile import Breakdown, profile
 from shard._specs import Replicate, Shard, from_partition_spec, to_partition_spec
@@ -32,6 +33,7 @@ __all__ = [
     "LossScale",
     "MicroBatches",
     "Offload",
+    "Pipeline",
     "Precision",
     "Replicate",
     "Shard",
@@ -46,6 +48,7 @@ __all__ = [
     "load",
     "make_layout",
     "partition",
+    "pipeline",
     "profile",
     "save",
     "spawn",

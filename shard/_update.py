@@ -26,6 +26,7 @@ class UpdatePhase:
     clip_norm: Any
     _fast: Any
     _apply_offloaded: Any
+    loss_fn: Any
 
     def _norm_and_loss(self, shards: list[Any], totals: Any) -> None:
         """``totals`` (on the device) becomes [global sum of squares of the summed
@@ -40,6 +41,12 @@ class UpdatePhase:
             replicated, sharded = sharded + replicated, []
         if sharded:
             ops.sum_of_squares(sharded, out=totals[0:1])
+        mesh = getattr(self.loss_fn, "norm_comm", None)
+        if mesh is not None:  # a pipeline stage: over the whole mesh (see [Note: pipeline])
+            if replicated and self.comm.rank == 0:  # once per stage
+                totals[0:1] += ops.sum_of_squares(replicated)
+            mesh.all_reduce_(totals, "sum")
+            return
         self._fast.all_reduce_(totals, "sum")
         if replicated:
             totals[0:1] += ops.sum_of_squares(replicated)

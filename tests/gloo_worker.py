@@ -166,6 +166,11 @@ def main() -> None:
                     comm.recv_(np.empty(8, np.float32), 0, tag=9)
                 except ops.CollectiveError as e:
                     report["mismatch"] = str(e)
+        elif scenario == "pipeline":  # 2 stages x 2 data ranks, 1F1B, ZeRO-2
+            from tests import pipeline_models as PM
+
+            results = [PM.run(comm, stages=2, microbatches=2)]
+            report["worst"] = PM.worst_difference(results, PM.reference())
         elif scenario == "mismatch":
             ops.all_gather(comm, np.ones(100_000 + comm.rank, np.float32))
         report["ok"] = True

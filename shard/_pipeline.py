@@ -1,0 +1,270 @@
+"""Pipeline parallelism composed with ZeRO: :func:`pipeline`.
+
+[Note: pipeline]
+``pipe = shard.pipeline(layered, comm=comm, stages=P, microbatches=M)`` lays
+the world's ranks out as a (data x pipe) mesh: rank ``r`` runs stage
+``r // D`` for data index ``r % D`` (``D = world / P``). ``pipe.data`` is this
+rank's data-parallel communicator, ``pipe.params(params)`` the params of this
+stage's layers (contiguous layers, balanced by parameter count or by the
+``balance`` given), and ``pipe`` itself is the loss a ZeRO transform takes:
+
+    step = shard.zero2(pipe, optimizer=ops.adamw(1e-3), comm=pipe.data)
+    state = step.init(pipe.params(params))
+    state, metrics = step(state, batch)     # every stage of a data rank: its batch
+
+Each step splits the batch into M micro-batches (by rows) and runs them
+through the stages with the GPipe schedule (every forward, then every
+backward) or 1F1B (``P - 1 - stage`` forwards to fill the pipe, then one
+forward and one backward in turn, so at most P micro-batches' activations are
+held). Activations and their gradients cross between stages by point-to-point
+messages (a small header with the shape and dtype, then the data). A stage's
+gradients are summed over the micro-batches and handed to the ZeRO step, which
+shards and reduces them over the data axis as for any loss; the gradient norm
+(for clipping and the finite check) and the loss are summed over the whole
+mesh, so every rank clips by the same global norm and skips the same steps.
+The trajectory is that of the unpipelined model on the whole batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ops import Communicator
+from ops._dlpack import jax_view
+from shard._loss import Layered
+from shard._profile import timed
+
+__all__ = ["Pipeline", "pipeline"]
+
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_HEADER, _DATA = 0, 1  # tags: a message's header, then its payload
+_MAX_DIMS = 8
+
+
+def pipeline(loss: Layered, *, comm: Communicator, stages: int, microbatches: int = 1,
+             schedule: str = "1f1b", balance: list[int] | None = None) -> Pipeline:
+    """Split a :class:`shard.Layered` loss into ``stages`` pipeline stages over
+    ``comm``'s ranks (see [Note: pipeline]).
+
+    Args:
+      loss: the layers (one ZeRO unit each).
+      comm: the world's communicator (every rank calls this: it splits it).
+      stages: P, which must divide the world size.
+      microbatches: M; every stage's batch rows must divide by it.
+      schedule: ``"1f1b"`` or ``"gpipe"``.
+      balance: layers per stage (summing to the number of layers); default:
+        contiguous runs of about equal parameter count, once ``params`` are
+        seen (``pipe.params(params)``).
+    """
+    if not isinstance(loss, Layered):
+        raise TypeError(f"pipeline: loss must be a shard.Layered; got {type(loss).__name__}")
+    if not isinstance(stages, int) or stages < 1 or comm.world_size % stages:
+        raise ValueError(f"pipeline: stages must divide the world size {comm.world_size}; got "
+                         f"{stages!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"pipeline: microbatches must be an int >= 1; got {microbatches!r}")
+    if schedule not in ("1f1b", "gpipe"):
+        raise ValueError(f"pipeline: schedule must be '1f1b' or 'gpipe'; got {schedule!r}")
+    n = len(loss.layers)
+    if stages > n:
+        raise ValueError(f"pipeline: {stages} stages for {n} layers")
+    if balance is not None and (len(balance) != stages or sum(balance) != n
+                                or min(balance) < 1):
+        raise ValueError(f"pipeline: balance must give each of the {stages} stages at least "
+                         f"one layer, {n} in all; got {balance}")
+    width = comm.world_size // stages
+    stage = comm.rank // width
+    data = comm.split(stage)  # the ranks of this stage
+    pipe = comm.split(comm.rank % width)  # this data index's stages, in stage order
+    return Pipeline(loss, stage, stages, microbatches, schedule, balance, data, pipe, comm)
+
+
+@dataclass
+class Pipeline:
+    """This rank's pipeline stage: the loss object a ZeRO transform takes."""
+
+    loss: Layered
+    stage: int
+    stages: int
+    microbatches: int
+    schedule: str
+    balance: list[int] | None
+    data: Communicator
+    pipe: Communicator
+    world: Communicator
+
+    # -- layout ---------------------------------------------------------------
+    def layers_of(self, params: list[Any]) -> range:
+        """The layers (indices) of this stage."""
+        if len(params) != len(self.loss.layers):
+            raise ValueError(f"pipeline: {len(self.loss.layers)} layers but {len(params)} "
+                             "entries in params (one per layer)")
+        counts = self.balance or _balanced([_size(p) for p in params], self.stages)
+        start = sum(counts[:self.stage])
+        return range(start, start + counts[self.stage])
+
+    def params(self, params: list[Any]) -> list[Any]:
+        """This stage's part of the full params (a list with one entry per layer)."""
+        self._layers = self.layers_of(list(params))
+        return [params[i] for i in self._layers]
+
+    @property
+    def norm_comm(self) -> Communicator:
+        """The gradient norm and the loss sum over the whole mesh."""
+        return self.world
+
+    # -- the step -------------------------------------------------------------
+    def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> Any:
+        raise NotImplementedError("a pipeline stage runs unit by unit (host state); "
+                                  "device state is not supported by pipelines yet")
+
+    def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
+        """One step's schedule over every micro-batch (see the Note); returns this
+        stage's share of the loss (the mean over micro-batches on the last stage,
+        0 elsewhere)."""
+        import jax
+        import jax.numpy as jnp
+
+        fwd_all, bwd_all = self.loss.compiled()
+        layers = getattr(self, "_layers", None)
+        if layers is None:
+            raise RuntimeError("pipeline: call step.init(pipe.params(params)) first")
+        fwd = [fwd_all[i] for i in layers]
+        bwd = [bwd_all[i] for i in layers]
+        subtrees = units.layout.treedef.children()
+        n, m, first, last = len(fwd), self.microbatches, self.stage == 0, \
+            self.stage == self.stages - 1
+        micro = _split(batch, m)
+        carries: dict[int, list[Any]] = {}
+        grads: list[Any] = [None] * n
+        losses = []
+        sends: list[Any] = []
+
+        def tree(u: int) -> Any:
+            return subtrees[u].unflatten([jax_view(x) for x in units.get(u)])
+
+        def forward(k: int) -> None:
+            carry = None if first else self._recv(self.stage - 1)
+            saved = []
+            for u in range(n):
+                saved.append(carry)
+                with timed("forward"):
+                    carry = jax.block_until_ready(fwd[u](tree(u), carry, micro[k]))
+            carries[k] = saved
+            if last:
+                losses.append(carry)
+            else:
+                sends.append(self._send(carry, self.stage + 1))
+
+        def backward(k: int) -> None:
+            if last:
+                ct = jnp.asarray(scale / m, dtype=jnp.result_type(losses[k]))
+            else:
+                ct = self._recv(self.stage + 1)
+            saved = carries.pop(k)
+            for u in reversed(range(n)):
+                with timed("backward"):
+                    g, ct = jax.block_until_ready(bwd[u](tree(u), saved[u], micro[k], ct))
+                grads[u] = g if grads[u] is None else jax.tree_util.tree_map(jnp.add, grads[u], g)
+            if not first:
+                sends.append(self._send(ct, self.stage - 1))
+
+        for kind, k in _order(self.schedule, self.stages, self.stage, m):
+            (forward if kind == "F" else backward)(k)
+        for work in sends:
+            work.wait()
+        for u in range(n):
+            reducer.add(u, subtrees[u].flatten_up_to(grads[u]))
+        return sum(float(x) for x in losses) / m if last else 0.0
+
+    # -- messages ---------------------------------------------------------------
+    def _send(self, x: Any, dst: int) -> list[Any]:
+        a = np.ascontiguousarray(np.asarray(x))
+        if a.ndim > _MAX_DIMS or str(a.dtype) not in _DTYPES:
+            raise TypeError(f"pipeline: stage {self.stage} passes a {a.dtype} array of "
+                            f"{a.ndim} dimensions; stages pass float arrays of up to "
+                            f"{_MAX_DIMS} dimensions")
+        header = np.zeros(2 + _MAX_DIMS, np.int64)
+        header[:2] = a.ndim, _DTYPES.index(str(a.dtype))
+        header[2:2 + a.ndim] = a.shape
+        return _Sends([self.pipe.isend(header, dst, tag=_HEADER),
+                       self.pipe.isend(a.reshape(-1), dst, tag=_DATA)])
+
+    def _recv(self, src: int) -> Any:
+        import jax.numpy as jnp
+
+        header = self.pipe.recv_(np.empty(2 + _MAX_DIMS, np.int64), src, tag=_HEADER)
+        ndim, code = int(header[0]), int(header[1])
+        shape = tuple(int(d) for d in header[2:2 + ndim])
+        dtype = np.dtype(jnp.dtype(_DTYPES[code]))
+        out = self.pipe.recv_(np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src,
+                              tag=_DATA)
+        return jnp.asarray(out.reshape(shape))
+
+
+class _Sends:
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def _order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
+    """Stage ``s``'s forwards (F) and backwards (B) of ``m`` micro-batches."""
+    if schedule == "gpipe":
+        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+    warm = min(p - 1 - s, m)
+    out = [("F", k) for k in range(warm)]
+    for i in range(m - warm):
+        out += [("F", warm + i), ("B", i)]
+    return out + [("B", k) for k in range(m - warm, m)]
+
+
+def _split(batch: Any, m: int) -> list[Any]:
+    import jax
+
+    def rows(x: Any) -> int:
+        return int(np.shape(x)[0])
+
+    leaves = jax.tree_util.tree_leaves(batch)
+    n = {rows(x) for x in leaves}
+    if len(n) != 1 or next(iter(n)) % m:
+        raise ValueError(f"pipeline: the batch's leading dimensions {sorted(n)} must agree "
+                         f"and divide into {m} micro-batches")
+    k = next(iter(n)) // m
+    return [jax.tree_util.tree_map(lambda x, i=i: x[i * k:(i + 1) * k], batch)
+            for i in range(m)]
+
+
+def _size(tree: Any) -> int:
+    import jax
+
+    return sum(int(np.prod(np.shape(x))) for x in jax.tree_util.tree_leaves(tree))
+
+
+def _balanced(sizes: list[int], p: int) -> list[int]:
+    """Contiguous runs of ``sizes`` into ``p`` parts minimising the largest sum."""
+    lo, hi = max(sizes), sum(sizes)
+    while lo < hi:  # the smallest feasible bound on a part's sum
+        mid = (lo + hi) // 2
+        parts, acc = 1, 0
+        for s in sizes:
+            if acc + s > mid:
+                parts, acc = parts + 1, 0
+            acc += s
+        if parts <= p:
+            hi = mid
+        else:
+            lo = mid + 1
+    counts, run, acc = [], 0, 0
+    for i, s in enumerate(sizes):  # close a run at the bound, or to leave a layer a stage
+        if run and (acc + s > lo or len(sizes) - i <= p - len(counts) - 1):
+            counts.append(run)
+            run, acc = 0, 0
+        run, acc = run + 1, acc + s
+    return [*counts, run]

@@ -1,0 +1,81 @@
+"""shard.pipeline: stages x micro-batches x data parallelism against one process
+([Note: pipeline])."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import ops
+import shard
+from tests import pipeline_models as PM
+from tests.multiproc import run_ranks
+
+ZERO = {1: shard.zero1, 2: shard.zero2, 3: shard.zero3}
+
+
+@pytest.fixture(scope="module")
+def want():
+    return PM.reference()
+
+
+@pytest.mark.parametrize("data", [1, 2])
+@pytest.mark.parametrize("micro", [1, 2, 4])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_pipeline_matches_one_process(want, stages, micro, data):
+    schedule = "1f1b" if (stages + micro) % 2 else "gpipe"
+    zero = ZERO[1 + (stages + micro + data) % 3]
+    results = ops.spawn(lambda c: PM.run(c, stages=stages, microbatches=micro,
+                                         schedule=schedule, zero=zero), stages * data)
+    assert PM.worst_difference(results, want) < 1e-5
+    covered = sorted(i for layers, _ in results for i in layers)
+    assert covered == sorted(list(range(PM.LAYERS)) * data)  # every layer, once per data rank
+    losses = {tuple(round(x, 6) for x in r[1]) for r in results}
+    assert len(losses) == 1  # every rank reports the same loss
+
+
+def test_clipping_uses_the_norm_over_every_stage():
+    want = PM.reference(clip_norm=0.05)
+    results = ops.spawn(lambda c: PM.run(c, stages=3, microbatches=2, clip_norm=0.05), 6)
+    assert PM.worst_difference(results, want) < 1e-5
+    unclipped = PM.reference()
+    assert PM.worst_difference(results, unclipped) > 1e-3  # the clip did act
+
+
+def test_a_failing_stage_ends_every_rank_with_its_error():
+    def boom(p, h, b):
+        raise FloatingPointError("stage 1 blew up")
+
+    layered = shard.Layered([PM.hidden, boom, PM.last])
+
+    def run(comm):
+        pipe = shard.pipeline(layered, comm=comm, stages=3, microbatches=2)
+        step = shard.zero1(pipe, optimizer=ops.adamw(1e-3), comm=pipe.data)
+        state = step.init(pipe.params(PM.init_params()[:3]))
+        step(state, PM.batches(1)[0])
+
+    t0 = time.monotonic()
+    with pytest.raises(FloatingPointError, match="stage 1 blew up"):
+        ops.spawn(run, 3, timeout=60)
+    assert time.monotonic() - t0 < 20
+
+
+def test_bad_pipeline_arguments_are_refused():
+    comm = ops.spawn(lambda c: c, 1)[0]
+    with pytest.raises(TypeError, match="Layered"):
+        shard.pipeline(PM.last, comm=comm, stages=1)
+    with pytest.raises(ValueError, match="divide the world size"):
+        shard.pipeline(PM.LAYERED, comm=comm, stages=2)
+    with pytest.raises(ValueError, match="schedule"):
+        shard.pipeline(PM.LAYERED, comm=comm, stages=1, schedule="interleaved")
+    with pytest.raises(ValueError, match="balance"):
+        shard.pipeline(PM.LAYERED, comm=comm, stages=1, balance=[2, 3])
+
+
+def test_two_by_two_gloo_processes(tmp_path):
+    reports = run_ranks("tests/gloo_worker.py", 4, tmp_path,
+                        {"ZS_SCENARIO": "pipeline", "ZS_TIMEOUT": "60"})
+    for rep in reports:
+        assert rep.get("ok"), rep
+        assert rep["worst"] < 1e-5, rep
