@@ -192,19 +192,26 @@ def test_bad_arguments_are_caught_before_communicating():
 
 def test_ctrl_c_in_spawn_stops_every_rank_and_leaves_no_threads():
     import _thread
+    import signal
     import threading
 
     def forever(comm):
         x = np.ones(1000)
-        while True:  # a training loop: compute, then a collective
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 30:  # a training loop: compute, then a collective
             time.sleep(0.01)
             ops.all_reduce(comm, x)
 
     before = set(threading.enumerate())
-    threading.Timer(0.3, _thread.interrupt_main).start()
-    t0 = time.perf_counter()
-    with pytest.raises(KeyboardInterrupt):
-        ops.spawn(forever, 3, timeout=60)
+    # Ctrl-C's handler, whatever this process inherited (a background job ignores SIGINT)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.3, _thread.interrupt_main).start()
+        t0 = time.perf_counter()
+        with pytest.raises(KeyboardInterrupt):
+            ops.spawn(forever, 3, timeout=60)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert time.perf_counter() - t0 < 5
     assert not [t for t in set(threading.enumerate()) - before
                 if t.is_alive() and t.name.startswith("zeroshard-rank")]
