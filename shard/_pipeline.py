@@ -6,7 +6,8 @@ the world's ranks out as a (data x pipe) mesh: rank ``r`` runs stage
 ``r // D`` for data index ``r % D`` (``D = world / P``). ``pipe.data`` is this
 rank's data-parallel communicator, ``pipe.params(params)`` the params of this
 stage's layers (contiguous layers, balanced by parameter count or by the
-``balance`` given), and ``pipe`` itself is the loss a ZeRO transform takes:
+``balance`` given; a dict keyed by layer index), and ``pipe`` itself is the
+loss a ZeRO transform takes:
 
     step = shard.zero2(pipe, optimizer=ops.adamw(1e-3), comm=pipe.data)
     state = step.init(pipe.params(params))
@@ -106,10 +107,13 @@ class Pipeline:
         start = sum(counts[:self.stage])
         return range(start, start + counts[self.stage])
 
-    def params(self, params: list[Any]) -> list[Any]:
-        """This stage's part of the full params (a list with one entry per layer)."""
+    def params(self, params: list[Any]) -> dict[int, Any]:
+        """This stage's part of the full params (a list with one entry per layer),
+        keyed by layer index: checkpoints and ``shard.gather`` name the layers
+        as the whole model does, so one stage's state is never mistaken for
+        another's layers."""
         self._layers = self.layers_of(list(params))
-        return [params[i] for i in self._layers]
+        return {i: params[i] for i in self._layers}
 
     @property
     def norm_comm(self) -> Communicator:

@@ -57,7 +57,8 @@ def reference(steps=4, clip_norm=None):
 
 
 def run(comm, *, stages, microbatches, schedule="1f1b", zero=shard.zero2, steps=4, **kw):
-    """Train the pipelined model; returns {layer index: whole params} and the losses."""
+    """Train the pipelined model; returns this stage's {layer index: whole params} and
+    the losses."""
     pipe = shard.pipeline(LAYERED, comm=comm, stages=stages, microbatches=microbatches,
                           schedule=schedule)
     step = zero(pipe, optimizer=ops.adamw(LR, weight_decay=WD), comm=pipe.data, **kw)
@@ -67,8 +68,7 @@ def run(comm, *, stages, microbatches, schedule="1f1b", zero=shard.zero2, steps=
         state, m = step(state, shard.split_batch(b, rank=pipe.data.rank,
                                                  world_size=pipe.data.world_size))
         losses.append(m["loss"])
-    whole = shard.gather(state, pipe.data)
-    return dict(zip(pipe.layers_of(init_params()), whole, strict=True)), losses
+    return shard.gather(state, pipe.data), losses
 
 
 def worst_difference(results, want):

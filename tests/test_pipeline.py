@@ -79,3 +79,35 @@ def test_two_by_two_gloo_processes(tmp_path):
     for rep in reports:
         assert rep.get("ok"), rep
         assert rep["worst"] < 1e-5, rep
+
+
+def test_a_stage_checkpoint_names_its_layers_and_loads_back(tmp_path):
+    def save(comm):
+        pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=2, microbatches=2)
+        step = shard.zero2(pipe, optimizer=ops.adamw(PM.LR), comm=pipe.data)
+        state, _ = step(step.init(pipe.params(PM.init_params())), PM.batches(1)[0])
+        shard.save(state, tmp_path / f"stage{pipe.stage}", comm=pipe.data)
+        return sorted(pipe.params(PM.init_params())), shard.gather(state, pipe.data)
+
+    (layers0, _), (layers1, whole1) = ops.spawn(save, 2)
+    assert layers0 == [0, 1, 2] and layers1 == [3, 4]  # balanced by parameter count
+
+    def load_plain(comm):  # the whole model from one stage's checkpoint: refused
+        step = shard.zero2(PM.LAYERED, optimizer=ops.adamw(PM.LR), comm=comm)
+        step.init(PM.init_params())
+        shard.load(tmp_path / "stage1", step, comm=comm)
+
+    with pytest.raises(shard.CheckpointError, match="no leaf"):
+        ops.spawn(load_plain, 1)
+
+    def load_stage(comm):  # the same stage, on its own
+        pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=2, microbatches=2)
+        step = shard.zero2(pipe, optimizer=ops.adamw(PM.LR), comm=pipe.data)
+        step.init(pipe.params(PM.init_params()))
+        state, _ = shard.load(tmp_path / f"stage{pipe.stage}", step, comm=pipe.data)
+        return shard.gather(state, pipe.data)
+
+    again = ops.spawn(load_stage, 2)[1]
+    for i in (3, 4):
+        for k in ("w", "b"):
+            assert (again[i][k] == whole1[i][k]).all()
