@@ -151,11 +151,11 @@ class DiskTier:
         dst = self.new_file()
         chunks = [(u, lo, min(lo + self.chunk, n)) for u, n in enumerate(self.sizes)
                   for lo in range(0, n, self.chunk)]
-        free: queue.Queue = queue.Queue()
+        free: queue.Queue = queue.Queue()  # three buffer sets bound the memory
         for _ in range(3):
             free.put([np.empty(self.chunk, self.dtype) for _ in KINDS])
-        ready: queue.Queue = queue.Queue(maxsize=2)
-        done: queue.Queue = queue.Queue(maxsize=2)
+        ready: queue.Queue = queue.Queue()
+        done: queue.Queue = queue.Queue()
         errors: list[BaseException] = []
         size = self.dtype.itemsize
         rfd, wfd = os.open(src, os.O_RDONLY), os.open(dst, os.O_WRONLY)
@@ -164,7 +164,7 @@ class DiskTier:
             try:
                 for u, lo, hi in chunks:
                     bufs = free.get()
-                    if bufs is None:
+                    if bufs is None or errors:
                         return
                     for kind, buf in zip(KINDS, bufs, strict=True):
                         off = self.data_start + self.offsets[kind, u] + lo * size
@@ -174,7 +174,8 @@ class DiskTier:
                     ready.put((u, lo, hi, bufs))
             except BaseException as e:  # handed to the caller
                 errors.append(e)
-            ready.put(None)
+            finally:
+                ready.put(None)
 
         def writer() -> None:
             try:
@@ -186,18 +187,21 @@ class DiskTier:
                     free.put(bufs)
             except BaseException as e:
                 errors.append(e)
-                free.put(None)
+            finally:
+                free.put(None)  # the reader stops at its next chunk
 
         threads = [threading.Thread(target=reader, name="zeroshard-disk-read", daemon=True),
                    threading.Thread(target=writer, name="zeroshard-disk-write", daemon=True)]
         for t in threads:
             t.start()
+        finished = False
         try:
             while (item := ready.get()) is not None and not errors:
                 u, lo, hi, bufs = item
                 n = hi - lo
                 run_chunk(u, lo, hi, *(b[:n] for b in bufs))
                 done.put(item)
+            finished = not errors
         finally:
             done.put(None)
             free.put(None)
@@ -205,8 +209,9 @@ class DiskTier:
                 t.join()
             os.close(rfd)
             os.close(wfd)
+            if not finished or errors:  # a partial generation is never left behind
+                self.retire(dst)
         if errors:
-            self.retire(dst)
             raise errors[0]
         self.finish(dst)
         return dst

@@ -145,6 +145,27 @@ def test_a_failed_disk_update_leaves_the_previous_generation(tmp_path, monkeypat
             np.testing.assert_array_equal(a, b)
 
 
+def test_a_failing_kernel_mid_stream_stops_the_threads_and_leaves_no_partial_file(tmp_path):
+    import threading
+
+    from shard._offload import DiskTier
+
+    tier = DiskTier(shard.Offload("disk", path=tmp_path, chunk_mb=1), 0, [600_000, 5],
+                    np.float32)
+    src = tier.new_file()
+    calls = []
+
+    def kernel(u, lo, hi, p, m, v):
+        calls.append(u)
+        if len(calls) == 2:
+            raise FloatingPointError("kernel failed")
+
+    with pytest.raises(FloatingPointError):
+        tier.update(src, kernel)
+    assert sorted(p.name for p in tier.dir.iterdir()) == [src.name]
+    assert not [t for t in threading.enumerate() if t.name.startswith("zeroshard-disk")]
+
+
 def test_disk_tier_update_holds_a_few_chunks_not_the_state(tmp_path):
     rng = np.random.default_rng(0)
     params = [{"w": rng.standard_normal((1024, 1024)).astype(np.float32) * 0.02}
