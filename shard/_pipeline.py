@@ -147,8 +147,15 @@ class Pipeline:
         losses = []
         sends: list[Any] = []
 
-        def tree(u: int) -> Any:
+        def view(u: int) -> Any:
             return subtrees[u].unflatten([jax_view(x) for x in units.get(u)])
+
+        # stages 0-2 keep whole params for the step: view them once; stage 3
+        # gathers a unit each time it computes (its memory bound)
+        whole = [view(u) for u in range(n)] if units.stage < 3 else None
+
+        def tree(u: int) -> Any:
+            return whole[u] if whole is not None else view(u)
 
         def forward(k: int) -> None:
             carry = None if first else self._recv(self.stage - 1)
@@ -200,7 +207,8 @@ class Pipeline:
     def _recv(self, src: int) -> Any:
         import jax.numpy as jnp
 
-        header = self.pipe.recv_(np.empty(2 + _MAX_DIMS, np.int64), src, tag=_HEADER)
+        with timed("pipeline_wait"):  # the bubble: waiting on a neighbour
+            header = self.pipe.recv_(np.empty(2 + _MAX_DIMS, np.int64), src, tag=_HEADER)
         ndim, code = int(header[0]), int(header[1])
         shape = tuple(int(d) for d in header[2:2 + ndim])
         dtype = np.dtype(jnp.dtype(_DTYPES[code]))

@@ -12,6 +12,8 @@ step's time:
 - ``all_gather_wait``: time blocked on parameter all-gathers, i.e. the part of
   the communication that compute did not hide;
 - ``reduce_wait``: time blocked on gradient reductions, likewise;
+- ``pipeline_wait``: a pipeline stage blocked on its neighbours' activations or
+  gradients (the bubble, see [Note: pipeline]);
 - ``optimizer``: the norm and the fused optimizer kernel;
 - ``library``: everything else the step does in Python: copies in and out of
   the flat buffers, binding parameters, hooks, bookkeeping.
@@ -33,7 +35,8 @@ from typing import Any
 
 __all__ = ["CATEGORIES", "Breakdown", "profile", "step_breakdown", "timed"]
 
-CATEGORIES = ("forward", "backward", "compute", "all_gather_wait", "reduce_wait", "optimizer",
+CATEGORIES = ("forward", "backward", "compute", "all_gather_wait", "reduce_wait", "pipeline_wait",
+              "optimizer",
               "library")
 _local = threading.local()
 

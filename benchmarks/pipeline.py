@@ -1,0 +1,182 @@
+"""Pipeline parallelism: ours (``shard.pipeline`` + ZeRO-1) against
+``torch.distributed.pipelining`` (Schedule1F1B), side by side.
+
+    python benchmarks/pipeline.py [--stages 2,4] [--micro 4,8] [--steps 6]
+
+The model is L square layers (tanh) and a mean-squared-error loss, split into P
+stages of L/P layers, one gloo process per stage (torchrun), one compute thread
+each; ours in JAX (a ``shard.Layered`` loss), torch's in torch. For each
+framework the same model also runs on one process (P = 1) in the same run, so
+a pipeline's efficiency is judged against its own framework:
+``bubble (est.) = 1 - (T1 / P) / T_P``. Ours also measures its bubble directly:
+the share of the step a stage spends blocked on its neighbours
+(``metrics["time_ms"]["pipeline_wait"]``, averaged over stages). The theory for
+1F1B and GPipe is ``(P - 1) / (M + P - 1)``. With more processes than cores (P = 4 on
+this 2-core machine) the stages also wait for a core, so the bubbles there are
+upper bounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def ours(args: argparse.Namespace) -> dict:
+    import jax.numpy as jnp
+    import numpy as np
+
+    import ops
+    import shard
+
+    comm = ops.init_from_env()
+
+    def hidden(p, h, b):
+        return jnp.tanh((b["x"] if h is None else h) @ p["w"] + p["b"])
+
+    def last(p, h, b):
+        return jnp.mean((jnp.tanh(h @ p["w"] + p["b"]) - b["y"]) ** 2)
+
+    rng = np.random.default_rng(0)
+    params = [{"w": (rng.standard_normal((args.width, args.width)) / np.sqrt(args.width))
+               .astype(np.float32), "b": np.zeros(args.width, np.float32)}
+              for _ in range(args.layers)]
+    batch = {"x": rng.standard_normal((args.batch, args.width)).astype(np.float32),
+             "y": rng.standard_normal((args.batch, args.width)).astype(np.float32)}
+    layered = shard.Layered([hidden] * (args.layers - 1) + [last])
+    pipe = shard.pipeline(layered, comm=comm, stages=comm.world_size,
+                          microbatches=args.microbatches, schedule=args.schedule)
+    step = shard.zero1(pipe, optimizer=ops.adamw(1e-3), comm=pipe.data)
+    state = step.init(pipe.params(params))
+    times, waits = [], []
+    for i in range(args.steps + 2):
+        state, m = step(state, batch)
+        if i >= 2:  # after compiling and warming up
+            times.append(m["time_ms"]["step"])
+            waits.append(m["time_ms"]["pipeline_wait"] / m["time_ms"]["step"])
+    every = ops.all_gather(comm, np.array([statistics.median(times),
+                                           statistics.mean(waits)]))
+    return {"step_ms": float(np.max(every[0::2])), "bubble": float(np.mean(every[1::2]))}
+
+
+def torch_pipelining(args: argparse.Namespace) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    r, w = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.Tanh())
+              for _ in range(args.layers)]
+    per = args.layers // w
+    mod = torch.nn.Sequential(*layers[r * per:(r + 1) * per])
+    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+    opt = torch.optim.AdamW(mod.parameters(), lr=1e-3)
+    m = args.microbatches
+    if w > 1:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        stage = PipelineStage(mod, r, w, torch.device("cpu"))
+        kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
+        sched = kind(stage, n_microbatches=args.microbatches,
+                     loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    times = []
+    for i in range(args.steps + 2):
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        if w == 1:  # the same micro-batches, one after the other
+            for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
+                (((mod(xs) - ys) ** 2).mean() / m).backward()
+        elif r == 0:
+            sched.step(x)
+        elif r == w - 1:
+            sched.step(target=y, losses=[])
+        else:
+            sched.step()
+        opt.step()
+        if i >= 2:
+            times.append(1e3 * (time.perf_counter() - t0))
+    mine = torch.tensor([statistics.median(times)])
+    every = [torch.zeros(1) for _ in range(w)]
+    dist.all_gather(every, mine)
+    dist.destroy_process_group()
+    return {"step_ms": max(float(t) for t in every), "bubble": None}
+
+
+def run(framework: str, p: int, m: int, args: argparse.Namespace) -> dict:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(p),
+           __file__, "--worker", framework, "--microbatches", str(m), "--layers",
+           str(args.layers),
+           "--width", str(args.width), "--batch", str(args.batch), "--steps", str(args.steps),
+           "--schedule", args.schedule]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if out.returncode or not line:
+        raise RuntimeError(f"{framework} P={p} M={m} failed:\n{out.stderr[-3000:]}")
+    return json.loads(line[0][len("RESULT "):])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--stages", default="2,4")
+    ap.add_argument("--micro", default="4,8")
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--width", type=int, default=1024)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--microbatches", type=int, default=1, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        result = (ours if args.worker == "ours" else torch_pipelining)(args)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        return
+    stages = [int(s) for s in args.stages.split(",")]
+    micro = [int(m) for m in args.micro.split(",")]
+    print(f"{args.layers} layers of {args.width}x{args.width}, batch {args.batch}, "
+          f"{args.schedule}, medians of {args.steps} steps; "
+          f"{os.cpu_count()} cores", flush=True)
+    rows = []
+    base = {(f, m): run(f, 1, m, args)["step_ms"] for f in ("ours", "torch") for m in micro}
+    for p in stages:
+        for m in micro:
+            for f in ("ours", "torch"):
+                r = run(f, p, m, args)
+                rows.append((p, m, f, r))
+                print(f"  P={p} M={m} {f}: {r['step_ms']:.1f} ms", flush=True)
+    for m in micro:
+        print(f"one process, M={m}: ours {base['ours', m]:.1f} ms, torch "
+              f"{base['torch', m]:.1f} ms")
+    print()
+    print("| P | M | theory | ours ms | ours bubble (measured) | ours bubble (est.) | "
+          "torch ms | torch bubble (est.) | ours / torch |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for p in stages:
+        for m in micro:
+            o = next(r for pp, mm, f, r in rows if (pp, mm, f) == (p, m, "ours"))
+            t = next(r for pp, mm, f, r in rows if (pp, mm, f) == (p, m, "torch"))
+            est_o = 1 - base["ours", m] / p / o["step_ms"]
+            est_t = 1 - base["torch", m] / p / t["step_ms"]
+            print(f"| {p} | {m} | {(p - 1) / (m + p - 1):.2f} | {o['step_ms']:.1f} | "
+                  f"{o['bubble']:.2f} | {est_o:.2f} | {t['step_ms']:.1f} | {est_t:.2f} | "
+                  f"{o['step_ms'] / t['step_ms']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
