@@ -111,3 +111,19 @@ def test_a_stage_checkpoint_names_its_layers_and_loads_back(tmp_path):
     for i in (3, 4):
         for k in ("w", "b"):
             assert (again[i][k] == whole1[i][k]).all()
+
+
+def test_pipeline_benchmark_prints_its_table():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "benchmarks" / "pipeline.py"), "--stages",
+                          "2", "--micro", "2", "--layers", "2", "--width", "64", "--batch", "8",
+                          "--steps", "1"], capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=str(root)))
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line for line in out.stdout.splitlines() if line.startswith("| 2 | 2 |")]
+    assert len(rows) == 1 and len(rows[0].split("|")) == 11, out.stdout
