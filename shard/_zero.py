@@ -254,7 +254,8 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
         metrics.add(time_ms=split)
         if tokens is not None:
             metrics.add(tokens_per_s=1e3 * int(tokens) / max(split["step"], 1e-9))
-        for logger in self.loggers if self.comm.rank == 0 else ():
+        world = getattr(self.loss_fn, "norm_comm", self.comm)  # a pipeline's whole mesh
+        for logger in self.loggers if world.rank == 0 else ():
             logger(int(state.step), metrics)
         return state, metrics
 

@@ -127,3 +127,20 @@ def test_pipeline_benchmark_prints_its_table():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 2 | 2 |")]
     assert len(rows) == 1 and len(rows[0].split("|")) == 11, out.stdout
+
+
+def test_loggers_write_once_per_step_for_the_whole_mesh(tmp_path):
+    import csv
+
+    log = shard.CSVLogger(tmp_path / "m.csv")
+
+    def run(comm):
+        pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=2, microbatches=2)
+        step = shard.zero1(pipe, optimizer=ops.adamw(PM.LR), comm=pipe.data, loggers=[log])
+        state = step.init(pipe.params(PM.init_params()))
+        for b in PM.batches(3):
+            state, _ = step(state, shard.split_batch(b, rank=pipe.data.rank, world_size=2))
+
+    ops.spawn(run, 4)
+    log.close()
+    assert [r["step"] for r in csv.DictReader((tmp_path / "m.csv").open())] == ["1", "2", "3"]
