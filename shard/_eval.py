@@ -8,7 +8,6 @@ from typing import Any
 import numpy as np
 
 import ops
-from ops._dlpack import jax_view
 
 __all__ = ["EvalPhase"]
 
@@ -22,6 +21,7 @@ class EvalPhase:
     kind: str
     loss_fn: Any
     name: str
+    _whole_params: Any
 
     def evaluate(self, state: Any, batch: Any) -> float:
         """The loss at ``state``'s params on this rank's ``batch``, averaged over
@@ -37,19 +37,11 @@ class EvalPhase:
         state.check_live()
         self._check_batch(batch)
         units = self._unit_params(state)
-        n = len(self.layout.units)
         with self._jax_placement():
             if self.kind == "layered":
                 loss = self.loss_fn.loss_units(units, batch)
             else:
-                units.bounded = False
-                leaves: list[Any] = [None] * len(self.layout.leaves)
-                for u in range(n):
-                    for i, x in zip(self.layout.units[u].leaves, units.get(u, range(u + 1, n)),
-                                    strict=True):
-                        leaves[i] = jax_view(x) if self.kind == "jax" else x
-                params = self.layout.treedef.unflatten(leaves)
-                del leaves
+                params = self._whole_params(units)
                 value = getattr(self.loss_fn, "loss_value", None)
                 loss = value(params, batch) if value is not None else \
                     self.loss_fn.value_and_grad(params, batch)[0]

@@ -102,12 +102,12 @@ def step_breakdown() -> Iterator[Breakdown]:
     """Time one step alone; on exit its times are added to the enclosing
     :func:`profile`, if any, as if that profile had timed it."""
     outer = getattr(_local, "breakdown", None)
-    _local.breakdown = b = Breakdown()
+    b = None
     try:
-        yield b
+        with profile() as b:
+            yield b
     finally:
-        _local.breakdown = outer
-        if outer is not None:
+        if outer is not None and b is not None:
             for k, v in b.seconds.items():
                 outer.seconds[k] += v
             outer.steps += b.steps

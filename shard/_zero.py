@@ -353,6 +353,18 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
                           full_layout=self.full_layout, prefetch=self.prefetch,
                           tracker=self.tracker)
 
+    def _whole_params(self, units: UnitParams) -> Any:
+        """Every unit gathered at once, as the params pytree (jax arrays for a JAX
+        loss): what a monolithic loss needs."""
+        n = len(self.layout.units)
+        units.bounded = False
+        leaves: list[Any] = [None] * len(self.layout.leaves)
+        for u in range(n):
+            for i, x in zip(self.layout.units[u].leaves, units.get(u, range(u + 1, n)),
+                            strict=True):
+                leaves[i] = jax_view(x) if self.kind == "jax" else x
+        return self.layout.treedef.unflatten(leaves)
+
     # -- gradients ----------------------------------------------------------------
     def _grads(self, units: UnitParams, reducer: GradReducer, batch: Any, scale: float) -> Any:
         """Loss of one micro-batch (a number or a scalar array); its gradients (of
@@ -365,14 +377,7 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
                 getattr(self.loss_fn, "hooks_usable", lambda comm: True)(self.comm)):
             return self.loss_fn.run_units(units, reducer, batch, scale)
         n = len(self.layout.units)
-        units.bounded = False  # a monolithic loss needs every unit at once
-        leaves: list[Any] = [None] * len(self.layout.leaves)
-        for u in range(n):
-            for i, x in zip(self.layout.units[u].leaves, units.get(u, range(u + 1, n)),
-                            strict=True):
-                leaves[i] = jax_view(x) if self.kind == "jax" else x
-        params = self.layout.treedef.unflatten(leaves)
-        del leaves
+        params = self._whole_params(units)
         kwargs = {"loss_scale": scale} if (self.loss_scale or self.kind == "jax") else {}
         with timed("compute"):
             loss, grads = self.loss_fn.value_and_grad(params, batch, **kwargs)
