@@ -23,7 +23,9 @@ gradients are summed over the micro-batches and handed to the ZeRO step, which
 shards and reduces them over the data axis as for any loss; the gradient norm
 (for clipping and the finite check) and the loss are summed over the whole
 mesh, so every rank clips by the same global norm and skips the same steps.
-The trajectory is that of the unpipelined model on the whole batch.
+The trajectory is that of the unpipelined model on the whole batch. With
+``activation_checkpointing=True`` a stage keeps only each micro-batch's input
+and recomputes its layers' forward in the backward (the same bits).
 """
 
 from __future__ import annotations
@@ -46,7 +48,8 @@ _MAX_DIMS = 8
 
 
 def pipeline(loss: Layered, *, comm: Communicator, stages: int, microbatches: int = 1,
-             schedule: str = "1f1b", balance: list[int] | None = None) -> Pipeline:
+             schedule: str = "1f1b", balance: list[int] | None = None,
+             activation_checkpointing: bool = False) -> Pipeline:
     """Split a :class:`shard.Layered` loss into ``stages`` pipeline stages over
     ``comm``'s ranks (see [Note: pipeline]).
 
@@ -59,6 +62,9 @@ def pipeline(loss: Layered, *, comm: Communicator, stages: int, microbatches: in
       balance: layers per stage (summing to the number of layers); default:
         contiguous runs of about equal parameter count, once ``params`` are
         seen (``pipe.params(params)``).
+      activation_checkpointing: keep only each micro-batch's input to the stage
+        and recompute the stage's forward in its backward (less activation
+        memory, about one more forward of compute).
     """
     if not isinstance(loss, Layered):
         raise TypeError(f"pipeline: loss must be a shard.Layered; got {type(loss).__name__}")
@@ -80,7 +86,8 @@ def pipeline(loss: Layered, *, comm: Communicator, stages: int, microbatches: in
     stage = comm.rank // width
     data = comm.split(stage)  # the ranks of this stage
     pipe = comm.split(comm.rank % width)  # this data index's stages, in stage order
-    return Pipeline(loss, stage, stages, microbatches, schedule, balance, data, pipe, comm)
+    return Pipeline(loss, stage, stages, microbatches, schedule, balance, data, pipe, comm,
+                    bool(activation_checkpointing))
 
 
 @dataclass
@@ -96,6 +103,8 @@ class Pipeline:
     data: Communicator
     pipe: Communicator
     world: Communicator
+    activation_checkpointing: bool = False
+    forward_passes: int = 0  # layer forwards run, recomputations included
 
     # -- layout ---------------------------------------------------------------
     def layers_of(self, params: list[Any]) -> range:
@@ -157,14 +166,18 @@ class Pipeline:
         def tree(u: int) -> Any:
             return whole[u] if whole is not None else view(u)
 
-        def forward(k: int) -> None:
-            carry = None if first else self._recv(self.stage - 1)
+        def run_forward(carry: Any, k: int, upto: int) -> tuple[Any, list[Any]]:
             saved = []
-            for u in range(n):
+            for u in range(upto):
                 saved.append(carry)
                 with timed("forward"):
                     carry = jax.block_until_ready(fwd[u](tree(u), carry, micro[k]))
-            carries[k] = saved
+                self.forward_passes += 1
+            return carry, saved
+
+        def forward(k: int) -> None:
+            carry, saved = run_forward(None if first else self._recv(self.stage - 1), k, n)
+            carries[k] = saved[:1] if self.activation_checkpointing else saved
             if last:
                 losses.append(carry)
             else:
@@ -176,6 +189,9 @@ class Pipeline:
             else:
                 ct = self._recv(self.stage + 1)
             saved = carries.pop(k)
+            if self.activation_checkpointing:  # the layers' inputs, computed again
+                last_input, inputs = run_forward(saved[0], k, n - 1)
+                saved = [*inputs, last_input]
             for u in reversed(range(n)):
                 with timed("backward"):
                     g, ct = jax.block_until_ready(bwd[u](tree(u), saved[u], micro[k], ct))

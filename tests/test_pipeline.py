@@ -144,3 +144,23 @@ def test_loggers_write_once_per_step_for_the_whole_mesh(tmp_path):
     ops.spawn(run, 4)
     log.close()
     assert [r["step"] for r in csv.DictReader((tmp_path / "m.csv").open())] == ["1", "2", "3"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_activation_checkpointing_recomputes_and_changes_nothing(schedule):
+    def run(comm, checkpointing):
+        pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=2, microbatches=4,
+                              schedule=schedule, activation_checkpointing=checkpointing)
+        step = shard.zero2(pipe, optimizer=ops.adamw(PM.LR), comm=pipe.data)
+        state = step.init(pipe.params(PM.init_params()))
+        for b in PM.batches(2):
+            state, _ = step(state, b)
+        return shard.gather(state, pipe.data), pipe.forward_passes, len(pipe._layers)
+
+    plain = ops.spawn(lambda c: run(c, False), 2)
+    saved = ops.spawn(lambda c: run(c, True), 2)
+    for (a, fa, n), (b, fb, _) in zip(plain, saved, strict=True):
+        for i in a:
+            for k in a[i]:
+                assert (a[i][k] == b[i][k]).all()  # recomputation gives the same bits
+        assert fa == 2 * 4 * n and fb == 2 * 4 * (2 * n - 1)  # steps x micro x layers
