@@ -202,6 +202,27 @@ def read_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
     return path, manifest
 
 
+def read_any_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
+    """A checkpoint's manifest; for a pipeline's checkpoint (one directory per
+    stage, see ``shard.Pipeline.save``) one manifest of every stage's leaves,
+    each naming its stage directory (``part``)."""
+    path = Path(path)
+    index = path / "pipeline.json"
+    if not index.exists():
+        return read_manifest(path)
+    info = json.loads(index.read_text())
+    parts = {}
+    for d in info["parts"]:
+        _, parts[d] = read_manifest(path / d)
+        if parts[d]["step"] != info["step"]:
+            raise CheckpointError(f"{path / d}: step {parts[d]['step']}, but the pipeline's "
+                                  f"checkpoint is of step {info['step']} (a save that did not "
+                                  "finish on every stage)")
+    merged = dict(parts[info["parts"][0]], parts=parts)
+    merged["leaves"] = [dict(e, part=d) for d, m in parts.items() for e in m["leaves"]]
+    return path, merged
+
+
 def _verify_files(path: Path, manifest: dict, needed: set[int]) -> None:
     for r in sorted(needed):
         entry = manifest["files"][r] if manifest["stage"] else manifest["files"][0]
@@ -242,7 +263,8 @@ class _Source:
             if b <= a:
                 continue
             start = off + (a - first) * self.row_size
-            sl = handles[r].get_slice(f"{kind}/{unit}")[start:start + (b - a) * self.row_size]
+            sl = handles[self.path, r].get_slice(f"{kind}/{unit}")[
+                start:start + (b - a) * self.row_size]
             out[a - lo:b - lo] = np.asarray(sl).reshape(b - a, self.row_size)
         return out
 
@@ -271,7 +293,7 @@ def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
         a manifest from a newer format, or shapes that do not fit the model;
         nothing is loaded in that case, and the step is left as it was.
     """
-    path, manifest = read_manifest(path)
+    path, manifest = read_any_manifest(path)
     before = (step.layout, step.full_layout, step.master_dtype, step.device, step.precision)
     try:  # a checkpoint that does not fit leaves the step as it was
         with _every_rank("load", comm):
@@ -304,15 +326,22 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
             raise CheckpointError(f"{path}/manifest.json: leaf {leaf.path} has shape "
                                   f"{tuple(entry['shape'])} in the checkpoint but {leaf.shape} "
                                   "in the model")
-        sources.append(_Source(path, manifest, entry))
+        part = entry.get("part")  # a pipelined checkpoint's stage directory
+        sources.append(_Source(path / part, manifest["parts"][part], entry) if part else
+                       _Source(path, manifest, entry))
     wanted = [_rows_of(leaf, rank) for leaf in layout.leaves]
-    needed = {r for s, (lo, hi) in zip(sources, wanted, strict=True) for r in s.ranks_for(lo, hi)}
-    needed |= {r for s in sources for r in s.ranks_for(0, s.rows)} if step.stage in (0, 1, 2) \
-        else set()
-    _verify_files(path, manifest, needed)
-    files = manifest["files"]
-    handles = {r: safe_open(str(path / (files[r] if manifest["stage"] else files[0])["file"]),
-                            framework="numpy") for r in needed}
+    needed = {(s.path, r) for s, (lo, hi) in zip(sources, wanted, strict=True)
+              for r in s.ranks_for(lo, hi)}
+    needed |= {(s.path, r) for s in sources for r in s.ranks_for(0, s.rows)} \
+        if step.stage in (0, 1, 2) else set()
+    handles = {}
+    for where, m in {s.path: s.manifest for s in sources}.items():
+        ranks = {r for p, r in needed if p == where}
+        _verify_files(where, m, ranks)
+        files = m["files"]
+        handles.update({(where, r): safe_open(str(where / (files[r] if m["stage"] else
+                                                             files[0])["file"]),
+                                              framework="numpy") for r in ranks})
     buffers = {kind: alloc_units(layout, step.master_dtype) for kind in KINDS}  # host
     for kind, bufs in buffers.items():
         for leaf, src, (lo, hi), dst in zip(layout.leaves, sources, wanted,

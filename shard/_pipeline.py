@@ -23,14 +23,20 @@ gradients are summed over the micro-batches and handed to the ZeRO step, which
 shards and reduces them over the data axis as for any loss; the gradient norm
 (for clipping and the finite check) and the loss are summed over the whole
 mesh, so every rank clips by the same global norm and skips the same steps.
-The trajectory is that of the unpipelined model on the whole batch. With
+The trajectory is that of the unpipelined model on the whole batch.
+``pipe.save(state, path)`` writes one checkpoint per stage and an index, which
+``shard.load`` reads into an unpipelined step (and ``pipe.load`` a plain
+checkpoint into a stage: a stage's leaves are named by layer index). With
 ``activation_checkpointing=True`` a stage keeps only each micro-batch's input
 and recomputes its layers' forward in the backward (the same bits).
 """
 
 from __future__ import annotations
 
+import json
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -123,6 +129,31 @@ class Pipeline:
         another's layers."""
         self._layers = self.layers_of(list(params))
         return {i: params[i] for i in self._layers}
+
+    # -- checkpoints --------------------------------------------------------------
+    def save(self, state: Any, path: str | os.PathLike, *, extra: Any = None) -> Path:
+        """Save every stage's state under ``path`` (a collective over the whole
+        mesh): one checkpoint per stage in ``stage-<s>/``, then ``pipeline.json``.
+        ``shard.load`` reads it into a plain step or a pipeline of any shape."""
+        from shard._checkpoint import save
+
+        path = Path(path)
+        save(state, path / f"stage-{self.stage:03d}", comm=self.data, extra=extra)
+        self.world.barrier()
+        if self.world.rank == 0:
+            part = path / "pipeline.json.part"
+            part.write_text(json.dumps({"step": int(state.step), "parts": [
+                f"stage-{s:03d}" for s in range(self.stages)]}))
+            os.replace(part, path / "pipeline.json")
+        self.world.barrier()
+        return path
+
+    def load(self, path: str | os.PathLike, step: Any) -> tuple[Any, Any]:
+        """This stage's state from a checkpoint of the whole model, plain or
+        pipelined (a collective over the stage's data ranks)."""
+        from shard._checkpoint import load
+
+        return load(path, step, comm=self.data)
 
     @property
     def norm_comm(self) -> Communicator:

@@ -45,7 +45,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, *,
     path, manifest = read_manifest(path)
     ranks = set(range(len(manifest["files"])))
     _verify_files(path, manifest, ranks)
-    handles = {r: safe_open(str(path / manifest["files"][r]["file"]), framework="numpy")
+    handles = {(path, r): safe_open(str(path / manifest["files"][r]["file"]), framework="numpy")
                for r in ranks}
     tensors = {}
     for entry in manifest["leaves"]:

@@ -164,3 +164,58 @@ def test_activation_checkpointing_recomputes_and_changes_nothing(schedule):
             for k in a[i]:
                 assert (a[i][k] == b[i][k]).all()  # recomputation gives the same bits
         assert fa == 2 * 4 * n and fb == 2 * 4 * (2 * n - 1)  # steps x micro x layers
+
+
+def test_pipelined_checkpoints_load_into_plain_steps_and_back(tmp_path):
+    import numpy as np
+
+    batches = PM.batches(4)
+
+    def pipelined(comm):  # 3 stages x 2 data ranks, 2 steps, saved
+        pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=3, microbatches=2)
+        step = shard.zero3(pipe, optimizer=ops.adamw(PM.LR, weight_decay=PM.WD),
+                           comm=pipe.data)
+        state = step.init(pipe.params(PM.init_params()))
+        for b in batches[:2]:
+            state, _ = step(state, shard.split_batch(b, rank=pipe.data.rank, world_size=2))
+        pipe.save(state, tmp_path / "pipe", extra={"seen": 2})
+
+    ops.spawn(pipelined, 6)
+
+    def plain(comm):  # ...resumed unpipelined on 4 ranks, then saved plainly
+        step = shard.zero2(PM.LAYERED, optimizer=ops.adamw(PM.LR, weight_decay=PM.WD),
+                           comm=comm)
+        state, extra = shard.load(tmp_path / "pipe", step, comm=comm)
+        assert extra == {"seen": 2}
+        b = batches[2]
+        state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=4))
+        shard.save(state, tmp_path / "plain", comm=comm)
+        return shard.gather(state, comm)
+
+    after3 = ops.spawn(plain, 4)[0]
+
+    def back(comm):  # ...and into a 2-stage pipeline again for the last step
+        pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=2, microbatches=4)
+        step = shard.zero1(pipe, optimizer=ops.adamw(PM.LR, weight_decay=PM.WD),
+                           comm=pipe.data)
+        step.init(pipe.params(PM.init_params()))
+        state, _ = pipe.load(tmp_path / "plain", step)
+        state, _ = step(state, batches[3])
+        return shard.gather(state, pipe.data)
+
+    final = ops.spawn(back, 2)
+    want = PM.reference(steps=4)
+    for got in final:
+        for i, layer in got.items():
+            for k in layer:
+                np.testing.assert_allclose(layer[k], want[i][k], rtol=1e-5, atol=1e-6)
+    for i in range(PM.LAYERS):
+        assert set(after3[i]) == {"w", "b"}
+
+    import json  # a stage left at another step (a save that did not finish): refused
+    manifest = tmp_path / "pipe" / "stage-001" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps(dict(m, step=1)))
+    with pytest.raises(shard.CheckpointError, match="did not finish on every stage"):
+        ops.spawn(lambda c: shard.load(tmp_path / "pipe", shard.zero2(
+            PM.LAYERED, optimizer=ops.adamw(PM.LR), comm=c), comm=c), 1)
