@@ -14,7 +14,7 @@ from shard._loss import Layered
 from shard._memory import estimate_memory
 from shard._monitor import CSVLogger, TensorBoardLogger
 from shard._offload import Offload
-from shard._pipeline import Pipeline, pipeline
+from shard._pipeline import Pipeline, balance_by_time, pipeline
 from shard._policy import LossScale, Precision
 from shard._profile import Breakdown, profile
 from shard._specs import Replicate, Shard, from_partition_spec, to_partition_spec
@@ -40,6 +40,7 @@ __all__ = [
     "TensorBoardLogger",
     "TrainState",
     "ZeroStep",
+    "balance_by_time",
     "estimate_memory",
     "from_deepspeed_config",
     "from_partition_spec",

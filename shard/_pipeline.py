@@ -46,7 +46,7 @@ from ops._dlpack import jax_view
 from shard._loss import Layered
 from shard._profile import timed
 
-__all__ = ["Pipeline", "pipeline"]
+__all__ = ["Pipeline", "balance_by_time", "pipeline"]
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _HEADER, _DATA = 0, 1  # tags: a message's header, then its payload
@@ -65,9 +65,9 @@ def pipeline(loss: Layered, *, comm: Communicator, stages: int, microbatches: in
       stages: P, which must divide the world size.
       microbatches: M; every stage's batch rows must divide by it.
       schedule: ``"1f1b"`` or ``"gpipe"``.
-      balance: layers per stage (summing to the number of layers); default:
-        contiguous runs of about equal parameter count, once ``params`` are
-        seen (``pipe.params(params)``).
+      balance: layers per stage (summing to the number of layers), e.g. from
+        :func:`balance_by_time`; default: contiguous runs of about equal
+        parameter count, once ``params`` are seen (``pipe.params(params)``).
       activation_checkpointing: keep only each micro-batch's input to the stage
         and recompute the stage's forward in its backward (less activation
         memory, about one more forward of compute).
@@ -262,6 +262,35 @@ class Pipeline:
         out = self.pipe.recv_(np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src,
                               tag=_DATA)
         return jnp.asarray(out.reshape(shape))
+
+
+def balance_by_time(loss: Layered, params: list[Any], batch: Any, stages: int, *,
+                    repeats: int = 3) -> list[int]:
+    """Layers per stage for ``pipeline(balance=...)``, from each layer's measured
+    forward and backward time on ``batch`` (one process, the whole params; the
+    median of ``repeats`` runs after a compiling one), so that the slowest
+    stage, which sets the pipeline's pace, is as fast as it can be."""
+    import time
+
+    import jax
+    import jax.numpy as jnp
+
+    if len(params) != len(loss.layers):
+        raise ValueError(f"balance_by_time: {len(loss.layers)} layers but {len(params)} "
+                         "entries in params")
+    fwd, bwd = loss.compiled()
+    times = []
+    carry = None
+    for f, b, p in zip(fwd, bwd, params, strict=True):
+        runs = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            out = jax.block_until_ready(f(p, carry, batch))
+            jax.block_until_ready(b(p, carry, batch, jnp.ones_like(out)))
+            runs.append(time.perf_counter() - t0)
+        times.append(sorted(runs[1:])[len(runs[1:]) // 2])
+        carry = out
+    return _balanced([max(1, round(1e6 * t)) for t in times], stages)
 
 
 class _Sends:

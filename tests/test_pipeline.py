@@ -219,3 +219,31 @@ def test_pipelined_checkpoints_load_into_plain_steps_and_back(tmp_path):
     with pytest.raises(shard.CheckpointError, match="did not finish on every stage"):
         ops.spawn(lambda c: shard.load(tmp_path / "pipe", shard.zero2(
             PM.LAYERED, optimizer=ops.adamw(PM.LR), comm=c), comm=c), 1)
+
+
+def test_balance_by_time_gives_the_slow_layers_a_stage_of_their_own():
+    import jax.numpy as jnp
+    import numpy as np
+
+    def small(p, h, b):
+        return jnp.tanh((b if h is None else h)[:, :8] @ p["w"])
+
+    def big(p, h, b):
+        for _ in range(30):  # about 30 times the work of a small layer
+            h = jnp.tanh(h @ p["w"])
+        return h
+
+    def last(p, h, b):
+        return jnp.mean(h @ p["w"])
+
+    layered = shard.Layered([small, big, small, last])
+    rng = np.random.default_rng(0)
+    params = [{"w": rng.standard_normal((8, 256)).astype(np.float32)},
+              {"w": rng.standard_normal((256, 256)).astype(np.float32) / 16},
+              {"w": rng.standard_normal((8, 256)).astype(np.float32)},
+              {"w": rng.standard_normal((256, 1)).astype(np.float32)}]
+    x = rng.standard_normal((64, 256)).astype(np.float32)
+    # three stages: only the big layer (index 1) alone keeps the slowest stage at its time
+    assert shard.balance_by_time(layered, params, x, 3) == [1, 1, 2]
+    by_count = shard.pipeline(layered, comm=ops.spawn(lambda c: c, 1)[0], stages=1)
+    assert list(by_count.layers_of(params)) == [0, 1, 2, 3]
