@@ -30,9 +30,12 @@ def test_a_killed_process_fails_the_others_within_the_timeout(tmp_path):
 def test_a_save_only_rank_0_calls_fails_every_rank_with_the_cause(tmp_path):
     reports = run_ranks("tests/gloo_worker.py", 2, tmp_path,
                         {"ZS_SCENARIO": "save0", "ZS_TIMEOUT": "4"})
-    assert reports[0]["error"] == "CollectiveTimeout", reports[0]
+    # each rank's wait ends at its timeout, or when the other, timed out, exits: whichever
+    # comes first
+    assert reports[0]["error"] in ("CollectiveTimeout", "PeerFailed"), reports[0]
     assert "save is a collective: every rank must call it" in reports[0]["message"]
-    assert reports[1]["error"] == "CollectiveTimeout", reports[1]  # in its step's reduction
+    assert reports[1]["error"] in ("CollectiveTimeout", "PeerFailed"), reports[1]
+    assert "reduce_scatter" in reports[1]["message"]  # in its step's reduction
     assert all(r["seconds"] < 30 for r in reports)
 
 
