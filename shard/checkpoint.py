@@ -26,6 +26,7 @@ from shard._checkpoint import (
     CheckpointError,
     _Source,
     _verify_files,
+    read_any_manifest,
     read_manifest,
     read_module_file,
 )
@@ -42,14 +43,19 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, *,
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    path, manifest = read_manifest(path)
-    ranks = set(range(len(manifest["files"])))
-    _verify_files(path, manifest, ranks)
-    handles = {(path, r): safe_open(str(path / manifest["files"][r]["file"]), framework="numpy")
-               for r in ranks}
+    path, manifest = read_any_manifest(path)  # a pipeline's too: every stage's leaves
+    parts = {path / d: m for d, m in manifest.get("parts", {}).items()} or {path: manifest}
+    handles = {}
+    for where, m in parts.items():
+        ranks = set(range(len(m["files"])))
+        _verify_files(where, m, ranks)
+        handles.update({(where, r): safe_open(str(where / m["files"][r]["file"]),
+                                              framework="numpy") for r in ranks})
     tensors = {}
     for entry in manifest["leaves"]:
-        src = _Source(path, manifest, entry)
+        part = entry.get("part")
+        src = (_Source(path / part, manifest["parts"][part], entry) if part else
+               _Source(path, manifest, entry))
         for kind in KINDS if optimizer else KINDS[:1]:
             name = entry["name"] if kind == "master" else f"{entry['name']}.{kind}"
             tensors[name] = src.read(handles, kind, 0, src.rows).reshape(entry["shape"])

@@ -212,6 +212,14 @@ def test_pipelined_checkpoints_load_into_plain_steps_and_back(tmp_path):
     for i in range(PM.LAYERS):
         assert set(after3[i]) == {"w", "b"}
 
+    from safetensors.numpy import load_file
+
+    from shard.checkpoint import consolidate
+
+    consolidate(tmp_path / "pipe", tmp_path / "pipe.safetensors")  # every stage's layers
+    assert sorted(load_file(tmp_path / "pipe.safetensors")) == sorted(
+        f"{i}.{k}" for i in range(PM.LAYERS) for k in ("b", "w"))
+
     import json  # a stage left at another step (a save that did not finish): refused
     manifest = tmp_path / "pipe" / "stage-001" / "manifest.json"
     m = json.loads(manifest.read_text())
