@@ -17,10 +17,12 @@ per-rank chunk of k elements:
 [Note: point-to-point]
 ``send(x, dst, tag=)`` and ``recv_(out, src, tag=)`` move one flat buffer
 between two ranks; messages from one rank to another with one tag arrive in
-the order they were sent. ``send`` returns once the message is handed over:
-on thread ranks at once (it is copied), on gloo once the transport took it
-(large messages may wait for the matching ``recv_``, so a pair of ranks must
-not both send first). ``recv_`` checks the size and dtype before any payload
+the order they were sent (NCCL has no tags: a pair's messages arrive in the
+order sent, and a receive whose tag is not the next message's raises).
+``send`` returns once the message is handed over: on thread ranks at once (it
+is copied), on gloo once the transport took it, on NCCL once it was received
+(large gloo messages may wait for the matching ``recv_`` too, so a pair of
+ranks must not both send first). ``recv_`` checks the size and dtype before any payload
 moves (a mismatch raises :class:`CollectiveError` naming both), waits at most
 ``timeout``, and fails at once when the sender failed or returned (threads)
 or its process is gone (gloo). ``split(color)`` (a collective) gives the
@@ -210,16 +212,13 @@ class Communicator(abc.ABC):
     def split(self, color: int) -> Communicator:
         """The communicator of the ranks that pass the same ``color`` (a collective;
         see [Note: point-to-point])."""
-        raise NotImplementedError(f"split: the {self.backend} backend has no sub-communicators "
-                                  "yet (threads and gloo have)")
+        raise NotImplementedError(f"split: the {self.backend} backend has no sub-communicators")
 
     def _send(self, x: Any, dst: int, tag: int) -> None:
-        raise NotImplementedError(f"send: the {self.backend} backend has no point-to-point "
-                                  "yet (threads and gloo have)")
+        raise NotImplementedError(f"send: the {self.backend} backend has no point-to-point")
 
     def _recv(self, out: Any, src: int, tag: int) -> None:
-        raise NotImplementedError(f"recv: the {self.backend} backend has no point-to-point "
-                                  "yet (threads and gloo have)")
+        raise NotImplementedError(f"recv: the {self.backend} backend has no point-to-point")
 
     def _check_p2p(self, name: str, buf: Any, peer: int, tag: int) -> None:
         if not 0 <= peer < self.world_size or peer == self.rank:

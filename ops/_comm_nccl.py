@@ -13,12 +13,13 @@ from __future__ import annotations
 import os
 import socket
 import time
+import zlib
 from typing import Any
 
 import numpy as np
 
 from ops._arrays import BF16
-from ops._comm import CollectiveTimeout, Communicator
+from ops._comm import CollectiveError, CollectiveTimeout, Communicator
 from ops._device import Device, cupy_device
 
 __all__ = ["NCCL_DTYPES", "NcclCommunicator", "check_distinct_devices"]
@@ -166,6 +167,41 @@ class NcclCommunicator(Communicator):
         flag[...] = 0
         self._all_reduce(flag, "sum")
         self.synchronize("barrier")
+
+    # -- point-to-point (see [Note: point-to-point]) ----------------------------
+    # NCCL has no tags and delivers a pair's messages in order, so the header
+    # (size, dtype, tag) that precedes each payload also catches a receive
+    # posted for another message than the next one.
+    def _send(self, x: Any, dst: int, tag: int) -> None:
+        header = self.device.from_host(np.array(
+            [x.size, zlib.crc32(str(x.dtype).encode()), tag], np.int64))
+        int64 = self.dtype_of("send", header)
+        self._launch("send", self.comm.send, _ptr(header), 3, int64, dst)
+        self._launch("send", self.comm.send, _ptr(x), x.size, self.dtype_of("send", x), dst)
+        self.synchronize(f"send to rank {dst}")
+
+    def _recv(self, out: Any, src: int, tag: int) -> None:
+        header = self.allocate(3, np.int64)
+        self._launch("recv", self.comm.recv, _ptr(header), 3, self.dtype_of("recv", header),
+                     src)
+        self.synchronize(f"recv from rank {src}")
+        n, d, t = (int(v) for v in self.device.to_host(header))
+        if n != out.size or d != zlib.crc32(str(out.dtype).encode()) or t != tag:
+            raise CollectiveError(f"recv on rank {self.rank}: the next message from rank {src} "
+                                  f"has {n} elements, tag {t}, dtype checksum {d}, but the "
+                                  f"receive is for {out.size} elements of {out.dtype} with tag "
+                                  f"{tag} (NCCL delivers a pair's messages in order)")
+        self._launch("recv", self.comm.recv, _ptr(out), out.size, self.dtype_of("recv", out),
+                     src)
+        self.synchronize(f"recv from rank {src}")
+
+    def split(self, color: int) -> NcclCommunicator:
+        colors = self._colors(color)
+        members = [r for r, c in enumerate(colors) if c == color]
+        sub = self.comm.commSplit(color, self.rank)
+        return NcclCommunicator(members.index(self.rank), len(members), comm=sub,
+                                nccl=self._nccl, stream=self.stream, timeout=self.timeout,
+                                device=self._device)
 
     def synchronize(self, name: str = "collective") -> None:
         """Block until this communicator's stream is idle, at most ``timeout`` s."""

@@ -12,6 +12,7 @@ import threading
 import numpy as np
 import pytest
 
+import ops
 from ops._arrays import BF16
 from ops._comm_nccl import NcclCommunicator, check_distinct_devices
 from ops.testing import STANDIN, xp
@@ -67,9 +68,42 @@ class StandInNccl:
         parts = self._exchange(_view(send, count, datatype).copy())
         _view(recv, count, datatype)[...] = parts[root]
 
+    # point-to-point: per-pair queues of (count, datatype, bytes), in order, as NCCL's
+    def send(self, send, count, datatype, peer, stream):
+        self.calls.append(("send", count, datatype, peer))
+        self.shared["mail"][self.rank, peer].put((count, datatype,
+                                                   _view(send, count, datatype).copy()))
+
+    def recv(self, recv, count, datatype, peer, stream):
+        self.calls.append(("recv", count, datatype, peer))
+        got = self.shared["mail"][peer, self.rank].get(timeout=10)
+        if got[:2] != (count, datatype):  # NCCL would hang or corrupt: make it loud here
+            raise AssertionError(f"stand-in NCCL: posted {count} x {datatype}, got {got[:2]}")
+        _view(recv, count, datatype)[...] = got[2]
+
+    def commSplit(self, color, key):  # collective, as NCCL's
+        self.calls.append(("commSplit", color, key))
+        colors = self._exchange(color)
+        members = [r for r, c in enumerate(colors) if c == color]
+        with self.shared["lock"]:
+            self.shared["splits"][self.rank] = self.shared["splits"].get(self.rank, 0) + 1
+            k = (self.shared["splits"][self.rank], color)
+            if k not in self.shared["children"]:
+                self.shared["children"][k] = _shared(len(members))
+        return StandInNccl(self.shared["children"][k], members.index(self.rank), len(members))
+
+
+def _shared(world):
+    import collections
+    import queue
+
+    return {"slots": [None] * world, "barrier": threading.Barrier(world),
+            "mail": collections.defaultdict(queue.Queue), "lock": threading.Lock(),
+            "splits": {}, "children": {}}
+
 
 def _run(world, body):
-    shared = {"slots": [None] * world, "barrier": threading.Barrier(world)}
+    shared = _shared(world)
     comms = [NcclCommunicator(r, world, comm=StandInNccl(shared, r, world), nccl=nccl,
                               device=STANDIN) for r in range(world)]
     results, errors = [None] * world, []
@@ -149,3 +183,34 @@ def test_two_ranks_on_one_gpu_are_named():
     check_distinct_devices(["a/0", "a/1", "b/0", "b/1"])
     with pytest.raises(RuntimeError, match=r"ranks \[1, 3\] on GPU 1 of host a"):
         check_distinct_devices(["a/0", "a/1", "b/0", "a/1"])
+
+
+def test_point_to_point_and_split_through_the_nccl_entry_points():
+    def body(comm):
+        r, w = comm.rank, comm.world_size
+        x = STANDIN.from_host(np.full(5, r, np.float32))
+        out = STANDIN.empty(5, np.float32)
+        if r % 2 == 0:
+            comm.send(x, (r + 1) % w, tag=2)
+            comm.recv_(out, (r - 1) % w, tag=2)
+        else:
+            comm.recv_(out, (r - 1) % w, tag=2)
+            comm.send(x, (r + 1) % w, tag=2)
+        sub = comm.split(r % 2)
+        g = STANDIN.empty(sub.world_size, np.int64)
+        sub.all_gather_into(g, STANDIN.from_host(np.array([r], np.int64)))
+        mismatch = None
+        if r == 0:
+            comm.send(STANDIN.from_host(np.zeros(3, np.float32)), 1, tag=7)
+        elif r == 1:
+            try:
+                comm.recv_(STANDIN.empty(3, np.float32), 0, tag=8)
+            except ops.CollectiveError as e:
+                mismatch = str(e)
+        return float(STANDIN.to_host(out)[0]), sub.rank, STANDIN.to_host(g).tolist(), mismatch
+
+    results, comms = _run(4, body)
+    assert [res[0] for res in results] == [3.0, 0.0, 1.0, 2.0]
+    assert [res[1:3] for res in results] == [(0, [0, 2]), (0, [1, 3]), (1, [0, 2]), (1, [1, 3])]
+    assert "tag 7" in results[1][3] and "with tag 8" in results[1][3]
+    assert ("send", 3, 4, 1) in comms[0].comm.calls  # the header: 3 int64s (NCCL_INT64 = 4)
