@@ -77,7 +77,8 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     out["total"] = sum(out.values())
     if offload is not None:
         kept = out["params"] + out["optimizer"]
-        out.update(on_device=out["compute_params"] + out["grads"],
-                   on_host=kept if offload.optimizer == "host" else 0,
+        compute_host = out["compute_params"] if offload.params == "host" and stage == 3 else 0
+        out.update(on_device=out["compute_params"] - compute_host + out["grads"],
+                   on_host=compute_host + (kept if offload.optimizer == "host" else 0),
                    on_disk=kept if offload.optimizer == "disk" else 0)
     return out

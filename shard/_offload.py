@@ -14,7 +14,11 @@ the update: the gradients are reduced on the device, and then, unit by unit,
 - those are copied into the device's compute params (the shard the next
   all-gather sends at stage 3; stages 1-2 all-gather them as without offload).
 
-So an offloaded run follows the unoffloaded trajectory bit for bit. The host
+With ``Offload(..., params="host")`` ZeRO-3's compute-dtype shards stay in host
+memory as well: each unit's shard is copied to the device just before its
+all-gather, and the update writes the new ones in place on the host, so the
+device holds only gathered units and gradients. So an offloaded run follows the
+unoffloaded trajectory bit for bit. The host
 decides whether the step's gradients are finite (one read back per step,
 which the copies need anyway) before any of it starts.
 
@@ -60,11 +64,15 @@ class Offload:
         under ``path``: ZeRO-Infinity's NVMe tier, for CPU or GPU state).
       path: the disk tier's directory (each rank keeps its own files there).
       chunk_mb: the disk tier's streaming chunk, in MiB per buffer.
+      params: ``"host"`` keeps ZeRO-3's compute-dtype shards in host memory too;
+        each unit's shard is copied to the device just before its all-gather
+        (stage 3 only; for device state). None: they stay on the device.
     """
 
     optimizer: str = "host"
     path: str | os.PathLike | None = None
     chunk_mb: int = 64
+    params: str | None = None
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("host", "disk"):
@@ -74,6 +82,8 @@ class Offload:
             raise ValueError("Offload('disk') needs path=, a directory for the disk tier")
         if self.optimizer == "host" and self.path is not None:
             raise ValueError("Offload: path= is for optimizer='disk'")
+        if self.params not in (None, "host"):
+            raise ValueError(f"Offload: params must be None or 'host'; got {self.params!r}")
         if isinstance(self.chunk_mb, bool) or not isinstance(self.chunk_mb, int) or \
                 self.chunk_mb < 1:
             raise ValueError(f"Offload: chunk_mb must be an int >= 1; got {self.chunk_mb!r}")

@@ -38,6 +38,10 @@ class OffloadPhase:
     state_from: Any
     _refresh: Any
 
+    def _compute_on_host(self) -> bool:
+        """Stage 3's compute shards in host memory (``Offload(params="host")``)."""
+        return bool(self.offload and self.offload.params == "host" and not self.device.host)
+
     def _setup_offload(self) -> None:
         """The disk tier for this layout (host memory needs nothing)."""
         if self.offload is None or self.offload.optimizer != "disk":
@@ -109,7 +113,8 @@ class OffloadPhase:
         compute_dtype = np.dtype(state.meta.compute_dtype)
         separate = compute_dtype != np.dtype(state.meta.master_dtype)
         grads = [g if self.device.host else self.device.to_host(g) for g in shards]
-        if self.device.host and self.stage == 3:  # the new params go straight in
+        resident = self.stage == 3 and (self.device.host or state.meta.compute_on_host)
+        if resident:  # the compute shards are host memory: the new params go straight in
             out = list(state.compute)
         else:
             out = [np.empty(u.local_size, compute_dtype) for u in self.layout.units]
@@ -137,11 +142,12 @@ class OffloadPhase:
                 state = state.replace(master=tuple(maps["master"]),
                                       exp_avg=tuple(maps["exp_avg"]),
                                       exp_avg_sq=tuple(maps["exp_avg_sq"]))
+        if resident:
+            return state
         on_device = [self.device.asarray(c) for c in out]  # explicit copies to a GPU
         if self.stage == 3:
             for dst, src in zip(state.compute, on_device, strict=True):
-                if dst is not src:
-                    dst[...] = src
+                dst[...] = src
             return state
         self._refresh(state, tuple(on_device))
         return state

@@ -82,7 +82,7 @@ class Units:
         self.bounded = True  # False: gather everything (a monolithic loss)
         self.pinned_bytes = 0
         self._warned = False
-        self._inflight: dict[int, tuple[Any, Any]] = {}
+        self._inflight: dict[int, tuple[Any, Any, Any]] = {}  # u: (gathered, work, shard)
         self._unit_bytes = max((self._gather_bytes(u) for u in range(len(layout.units))),
                                default=0)
         # stages 0-2: every leaf's whole-params view, made once per step
@@ -124,15 +124,17 @@ class Units:
         unit, shard = self.layout.units[u], self.local[u]
         # an extra prefetch leaves room for the copy-out of every unit in flight,
         # which briefly holds that unit twice
-        copies = sum(out.nbytes for out, _ in self._inflight.values())
+        copies = sum(out.nbytes for out, _, _ in self._inflight.values())
         if not wait and not self._fits(self._gather_bytes(u) + copies):
             return False
         self._wait_for_room(self._gather_bytes(u))
         out = self.tracker.track(self.device.empty(unit.sharded_size * self.comm.world_size,
                                                    shard.dtype), self.device)
+        if not self.device.host and isinstance(shard, np.ndarray):  # compute params on the
+            shard = self.device.asarray(shard)  # host (Offload(params="host")): a copy over
         work = (self.comm.all_gather_async(out, shard[:unit.sharded_size])
                 if unit.sharded_size else None)
-        self._inflight[u] = (out, work)
+        self._inflight[u] = (out, work, shard)
         return True
 
     def get(self, u: int, upcoming: list[int] | tuple = (), *,
@@ -154,7 +156,7 @@ class Units:
         if pinned:
             self.pinned_bytes += self._gather_bytes(u)
         self.start(u)
-        gathered, work = self._inflight.pop(u)
+        gathered, work, shard = self._inflight.pop(u)
         if work is not None:
             with timed("all_gather_wait"):
                 work.wait()
@@ -164,9 +166,9 @@ class Units:
         for i in unit.leaves:
             leaf = self.layout.leaves[i]
             full = self.device.empty(leaf.size, gathered.dtype).reshape(leaf.shape)
-            self.layout.copy_gathered_leaf(leaf, gathered, self.local[u], full)
+            self.layout.copy_gathered_leaf(leaf, gathered, shard, full)
             leaves.append(self.tracker.track(full, self.device))
-        del gathered
+        del gathered, shard
         self.prefetch_after(upcoming)
         return leaves
 

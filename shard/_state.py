@@ -45,6 +45,7 @@ class StateMeta:
     device: str = "numpy"  # where every buffer lives (see [Note: devices])
     offload: str | None = None  # "host" or "disk": masters and moments there (the rest
     #                             on ``device``; see [Note: offload])
+    compute_on_host: bool = False  # Offload(params="host"): stage 3's compute shards too
     # () -> (buffers, tied names) of the torch module the state trains, which
     # checkpoints keep beside the params (see [Note: torch buffers]); None for
     # other losses. Not part of the state's identity.
@@ -108,9 +109,11 @@ class TrainState:
         offloaded state's masters and moments; see [Note: offload])."""
         n = self.nbytes()
         kept = n["params"] + n["optimizer"]
-        where = self.meta.offload
-        return {"device": n["compute_params"] + (0 if where else kept),
-                "host": kept if where == "host" else 0, "disk": kept if where == "disk" else 0}
+        where, compute = self.meta.offload, n["compute_params"]
+        on_host = compute if self.meta.compute_on_host else 0
+        return {"device": compute - on_host + (0 if where else kept),
+                "host": on_host + (kept if where == "host" else 0),
+                "disk": kept if where == "disk" else 0}
 
     def padding(self) -> list[int]:
         """Per unit, the elements of this rank's shard that are padding rows (a

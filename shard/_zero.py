@@ -114,6 +114,9 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
         if offload is not None and stage == 0:
             raise ValueError(f"{name}: offload is for stages 1-3 (stage 0 keeps everything whole "
                              "on every rank); use zero1, zero2 or zero3")
+        if offload is not None and offload.params == "host" and stage != 3:
+            raise ValueError(f"{name}: Offload(params='host') is for stage 3 (stages 1-2 keep "
+                             "whole compute params on the device for the step); use zero3")
         self.offload, self._tier = offload, None
         self.loggers = (loggers,) if callable(loggers) else tuple(loggers or ())
         for lg in self.loggers:
@@ -226,13 +229,14 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
                 self.full_layout.scatter_leaf(leaf, x.astype(compute_dtype), 0, dst)
             compute = tuple(full)
         elif self.stage == 3 and copies is not None:
-            compute = tuple(self.device.asarray(c) for c in copies)
+            compute = tuple(copies if self._compute_on_host() else
+                            (self.device.asarray(c) for c in copies))
         elif self.stage == 3 and compute_dtype != master_dtype:
             compute = tuple(ops.cast(m, compute_dtype) for m in master)
         meta = StateMeta(self.layout, self.stage, self.comm.rank, self.precision,
                          str(master_dtype), str(compute_dtype), self.device.name,
                          self.offload.optimizer if self.offload else None,
-                         getattr(self.loss_fn, "module_state", None))
+                         self._compute_on_host(), getattr(self.loss_fn, "module_state", None))
         if loss_scale is None:
             loss_scale = self.loss_scale.initial if self.loss_scale else 1.0
         return TrainState(tuple(master), tuple(exp_avg), tuple(exp_avg_sq), compute,

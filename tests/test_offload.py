@@ -237,3 +237,31 @@ def test_offload_benchmark_prints_its_table(tmp_path):
     assert rows[0].startswith("| mode | step s | optimizer s | disk floor s")
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["ram", "disk"]
     assert "sequential write" in out.stdout
+
+
+@pytest.mark.parametrize("tier", ["host", "disk"])
+@pytest.mark.parametrize("world", [1, 3])
+def test_zero3_compute_params_on_the_host_too(device, tmp_path, tier, world):
+    off = shard.Offload(tier, path=tmp_path if tier == "disk" else None, params="host")
+    want = ops.spawn(lambda c: trajectory(c, 3, **BF16), world)
+    got = ops.spawn(lambda c: trajectory(c, 3, offload=off, device=device, **BF16), world)
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+    state = got[0][2]
+    assert all(isinstance(b, np.ndarray) for b in state.compute)  # bf16 shards on the host
+    shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                    M.init_params())
+    est = shard.estimate_memory(shapes, stage=3, world_size=world, policy=BF16["precision"],
+                                offload=off)
+    tiers = state.tiers()
+    assert tiers == {"device": 0, "host": est["on_host"], "disk": est["on_disk"]}
+    assert est["on_device"] == est["grads"]  # what a step adds on the device
+
+
+def test_params_on_the_host_is_for_stage_3():
+    comm = ops.spawn(lambda c: c, 1)[0]
+    with pytest.raises(ValueError, match="params='host'\\) is for stage 3"):
+        shard.zero2(M.loss, optimizer=ops.adamw(M.LR), comm=comm,
+                    offload=shard.Offload(params="host"))
+    with pytest.raises(ValueError, match="params must be None or 'host'"):
+        shard.Offload(params="disk")
