@@ -69,7 +69,7 @@ def gather(x: Any, comm: Communicator, *, specs: Any = None, like: Any = None) -
         layout, buffers = x.meta.layout, list(x.master)
         device = device_named(x.meta.device)
         if x.meta.offload:  # host or disk-tier masters: explicit copies to the device
-            buffers = [device.asarray(np.asarray(b)) for b in buffers]
+            buffers = [device.asarray(b) for b in buffers]
         if x.meta.stage == 0:
             return layout.treedef.unflatten([v.copy() for v in layout.local_views(buffers)])
     else:

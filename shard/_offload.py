@@ -115,8 +115,8 @@ class DiskTier:
             f.truncate(self.bytes)
         return path
 
-    def maps(self, path: Path, mode: str = "r") -> dict[str, list[np.ndarray]]:
-        """Per kind, per unit: memory maps of ``path``'s buffers. The file's name
+    def maps(self, path: Path) -> dict[str, list[np.ndarray]]:
+        """Per kind, per unit: read-only memory maps of ``path``'s buffers. The file's name
         goes when the last of them (and of their views) is collected: a state
         nobody holds leaves no file behind (a checkpoint's hard link stays)."""
         owner = _FileOwner(path)
@@ -124,7 +124,7 @@ class DiskTier:
         for (kind, u), off in self.offsets.items():
             n = self.sizes[u]
             if n:
-                m = np.memmap(path, self.dtype, mode, self.data_start + off, (n,))
+                m = np.memmap(path, self.dtype, "r", self.data_start + off, (n,))
                 m.owner = owner
             else:
                 m = np.zeros(0, self.dtype)

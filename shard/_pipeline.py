@@ -162,8 +162,9 @@ class Pipeline:
 
     # -- the step -------------------------------------------------------------
     def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> Any:
-        raise NotImplementedError("a pipeline stage runs unit by unit (host state); "
-                                  "device state is not supported by pipelines yet")
+        raise NotImplementedError("a pipeline stage runs unit by unit: on device state that "
+                                  "is zero3 only (zero1 and zero2 keep device state whole and "
+                                  "take gradients in one call)")
 
     def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
         """One step's schedule over every micro-batch (see the Note); returns this

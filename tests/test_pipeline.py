@@ -255,3 +255,22 @@ def test_balance_by_time_gives_the_slow_layers_a_stage_of_their_own():
     assert shard.balance_by_time(layered, params, x, 3) == [1, 1, 2]
     by_count = shard.pipeline(layered, comm=ops.spawn(lambda c: c, 1)[0], stages=1)
     assert list(by_count.layers_of(params)) == [0, 1, 2, 3]
+
+
+def test_pipelines_on_the_device_stand_in_run_at_stage_3_only(device):
+    from ops.testing import to_device
+
+    def run(comm, zero):
+        pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=2, microbatches=2)
+        step = zero(pipe, optimizer=ops.adamw(PM.LR, weight_decay=PM.WD), comm=pipe.data)
+        state = step.init(to_device(pipe.params(PM.init_params()), device))
+        for b in PM.batches(4):
+            state, m = step(state, b)
+        whole = shard.gather(state, pipe.data)
+        return {i: {k: device.to_host(v) for k, v in layer.items()}
+                for i, layer in whole.items()}, [m["loss"]]
+
+    results = ops.spawn(lambda c: run(c, shard.zero3), 2)
+    assert PM.worst_difference(results, PM.reference()) < 1e-5
+    with pytest.raises(NotImplementedError, match="zero3 only"):
+        ops.spawn(lambda c: run(c, shard.zero2), 2)
