@@ -9,7 +9,7 @@ Sizes are the whole buffer (the gathered output, the reduce-scatter input), as
 nccl-tests count them; bus bandwidth = size / time * (W - 1) / W, the bytes each
 rank must move. Each cell is the median over iterations, timed on rank 0
 between barriers. Rows for gloo:
-  raw          torch.distributed all_gather_single / reduce_scatter_single
+  raw          torch.distributed all_gather_into_tensor / reduce_scatter_tensor
   ours         ops.GlooCommunicator as shipped (argument check included)
   ours nocheck the same with check=False
   pairwise     ours forced to the isend/irecv algorithm at every size
@@ -71,10 +71,10 @@ def gloo_main() -> None:
         tf, tc = torch.from_numpy(full), torch.from_numpy(chunk)
         it = iters_for(nbytes)
         res = {
-            ("all_gather", "raw"): timed(lambda tf=tf, tc=tc: dist.all_gather_single(tf, tc),
+            ("all_gather", "raw"): timed(lambda tf=tf, tc=tc: dist.all_gather_into_tensor(tf, tc),
                                          dist.barrier, it),
             ("reduce_scatter", "raw"): timed(
-                lambda tf=tf, tc=tc: dist.reduce_scatter_single(tc, tf), dist.barrier, it),
+                lambda tf=tf, tc=tc: dist.reduce_scatter_tensor(tc, tf), dist.barrier, it),
         }
         for name, c in variants.items():
             res[("all_gather", name)] = timed(

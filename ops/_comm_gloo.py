@@ -156,7 +156,7 @@ class GlooCommunicator(Communicator):
         o, t, k = torch_view(out), torch_view(x), x.size
         if x.nbytes < self.small_bytes or self.world_size == 1:
             self._checked("all_gather", x, 0,
-                          lambda: self._dist.all_gather_single(o, t, self.group))
+                          lambda: self._dist.all_gather_into_tensor(o, t, self.group))
             return
         o[self.rank * k:(self.rank + 1) * k].copy_(t)
         peers = [p for p in range(self.world_size) if p != self.rank]
@@ -169,7 +169,7 @@ class GlooCommunicator(Communicator):
         o, t, k, w = torch_view(out), torch_view(x), out.size, self.world_size
         arg = int(op == "mean")
         if x.nbytes < self.small_bytes * w or w == 1:
-            self._checked("reduce_scatter", x, arg, lambda: self._dist.reduce_scatter_single(
+            self._checked("reduce_scatter", x, arg, lambda: self._dist.reduce_scatter_tensor(
                 o, t, self._dist.ReduceOp.SUM, self.group))
         else:
             peers = [p for p in range(w) if p != self.rank]

@@ -82,7 +82,12 @@ class RoutedCommunicator(Communicator):
         return self._host if device_of(buf).host else self._on_device()
 
     def unchecked(self) -> Communicator:
-        return RoutedCommunicator(self._host.unchecked(), self._on_device)
+        host = self._host.unchecked()
+        if host is self._host:
+            return self
+        if getattr(self, "_unchecked", None) is None:  # one, as the host side keeps one
+            self._unchecked = RoutedCommunicator(host, self._on_device)
+        return self._unchecked
 
     def _all_gather(self, out: Any, x: Any) -> None:
         self._for(x)._all_gather(out, x)
@@ -98,6 +103,28 @@ class RoutedCommunicator(Communicator):
 
     def _barrier(self) -> None:
         self._host._barrier()
+
+    def _send(self, x: Any, dst: int, tag: int) -> None:
+        self._for(x)._send(x, dst, tag)
+
+    def _isend(self, x: Any, dst: int, tag: int) -> Any:
+        return self._for(x)._isend(x, dst, tag)
+
+    def _recv(self, out: Any, src: int, tag: int) -> None:
+        self._for(out)._recv(out, src, tag)
+
+    def split(self, color: int) -> Communicator:
+        """The host side's sub-communicator. Its device buffers are refused: the
+        parent's NCCL communicator is made lazily, and splitting it then would
+        be a collective that only one sub-group reaches."""
+        name = self.backend
+
+        def no_device() -> Communicator:
+            raise NotImplementedError(f"split: a sub-communicator of the {name} backend moves "
+                                      "host buffers only; use init_from_env(backend='nccl') "
+                                      "for device buffers")
+
+        return RoutedCommunicator(self._host.split(color), no_device)
 
 
 def _gpu_available() -> bool:

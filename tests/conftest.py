@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import os
 
-# Four JAX CPU devices for the mesh tests; must precede the first jax import.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4")
+# Four JAX CPU devices for the mesh tests; on a GPU, XLA's deterministic
+# reductions, so that two runs of one trajectory can be compared bit for bit.
+# Must precede the first jax import.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 "
+                                   "--xla_gpu_deterministic_ops=true")
 
 import numpy as np
 import pytest

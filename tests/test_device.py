@@ -100,7 +100,9 @@ def test_layered_loss_on_device(device, fp32_reference, stage):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_bf16_clipping_and_loss_scaling_on_device_match_the_host(device, stage):
     """The same policies on host and device state give the same params (the kernels
-    are one source; sums of squares may add in another order)."""
+    are one source; sums of squares may add in another order). On a GPU, JAX runs
+    the bf16 forward and backward with the GPU's own matrix products, which round
+    differently from the CPU's: there the two agree to bf16's precision."""
     kwargs = {"precision": shard.Precision(param_dtype=ops.BF16, reduce_dtype=np.float32),
               "clip_norm": 0.05, "loss_scale": shard.LossScale(initial=2.0 ** 10)}
 
@@ -110,8 +112,9 @@ def test_bf16_clipping_and_loss_scaling_on_device_match_the_host(device, stage):
         return tree_map(host, shard.gather(state, comm)), losses
 
     (want, want_losses), (got, losses) = (ops.spawn(run, 2, d)[0] for d in (HOST, device))
-    np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
-    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+    rtol, atol = (1e-6, 1e-7) if device.name == "standin" else (1e-2, 2 * M.LR)
+    np.testing.assert_allclose(losses, want_losses, rtol=rtol)
+    jax.tree_util.tree_map(lambda a, b: np.testing.assert_allclose(a, b, rtol=rtol, atol=atol),
                            got, want)
 
 

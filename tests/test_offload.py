@@ -77,7 +77,9 @@ def test_mixed_precision_clipping_and_loss_scaling_offloaded(tmp_path, tier, sta
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_offload_on_the_device_stand_in(device, tmp_path, tier, stage, world):
-    want = ops.spawn(lambda c: trajectory(c, stage), world)
+    """Against the unoffloaded step on the same device: on a GPU, JAX computes the
+    gradients there, and offloading must change no bit of what follows."""
+    want = ops.spawn(lambda c: trajectory(c, stage, device=device), world)
     got = ops.spawn(lambda c: trajectory(c, stage, offload=policy(tier, tmp_path),
                                          device=device), world)
     for g, w in zip(got, want, strict=True):
@@ -243,7 +245,7 @@ def test_offload_benchmark_prints_its_table(tmp_path):
 @pytest.mark.parametrize("world", [1, 3])
 def test_zero3_compute_params_on_the_host_too(device, tmp_path, tier, world):
     off = shard.Offload(tier, path=tmp_path if tier == "disk" else None, params="host")
-    want = ops.spawn(lambda c: trajectory(c, 3, **BF16), world)
+    want = ops.spawn(lambda c: trajectory(c, 3, device=device, **BF16), world)
     got = ops.spawn(lambda c: trajectory(c, 3, offload=off, device=device, **BF16), world)
     for g, w in zip(got, want, strict=True):
         assert_same(g, w)

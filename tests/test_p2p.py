@@ -114,3 +114,31 @@ def test_split_gives_a_mesh_and_failures_cross_groups():
     with pytest.raises(RuntimeError, match="stage failed"):
         ops.spawn(fails, 4, timeout=60)
     assert time.monotonic() - t0 < 10
+
+
+def test_routed_communicator_moves_host_messages_and_splits_for_host_buffers():
+    """init_from_env on a GPU machine routes host buffers to gloo and device ones to
+    NCCL; its point-to-point and split follow the same routing (here: thread ranks
+    for the host side, the device stand-in for device buffers)."""
+    from ops._world import RoutedCommunicator
+    from ops.testing import STANDIN
+
+    def run(comm):
+        device_calls = []
+        routed = RoutedCommunicator(comm, lambda: device_calls.append(1) or comm)
+        got = None
+        if routed.rank < 2:  # both at once: isend must not wait for its receiver
+            other = 1 - routed.rank
+            work = routed.isend(np.arange(3, dtype=np.float32) + routed.rank, other, tag=5)
+            got = routed.recv_(np.empty(3, np.float32), other, tag=5).tolist()
+            work.wait()
+        sub = routed.split(routed.rank % 2)
+        assert sub.world_size == 2 and sub.backend == routed.backend
+        total = sub.all_reduce_(np.ones(1), "sum")[0]
+        with pytest.raises(NotImplementedError, match="moves host buffers only"):
+            sub.all_reduce_(STANDIN.zeros(1, np.float32), "sum")
+        return got, total, device_calls
+
+    out = ops.spawn(run, 4)
+    assert out[0][0] == [1.0, 2.0, 3.0] and out[1][0] == [0.0, 1.0, 2.0]
+    assert [o[1] for o in out] == [2.0] * 4 and all(o[2] == [] for o in out)
