@@ -51,7 +51,8 @@ def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, ste
                     weight_decay: float = 0.0, decoupled: bool = True,
                     grad_scale: float | None = None, grad_sumsq: Any = None,
                     max_norm: float | None = None, param_copy: Any = None,
-                    donate: bool = True) -> tuple[Any, Any, Any]:
+                    donate: bool = True, read_from: tuple[Any, Any, Any] | None = None
+                    ) -> tuple[Any, Any, Any]:
     """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) update, fused.
 
     Reads param, grad and both moments once and writes param and moments once
@@ -87,6 +88,11 @@ def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, ste
         the new parameters, rounded to nearest even.
       donate: update param and the moments in place and return them (True), or
         leave the inputs untouched and return new arrays (False).
+      read_from: host (numpy) arrays only: ``(param, exp_avg, exp_avg_sq)`` to
+        read the old values from, while the new ones go to ``param``,
+        ``exp_avg`` and ``exp_avg_sq``, whose contents are not read: an
+        out-of-place update in the same single pass, equal bit for bit to the
+        in-place one.
 
     Returns:
       ``(param, exp_avg, exp_avg_sq)`` after the update.
@@ -112,6 +118,15 @@ def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, ste
     scalars = _scalars(step, lr, betas, eps, weight_decay, decoupled, grad_scale, grad_sumsq,
                        max_norm)
     p, g, m, v, c = bufs
+    if read_from is not None:
+        src = _check_sources(read_from, p, "f64" if codes[0] == "f64" else "f32")
+        if codes[0] == "f64":
+            for dst, old in zip((p, m, v), src, strict=True):
+                np.copyto(dst, old)
+        else:
+            driver_for("numpy").adam_from(adam_kernel(*codes), src,
+                                          (p, g, m, v, c, p.size, *scalars))
+            return p, m, v
     if codes[0] == "f64":
         _adam_float64(p, g, m, v, scalars)
     else:
@@ -166,6 +181,18 @@ def fused_adam_multi(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequ
             continue
         driver.adam_multi(adam_kernel(*codes), tensors, scalars)
     return [t[0] for t in out], [t[2] for t in out], [t[3] for t in out]
+
+
+def _check_sources(read_from: Any, param: Any, pcode: str) -> tuple[Any, Any, Any]:
+    if array_kind(param) != "numpy":
+        raise TypeError(f"{_FN}: read_from is for host (numpy) arrays; got "
+                        f"{array_kind(param)} params")
+    if not isinstance(read_from, (tuple, list)) or len(read_from) != 3:
+        raise TypeError(f"{_FN}: read_from must be (param, exp_avg, exp_avg_sq)")
+    for name, x in zip(("param", "exp_avg", "exp_avg_sq"), read_from, strict=True):
+        check_array(_FN, f"read_from's {name}", x, dtypes=(pcode,), shape=tuple(param.shape),
+                    kind="numpy")
+    return tuple(read_from)
 
 
 def _check_global(param: Any, grad_sumsq: Any, max_norm: float | None) -> None:

@@ -52,6 +52,13 @@ class CpuDriver:
         fn = self._function(kernel.family, kernel.host, sig)
         fn(*(_arg(a, kind) for a, (_, kind) in zip(args, sig, strict=True)))
 
+    def adam_from(self, kernel: Kernel, sources: tuple, args: tuple) -> None:
+        """The out-of-place Adam update: old (param, exp_avg, exp_avg_sq) read from
+        ``sources``, new ones written to the buffers in ``args``."""
+        sig = (("p0", "ptr"), ("m0", "ptr"), ("v0", "ptr"), *kernel.host_signature)
+        fn = self._function(kernel.family, kernel.from_host, sig)
+        fn(*(_arg(a, kind) for a, (_, kind) in zip((*sources, *args), sig, strict=True)))
+
     def adam_multi(self, kernel: Kernel, tensors: list[tuple], scalars: tuple) -> None:
         """One fused Adam call over many (p, g, m, v, copy) tuples; scalars from ``sumsq`` on."""
         ptrs = np.array([0 if a is None else a.ctypes.data for t in tensors for a in t],

@@ -64,6 +64,13 @@ class Kernel:
     def host_signature(self) -> tuple[tuple[str, str], ...]:
         return self.host_params if self.host_params is not None else self.params
 
+    @property
+    def from_host(self) -> str | None:
+        """The out-of-place host driver of an Adam kernel (its old param and
+        moments read from three more leading pointers), or None."""
+        return self.host[:-len("_host")] + "_from_host" if self.family == "adam" and \
+            self.host else None
+
 
 def _entries() -> dict[str, Kernel]:
     table: dict[str, Kernel] = {}

@@ -15,7 +15,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ops._adam import fused_adam_multi
+from ops._adam import fused_adam_multi, fused_adam_step
 from ops._arrays import xp_of
 from ops._tree import tree_util
 
@@ -84,7 +84,7 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
 
     def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
             grad_sumsq: Any, max_norm: Any, copies: Any,
-            finite: bool | None = None) -> tuple[Any, AdamState]:
+            finite: bool | None = None, read_from: Any = None) -> tuple[Any, AdamState]:
         tu = tree_util()
         count = int(state.count)
         if grad_sumsq is not None and finite is None:  # a host read of the device value
@@ -94,6 +94,16 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
         leaves, treedef = tu.tree_flatten(params)
         g, m, v = (treedef.flatten_up_to(t) for t in (grads, state.mu, state.nu))
         c = treedef.flatten_up_to(copies) if copies is not None else None
+        if read_from is not None:  # out of place, leaf by leaf (host arrays)
+            old = [treedef.flatten_up_to(t) for t in read_from]
+            for i, leaf in enumerate(leaves):
+                fused_adam_step(leaf, g[i], m[i], v[i], step=count + 1, lr=lr_at(count),
+                                betas=(b1, b2), eps=eps, weight_decay=weight_decay,
+                                decoupled=decoupled, grad_scale=grad_scale,
+                                grad_sumsq=grad_sumsq, max_norm=max_norm,
+                                param_copy=c[i] if c is not None else None,
+                                read_from=(old[0][i], old[1][i], old[2][i]))
+            return params, AdamState(np.asarray(count + 1, np.int64), state.mu, state.nu)
         out = fused_adam_multi(leaves, g, m, v, step=count + 1, lr=lr_at(count),
                                betas=(b1, b2), eps=eps, weight_decay=weight_decay,
                                decoupled=decoupled, grad_scale=grad_scale, grad_sumsq=grad_sumsq,
@@ -111,15 +121,19 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
 
     def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
               grad_sumsq: Any = None, max_norm: float | None = None,
-              param_copies: Any = None, finite: bool | None = None) -> tuple[Any, AdamState]:
+              param_copies: Any = None, finite: bool | None = None,
+              read_from: Any = None) -> tuple[Any, AdamState]:
         """Update params and moments in place (both donated); see fused_adam_step.
 
         With ``grad_sumsq``, a non-finite value skips the update (the count does
         not advance); it is read back to the host to decide unless the caller
         says it knows: ``finite=True`` (or False) saves that read on a GPU.
+        ``read_from``: host arrays only, ``(params, mu, nu)`` trees like
+        ``params`` to read the old values from; ``params`` and ``state``'s
+        moments then only receive the new ones (out of place, one pass).
         """
         return run(grads, state, params, True, grad_scale, grad_sumsq, max_norm, param_copies,
-                   finite)
+                   finite, read_from)
 
     return FusedAdam(init, update, apply, lr_at)
 

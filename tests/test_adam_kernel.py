@@ -197,3 +197,42 @@ def test_float64_params_take_an_exact_path(rng, decoupled):
     for x, w in zip(got, want, strict=True):
         assert x.dtype == np.float64
         np.testing.assert_allclose(x, w, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("n", [1, 7, 1_000_003])
+@pytest.mark.parametrize("gdtype", GRAD_DTYPES)
+@pytest.mark.parametrize("copy", [None, BF16])
+def test_out_of_place_update_equals_the_in_place_one(n, gdtype, copy):
+    """read_from: the old values come from three other arrays, which stay as they
+    were, and the new ones are the in-place kernel's, bit for bit (also for
+    outputs at an offset that changes the SIMD loop's alignment)."""
+    rng = np.random.default_rng(n)
+    p, g, m, v = _state(rng, n, gdtype)
+    kw = dict(step=3, grad_scale=0.5, **HYPER[1])
+    want = [x.copy() for x in (p, m, v)]
+    want_copy = None if copy is None else np.empty(n, copy)
+    ops.fused_adam_step(*want[:1], g, *want[1:], param_copy=want_copy, **kw)
+    old = [x.copy() for x in (p, m, v)]
+    out = [np.full(n + 1, np.nan, np.float32)[1:] for _ in range(3)]
+    got_copy = None if copy is None else np.empty(n, copy)
+    ops.fused_adam_step(out[0], g, out[1], out[2], param_copy=got_copy, read_from=(p, m, v),
+                        **kw)
+    for a, b in zip(out, want, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip((p, m, v), old, strict=True):
+        np.testing.assert_array_equal(a, b)
+    if copy is not None:
+        np.testing.assert_array_equal(got_copy.view(np.uint16), want_copy.view(np.uint16))
+
+
+def test_out_of_place_update_checks_its_sources():
+    from ops.testing import STANDIN, to_device
+
+    p, g, m, v = _state(np.random.default_rng(0), 5)
+    with pytest.raises(ValueError, match="read_from's exp_avg"):
+        ops.fused_adam_step(p, g, m, v, step=1, lr=1e-3, read_from=(p, m[:4], v))
+    with pytest.raises(TypeError, match="read_from must be"):
+        ops.fused_adam_step(p, g, m, v, step=1, lr=1e-3, read_from=(p, m))
+    dev = [to_device(x, STANDIN) for x in (p, g, m, v)]
+    with pytest.raises(TypeError, match="read_from is for host"):
+        ops.fused_adam_step(*dev, step=1, lr=1e-3, read_from=tuple(dev[:1] + dev[2:]))

@@ -162,7 +162,8 @@ def test_table_lists_every_exported_kernel():
     """Every extern "C" entry in the CPU builds is a table kernel, its host or emulation."""
     known = set()
     for k in TABLE.values():
-        known |= {k.name, f"zs_emu_{k.name}"} | {h for h in (k.host, k.multi_host) if h}
+        known |= {k.name, f"zs_emu_{k.name}"} | {h for h in (k.host, k.multi_host, k.from_host)
+                                                  if h}
     for family in sorted({k.family for k in TABLE.values()}):
         lib = load_cpu(family)
         nm = subprocess.run(["nm", "-D", "--defined-only", lib._name], capture_output=True,

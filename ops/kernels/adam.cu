@@ -69,6 +69,25 @@ static void adam_host_slice(float* __restrict__ p, const G* __restrict__ g,
 #pragma omp simd
   for (zs_i64 i = begin; i < end; ++i) adam_elem(p, g, m, v, copy, i, a);
 }
+
+// Out of place, in the same one pass: the old param and moments are read from
+// p0, m0, v0 and the new ones written to p, m, v (whose contents are not read),
+// with the same adam_elem, so the result is the in-place update's, bit for
+// bit. The host tier's overlapped update writes a spare set this way.
+template <typename G, typename H>
+static void adam_host_slice_from(const float* __restrict__ p0, const float* __restrict__ m0,
+                                 const float* __restrict__ v0, float* __restrict__ p,
+                                 const G* __restrict__ g, float* __restrict__ m,
+                                 float* __restrict__ v, H* __restrict__ copy, zs_i64 begin,
+                                 zs_i64 end, const AdamScalars a) {
+#pragma omp simd
+  for (zs_i64 i = begin; i < end; ++i) {
+    p[i] = p0[i];
+    m[i] = m0[i];
+    v[i] = v0[i];
+    adam_elem(p, g, m, v, copy, i, a);
+  }
+}
 #endif
 
 #ifdef ZS_CPU
@@ -171,6 +190,14 @@ __device__ __forceinline__ void adam_table(const zs_i64* __restrict__ ptrs,
   extern "C" void zs_adam_##SUFFIX##_multi_host(ZS_ADAM_MULTI_PARAMS) {          \
     ZS_ADAM_PROLOGUE                                                             \
     adam_host_multi<G, H>(ptrs, sizes, n, a);                                    \
+  }                                                                              \
+  extern "C" void zs_adam_##SUFFIX##_from_host(                                  \
+      const float *__restrict__ p0, const float *__restrict__ m0,                \
+      const float *__restrict__ v0, ZS_ADAM_PARAMS(G, H)) {                      \
+    ZS_ADAM_PROLOGUE                                                             \
+    zs_host_for(n, [=](zs_i64 begin, zs_i64 end) {                             \
+      adam_host_slice_from(p0, m0, v0, p, g, m, v, copy, begin, end, a);         \
+    });                                                                          \
   })
 
 ZS_ADAM_ENTRY(f32_none, float, zs_none)
