@@ -7,6 +7,11 @@ Training rows (each in its own process, so peak memory is its own):
   zero3          shard.zero3 on the module through interop.torch, world 1 (NCCL):
                  bf16 compute params and gradients, fp32 masters and reduction.
   zero3 x2       the same with 2 thread ranks on the one GPU (each half the batch).
+  fsdp2off       fsdp2 with CPUOffloadPolicy: params, grads and AdamW on the host.
+  zero3x1off     zero3 x1 with shard.Offload("host"): masters and moments in host
+                 memory, the fused kernel's CPU build updates them there.
+  zero3x1ovl     the same with Offload("host", overlap=True): each unit's update
+                 starts as soon as its gradient shard is reduced, during the backward.
 Each reports the median step time, tokens/s and the peak GPU memory (CuPy
 allocates through torch's caching allocator here, so one counter sees both).
 
@@ -34,6 +39,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -186,24 +192,26 @@ def run_torch(s: Shape, steps: int, warmup: int, cuda: bool) -> dict:
                        autocast=True)
 
 
-def run_fsdp2(s: Shape, steps: int, warmup: int, cuda: bool) -> dict:
+def run_fsdp2(s: Shape, steps: int, warmup: int, cuda: bool, offload: bool = False) -> dict:
     import torch
     import torch.distributed as dist
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("PORT", "29518"))
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     model = build_model(s).to("cuda" if cuda else "cpu")
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    kw = {"offload_policy": CPUOffloadPolicy(pin_memory=cuda)} if offload else {}
     for block in model.blocks:
-        fully_shard(block, mp_policy=mp)
-    fully_shard(model, mp_policy=mp)
+        fully_shard(block, mp_policy=mp, **kw)
+    fully_shard(model, mp_policy=mp, **kw)
     out = _torch_loop(model, s, steps, warmup, cuda, autocast=False)
     dist.destroy_process_group()
     return out
 
 
-def run_zero3(s: Shape, steps: int, warmup: int, cuda: bool, world: int) -> dict:
+def run_zero3(s: Shape, steps: int, warmup: int, cuda: bool, world: int,
+              offload: Any = None) -> dict:
     import copy
 
     import interop.torch as it
@@ -219,15 +227,18 @@ def run_zero3(s: Shape, steps: int, warmup: int, cuda: bool, world: int) -> dict
     def train(comm):
         params, fn = it.functional(copy.deepcopy(model), loss=lm_loss)
         step_fn = shard.zero3(fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
-                              precision=policy)
+                              precision=policy, offload=offload)
         state = step_fn.init(params)
         holder = {"state": state, "metrics": None}
         r = comm.rank
+        splits = []
 
         def step(i):
             x, y = data[i]
             holder["state"], holder["metrics"] = step_fn(
                 holder["state"], (x[r * rows:(r + 1) * rows], y[r * rows:(r + 1) * rows]))
+            if i >= warmup:
+                splits.append(holder["metrics"]["time_ms"])
 
         clock = Clock(cuda)
         if comm.rank == 0:
@@ -235,7 +246,9 @@ def run_zero3(s: Shape, steps: int, warmup: int, cuda: bool, world: int) -> dict
         else:
             for i in range(warmup + steps):
                 step(i)
-        return {"times": clock.times, "loss": float(holder["metrics"]["loss"])}
+        split = {k: statistics.median(t[k] for t in splits) for k in splits[0]}
+        return {"times": clock.times, "loss": float(holder["metrics"]["loss"]),
+                "split_ms": split}
 
     if world == 1 and cuda:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
@@ -325,12 +338,17 @@ def child(args) -> None:
         torch.backends.cuda.matmul.allow_tf32 = True
     if args.child == "torch":
         out = run_torch(s, args.steps, args.warmup, cuda)
-    elif args.child == "fsdp2":
-        out = run_fsdp2(s, args.steps, args.warmup, cuda)
+    elif args.child in ("fsdp2", "fsdp2off"):
+        out = run_fsdp2(s, args.steps, args.warmup, cuda, offload=args.child == "fsdp2off")
     elif args.child == "adam":
         out = {"adam": adam_table(args.adam_sizes, args.steps)}
     else:
-        out = run_zero3(s, args.steps, args.warmup, cuda, world=int(args.child.split("x")[1]))
+        import shard
+
+        world = int(args.child[len("zero3x")])
+        kind = args.child[len("zero3x1"):]
+        offload = shard.Offload("host", overlap=kind == "ovl") if kind else None
+        out = run_zero3(s, args.steps, args.warmup, cuda, world=world, offload=offload)
     if cuda:
         out["peak_GiB"] = torch.cuda.max_memory_allocated() / 2**30
     print("RESULT " + json.dumps(out), flush=True)
@@ -341,7 +359,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--only", nargs="*", default=None,
-                    help="rows to run: torch fsdp2 zero3x1 zero3x2 adam")
+                    help="rows to run: torch fsdp2 zero3x1 zero3x2 fsdp2off zero3x1off "
+                         "zero3x1ovl adam")
     ap.add_argument("--adam-sizes", type=float, nargs="*", default=[50e6, 200e6])
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--json", type=Path, default=None)
@@ -351,7 +370,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         return child(args)
     rows = args.only or (["torch", "zero3x2"] if args.smoke
-                         else ["torch", "fsdp2", "zero3x1", "zero3x2", "adam"])
+                         else ["torch", "fsdp2", "zero3x1", "zero3x2", "fsdp2off",
+                               "zero3x1off", "zero3x1ovl", "adam"])
     s = SMOKE if args.smoke else Shape()
     results = {}
     for row in rows:
@@ -377,7 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"\nGPT {s.layers} x {s.d}, {s.heads} heads, vocab {s.vocab}, "
           f"{s.batch} x {s.seq} tokens per step, {args.steps} steps after {args.warmup}")
     print(f"{'row':10} {'median ms':>10} {'tokens/s':>10} {'vs torch':>9} {'peak GiB':>9} "
-          f"{'loss':>8}")
+          f"{'loss':>8} {'bwd ms':>7} {'opt ms':>7}")
     base = results.get("torch", {}).get("times")
     for row in rows:
         r = results[row]
@@ -387,8 +407,21 @@ def main(argv: list[str] | None = None) -> None:
             continue
         ms = statistics.median(r["times"]) * 1e3
         ratio = ms / (statistics.median(base) * 1e3) if base else math.nan
+        split = r.get("split_ms", {})
         print(f"{row:10} {ms:10.1f} {tokens / ms * 1e3:10.0f} {ratio:9.2f} "
-              f"{r.get('peak_GiB', math.nan):9.2f} {r['loss']:8.3f}")
+              f"{r.get('peak_GiB', math.nan):9.2f} {r['loss']:8.3f} "
+              f"{split.get('backward', math.nan):7.1f} {split.get('optimizer', math.nan):7.1f}")
+    off, ovl = results.get("zero3x1off", {}), results.get("zero3x1ovl", {})
+    if "times" in off and "times" in ovl:  # how much of the host update the overlap hid
+        saved = (statistics.median(off["times"]) - statistics.median(ovl["times"])) * 1e3
+        print(f"\noverlap: the offloaded update takes {off['split_ms']['optimizer']:.1f} ms "
+              f"after the backward; overlapped, {ovl['split_ms']['optimizer']:.1f} ms is still "
+              f"exposed and the step is {saved:.1f} ms shorter: "
+              f"{saved / off['split_ms']['optimizer']:.0%} of the update hidden")
+    for row in rows:  # a zero3 row's whole split: where its step's time went
+        if "split_ms" in results[row]:
+            print(f"  {row} split (median ms): " + ", ".join(
+                f"{k} {v:.1f}" for k, v in results[row]["split_ms"].items()))
     if "adam" in results and "error" not in results["adam"]:
         print(f"\nAdamW step (fp32), median ms; floor = 28 B/param at "
               f"{results['adam']['adam'][0]['copy_GBps']:.0f} GB/s")

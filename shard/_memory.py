@@ -79,6 +79,7 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
         kept = out["params"] + out["optimizer"]
         compute_host = out["compute_params"] if offload.params == "host" and stage == 3 else 0
         out.update(on_device=out["compute_params"] - compute_host + out["grads"],
-                   on_host=compute_host + (kept if offload.optimizer == "host" else 0),
+                   on_host=compute_host + (kept if offload.optimizer == "host" else 0) +
+                   (kept + compute_host if offload.overlap else 0),  # the spare set
                    on_disk=kept if offload.optimizer == "disk" else 0)
     return out

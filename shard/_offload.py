@@ -67,12 +67,18 @@ class Offload:
       params: ``"host"`` keeps ZeRO-3's compute-dtype shards in host memory too;
         each unit's shard is copied to the device just before its all-gather
         (stage 3 only; for device state). None: they stay on the device.
+      overlap: the host tier's update of each unit runs during the backward, as
+        soon as the unit's gradient shard is reduced, into a second set of
+        masters and moments that the step keeps only if every gradient was
+        finite (see [Note: overlapped offload]): the same trajectory, for twice
+        the host memory. Not with ``clip_norm`` (the norm comes last).
     """
 
     optimizer: str = "host"
     path: str | os.PathLike | None = None
     chunk_mb: int = 64
     params: str | None = None
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer not in ("host", "disk"):
@@ -84,6 +90,11 @@ class Offload:
             raise ValueError("Offload: path= is for optimizer='disk'")
         if self.params not in (None, "host"):
             raise ValueError(f"Offload: params must be None or 'host'; got {self.params!r}")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"Offload: overlap must be True or False; got {self.overlap!r}")
+        if self.overlap and self.optimizer != "host":
+            raise ValueError("Offload: overlap=True is for optimizer='host' (the disk tier "
+                             "streams units in file order)")
         if isinstance(self.chunk_mb, bool) or not isinstance(self.chunk_mb, int) or \
                 self.chunk_mb < 1:
             raise ValueError(f"Offload: chunk_mb must be an int >= 1; got {self.chunk_mb!r}")

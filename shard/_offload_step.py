@@ -14,11 +14,30 @@ import numpy as np
 import ops
 from ops import AdamState
 from shard._offload import KINDS, DiskTier, Offload
+from shard._offload_overlap import HostStaging, OverlappedUpdate, Spare
 from shard._profile import timed
 
-__all__ = ["OffloadPhase"]
+__all__ = ["OffloadPhase", "check_offload"]
 
 log = logging.getLogger(__name__)
+
+
+def check_offload(name: str, stage: int, offload: Any, clip_norm: Any) -> None:
+    """``zero1``-``zero3``'s ``offload=`` argument, before anything is built."""
+    if offload is None:
+        return
+    if not isinstance(offload, Offload):
+        raise TypeError(f"{name}: offload must be a shard.Offload(...); got "
+                        f"{type(offload).__name__}")
+    if stage == 0:
+        raise ValueError(f"{name}: offload is for stages 1-3 (stage 0 keeps everything whole "
+                         "on every rank); use zero1, zero2 or zero3")
+    if offload.params == "host" and stage != 3:
+        raise ValueError(f"{name}: Offload(params='host') is for stage 3 (stages 1-2 keep "
+                         "whole compute params on the device for the step); use zero3")
+    if offload.overlap and clip_norm is not None:
+        raise ValueError(f"{name}: clip_norm needs the global norm before any update, and "
+                         "Offload(overlap=True) updates during the backward; drop one of them")
 
 
 class OffloadPhase:
@@ -34,6 +53,9 @@ class OffloadPhase:
     master_dtype: Any
     precision: Any
     _tier: DiskTier | None
+    _host_staging: HostStaging | None = None
+    _spare: Spare | None = None
+    _overlap: OverlappedUpdate | None = None
     name: str
     state_from: Any
     _refresh: Any
@@ -110,47 +132,112 @@ class OffloadPhase:
                                     else grad_sumsq, np.float64).reshape(1)
             if not math.isfinite(float(host_sumsq[0])):
                 return state  # skipped (see [Note: non-finite gradients])
-        compute_dtype = np.dtype(state.meta.compute_dtype)
-        separate = compute_dtype != np.dtype(state.meta.master_dtype)
-        grads = [g if self.device.host else self.device.to_host(g) for g in shards]
-        resident = self.stage == 3 and (self.device.host or state.meta.compute_on_host)
-        if resident:  # the compute shards are host memory: the new params go straight in
-            out = list(state.compute)
-        else:
-            out = [np.empty(u.local_size, compute_dtype) for u in self.layout.units]
+        resident = self._resident(state)
+        staging = self._staging(state, shards)
+        overlap = self._overlap
+        with timed("optimizer"):
+            if overlap is not None:  # see [Note: overlapped offload]
+                overlap.wait_updated()
+                state = self._commit(state, overlap.spare, resident)
+                out = overlap.spare.compute if resident else staging.out
+            else:
+                grads = [g if self.device.host else self.device.to_host_into(g, staging.grads[u])
+                         for u, g in enumerate(shards)]
+                out = list(state.compute) if resident else staging.out
+                state = self._update_units(state, grads, out, grad_scale, host_sumsq)
+            if resident:
+                return state
+            if self.stage == 3:  # the shard the next all-gather sends
+                for dst, src in zip(state.compute, out, strict=True):
+                    self.device.from_host_into(dst, src)
+                return state
+        self._refresh(state, tuple(self.device.asarray(c) for c in out))
+        return state
+
+    def _resident(self, state: Any) -> bool:
+        """Stage 3's compute shards are host memory: new params go straight in."""
+        return self.stage == 3 and (self.device.host or state.meta.compute_on_host)
+
+    def _staging(self, state: Any, shards: list[Any]) -> HostStaging:
+        sizes = [u.local_size for u in self.layout.units]
+        grad_dtype, out_dtype = shards[0].dtype, np.dtype(state.meta.compute_dtype)
+        if self._host_staging is None or not self._host_staging.fits(sizes, grad_dtype,
+                                                                      out_dtype):
+            self._host_staging = HostStaging.make(self.device, sizes, grad_dtype, out_dtype)
+        return self._host_staging
+
+    def _unit_update(self, state: Any, grad_scale: float, host_sumsq: Any) -> Any:
+        """``run(u, lo, hi, grad, p, m, v, copy)``: the kernel on elements [lo, hi)
+        of unit ``u``, writing the new compute-dtype params into ``copy``."""
+        separate = np.dtype(state.meta.compute_dtype) != np.dtype(state.meta.master_dtype)
         count = AdamState(state.step, (), ())
 
-        def run(u: int, lo: int, hi: int, p: Any, m: Any, v: Any) -> None:
-            copy = out[u][lo:hi]
-            self.optimizer.apply((grads[u][lo:hi],), count._replace(mu=(m,), nu=(v,)), (p,),
+        def run(grad: Any, p: Any, m: Any, v: Any, copy: Any, read_from: Any = None) -> None:
+            self.optimizer.apply((grad,), count._replace(mu=(m,), nu=(v,)), (p,),
                                  grad_scale=grad_scale, grad_sumsq=host_sumsq,
                                  max_norm=self.clip_norm, param_copies=(copy,) if separate
-                                 else None, finite=True)
+                                 else None, finite=True,
+                                 read_from=None if read_from is None else
+                                 tuple((x,) for x in read_from))
             if not separate:
                 copy[...] = p
 
-        with timed("optimizer"):
-            if self._tier is None:
-                for u, unit in enumerate(self.layout.units):
-                    run(u, 0, unit.local_size, state.master[u], state.exp_avg[u],
-                        state.exp_avg_sq[u])
-            else:
-                src = _file_of(state.master)
-                new = self._tier.update(src, run)
-                maps = self._tier.maps(new)
-                self._tier.retire(src)
-                state = state.replace(master=tuple(maps["master"]),
-                                      exp_avg=tuple(maps["exp_avg"]),
-                                      exp_avg_sq=tuple(maps["exp_avg_sq"]))
+        return run
+
+    def _update_units(self, state: Any, grads: list[Any], out: list[Any], grad_scale: float,
+                      host_sumsq: Any) -> Any:
+        run = self._unit_update(state, grad_scale, host_sumsq)
+        if self._tier is None:
+            for u in range(len(self.layout.units)):
+                run(grads[u], state.master[u], state.exp_avg[u], state.exp_avg_sq[u], out[u])
+            return state
+        src = _file_of(state.master)
+        new = self._tier.update(src, lambda u, lo, hi, p, m, v: run(
+            grads[u][lo:hi], p, m, v, out[u][lo:hi]))
+        maps = self._tier.maps(new)
+        self._tier.retire(src)
+        return state.replace(master=tuple(maps["master"]), exp_avg=tuple(maps["exp_avg"]),
+                             exp_avg_sq=tuple(maps["exp_avg_sq"]))
+
+    # -- overlap (see [Note: overlapped offload]) -----------------------------------
+    def _start_overlap(self, state: Any, reducer: Any, grad_scale: float) -> Any:
+        """The step's :class:`OverlappedUpdate` (handed each unit's reduction by
+        ``reducer``), or None where the policy does not overlap."""
+        if self.offload is None or not self.offload.overlap:
+            return None
+        resident = self._resident(state)
+        spare = self._spare
+        if spare is None or not spare.fits(state, resident):
+            spare = self._spare = Spare.like(state, resident)
+        staging = self._staging(state, reducer.shards)
+        run = self._unit_update(state, grad_scale, None)
+        copy_out = spare.compute if resident else staging.out
+
+        def run_unit(u: int, grad: np.ndarray, spare: Spare) -> None:
+            run(grad, spare.master[u], spare.exp_avg[u], spare.exp_avg_sq[u], copy_out[u],
+                read_from=(state.master[u], state.exp_avg[u], state.exp_avg_sq[u]))
+
+        sizes = [u.local_size for u in self.layout.units]
+        self._overlap = OverlappedUpdate(self.device, reducer.shards, sizes, staging, spare,
+                                         run_unit)
+        reducer.on_final = self._overlap.submit
+        return self._overlap
+
+    def _end_overlap(self) -> None:
+        if self._overlap is not None:
+            self._overlap.close()
+            self._overlap = None
+
+    def _commit(self, state: Any, spare: Spare, resident: bool) -> Any:
+        """The spare set becomes the state's; the old set the next step's spare."""
+        old = Spare(list(state.master), list(state.exp_avg), list(state.exp_avg_sq),
+                    list(state.compute) if resident else None)
+        changes = {"master": tuple(spare.master), "exp_avg": tuple(spare.exp_avg),
+                   "exp_avg_sq": tuple(spare.exp_avg_sq)}
         if resident:
-            return state
-        on_device = [self.device.asarray(c) for c in out]  # explicit copies to a GPU
-        if self.stage == 3:
-            for dst, src in zip(state.compute, on_device, strict=True):
-                dst[...] = src
-            return state
-        self._refresh(state, tuple(on_device))
-        return state
+            changes["compute"] = tuple(spare.compute)
+        self._spare = old
+        return state.replace(**changes)
 
 
 def _cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:

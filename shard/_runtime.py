@@ -208,6 +208,10 @@ class GradReducer:
         self._pending: list[tuple[int, Any, Any]] = []
         self._early: dict[int, Any] = {}  # stages 0-1: units whose reduction is in flight
         self.final = True  # the micro-batch being added is the step's last
+        # on_final(u, parts): takes unit u's reductions, [(later, work)] in order,
+        # instead of finish() (an overlapped offload; see [Note: overlapped offload])
+        self.on_final: Any = None
+        self._handed: set[int] = set()
 
     def add(self, u: int, grads: list[Any]) -> None:
         """Add unit ``u``'s full leaf gradients (in the unit's leaf order): arrays of
@@ -227,6 +231,11 @@ class GradReducer:
                 self.layout.pack_grad(self.layout.leaves[i], g, self._full[u], replicated,
                                       add=True)
             if self.final and unit.sharded_size:  # complete: reduce it while others compute
+                if self.on_final is not None and self.stage == 1 and not unit.replicated_size:
+                    self._handed.add(u)
+                    self.on_final(u, [(None, self.comm.reduce_scatter_async(
+                        shard[:unit.sharded_size], self._full[u], op="sum"))])
+                    return
                 self._early[u] = (
                     self.comm.all_reduce_async(self._full[u], "sum") if self.stage == 0 else
                     self.comm.reduce_scatter_async(shard[:unit.sharded_size], self._full[u],
@@ -244,8 +253,14 @@ class GradReducer:
             out = (shard[:unit.sharded_size] if first
                    else self.device.empty(unit.sharded_size, self.dtype))
             self._written.add(u)
-            self._pending.append((u, None if first else out,
-                                  self.comm.reduce_scatter_async(out, packed, op="sum")))
+            work = self.comm.reduce_scatter_async(out, packed, op="sum")
+            if self.final and self.on_final is not None and not unit.replicated_size:
+                self._handed.add(u)
+                parts = [(o, wk) for v, o, wk in self._pending if v == u]
+                self._pending = [p for p in self._pending if p[0] != u]
+                self.on_final(u, [*parts, (None if first else out, work)])
+            else:
+                self._pending.append((u, None if first else out, work))
 
     def _on_device(self, i: int, g: Any) -> Any:
         leaf = self.layout.leaves[i]
@@ -269,7 +284,7 @@ class GradReducer:
                     self.shards[u][:unit.sharded_size] = 0
         for u, unit in enumerate(self.layout.units):
             shard = self.shards[u]
-            if self._full is not None and unit.sharded_size:
+            if self._full is not None and unit.sharded_size and u not in self._handed:
                 work = self._early.pop(u, None)
                 with timed("reduce_wait"):
                     if work is not None:

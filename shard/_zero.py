@@ -74,7 +74,7 @@ from shard._layout import (
 from shard._loss import JaxLoss, classify
 from shard._metrics import StepMetrics
 from shard._offload import Offload
-from shard._offload_step import OffloadPhase
+from shard._offload_step import OffloadPhase, check_offload
 from shard._policy import LossScale, Precision
 from shard._profile import step_breakdown, timed
 from shard._runtime import GradReducer, LiveBytes
@@ -108,15 +108,7 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
             raise ValueError(f"{name}: clip_norm must be > 0; got {clip_norm!r}")
         if prefetch < 0:
             raise ValueError(f"{name}: prefetch must be >= 0; got {prefetch}")
-        if offload is not None and not isinstance(offload, Offload):
-            raise TypeError(f"{name}: offload must be a shard.Offload(...); got "
-                            f"{type(offload).__name__}")
-        if offload is not None and stage == 0:
-            raise ValueError(f"{name}: offload is for stages 1-3 (stage 0 keeps everything whole "
-                             "on every rank); use zero1, zero2 or zero3")
-        if offload is not None and offload.params == "host" and stage != 3:
-            raise ValueError(f"{name}: Offload(params='host') is for stage 3 (stages 1-2 keep "
-                             "whole compute params on the device for the step); use zero3")
+        check_offload(name, stage, offload, clip_norm)
         self.offload, self._tier = offload, None
         self.loggers = (loggers,) if callable(loggers) else tuple(loggers or ())
         for lg in self.loggers:
@@ -275,15 +267,29 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
                               dtype=self._reduce_dtype(), device=self.device)
         units = self._unit_params(state)
         totals = self.device.zeros(2, np.float64)  # [sum of squares, sum of losses]
+        w, k = self.comm.world_size, len(micro)
+        grad_scale = 1.0 / (w * k * scale)
+        overlap = self._start_overlap(state, reducer, grad_scale)
+        try:
+            return self._run(state, micro, units, reducer, totals, overlap, grad_scale)
+        finally:
+            self._end_overlap()
+
+    def _run(self, state: TrainState, micro: list[Any], units: UnitParams, reducer: GradReducer,
+             totals: Any, overlap: Any, grad_scale: float) -> tuple[TrainState, StepMetrics]:
+        scale = float(state.loss_scale)
         with self._jax_placement():
             for i, b in enumerate(micro):
                 reducer.final = i == len(micro) - 1
                 totals[1:2] += self._on_device(self._grads(units, reducer, b, scale), "the loss")
         shards = reducer.finish()
+        if overlap is not None:  # see [Note: overlapped offload]
+            overlap.submit_rest()
+            with timed("reduce_wait"):
+                overlap.wait_copied()
         with timed("optimizer"):
             self._norm_and_loss(shards, totals)
-        w, k = self.comm.world_size, len(micro)
-        grad_scale = 1.0 / (w * k * scale)
+        w, k = self.comm.world_size, len(micro)  # as in _step
         known = {"lr": float(self.optimizer.learning_rate(int(state.step))),
                  "loss_scale": scale, "skipped": False}
 
