@@ -22,6 +22,7 @@ host unless it says so.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,6 +78,12 @@ class Device:
     pinned: Callable[[int, Any], np.ndarray] | None = field(repr=False, default=None)
     copy_to_host: Callable[[Any, np.ndarray], None] | None = field(repr=False, default=None)
     copy_from_host: Callable[[Any, np.ndarray], None] | None = field(repr=False, default=None)
+    current: Callable[[Any], Any] = field(repr=False, default=lambda a: contextlib.nullcontext())
+
+    def using(self, x: Any) -> Any:
+        """A context in which this thread's work runs where ``x`` lives (the GPU
+        holding it, for a thread other than the one that made it)."""
+        return self.current(x)
 
     def pinned_empty(self, n: int, dtype: Any) -> np.ndarray:
         """A flat host buffer for copies to and from this device: page-locked on
@@ -218,7 +225,7 @@ def cupy_device() -> Device:
                   from_host=cupy.asarray, from_dlpack=view,
                   synchronize=lambda: cupy.cuda.get_current_stream().synchronize(),
                   torch_device="cuda", pinned=pinned, copy_to_host=copy_to_host,
-                  copy_from_host=copy_from_host)
+                  copy_from_host=copy_from_host, current=lambda a: a.device)
 
 
 _BY_TYPE: dict[type, Device] = {np.ndarray: HOST}

@@ -20,7 +20,10 @@ all-gather, and the update writes the new ones in place on the host, so the
 device holds only gathered units and gradients. So an offloaded run follows the
 unoffloaded trajectory bit for bit. The host
 decides whether the step's gradients are finite (one read back per step,
-which the copies need anyway) before any of it starts.
+which the copies need anyway) before any of it starts, or, with
+``overlap=True``, updates during the backward into a spare set that it keeps
+only if they were (see [Note: overlapped offload]). On a GPU, gradients and new
+params cross the bus through page-locked host buffers kept across steps.
 
 The disk tier streams each unit in chunks of ``chunk_mb`` through three
 buffers: a reader thread fills the next chunk's masters and moments while the

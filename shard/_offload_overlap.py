@@ -98,9 +98,9 @@ class OverlappedUpdate:
     ``spare``; ``shards`` are the reducer's device gradient shards.
     """
 
-    def __init__(self, device: Any, shards: list[Any], sizes: list[int], staging: HostStaging,
-                 spare: Spare, run_unit: Any) -> None:
-        self.device, self.shards, self.sizes = device, shards, sizes
+    def __init__(self, device: Any, shards: list[Any], staging: HostStaging, spare: Spare,
+                 run_unit: Any) -> None:
+        self.device, self.shards, self.units = device, shards, len(shards)
         self.staging, self.spare, self.run_unit = staging, spare, run_unit
         self.handed: set[int] = set()
         self._copy_q: queue.Queue = queue.Queue()
@@ -125,17 +125,17 @@ class OverlappedUpdate:
 
     def submit_rest(self) -> None:
         """Every unit not handed over yet (their reductions are complete)."""
-        for u in range(len(self.sizes)):
+        for u in range(self.units):
             if u not in self.handed:
                 self.submit(u, [])
 
     def wait_copied(self) -> None:
         """Until every unit's gradient shard is complete on the device and on the
         host (the step's norm reads the device shards next)."""
-        self._wait(lambda: self._copied == len(self.sizes))
+        self._wait(lambda: self._copied == self.units)
 
     def wait_updated(self) -> None:
-        self._wait(lambda: self._updated == len(self.sizes))
+        self._wait(lambda: self._updated == self.units)
 
     def close(self) -> None:
         """Stop the threads (after a failure too); idempotent."""
@@ -165,11 +165,12 @@ class OverlappedUpdate:
         while (item := self._copy_q.get()) is not _STOP and self._error is None:
             u, parts = item
             shard = self.shards[u]
-            for later, work in parts:
-                work.wait()
-                if later is not None:
-                    shard[:later.size] += later
-            self.device.to_host_into(shard, self.staging.grads[u])
+            with self.device.using(shard):  # this thread's current GPU is the shard's
+                for later, work in parts:
+                    work.wait()
+                    if later is not None:
+                        shard[:later.size] += later
+                self.device.to_host_into(shard, self.staging.grads[u])
             with self._lock:
                 self._copied += 1
                 self._lock.notify_all()

@@ -217,9 +217,7 @@ class OffloadPhase:
             run(grad, spare.master[u], spare.exp_avg[u], spare.exp_avg_sq[u], copy_out[u],
                 read_from=(state.master[u], state.exp_avg[u], state.exp_avg_sq[u]))
 
-        sizes = [u.local_size for u in self.layout.units]
-        self._overlap = OverlappedUpdate(self.device, reducer.shards, sizes, staging, spare,
-                                         run_unit)
+        self._overlap = OverlappedUpdate(self.device, reducer.shards, staging, spare, run_unit)
         reducer.on_final = self._overlap.submit
         return self._overlap
 
