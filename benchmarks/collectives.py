@@ -9,7 +9,7 @@ Sizes are the whole buffer (the gathered output, the reduce-scatter input), as
 nccl-tests count them; bus bandwidth = size / time * (W - 1) / W, the bytes each
 rank must move. Each cell is the median over iterations, timed on rank 0
 between barriers. Rows for gloo:
-  raw          torch.distributed all_gather_into_tensor / reduce_scatter_tensor
+  raw          torch.distributed all_gather_single / reduce_scatter_single
   ours         ops.GlooCommunicator as shipped (argument check included)
   ours nocheck the same with check=False
   pairwise     ours forced to the isend/irecv algorithm at every size
@@ -26,6 +26,7 @@ import time
 import numpy as np
 
 import ops
+from ops._comm_gloo import _single
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
@@ -71,10 +72,10 @@ def gloo_main() -> None:
         tf, tc = torch.from_numpy(full), torch.from_numpy(chunk)
         it = iters_for(nbytes)
         res = {
-            ("all_gather", "raw"): timed(lambda tf=tf, tc=tc: dist.all_gather_into_tensor(tf, tc),
-                                         dist.barrier, it),
+            ("all_gather", "raw"): timed(
+                lambda tf=tf, tc=tc: _single(dist, "all_gather")(tf, tc), dist.barrier, it),
             ("reduce_scatter", "raw"): timed(
-                lambda tf=tf, tc=tc: dist.reduce_scatter_tensor(tc, tf), dist.barrier, it),
+                lambda tf=tf, tc=tc: _single(dist, "reduce_scatter")(tc, tf), dist.barrier, it),
         }
         for name, c in variants.items():
             res[("all_gather", name)] = timed(

@@ -194,7 +194,9 @@ def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
         result["rss_mib"] = max(every)
         Path(args.out).write_text(json.dumps(result))
     dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)  # every rank is done and the result written; skip the process group's
+    #              teardown, which can abort (SIGABRT) on a peer that has already gone
 
 
 def threads_main(args: argparse.Namespace) -> None:

@@ -155,8 +155,8 @@ class GlooCommunicator(Communicator):
     def _all_gather(self, out: Any, x: Any) -> None:
         o, t, k = torch_view(out), torch_view(x), x.size
         if x.nbytes < self.small_bytes or self.world_size == 1:
-            self._checked("all_gather", x, 0,
-                          lambda: self._dist.all_gather_into_tensor(o, t, self.group))
+            self._checked("all_gather", x, 0, lambda: _single(
+                self._dist, "all_gather")(o, t, self.group))
             return
         o[self.rank * k:(self.rank + 1) * k].copy_(t)
         peers = [p for p in range(self.world_size) if p != self.rank]
@@ -169,7 +169,7 @@ class GlooCommunicator(Communicator):
         o, t, k, w = torch_view(out), torch_view(x), out.size, self.world_size
         arg = int(op == "mean")
         if x.nbytes < self.small_bytes * w or w == 1:
-            self._checked("reduce_scatter", x, arg, lambda: self._dist.reduce_scatter_tensor(
+            self._checked("reduce_scatter", x, arg, lambda: _single(self._dist, "reduce_scatter")(
                 o, t, self._dist.ReduceOp.SUM, self.group))
         else:
             peers = [p for p in range(w) if p != self.rank]
@@ -233,6 +233,17 @@ class GlooCommunicator(Communicator):
                                      backend="gloo", use_local_synchronization=True)
         return GlooCommunicator(group, timeout=self.timeout, check=self.check,
                                 small_bytes=self.small_bytes)
+
+
+def _single(dist: Any, name: str) -> Any:
+    """``all_gather_single`` / ``reduce_scatter_single`` (torch 2.13 deprecates the
+    ``*_into_tensor`` / ``*_tensor`` names), or the older names where torch (2.11)
+    has only those; the arguments are the same."""
+    new = getattr(dist, f"{name}_single", None)
+    if new is not None:
+        return new
+    return getattr(dist, "all_gather_into_tensor" if name == "all_gather" else
+                   "reduce_scatter_tensor")
 
 
 class _Sending:
