@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/collectives.py threads --world 2
 	$(PY) benchmarks/e2e.py --profile
 	$(PY) benchmarks/offload.py
+	$(PY) benchmarks/pipeline.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache

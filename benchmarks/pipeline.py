@@ -1,11 +1,13 @@
 """Pipeline parallelism: ours (``shard.pipeline`` + ZeRO-1) against
-``torch.distributed.pipelining`` (Schedule1F1B), side by side.
+``torch.distributed.pipelining`` (Schedule1F1B) and DeepSpeed's ``PipelineModule``
+(its 1F1B ``TrainSchedule``, on the CPU accelerator), side by side.
 
     python benchmarks/pipeline.py [--stages 2,4] [--micro 4,8] [--steps 6]
 
 The model is L square layers (tanh) and a mean-squared-error loss, split into P
 stages of L/P layers, one gloo process per stage (torchrun), one compute thread
-each; ours in JAX (a ``shard.Layered`` loss), torch's in torch. For each
+each; ours in JAX (a ``shard.Layered`` loss), torch's and DeepSpeed's in torch
+(DeepSpeed's row is left out when it is not installed; ``make bench`` installs it). For each
 framework the same model also runs on one process (P = 1) in the same run, so
 a pipeline's efficiency is judged against its own framework:
 ``bubble (est.) = 1 - (T1 / P) / T_P``. Ours also measures its bubble directly:
@@ -113,6 +115,48 @@ def torch_pipelining(args: argparse.Namespace) -> dict:
     return {"step_ms": max(float(t) for t in every), "bubble": None}
 
 
+def deepspeed_pipe(args: argparse.Namespace) -> dict:
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed
+    import torch
+    import torch.distributed as dist
+    from deepspeed.pipe import PipelineModule
+
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    w = dist.get_world_size()
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.Tanh())
+              for _ in range(args.layers)]
+    net = PipelineModule(layers=layers, num_stages=w, partition_method="uniform",
+                         loss_fn=lambda out, target: ((out - target) ** 2).mean())
+    m = args.microbatches
+    cfg = {"train_batch_size": args.batch, "train_micro_batch_size_per_gpu": args.batch // m,
+           "gradient_accumulation_steps": m, "steps_per_print": 10**9,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
+                                           config=cfg)
+    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+
+    def micro():
+        while True:
+            yield from zip(x.chunk(m), y.chunk(m), strict=True)
+
+    data, times = micro(), []
+    for i in range(args.steps + 2):
+        t0 = time.perf_counter()
+        engine.train_batch(data_iter=data)
+        if i >= 2:
+            times.append(1e3 * (time.perf_counter() - t0))
+    mine = torch.tensor([statistics.median(times)])
+    every = [torch.zeros(1) for _ in range(w)]
+    dist.all_gather(every, mine)
+    return {"step_ms": max(float(t) for t in every), "bubble": None}
+
+
+WORKERS = {"ours": ours, "torch": torch_pipelining, "deepspeed": deepspeed_pipe}
+
+
 def run(framework: str, p: int, m: int, args: argparse.Namespace) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(p),
            __file__, "--worker", framework, "--microbatches", str(m), "--layers",
@@ -142,7 +186,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        result = (ours if args.worker == "ours" else torch_pipelining)(args)
+        result = WORKERS[args.worker](args)
         if int(os.environ.get("RANK", "0")) == 0:
             print("RESULT " + json.dumps(result), flush=True)
         sys.stdout.flush()
@@ -153,30 +197,39 @@ def main() -> None:
     print(f"{args.layers} layers of {args.width}x{args.width}, batch {args.batch}, "
           f"{args.schedule}, medians of {args.steps} steps; "
           f"{os.cpu_count()} cores", flush=True)
+    try:
+        import deepspeed  # noqa: F401
+        frameworks = ("ours", "torch", "deepspeed")
+    except ImportError:
+        frameworks = ("ours", "torch")
+        print("DeepSpeed is not installed: its column is left out", flush=True)
     rows = []
-    base = {(f, m): run(f, 1, m, args)["step_ms"] for f in ("ours", "torch") for m in micro}
+    base = {(f, m): run(f, 1, m, args)["step_ms"] for f in frameworks for m in micro}
     for p in stages:
         for m in micro:
-            for f in ("ours", "torch"):
+            for f in frameworks:
                 r = run(f, p, m, args)
                 rows.append((p, m, f, r))
                 print(f"  P={p} M={m} {f}: {r['step_ms']:.1f} ms", flush=True)
     for m in micro:
-        print(f"one process, M={m}: ours {base['ours', m]:.1f} ms, torch "
-              f"{base['torch', m]:.1f} ms")
+        print(f"one process, M={m}: " + ", ".join(f"{f} {base[f, m]:.1f} ms" for f in frameworks))
     print()
+    ds = "deepspeed" in frameworks
     print("| P | M | theory | ours ms | ours bubble (measured) | ours bubble (est.) | "
-          "torch ms | torch bubble (est.) | ours / torch |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "torch ms | torch bubble (est.) | ours / torch |" +
+          (" deepspeed ms | deepspeed bubble (est.) | ours / deepspeed |" if ds else ""))
+    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if ds else ""))
     for p in stages:
         for m in micro:
-            o = next(r for pp, mm, f, r in rows if (pp, mm, f) == (p, m, "ours"))
-            t = next(r for pp, mm, f, r in rows if (pp, mm, f) == (p, m, "torch"))
-            est_o = 1 - base["ours", m] / p / o["step_ms"]
-            est_t = 1 - base["torch", m] / p / t["step_ms"]
-            print(f"| {p} | {m} | {(p - 1) / (m + p - 1):.2f} | {o['step_ms']:.1f} | "
-                  f"{o['bubble']:.2f} | {est_o:.2f} | {t['step_ms']:.1f} | {est_t:.2f} | "
-                  f"{o['step_ms'] / t['step_ms']:.2f} |")
+            got = {f: r for pp, mm, f, r in rows if (pp, mm) == (p, m)}
+            o = got["ours"]
+            line = (f"| {p} | {m} | {(p - 1) / (m + p - 1):.2f} | {o['step_ms']:.1f} | "
+                    f"{o['bubble']:.2f} | {1 - base['ours', m] / p / o['step_ms']:.2f} |")
+            for f in frameworks[1:]:
+                t = got[f]
+                line += (f" {t['step_ms']:.1f} | {1 - base[f, m] / p / t['step_ms']:.2f} | "
+                         f"{o['step_ms'] / t['step_ms']:.2f} |")
+            print(line)
 
 
 if __name__ == "__main__":

@@ -129,7 +129,8 @@ def test_pipeline_benchmark_prints_its_table():
                          env=dict(os.environ, PYTHONPATH=str(root)))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 2 | 2 |")]
-    assert len(rows) == 1 and len(rows[0].split("|")) == 11, out.stdout
+    ds = "DeepSpeed is not installed" not in out.stdout  # its three columns, when it is
+    assert len(rows) == 1 and len(rows[0].split("|")) == 11 + 3 * ds, out.stdout
 
 
 def test_loggers_write_once_per_step_for_the_whole_mesh(tmp_path):
