@@ -92,7 +92,8 @@ def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, ste
         read the old values from, while the new ones go to ``param``,
         ``exp_avg`` and ``exp_avg_sq``, whose contents are not read: an
         out-of-place update in the same single pass, equal bit for bit to the
-        in-place one.
+        in-place one. A skipped update (``grad_sumsq`` not finite) writes
+        nothing there either.
 
     Returns:
       ``(param, exp_avg, exp_avg_sq)`` after the update.

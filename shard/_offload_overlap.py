@@ -46,21 +46,29 @@ _STOP = object()
 @dataclass
 class HostStaging:
     """Page-locked host buffers a device step copies through, kept across steps:
-    per unit, the gradient shard and the new compute-dtype params."""
+    per unit, the gradient shard (device state only) and the new compute-dtype
+    params (unless the compute shards live on the host); empty lists otherwise."""
 
     grads: list[np.ndarray]
     out: list[np.ndarray]
+    key: tuple
 
     @classmethod
     def make(cls, device: Any, sizes: list[int], grad_dtype: Any,
              out_dtype: Any) -> HostStaging:
-        return cls([device.pinned_empty(n, grad_dtype) for n in sizes],
-                   [device.pinned_empty(n, out_dtype) for n in sizes])
+        """``grad_dtype`` / ``out_dtype`` None: that set is not needed."""
+        def bufs(dtype: Any) -> list[np.ndarray]:
+            return [] if dtype is None else [device.pinned_empty(n, dtype) for n in sizes]
+
+        return cls(bufs(grad_dtype), bufs(out_dtype), _key(sizes, grad_dtype, out_dtype))
 
     def fits(self, sizes: list[int], grad_dtype: Any, out_dtype: Any) -> bool:
-        return ([g.size for g in self.grads] == sizes and
-                all(g.dtype == np.dtype(grad_dtype) for g in self.grads) and
-                all(o.dtype == np.dtype(out_dtype) for o in self.out))
+        return self.key == _key(sizes, grad_dtype, out_dtype)
+
+
+def _key(sizes: list[int], grad_dtype: Any, out_dtype: Any) -> tuple:
+    return (tuple(sizes), None if grad_dtype is None else np.dtype(grad_dtype),
+            None if out_dtype is None else np.dtype(out_dtype))
 
 
 @dataclass
@@ -103,6 +111,7 @@ class OverlappedUpdate:
         self.device, self.shards, self.units = device, shards, len(shards)
         self.staging, self.spare, self.run_unit = staging, spare, run_unit
         self.handed: set[int] = set()
+        self._grads: list[Any] = [None] * self.units  # on the host, per unit
         self._copy_q: queue.Queue = queue.Queue()
         self._update_q: queue.Queue = queue.Queue()
         self._lock = threading.Condition()
@@ -170,7 +179,8 @@ class OverlappedUpdate:
                     work.wait()
                     if later is not None:
                         shard[:later.size] += later
-                self.device.to_host_into(shard, self.staging.grads[u])
+                self._grads[u] = shard if self.device.host else \
+                    self.device.to_host_into(shard, self.staging.grads[u])
             with self._lock:
                 self._copied += 1
                 self._lock.notify_all()
@@ -178,7 +188,7 @@ class OverlappedUpdate:
 
     def _updater(self) -> None:
         while (u := self._update_q.get()) is not _STOP and self._error is None:
-            self.run_unit(u, self.staging.grads[u], self.spare)
+            self.run_unit(u, self._grads[u], self.spare)
             with self._lock:
                 self._updated += 1
                 self._lock.notify_all()

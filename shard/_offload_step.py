@@ -159,16 +159,20 @@ class OffloadPhase:
         return self.stage == 3 and (self.device.host or state.meta.compute_on_host)
 
     def _staging(self, state: Any, shards: list[Any]) -> HostStaging:
+        """Host buffers for what crosses the bus: gradients from a device, and new
+        compute params wherever the compute shards are not host memory."""
         sizes = [u.local_size for u in self.layout.units]
-        grad_dtype, out_dtype = shards[0].dtype, np.dtype(state.meta.compute_dtype)
+        grad_dtype = None if self.device.host else shards[0].dtype
+        out_dtype = None if self._resident(state) else np.dtype(state.meta.compute_dtype)
         if self._host_staging is None or not self._host_staging.fits(sizes, grad_dtype,
                                                                       out_dtype):
             self._host_staging = HostStaging.make(self.device, sizes, grad_dtype, out_dtype)
         return self._host_staging
 
     def _unit_update(self, state: Any, grad_scale: float, host_sumsq: Any) -> Any:
-        """``run(u, lo, hi, grad, p, m, v, copy)``: the kernel on elements [lo, hi)
-        of unit ``u``, writing the new compute-dtype params into ``copy``."""
+        """``run(grad, p, m, v, copy, read_from=None)``: the kernel on one unit's
+        host buffers (or a chunk of them), writing the new compute-dtype params
+        into ``copy``; with ``read_from=(p0, m0, v0)``, out of place."""
         separate = np.dtype(state.meta.compute_dtype) != np.dtype(state.meta.master_dtype)
         count = AdamState(state.step, (), ())
 

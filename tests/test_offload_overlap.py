@@ -172,3 +172,19 @@ def test_estimate_memory_counts_the_spare_set(device, params):
     assert est["on_host"] == tiers["host"] + spare
     assert spare == (est["params"] + est["optimizer"] +
                      (est["compute_params"] if params == "host" else 0))
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_host_state_keeps_no_staging_buffers_it_does_not_need(tmp_path, stage):
+    """CPU state crosses no bus: no gradient staging; at stage 3 the new params go
+    straight into the compute shards (the 2.2B-param disk-tier run's memory)."""
+    def run(comm):
+        step = ZERO[stage](M.loss, optimizer=ops.adamw(M.LR), comm=comm,
+                           offload=shard.Offload("disk", path=tmp_path, chunk_mb=1), **BF16)
+        state = step.init(M.init_params())
+        step(state, shard.split_batch(M.batches(1)[0], rank=comm.rank, world_size=1))
+        return step._host_staging
+
+    staging = ops.spawn(run, 1)[0]
+    assert staging.grads == []
+    assert (staging.out == []) == (stage == 3)
