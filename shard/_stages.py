@@ -51,7 +51,9 @@ Args:
     as ``shard.CSVLogger(path)`` or ``shard.TensorBoardLogger(log_dir)``.
   offload: a :class:`shard.Offload`: the fp32 masters and Adam's moments in host
     memory (``Offload("host")``) or in files (``Offload("disk", path=...)``),
-    updated there by the same kernel; stages 1-3.
+    updated there by the same kernel; stages 1-3. ``Offload("host",
+    overlap=True)`` updates each unit during the backward (not with
+    ``clip_norm``).
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then
