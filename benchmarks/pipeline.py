@@ -109,9 +109,16 @@ def torch_pipelining(args: argparse.Namespace) -> dict:
         opt.step()
         if i >= 2:
             times.append(1e3 * (time.perf_counter() - t0))
-    mine = torch.tensor([statistics.median(times)])
-    every = [torch.zeros(1) for _ in range(w)]
-    dist.all_gather(every, mine)
+    return _slowest_rank(times)
+
+
+def _slowest_rank(times: list[float]) -> dict:
+    """The torch-side result: the slowest stage's median step (a collective)."""
+    import torch
+    import torch.distributed as dist
+
+    every = [torch.zeros(1) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, torch.tensor([statistics.median(times)]))
     return {"step_ms": max(float(t) for t in every), "bubble": None}
 
 
@@ -148,10 +155,7 @@ def deepspeed_pipe(args: argparse.Namespace) -> dict:
         engine.train_batch(data_iter=data)
         if i >= 2:
             times.append(1e3 * (time.perf_counter() - t0))
-    mine = torch.tensor([statistics.median(times)])
-    every = [torch.zeros(1) for _ in range(w)]
-    dist.all_gather(every, mine)
-    return {"step_ms": max(float(t) for t in every), "bubble": None}
+    return _slowest_rank(times)
 
 
 WORKERS = {"ours": ours, "torch": torch_pipelining, "deepspeed": deepspeed_pipe}
