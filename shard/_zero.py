@@ -262,6 +262,12 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
             self._check_batch(b)
         micro = [self._cast_inputs(b) for b in micro]
         state.donate()
+        try:
+            return self._run(state, micro)
+        finally:
+            self._end_overlap()  # the overlapped offload's threads, if it started them
+
+    def _run(self, state: TrainState, micro: list[Any]) -> tuple[TrainState, StepMetrics]:
         scale = float(state.loss_scale)
         reducer = GradReducer(self.layout, self._fast, stage=self.stage,
                               dtype=self._reduce_dtype(), device=self.device)
@@ -270,14 +276,6 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
         w, k = self.comm.world_size, len(micro)
         grad_scale = 1.0 / (w * k * scale)
         overlap = self._start_overlap(state, reducer, grad_scale)
-        try:
-            return self._run(state, micro, units, reducer, totals, overlap, grad_scale)
-        finally:
-            self._end_overlap()
-
-    def _run(self, state: TrainState, micro: list[Any], units: UnitParams, reducer: GradReducer,
-             totals: Any, overlap: Any, grad_scale: float) -> tuple[TrainState, StepMetrics]:
-        scale = float(state.loss_scale)
         with self._jax_placement():
             for i, b in enumerate(micro):
                 reducer.final = i == len(micro) - 1
@@ -289,7 +287,6 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
                 overlap.wait_copied()
         with timed("optimizer"):
             self._norm_and_loss(shards, totals)
-        w, k = self.comm.world_size, len(micro)  # as in _step
         known = {"lr": float(self.optimizer.learning_rate(int(state.step))),
                  "loss_scale": scale, "skipped": False}
 
