@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import logging
 import os
 from typing import Any
 
@@ -10,6 +11,8 @@ from ops._comm import Communicator
 from ops._device import device_of
 
 __all__ = ["RoutedCommunicator", "init_from_env"]
+
+log = logging.getLogger(__name__)
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
@@ -23,6 +26,14 @@ def init_from_env(backend: str | None = None, *, timeout: float = 300.0) -> Comm
     sees a GPU, host (numpy) buffers go over gloo and GPU buffers over NCCL
     (created at the first GPU collective, on the GPU ``LOCAL_RANK`` names); on
     other machines everything goes over gloo.
+
+    On a GPU machine it also places JAX as torchrun's ranks place torch: a
+    process's JAX sees only the GPU ``LOCAL_RANK`` names, and where more
+    processes than GPUs run on a node (so several share one) JAX allocates on
+    demand instead of taking 75% of the GPU at start, which would leave the
+    next process out of memory. Both need JAX's backend not yet started; a
+    warning says when it already was, or where ``XLA_PYTHON_CLIENT_PREALLOCATE``
+    is set by the user, their setting stands.
 
     Args:
       backend: None (follow the data), ``"gloo"`` or ``"nccl"`` (one only).
@@ -47,6 +58,8 @@ def init_from_env(backend: str | None = None, *, timeout: float = 300.0) -> Comm
     from ops._comm_gloo import GlooCommunicator
     from ops._comm_nccl import NcclCommunicator
 
+    if backend != "gloo" and _gpu_available():  # pragma: no cover - needs a GPU
+        _place_jax()
     if backend == "nccl":
         return NcclCommunicator.from_process_group(timeout=timeout)
     gloo = GlooCommunicator(timeout=timeout)
@@ -125,6 +138,34 @@ class RoutedCommunicator(Communicator):
                                       "for device buffers")
 
         return RoutedCommunicator(self._host.split(color), no_device)
+
+
+def jax_gpu_placement(local_rank: int, local_world: int, gpus: int) -> tuple[str, bool]:
+    """The GPU a process's JAX should see (``jax_cuda_visible_devices``) and
+    whether it may preallocate, for local rank ``local_rank`` of ``local_world``
+    processes on a node with ``gpus`` GPUs."""
+    if gpus < 1 or not 0 <= local_rank < max(local_world, 1):
+        raise ValueError(f"jax_gpu_placement: local rank {local_rank} of {local_world} on "
+                         f"{gpus} GPU(s)")
+    return str(local_rank % gpus), local_world <= gpus
+
+
+def _place_jax() -> None:  # pragma: no cover - needs a GPU
+    import cupy
+    import jax
+    from jax._src import xla_bridge
+
+    if xla_bridge.backends_are_initialized():
+        log.warning("init_from_env: JAX started before init_from_env, so it sees every GPU "
+                    "and may preallocate on them; call init_from_env first")
+        return
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1")))
+    visible, preallocate = jax_gpu_placement(local, local_world,
+                                             cupy.cuda.runtime.getDeviceCount())
+    jax.config.update("jax_cuda_visible_devices", visible)
+    if not preallocate and "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ:
+        os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
 
 
 def _gpu_available() -> bool:

@@ -26,6 +26,7 @@ def run_ranks(script: str, world: int, tmp: Path, env: dict[str, str], *,
     procs = []
     for rank in range(world):
         e = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                 LOCAL_WORLD_SIZE=str(world),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), ZS_OUT=str(out),
                  OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), **env)
         procs.append(subprocess.Popen([sys.executable, str(ROOT / script)], env=e, cwd=ROOT,

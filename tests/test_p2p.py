@@ -142,3 +142,16 @@ def test_routed_communicator_moves_host_messages_and_splits_for_host_buffers():
     out = ops.spawn(run, 4)
     assert out[0][0] == [1.0, 2.0, 3.0] and out[1][0] == [0.0, 1.0, 2.0]
     assert [o[1] for o in out] == [2.0] * 4 and all(o[2] == [] for o in out)
+
+
+def test_jax_sees_its_own_gpu_and_shares_one_without_preallocating():
+    """init_from_env's JAX placement on a GPU node: a process sees the GPU its
+    local rank names, and where processes outnumber GPUs (several on one) none
+    takes 75% of the GPU at start."""
+    from ops._world import jax_gpu_placement
+
+    assert [jax_gpu_placement(r, 8, 8) for r in (0, 7)] == [("0", True), ("7", True)]
+    assert [jax_gpu_placement(r, 4, 1) for r in range(4)] == [("0", False)] * 4
+    assert jax_gpu_placement(3, 4, 2) == ("1", False)
+    with pytest.raises(ValueError, match="local rank 4 of 4"):
+        jax_gpu_placement(4, 4, 2)
