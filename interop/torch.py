@@ -60,12 +60,13 @@ from typing import Any
 import numpy as np
 
 from interop._torch_buffers import BufferState
+from interop._torch_layers import TorchLayered, layered
 from interop._torch_units import ROOT, UnitHooks, _Step
 from ops._device import device_of_or_none
 from ops._dlpack import to_native, torch_view
 from shard._profile import timed
 
-__all__ = ["TorchLoss", "functional", "load_state", "state_dict"]
+__all__ = ["TorchLayered", "TorchLoss", "functional", "layered", "load_state", "state_dict"]
 
 log = logging.getLogger(__name__)
 _CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")

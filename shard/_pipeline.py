@@ -42,7 +42,8 @@ from typing import Any
 import numpy as np
 
 from ops import Communicator
-from ops._dlpack import jax_view
+from ops._device import device_of
+from ops._dlpack import jax_view, to_native
 from shard._loss import Layered
 from shard._profile import timed
 
@@ -53,14 +54,16 @@ _HEADER, _DATA = 0, 1  # tags: a message's header, then its payload
 _MAX_DIMS = 8
 
 
-def pipeline(loss: Layered, *, comm: Communicator, stages: int, microbatches: int = 1,
+def pipeline(loss: Any, *, comm: Communicator, stages: int, microbatches: int = 1,
              schedule: str = "1f1b", balance: list[int] | None = None,
              activation_checkpointing: bool = False) -> Pipeline:
     """Split a :class:`shard.Layered` loss into ``stages`` pipeline stages over
     ``comm``'s ranks (see [Note: pipeline]).
 
     Args:
-      loss: the layers (one ZeRO unit each).
+      loss: the layers (one ZeRO unit each): a :class:`shard.Layered`, or the
+        loss object of ``interop.torch.layered(modules, loss=...)`` (see
+        [Note: torch layers] in ``interop/_torch_layers.py``).
       comm: the world's communicator (every rank calls this: it splits it).
       stages: P, which must divide the world size.
       microbatches: M; every stage's batch rows must divide by it.
@@ -72,8 +75,9 @@ def pipeline(loss: Layered, *, comm: Communicator, stages: int, microbatches: in
         and recompute the stage's forward in its backward (less activation
         memory, about one more forward of compute).
     """
-    if not isinstance(loss, Layered):
-        raise TypeError(f"pipeline: loss must be a shard.Layered; got {type(loss).__name__}")
+    if not isinstance(loss, Layered) and not hasattr(loss, "stage"):
+        raise TypeError(f"pipeline: loss must be a shard.Layered or the loss of "
+                        f"interop.torch.layered(...); got {type(loss).__name__}")
     if not isinstance(stages, int) or stages < 1 or comm.world_size % stages:
         raise ValueError(f"pipeline: stages must divide the world size {comm.world_size}; got "
                          f"{stages!r}")
@@ -155,6 +159,22 @@ class Pipeline:
 
         return load(path, step, comm=self.data)
 
+    def claim(self, comm: Communicator) -> None:
+        """A torch stage's modules serve one rank of the whole mesh (see
+        ``interop.torch.layered``)."""
+        if hasattr(self.loss, "claim"):
+            self.loss.claim(self.world)
+
+    @property
+    def cast_forward_inputs(self) -> bool:
+        """A torch stage's own casting of its first input (``Precision``'s)."""
+        return bool(getattr(self.loss, "cast_forward_inputs", True))
+
+    @cast_forward_inputs.setter
+    def cast_forward_inputs(self, value: bool) -> None:
+        if hasattr(self.loss, "cast_forward_inputs"):
+            self.loss.cast_forward_inputs = value
+
     @property
     def norm_comm(self) -> Communicator:
         """The gradient norm and the loss sum over the whole mesh."""
@@ -170,78 +190,37 @@ class Pipeline:
         """One step's schedule over every micro-batch (see the Note); returns this
         stage's share of the loss (the mean over micro-batches on the last stage,
         0 elsewhere)."""
-        import jax
-        import jax.numpy as jnp
-
-        fwd_all, bwd_all = self.loss.compiled()
         layers = getattr(self, "_layers", None)
         if layers is None:
             raise RuntimeError("pipeline: call step.init(pipe.params(params)) first")
-        fwd = [fwd_all[i] for i in layers]
-        bwd = [bwd_all[i] for i in layers]
-        subtrees = units.layout.treedef.children()
-        n, m, first, last = len(fwd), self.microbatches, self.stage == 0, \
-            self.stage == self.stages - 1
+        make = getattr(self.loss, "stage", None)
+        runner = (make(units, layers, checkpointing=self.activation_checkpointing)
+                  if make is not None else
+                  _JaxStage(self.loss, units, layers, self.activation_checkpointing))
+        m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
         micro = _split(batch, m)
-        carries: dict[int, list[Any]] = {}
-        grads: list[Any] = [None] * n
-        losses = []
+        losses: list[Any] = []
         sends: list[Any] = []
-
-        def view(u: int) -> Any:
-            return subtrees[u].unflatten([jax_view(x) for x in units.get(u)])
-
-        # stages 0-2 keep whole params for the step: view them once; stage 3
-        # gathers a unit each time it computes (its memory bound)
-        whole = [view(u) for u in range(n)] if units.stage < 3 else None
-
-        def tree(u: int) -> Any:
-            return whole[u] if whole is not None else view(u)
-
-        def run_forward(carry: Any, k: int, upto: int) -> tuple[Any, list[Any]]:
-            saved = []
-            for u in range(upto):
-                saved.append(carry)
-                with timed("forward"):
-                    carry = jax.block_until_ready(fwd[u](tree(u), carry, micro[k]))
-                self.forward_passes += 1
-            return carry, saved
-
-        def forward(k: int) -> None:
-            carry, saved = run_forward(None if first else self._recv(self.stage - 1), k, n)
-            carries[k] = saved[:1] if self.activation_checkpointing else saved
-            if last:
-                losses.append(carry)
-            else:
-                sends.append(self._send(carry, self.stage + 1))
-
-        def backward(k: int) -> None:
-            if last:
-                ct = jnp.asarray(scale / m, dtype=jnp.result_type(losses[k]))
-            else:
-                ct = self._recv(self.stage + 1)
-            saved = carries.pop(k)
-            if self.activation_checkpointing:  # the layers' inputs, computed again
-                last_input, inputs = run_forward(saved[0], k, n - 1)
-                saved = [*inputs, last_input]
-            for u in reversed(range(n)):
-                with timed("backward"):
-                    g, ct = jax.block_until_ready(bwd[u](tree(u), saved[u], micro[k], ct))
-                grads[u] = g if grads[u] is None else jax.tree_util.tree_map(jnp.add, grads[u], g)
-            if not first:
-                sends.append(self._send(ct, self.stage - 1))
-
         for kind, k in _order(self.schedule, self.stages, self.stage, m):
-            (forward if kind == "F" else backward)(k)
+            if kind == "F":
+                out = runner.forward(k, None if first else self._recv(self.stage - 1), micro[k])
+                if last:
+                    losses.append(out)
+                else:
+                    sends.append(self._send(out, self.stage + 1))
+            else:
+                ct = runner.backward(k, scale / m if last else self._recv(self.stage + 1))
+                if not first:
+                    sends.append(self._send(ct, self.stage - 1))
         for work in sends:
             work.wait()
-        for u in range(n):
-            reducer.add(u, subtrees[u].flatten_up_to(grads[u]))
+        runner.finish(reducer)
+        self.forward_passes += runner.forward_passes
         return sum(float(x) for x in losses) / m if last else 0.0
 
     # -- messages ---------------------------------------------------------------
     def _send(self, x: Any, dst: int) -> list[Any]:
-        a = np.ascontiguousarray(np.asarray(x))
+        a = _host_array(x)
         if a.ndim > _MAX_DIMS or str(a.dtype) not in _DTYPES:
             raise TypeError(f"pipeline: stage {self.stage} passes a {a.dtype} array of "
                             f"{a.ndim} dimensions; stages pass float arrays of up to "
@@ -252,7 +231,7 @@ class Pipeline:
         return _Sends([self.pipe.isend(header, dst, tag=_HEADER),
                        self.pipe.isend(a.reshape(-1), dst, tag=_DATA)])
 
-    def _recv(self, src: int) -> Any:
+    def _recv(self, src: int) -> np.ndarray:
         import jax.numpy as jnp
 
         with timed("pipeline_wait"):  # the bubble: waiting on a neighbour
@@ -262,7 +241,7 @@ class Pipeline:
         dtype = np.dtype(jnp.dtype(_DTYPES[code]))
         out = self.pipe.recv_(np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src,
                               tag=_DATA)
-        return jnp.asarray(out.reshape(shape))
+        return out.reshape(shape)
 
 
 def balance_by_time(loss: Layered, params: list[Any], batch: Any, stages: int, *,
@@ -292,6 +271,82 @@ def balance_by_time(loss: Layered, params: list[Any], batch: Any, stages: int, *
         times.append(sorted(runs[1:])[len(runs[1:]) // 2])
         carry = out
     return _balanced([max(1, round(1e6 * t)) for t in times], stages)
+
+
+class _JaxStage:
+    """A ``Layered`` loss's layers of one stage over a step's micro-batches:
+    ``forward(k, x, batch)`` and ``backward(k, ct)`` in the schedule's order,
+    then ``finish(reducer)`` (the runner protocol ``interop.torch.layered``'s
+    stages share)."""
+
+    def __init__(self, loss: Layered, units: Any, layers: range, checkpointing: bool) -> None:
+        fwd, bwd = loss.compiled()
+        self.fwd, self.bwd = [fwd[i] for i in layers], [bwd[i] for i in layers]
+        self.units, self.checkpointing = units, checkpointing
+        self.subtrees = units.layout.treedef.children()
+        n = len(self.fwd)
+        self.grads: list[Any] = [None] * n
+        self.carries: dict[int, tuple[list[Any], Any]] = {}
+        self.forward_passes = 0
+        # stages 0-2 keep whole params for the step: view them once; stage 3
+        # gathers a unit each time it computes (its memory bound)
+        self.whole = [self._view(u) for u in range(n)] if units.stage < 3 else None
+
+    def _view(self, u: int) -> Any:
+        return self.subtrees[u].unflatten([jax_view(x) for x in self.units.get(u)])
+
+    def _tree(self, u: int) -> Any:
+        return self.whole[u] if self.whole is not None else self._view(u)
+
+    def _run(self, carry: Any, batch: Any, upto: int) -> tuple[Any, list[Any]]:
+        import jax
+
+        saved = []
+        for u in range(upto):
+            saved.append(carry)
+            with timed("forward"):
+                carry = jax.block_until_ready(self.fwd[u](self._tree(u), carry, batch))
+            self.forward_passes += 1
+        return carry, saved
+
+    def forward(self, k: int, x: Any, batch: Any) -> Any:
+        import jax.numpy as jnp
+
+        out, saved = self._run(None if x is None else jnp.asarray(x), batch, len(self.fwd))
+        self.out_dtype = jnp.result_type(out)  # on the last stage: the loss's, for its cotangent
+        self.carries[k] = (saved[:1] if self.checkpointing else saved, batch)
+        return out
+
+    def backward(self, k: int, ct: Any) -> Any:
+        import jax
+        import jax.numpy as jnp
+
+        saved, batch = self.carries.pop(k)
+        n = len(self.fwd)
+        if self.checkpointing:  # the layers' inputs, computed again
+            last_input, inputs = self._run(saved[0], batch, n - 1)
+            saved = [*inputs, last_input]
+        ct = jnp.asarray(ct, dtype=self.out_dtype) if isinstance(ct, float) else jnp.asarray(ct)
+        for u in reversed(range(n)):
+            with timed("backward"):
+                g, ct = jax.block_until_ready(self.bwd[u](self._tree(u), saved[u], batch, ct))
+            self.grads[u] = g if self.grads[u] is None else jax.tree_util.tree_map(
+                jnp.add, self.grads[u], g)
+        return ct
+
+    def finish(self, reducer: Any) -> None:
+        for u in range(len(self.fwd)):
+            reducer.add(u, self.subtrees[u].flatten_up_to(self.grads[u]))
+
+
+def _host_array(x: Any) -> np.ndarray:
+    """A message's payload in host memory (device activations are copied out)."""
+    if not isinstance(x, np.ndarray):
+        x = to_native(x)[0]
+        device = device_of(x)
+        if not device.host:
+            x = device.to_host_into(x, np.empty(x.shape, x.dtype))
+    return np.ascontiguousarray(x)
 
 
 class _Sends:

@@ -175,6 +175,14 @@ def main() -> None:
 
             results = [PM.run(comm, stages=2, microbatches=2)]
             report["worst"] = PM.worst_difference(results, PM.reference())
+        elif scenario == "torch_pipeline":  # 2 stages x 2 data ranks of torch modules, ZeRO-3
+            import shard
+            from tests import pipeline_models as PM
+
+            layers, _ = PM.torch_run(comm, stages=2, microbatches=2, zero=shard.zero3)
+            want = PM.torch_reference()
+            report["worst"] = max(float(np.abs(np.asarray(got[k]) - want[i][k]).max())
+                                  for i, got in layers.items() for k in got)
         elif scenario == "mismatch":
             ops.all_gather(comm, np.ones(100_000 + comm.rank, np.float32))
         report["ok"] = True

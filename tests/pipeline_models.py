@@ -78,3 +78,66 @@ def worst_difference(results, want):
             for k in got:
                 worst = max(worst, float(np.abs(np.asarray(got[k]) - want[i][k]).max()))
     return worst
+
+
+# -- the torch form: interop.torch.layered over a chain of modules --------------------
+
+TORCH_SIZES = (5, 7, 7, 7, 7, 3)  # odd sizes: none divides 2 or 3 data ranks
+
+
+def torch_layers(dropout=0.0):
+    """Five modules (one unit each), built from one seed."""
+    import torch
+
+    torch.manual_seed(0)
+    s = TORCH_SIZES
+    hidden = [torch.nn.Sequential(torch.nn.Linear(s[i], s[i + 1]), torch.nn.Tanh(),
+                                  torch.nn.Dropout(dropout)) for i in range(len(s) - 2)]
+    return [*hidden, torch.nn.Linear(s[-2], s[-1])]
+
+
+def torch_mse(out, batch):
+    return ((out - batch[1]) ** 2).mean()
+
+
+def torch_batches(steps=4, rows=24):
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, TORCH_SIZES[0], generator=g),
+             torch.randn(rows, TORCH_SIZES[-1], generator=g)) for _ in range(steps)]
+
+
+def torch_reference(steps=4):
+    """torch's fused AdamW on the whole chain and the whole batch, in one process."""
+    import torch
+
+    layers = torch_layers()
+    model = torch.nn.Sequential(*layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD, fused=True)
+    for b in torch_batches(steps):
+        opt.zero_grad()
+        torch_mse(model(b[0]), b).backward()
+        opt.step()
+    return [{k: v.detach().numpy().copy() for k, v in m.named_parameters()} for m in layers]
+
+
+def torch_run(comm, *, stages, microbatches, zero=shard.zero2, schedule="1f1b",
+              checkpointing=False, layers=None, steps=4, **kw):
+    """Train the pipelined chain (each rank its own copy of the modules); returns
+    this stage's {layer index: whole params} and the losses."""
+    import copy
+
+    import interop.torch as it
+
+    params, loss = it.layered(copy.deepcopy(layers or torch_layers()), loss=torch_mse)
+    pipe = shard.pipeline(loss, comm=comm, stages=stages, microbatches=microbatches,
+                          schedule=schedule, activation_checkpointing=checkpointing)
+    step = zero(pipe, optimizer=ops.adamw(LR, weight_decay=WD), comm=pipe.data, **kw)
+    state = step.init(pipe.params(params))
+    losses = []
+    for b in torch_batches(steps):
+        n, r = b[0].shape[0] // pipe.data.world_size, pipe.data.rank
+        state, m = step(state, tuple(t[r * n:(r + 1) * n] for t in b))
+        losses.append(m["loss"])
+    return shard.gather(state, pipe.data), losses

@@ -1,0 +1,206 @@
+"""shard.pipeline over torch modules (interop.torch.layered) against one process
+([Note: torch layers], [Note: pipeline])."""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+import interop.torch as it
+import ops
+import shard
+from tests import pipeline_models as PM
+from tests.multiproc import run_ranks
+
+ZERO = {1: shard.zero1, 2: shard.zero2, 3: shard.zero3}
+
+
+@pytest.fixture(scope="module")
+def want():
+    return PM.torch_reference()
+
+
+def worst(results, want):
+    out = 0.0
+    for layers, _ in results:
+        for i, got in layers.items():
+            for k in got:
+                out = max(out, float(np.abs(np.asarray(got[k]) - want[i][k]).max()))
+    return out
+
+
+@pytest.mark.parametrize("data", [1, 2])
+@pytest.mark.parametrize("micro", [1, 2, 4])
+@pytest.mark.parametrize("stages", [2, 3])
+def test_torch_pipeline_matches_one_process(want, stages, micro, data):
+    schedule = "1f1b" if (stages + micro) % 2 else "gpipe"
+    zero = ZERO[1 + (stages + micro + data) % 3]
+    checkpointing = micro == 2  # graph and recompute both, at every ZeRO stage
+    layers = PM.torch_layers()  # built once: thread ranks share torch's RNG
+    results = ops.spawn(lambda c: PM.torch_run(c, stages=stages, microbatches=micro,
+                                               schedule=schedule, zero=zero, layers=layers,
+                                               checkpointing=checkpointing), stages * data)
+    assert worst(results, want) < 1e-5
+    covered = sorted(i for layers, _ in results for i in layers)
+    assert covered == sorted(list(range(len(PM.TORCH_SIZES) - 1)) * data)
+    assert len({tuple(round(x, 6) for x in r[1]) for r in results}) == 1
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("world", [1, 3])
+def test_layered_modules_train_without_a_pipeline(want, stage, world):
+    layers = PM.torch_layers()
+
+    def run(comm):
+        params, loss = it.layered(copy.deepcopy(layers), loss=PM.torch_mse)
+        step = ZERO[stage](loss, optimizer=ops.adamw(PM.LR, weight_decay=PM.WD), comm=comm)
+        state = step.init(params)
+        for b in PM.torch_batches():
+            n = b[0].shape[0] // comm.world_size
+            state, _ = step(state, tuple(t[comm.rank * n:(comm.rank + 1) * n] for t in b))
+        evaluated = step.evaluate(state, PM.torch_batches()[0])
+        return shard.gather(state, comm), evaluated
+
+    out = ops.spawn(run, world)
+    got, evaluated = out[0]
+    assert worst([(dict(enumerate(got)), None)], want) < 1e-5
+    model = torch.nn.Sequential(*PM.torch_layers())
+    for m, p in zip(model, want, strict=True):
+        m.load_state_dict({k: torch.from_numpy(v) for k, v in p.items()})
+    b = PM.torch_batches()[0]
+    with torch.no_grad():
+        assert evaluated == pytest.approx(float(PM.torch_mse(model(b[0]), b)), rel=1e-5)
+
+
+def test_recomputing_draws_the_same_dropout_masks():
+    """ZeRO-3 and activation checkpointing recompute each unit's forward in its
+    backward: with the RNG state restored, dropout draws the masks the kept
+    graph used, so the trajectories are bit for bit the same."""
+    dropped = PM.torch_layers(dropout=0.3)
+
+    def run(comm, zero, stages=None, layers=dropped):
+        params, loss = it.layered(copy.deepcopy(layers), loss=PM.torch_mse)
+        if stages:
+            loss = shard.pipeline(loss, comm=comm, stages=stages, microbatches=1,
+                                  activation_checkpointing=True)
+            params = loss.params(params)
+        step = zero(loss, optimizer=ops.adamw(PM.LR), comm=comm)
+        state = step.init(params)
+        torch.manual_seed(5)
+        for b in PM.torch_batches():
+            state, _ = step(state, b)
+        return shard.gather(state, comm)
+
+    graph = ops.spawn(lambda c: run(c, shard.zero2), 1)[0]
+    recomputed = ops.spawn(lambda c: run(c, shard.zero3), 1)[0]
+    piped = ops.spawn(lambda c: run(c, shard.zero2, stages=1), 1)[0]
+    undropped = ops.spawn(lambda c: run(c, shard.zero2, layers=PM.torch_layers()), 1)[0]
+    for i, layer in enumerate(graph):
+        for k in layer:
+            np.testing.assert_array_equal(recomputed[i][k], layer[k])
+    assert np.abs(graph[0]["0.weight"] - undropped[0]["0.weight"]).max() > 1e-4  # it dropped
+    for i in range(len(graph)):
+        for k in graph[i]:
+            np.testing.assert_array_equal(piped[i][k], graph[i][k])
+
+
+def test_bf16_activations_cross_stages_as_they_flow_in_one_process():
+    precision = shard.Precision(param_dtype="bfloat16")
+    layers = PM.torch_layers()
+
+    def run(comm, stages):
+        params, loss = it.layered(copy.deepcopy(layers), loss=PM.torch_mse)
+        if stages:
+            loss = shard.pipeline(loss, comm=comm, stages=stages, microbatches=1)
+            params = loss.params(params)
+        step = shard.zero2(loss, optimizer=ops.adamw(PM.LR), comm=loss.data if stages
+                           else comm, precision=precision)
+        state = step.init(params)
+        for b in PM.torch_batches():
+            state, m = step(state, b)
+        return shard.gather(state, loss.data if stages else comm), m["loss"]
+
+    plain, plain_loss = ops.spawn(lambda c: run(c, None), 1)[0]
+    out = ops.spawn(lambda c: run(c, 2), 2)
+    assert out[0][1] == out[1][1] == plain_loss
+    for layers, _ in out:
+        for i, got in layers.items():
+            for k in got:
+                np.testing.assert_array_equal(got[k], plain[i][k])
+
+
+def test_torch_stage_errors_are_named():
+    with pytest.raises(TypeError, match=r"layers\[1\] is a str"):
+        it.layered([torch.nn.Linear(2, 2), "relu"], loss=PM.torch_mse)
+    shared = torch.nn.Linear(3, 3)
+    with pytest.raises(ValueError, match=r"layers\[1\]\.0\.weight is also a parameter of "
+                                         r"layers\[0\]"):
+        it.layered([shared, torch.nn.Sequential(shared)], loss=PM.torch_mse)
+    with pytest.raises(ValueError, match=r"layers\[0\] \(Tanh\) has no parameters"):
+        it.layered([torch.nn.Tanh(), torch.nn.Linear(3, 3)], loss=PM.torch_mse)
+
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(5, 3)
+
+        def forward(self, x):
+            return self.lin(x), x
+
+    def tuple_out(comm):
+        params, loss = it.layered([Pair(), torch.nn.Linear(3, 3)],
+                                  loss=lambda out, b: out.pow(2).mean())
+        pipe = shard.pipeline(loss, comm=comm, stages=2)
+        step = shard.zero1(pipe, optimizer=ops.adamw(1e-3), comm=pipe.data)
+        step(step.init(pipe.params(params)), (torch.ones(2, 5),))
+
+    with pytest.raises(TypeError, match="layer 0 returns tuple; a stage passes one floating"):
+        ops.spawn(tuple_out, 2, timeout=30)
+
+    params, loss = it.layered(PM.torch_layers(), loss=PM.torch_mse)
+
+    def share(comm):
+        step = shard.zero1(loss, optimizer=ops.adamw(1e-3), comm=comm)
+        step.init(params)
+
+    with pytest.raises(ValueError, match="belongs to rank"):
+        ops.spawn(share, 2)
+
+
+def test_two_by_two_gloo_processes_train_torch_stages(tmp_path):
+    reports = run_ranks("tests/gloo_worker.py", 4, tmp_path,
+                        {"ZS_SCENARIO": "torch_pipeline", "ZS_TIMEOUT": "60"})
+    for rep in reports:
+        assert rep.get("ok"), rep
+        assert rep["worst"] < 1e-5, rep
+
+
+def test_zero3_binds_one_layer_at_a_time_and_releases_it():
+    """At stage 3 a torch stage gathers a unit for its forward and again for its
+    backward (recomputing the forward), and no other layer is whole meanwhile."""
+    layers = PM.torch_layers()
+    seen = []
+
+    def run(comm):
+        mods = copy.deepcopy(layers)
+        params, loss = it.layered(mods, loss=PM.torch_mse)
+
+        def record(module, args):
+            if comm.rank == 0:
+                seen.append([sum(p.numel() for p in m.parameters()) > 0 for m in mods])
+
+        for m in mods:
+            m.register_forward_pre_hook(record)
+        step = shard.zero3(loss, optimizer=ops.adamw(PM.LR), comm=comm)
+        step(step.init(params), PM.torch_batches(1)[0])
+        return [sum(p.numel() for p in m.parameters()) for m in mods]
+
+    after = ops.spawn(run, 2)
+    n = len(layers)
+    assert len(seen) == 2 * n  # each forward once, and once more in the backward
+    order = [i for row in seen for i, whole in enumerate(row) if whole]
+    assert order == [*range(n), *reversed(range(n))]  # exactly one whole layer each time
+    assert after == [[0] * n] * 2  # released after the step
