@@ -71,6 +71,38 @@ def ours(args: argparse.Namespace) -> dict:
     return {"step_ms": float(np.max(every[0::2])), "bubble": float(np.mean(every[1::2]))}
 
 
+def ours_torch(args: argparse.Namespace) -> dict:
+    """Ours over the torch layers the peers train (``interop.torch.layered``)."""
+    import numpy as np
+    import torch
+
+    import interop.torch as it
+    import ops
+    import shard
+
+    torch.set_num_threads(1)
+    comm = ops.init_from_env()
+    torch.manual_seed(0)
+    layers = [torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.Tanh())
+              for _ in range(args.layers)]
+    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+    params, loss = it.layered(layers, loss=lambda out, b: ((out - b[1]) ** 2).mean())
+    pipe = shard.pipeline(loss, comm=comm, stages=comm.world_size,
+                          microbatches=args.microbatches, schedule=args.schedule,
+                          balance=[args.layers // comm.world_size] * comm.world_size)
+    step = shard.zero1(pipe, optimizer=ops.adamw(1e-3), comm=pipe.data)
+    state = step.init(pipe.params(params))
+    times, waits = [], []
+    for i in range(args.steps + 2):
+        state, m = step(state, (x, y))
+        if i >= 2:
+            times.append(m["time_ms"]["step"])
+            waits.append(m["time_ms"]["pipeline_wait"] / m["time_ms"]["step"])
+    every = ops.all_gather(comm, np.array([statistics.median(times),
+                                           statistics.mean(waits)]))
+    return {"step_ms": float(np.max(every[0::2])), "bubble": float(np.mean(every[1::2]))}
+
+
 def torch_pipelining(args: argparse.Namespace) -> dict:
     import torch
     import torch.distributed as dist
@@ -158,7 +190,8 @@ def deepspeed_pipe(args: argparse.Namespace) -> dict:
     return _slowest_rank(times)
 
 
-WORKERS = {"ours": ours, "torch": torch_pipelining, "deepspeed": deepspeed_pipe}
+WORKERS = {"ours": ours, "ours_torch": ours_torch, "torch": torch_pipelining,
+           "deepspeed": deepspeed_pipe}
 
 
 def run(framework: str, p: int, m: int, args: argparse.Namespace) -> dict:
@@ -203,9 +236,9 @@ def main() -> None:
           f"{os.cpu_count()} cores", flush=True)
     try:
         import deepspeed  # noqa: F401
-        frameworks = ("ours", "torch", "deepspeed")
+        frameworks = ("ours", "ours_torch", "torch", "deepspeed")
     except ImportError:
-        frameworks = ("ours", "torch")
+        frameworks = ("ours", "ours_torch", "torch")
         print("DeepSpeed is not installed: its column is left out", flush=True)
     rows = []
     base = {(f, m): run(f, 1, m, args)["step_ms"] for f in frameworks for m in micro}
@@ -218,22 +251,37 @@ def main() -> None:
     for m in micro:
         print(f"one process, M={m}: " + ", ".join(f"{f} {base[f, m]:.1f} ms" for f in frameworks))
     print()
-    ds = "deepspeed" in frameworks
-    print("| P | M | theory | ours ms | ours bubble (measured) | ours bubble (est.) | "
-          "torch ms | torch bubble (est.) | ours / torch |" +
-          (" deepspeed ms | deepspeed bubble (est.) | ours / deepspeed |" if ds else ""))
-    print("|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if ds else ""))
+    print(table(stages, micro, frameworks, rows, base))
+
+
+NAMES = {"ours": "ours (JAX)", "ours_torch": "ours (torch)", "torch": "torch",
+         "deepspeed": "DeepSpeed"}
+
+
+def table(stages: list[int], micro: list[int], frameworks: tuple[str, ...], rows: list,
+          base: dict) -> str:
+    """Per framework: ms/step and the bubble estimated against its own P = 1 run
+    (ours also measured); then ours (torch) over each peer."""
+    peers = [f for f in frameworks if not f.startswith("ours")]
+    head = ["P", "M", "theory"]
+    for f in frameworks:
+        head += [f"{NAMES[f]} ms", f"{NAMES[f]} bubble (est.)"]
+        if f.startswith("ours"):
+            head.append(f"{NAMES[f]} bubble (measured)")
+    head += [f"ours (torch) / {NAMES[f]}" for f in peers]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in stages:
         for m in micro:
             got = {f: r for pp, mm, f, r in rows if (pp, mm) == (p, m)}
-            o = got["ours"]
-            line = (f"| {p} | {m} | {(p - 1) / (m + p - 1):.2f} | {o['step_ms']:.1f} | "
-                    f"{o['bubble']:.2f} | {1 - base['ours', m] / p / o['step_ms']:.2f} |")
-            for f in frameworks[1:]:
-                t = got[f]
-                line += (f" {t['step_ms']:.1f} | {1 - base[f, m] / p / t['step_ms']:.2f} | "
-                         f"{o['step_ms'] / t['step_ms']:.2f} |")
-            print(line)
+            cells = [str(p), str(m), f"{(p - 1) / (m + p - 1):.2f}"]
+            for f in frameworks:
+                ms = got[f]["step_ms"]
+                cells += [f"{ms:.1f}", f"{1 - base[f, m] / p / ms:.2f}"]
+                if f.startswith("ours"):
+                    cells.append(f"{got[f]['bubble']:.2f}")
+            cells += [f"{got['ours_torch']['step_ms'] / got[f]['step_ms']:.2f}" for f in peers]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

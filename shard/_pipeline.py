@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +45,7 @@ from ops import Communicator
 from ops._device import device_of
 from ops._dlpack import jax_view, to_native
 from shard._loss import Layered
+from shard._pipeline_ties import TiedReducer, check_ties, resolve_ties
 from shard._profile import timed
 
 __all__ = ["Pipeline", "balance_by_time", "pipeline"]
@@ -56,7 +57,7 @@ _MAX_DIMS = 8
 
 def pipeline(loss: Any, *, comm: Communicator, stages: int, microbatches: int = 1,
              schedule: str = "1f1b", balance: list[int] | None = None,
-             activation_checkpointing: bool = False) -> Pipeline:
+             activation_checkpointing: bool = False, tied: Any = None) -> Pipeline:
     """Split a :class:`shard.Layered` loss into ``stages`` pipeline stages over
     ``comm``'s ranks (see [Note: pipeline]).
 
@@ -74,6 +75,9 @@ def pipeline(loss: Any, *, comm: Communicator, stages: int, microbatches: int = 
       activation_checkpointing: keep only each micro-batch's input to the stage
         and recompute the stage's forward in its backward (less activation
         memory, about one more forward of compute).
+      tied: groups of ``(layer, key)`` pairs naming one weight used by several
+        layers, e.g. ``[[(0, "wte"), (11, "w_out")]]`` (see [Note: tied
+        weights] in ``shard/_pipeline_ties.py``).
     """
     if not isinstance(loss, Layered) and not hasattr(loss, "stage"):
         raise TypeError(f"pipeline: loss must be a shard.Layered or the loss of "
@@ -97,7 +101,7 @@ def pipeline(loss: Any, *, comm: Communicator, stages: int, microbatches: int = 
     data = comm.split(stage)  # the ranks of this stage
     pipe = comm.split(comm.rank % width)  # this data index's stages, in stage order
     return Pipeline(loss, stage, stages, microbatches, schedule, balance, data, pipe, comm,
-                    bool(activation_checkpointing))
+                    bool(activation_checkpointing), check_ties(tied, n))
 
 
 @dataclass
@@ -114,6 +118,7 @@ class Pipeline:
     pipe: Communicator
     world: Communicator
     activation_checkpointing: bool = False
+    tied: list[Any] = field(default_factory=list)  # see [Note: tied weights]
     forward_passes: int = 0  # layer forwards run, recomputations included
 
     # -- layout ---------------------------------------------------------------
@@ -131,7 +136,10 @@ class Pipeline:
         keyed by layer index: checkpoints and ``shard.gather`` name the layers
         as the whole model does, so one stage's state is never mistaken for
         another's layers."""
-        self._layers = self.layers_of(list(params))
+        params = list(params)
+        self._layers = self.layers_of(params)
+        self._ties = resolve_ties(self.tied, params, self._layers)
+        self.norm_skip = tuple(i for tie in self._ties for i in tie.skip)
         return {i: params[i] for i in self._layers}
 
     # -- checkpoints --------------------------------------------------------------
@@ -214,7 +222,12 @@ class Pipeline:
                     sends.append(self._send(ct, self.stage - 1))
         for work in sends:
             work.wait()
-        runner.finish(reducer)
+        if self._ties:  # see [Note: tied weights]
+            tied = TiedReducer(self._ties, self.pipe)
+            runner.finish(tied)
+            tied.flush(reducer)
+        else:
+            runner.finish(reducer)
         self.forward_passes += runner.forward_passes
         return sum(float(x) for x in losses) / m if last else 0.0
 

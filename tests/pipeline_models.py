@@ -56,13 +56,45 @@ def reference(steps=4, clip_norm=None):
     return params
 
 
-def run(comm, *, stages, microbatches, schedule="1f1b", zero=shard.zero2, steps=4, **kw):
+TIED = [[(0, "w"), (LAYERS - 1, "w")]]  # the first layer's weight is the last one's
+
+
+def tied_params():
+    params = init_params()
+    params[-1]["w"] = params[0]["w"].copy()
+    return params
+
+
+def tied_reference(steps=4, clip_norm=None):
+    """The model with one weight shared by its first and last layers."""
+    def loss(p, b):
+        h = None
+        for i, f in enumerate(LAYERED.layers):
+            h = f(p[i] if i < LAYERS - 1 else {"w": p[0]["w"], "b": p[i]["b"]}, h, b)
+        return h
+
+    opt = optax.adamw(LR, weight_decay=WD)
+    if clip_norm is not None:
+        opt = optax.chain(optax.clip_by_global_norm(clip_norm), opt)
+    params = tied_params()
+    params[-1] = {"b": params[-1]["b"]}
+    state = opt.init(params)
+    for b in batches(steps):
+        grads = jax.grad(loss)(params, b)
+        updates, state = opt.update(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    params[-1] = {"w": params[0]["w"], "b": params[-1]["b"]}
+    return params
+
+
+def run(comm, *, stages, microbatches, schedule="1f1b", zero=shard.zero2, steps=4, tied=None,
+        **kw):
     """Train the pipelined model; returns this stage's {layer index: whole params} and
     the losses."""
     pipe = shard.pipeline(LAYERED, comm=comm, stages=stages, microbatches=microbatches,
-                          schedule=schedule)
+                          schedule=schedule, tied=tied)
     step = zero(pipe, optimizer=ops.adamw(LR, weight_decay=WD), comm=pipe.data, **kw)
-    state = step.init(pipe.params(init_params()))
+    state = step.init(pipe.params(tied_params() if tied else init_params()))
     losses = []
     for b in batches(steps):
         state, m = step(state, shard.split_batch(b, rank=pipe.data.rank,

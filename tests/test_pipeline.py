@@ -130,7 +130,7 @@ def test_pipeline_benchmark_prints_its_table():
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 2 | 2 |")]
     ds = "DeepSpeed is not installed" not in out.stdout  # its three columns, when it is
-    assert len(rows) == 1 and len(rows[0].split("|")) == 11 + 3 * ds, out.stdout
+    assert len(rows) == 1 and len(rows[0].split("|")) == 14 + 3 * ds, out.stdout
 
 
 def test_loggers_write_once_per_step_for_the_whole_mesh(tmp_path):
@@ -278,3 +278,34 @@ def test_pipelines_on_the_device_stand_in_run_at_stage_3_only(device):
     assert PM.worst_difference(results, PM.reference()) < 1e-5
     with pytest.raises(NotImplementedError, match="zero3 only"):
         ops.spawn(lambda c: run(c, shard.zero2), 2)
+
+
+@pytest.mark.parametrize(("stages", "data", "zero"), [(1, 2, 3), (2, 2, 2), (3, 1, 1)])
+def test_tied_weights_train_as_one_weight(stages, data, zero):
+    """The first and last layers share a weight ([Note: tied weights]): on one
+    stage or on two, the copies stay equal and follow the model with one shared
+    weight, clipped by a norm that counts it once."""
+    want = PM.tied_reference(clip_norm=0.05)
+    results = ops.spawn(lambda c: PM.run(c, stages=stages, microbatches=2, tied=PM.TIED,
+                                         zero=ZERO[zero], clip_norm=0.05), stages * data)
+    assert PM.worst_difference(results, want) < 1e-5
+    copies = [layers[i]["w"] for layers, _ in results for i in (0, PM.LAYERS - 1) if i in layers]
+    assert len(copies) == 2 * data and all((c == copies[0]).all() for c in copies)
+    untied = ops.spawn(lambda c: PM.run(c, stages=stages, microbatches=2, zero=ZERO[zero],
+                                        clip_norm=0.05), stages * data)
+    assert PM.worst_difference(untied, want) > 1e-3  # the tie did act
+
+
+def test_bad_ties_are_refused_by_name():
+    comm = ops.spawn(lambda c: c, 1)[0]
+    with pytest.raises(ValueError, match="two or more"):
+        shard.pipeline(PM.LAYERED, comm=comm, stages=1, tied=[[(0, "w")]])
+    with pytest.raises(ValueError, match="two tied groups"):
+        shard.pipeline(PM.LAYERED, comm=comm, stages=1, tied=[[(0, "w"), (1, "w")],
+                                                               [(1, "w"), (2, "w")]])
+    pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=1, tied=[[(0, "w"), (4, "w")]])
+    with pytest.raises(ValueError, match=r"must start equal: \(layer 4, 'w'\).*other values"):
+        pipe.params(PM.init_params())
+    pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=1, tied=[[(0, "w"), (4, "x")]])
+    with pytest.raises(ValueError, match=r"\(layer 4, 'x'\) is not one array"):
+        pipe.params(PM.init_params())
