@@ -182,6 +182,30 @@ class TorchLayered:
             for m, mode in zip(self.layers, modes, strict=True):
                 m.train(mode)
 
+    def layer_times(self, batch: Any, repeats: int = 3) -> list[float]:
+        """Each module's forward and backward time in seconds on ``batch`` (the
+        median of ``repeats`` after a warm-up run), for
+        ``shard.balance_by_time``; the modules' gradients are left cleared."""
+        import time
+
+        import torch
+
+        x = self._input(batch)
+        times = []
+        for m in self.layers:
+            runs = []
+            for _ in range(repeats + 1):
+                h = x.detach().requires_grad_(x.is_floating_point())
+                t0 = time.perf_counter()
+                out = m(h)
+                out.backward(torch.ones_like(out))
+                runs.append(time.perf_counter() - t0)
+            m.zero_grad(set_to_none=True)
+            times.append(sorted(runs[1:])[len(runs[1:]) // 2])
+            with torch.no_grad():
+                x = m(x)
+        return times
+
     def _forward(self, x: Any) -> Any:
         for m in self.layers:
             x = m(x)

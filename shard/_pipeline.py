@@ -257,20 +257,30 @@ class Pipeline:
         return out.reshape(shape)
 
 
-def balance_by_time(loss: Layered, params: list[Any], batch: Any, stages: int, *,
+def balance_by_time(loss: Any, params: list[Any], batch: Any, stages: int, *,
                     repeats: int = 3) -> list[int]:
     """Layers per stage for ``pipeline(balance=...)``, from each layer's measured
     forward and backward time on ``batch`` (one process, the whole params; the
-    median of ``repeats`` runs after a compiling one), so that the slowest
-    stage, which sets the pipeline's pace, is as fast as it can be."""
+    median of ``repeats`` runs after a warm-up one), so that the slowest stage,
+    which sets the pipeline's pace, is as fast as it can be. ``loss``: a
+    ``shard.Layered`` or ``interop.torch.layered``'s loss (whose modules hold
+    their params)."""
+    if len(params) != len(loss.layers):
+        raise ValueError(f"balance_by_time: {len(loss.layers)} layers but {len(params)} "
+                         "entries in params")
+    if hasattr(loss, "layer_times"):
+        times = loss.layer_times(batch, repeats)
+    else:
+        times = _jax_layer_times(loss, params, batch, repeats)
+    return _balanced([max(1, round(1e6 * t)) for t in times], stages)
+
+
+def _jax_layer_times(loss: Layered, params: list[Any], batch: Any, repeats: int) -> list[float]:
     import time
 
     import jax
     import jax.numpy as jnp
 
-    if len(params) != len(loss.layers):
-        raise ValueError(f"balance_by_time: {len(loss.layers)} layers but {len(params)} "
-                         "entries in params")
     fwd, bwd = loss.compiled()
     times = []
     carry = None
@@ -283,7 +293,7 @@ def balance_by_time(loss: Layered, params: list[Any], batch: Any, stages: int, *
             runs.append(time.perf_counter() - t0)
         times.append(sorted(runs[1:])[len(runs[1:]) // 2])
         carry = out
-    return _balanced([max(1, round(1e6 * t)) for t in times], stages)
+    return times
 
 
 class _JaxStage:

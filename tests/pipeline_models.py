@@ -155,7 +155,7 @@ def torch_reference(steps=4):
 
 
 def torch_run(comm, *, stages, microbatches, zero=shard.zero2, schedule="1f1b",
-              checkpointing=False, layers=None, steps=4, **kw):
+              checkpointing=False, layers=None, steps=4, tied=None, **kw):
     """Train the pipelined chain (each rank its own copy of the modules); returns
     this stage's {layer index: whole params} and the losses."""
     import copy
@@ -164,7 +164,8 @@ def torch_run(comm, *, stages, microbatches, zero=shard.zero2, schedule="1f1b",
 
     params, loss = it.layered(copy.deepcopy(layers or torch_layers()), loss=torch_mse)
     pipe = shard.pipeline(loss, comm=comm, stages=stages, microbatches=microbatches,
-                          schedule=schedule, activation_checkpointing=checkpointing)
+                          schedule=schedule, activation_checkpointing=checkpointing,
+                          tied=tied)
     step = zero(pipe, optimizer=ops.adamw(LR, weight_decay=WD), comm=pipe.data, **kw)
     state = step.init(pipe.params(params))
     losses = []

@@ -204,3 +204,44 @@ def test_zero3_binds_one_layer_at_a_time_and_releases_it():
     order = [i for row in seen for i, whole in enumerate(row) if whole]
     assert order == [*range(n), *reversed(range(n))]  # exactly one whole layer each time
     assert after == [[0] * n] * 2  # released after the step
+
+
+def test_tied_torch_weights_train_as_one_shared_parameter():
+    """Layers 1 and 3 share one weight in the reference (one torch Parameter);
+    the pipeline keeps a copy per stage, tied ([Note: tied weights])."""
+    shared = PM.torch_layers()
+    shared[3][0].weight = shared[1][0].weight
+    model = torch.nn.Sequential(*copy.deepcopy(shared))
+    opt = torch.optim.AdamW(model.parameters(), lr=PM.LR, weight_decay=PM.WD, fused=True)
+    for b in PM.torch_batches():
+        opt.zero_grad()
+        PM.torch_mse(model(b[0]), b).backward()
+        opt.step()
+    want = [{k: v.detach().numpy().copy() for k, v in m.state_dict().items()} for m in model]
+    copies = PM.torch_layers()
+    copies[3][0].weight = torch.nn.Parameter(copies[1][0].weight.detach().clone())
+    tied = [[(1, "0.weight"), (3, "0.weight")]]
+    results = ops.spawn(lambda c: PM.torch_run(c, stages=2, microbatches=2, layers=copies,
+                                               zero=shard.zero3, tied=tied), 4)
+    assert 1 in results[0][0] and 3 not in results[0][0]  # the copies on different stages
+    assert {i for layers, _ in results for i in layers} == set(range(5))
+    assert worst(results, want) < 1e-5
+
+
+def test_balance_by_time_times_torch_modules():
+    class Slow(torch.nn.Module):  # the parameters of a small layer, 30 times its work
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 64)
+
+        def forward(self, x):
+            for _ in range(30):
+                x = torch.tanh(self.lin(x))
+            return x
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(64, 64), Slow(), torch.nn.Linear(64, 64), torch.nn.Linear(64, 1)]
+    params, loss = it.layered(layers, loss=lambda out, b: out.mean())
+    x = (torch.randn(256, 64),)
+    assert shard.balance_by_time(loss, params, x, 3) == [1, 1, 2]
+    assert all(p.grad is None for m in layers for p in m.parameters())
