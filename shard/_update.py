@@ -32,11 +32,13 @@ class UpdatePhase:
         """``totals`` (on the device) becomes [global sum of squares of the summed
         gradients, sum of the micro-batch losses over ranks]: one all-reduce."""
         sharded, replicated = [], []
+        skip = set(getattr(self.loss_fn, "norm_skip", ()))  # copies of a tied weight
         for unit, g in zip(self.layout.units, shards, strict=True):
-            if unit.sharded_size:
-                sharded.append(g[:unit.sharded_size])
-            if unit.replicated_size:
-                replicated.append(g[unit.sharded_size:])
+            cuts = sorted((leaf.offset, leaf.offset + leaf.local_size) for leaf in
+                          (self.layout.leaves[i] for i in unit.leaves if i in skip))
+            for a, b in _kept([(0, unit.sharded_size), (unit.sharded_size, unit.local_size)],
+                              cuts):
+                (sharded if b <= unit.sharded_size else replicated).append(g[a:b])
         if self.stage == 0:  # everything is whole (and the same) on every rank
             replicated, sharded = sharded + replicated, []
         if sharded:
@@ -91,3 +93,18 @@ class UpdatePhase:
                     self._fast.all_gather_into(gathered, src[u][:unit.sharded_size])
             for i in unit.leaves:
                 self.layout.copy_gathered_leaf(self.layout.leaves[i], gathered, src[u], views[i])
+
+
+def _kept(sections: list[tuple[int, int]], cuts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The non-empty parts of ``sections`` outside every ``cuts`` range."""
+    out = []
+    for a, b in sections:
+        for c, d in cuts:
+            if c >= b or d <= a:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+        if b > a:
+            out.append((a, b))
+    return out
