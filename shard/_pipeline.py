@@ -29,6 +29,13 @@ The trajectory is that of the unpipelined model on the whole batch.
 checkpoint into a stage: a stage's leaves are named by layer index). With
 ``activation_checkpointing=True`` a stage keeps only each micro-batch's input
 and recomputes its layers' forward in the backward (the same bits).
+
+The layers are a ``shard.Layered`` (JAX) or the loss of
+``interop.torch.layered`` (torch modules, see [Note: torch layers]). Either
+runs a stage through the same runner protocol: ``forward(k, x, batch)`` and
+``backward(k, ct)`` in the schedule's order, then ``finish(reducer)``; the
+pipeline only moves the messages. Weights used by layers on different stages
+are declared with ``tied=`` (see [Note: tied weights]).
 """
 
 from __future__ import annotations
