@@ -203,8 +203,13 @@ class GradReducer:
         else:
             self.shards = [device.zeros(u.local_size, self.dtype) for u in layout.units]
         self._written: set[int] = set()  # stages 2-3: units whose shard holds a sum
-        self._full = ([device.zeros(u.sharded_size * w, self.dtype) for u in layout.units]
-                      if stage <= 1 else None)
+        # one rank (a pipeline stage's data axis of width 1): the sums are the
+        # shards, accumulated where the optimizer reads them, and nothing is reduced
+        self.solo = comm.world_size == 1
+        self._full = (None if stage > 1 else
+                      [s[:u.sharded_size] for u, s in zip(layout.units, self.shards, strict=True)]
+                      if self.solo else
+                      [device.zeros(u.sharded_size * w, self.dtype) for u in layout.units])
         self._pending: list[tuple[int, Any, Any]] = []
         self._early: dict[int, Any] = {}  # stages 0-1: units whose reduction is in flight
         self.final = True  # the micro-batch being added is the step's last
@@ -233,8 +238,11 @@ class GradReducer:
             if self.final and unit.sharded_size:  # complete: reduce it while others compute
                 if self.on_final is not None and self.stage == 1 and not unit.replicated_size:
                     self._handed.add(u)
-                    self.on_final(u, [(None, self.comm.reduce_scatter_async(
-                        shard[:unit.sharded_size], self._full[u], op="sum"))])
+                    self.on_final(u, [(None, _DONE if self.solo else
+                                       self.comm.reduce_scatter_async(
+                                           shard[:unit.sharded_size], self._full[u], op="sum"))])
+                    return
+                if self.solo:
                     return
                 self._early[u] = (
                     self.comm.all_reduce_async(self._full[u], "sum") if self.stage == 0 else
@@ -284,7 +292,8 @@ class GradReducer:
                     self.shards[u][:unit.sharded_size] = 0
         for u, unit in enumerate(self.layout.units):
             shard = self.shards[u]
-            if self._full is not None and unit.sharded_size and u not in self._handed:
+            if self._full is not None and unit.sharded_size and u not in self._handed and (
+                    not self.solo):
                 work = self._early.pop(u, None)
                 with timed("reduce_wait"):
                     if work is not None:
@@ -296,7 +305,18 @@ class GradReducer:
                                                       "sum")
                 if self.stage == 0:
                     shard[:unit.sharded_size] = self._full[u]
-            if unit.replicated_size:
+            if unit.replicated_size and not self.solo:
                 with timed("reduce_wait"):
                     self.comm.all_reduce_(shard[unit.sharded_size:], "sum")
         return self.shards
+
+
+class _Done:
+    """A reduction with nothing to wait for (one rank)."""
+
+    @staticmethod
+    def wait() -> None:
+        return None
+
+
+_DONE = _Done()
