@@ -10,7 +10,9 @@ memory), and ``loss`` trains with every ZeRO transform, alone or as
 ``inputs(batch)`` (default ``batch[0]``, DeepSpeed's ``(inputs, labels)``),
 each next one the tensor the one before returned, and ``fn(output, batch)``
 turns the last output into the loss. Between pipeline stages the output must
-be one floating tensor.
+be one floating tensor. Modules with state in buffers (BatchNorm's running
+statistics) are refused: ``interop.torch.functional`` syncs and checkpoints
+buffers, and this does not.
 
 A stage (the whole model when not pipelined) runs its micro-batches in one of
 two ways:
@@ -99,6 +101,12 @@ def layered(layers: Sequence[Any], *, loss: Callable[[Any, Any], Any],
         if not own:
             raise ValueError(f"layered: layers[{i}] ({type(m).__name__}) has no parameters; "
                              "fold parameter-free modules into a neighbour")
+        kept = [name for name, _ in m.named_buffers()
+                if name.rsplit(".", 1)[-1] not in _non_persistent(m, name)]
+        if kept:
+            raise ValueError(f"layered: layers[{i}] has state in buffers ({', '.join(kept)}), "
+                             "which layered neither syncs across ranks nor checkpoints; train "
+                             "it with interop.torch.functional, which does both")
         named.append(own)
     devices = {p.device for own in named for p in own.values()}
     if len(devices) > 1:
@@ -106,6 +114,13 @@ def layered(layers: Sequence[Any], *, loss: Callable[[Any, Any], Any],
                          "every layer to one device first")
     params = [{name: to_native(p.data)[0] for name, p in own.items()} for own in named]
     return params, TorchLayered(layers, loss, inputs, named)
+
+
+def _non_persistent(module: Any, name: str) -> set[str]:
+    """The non-persistent buffer names of the submodule that owns ``name``
+    (a causal mask, say: not state, so not refused)."""
+    owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
+    return set(getattr(owner, "_non_persistent_buffers_set", ()))
 
 
 def _first_input(batch: Any) -> Any:

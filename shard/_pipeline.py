@@ -215,6 +215,8 @@ class Pipeline:
                   _JaxStage(self.loss, units, layers, self.activation_checkpointing))
         m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
         micro = _split(batch, m)
+        self._sent: dict[int, Any] = {}  # this step's message shapes, by peer
+        self._received: dict[int, Any] = {}
         losses: list[Any] = []
         sends: list[Any] = []
         for kind, k in _order(self.schedule, self.stages, self.stage, m):
@@ -240,28 +242,43 @@ class Pipeline:
         return sum(float(x) for x in losses) / m if last else 0.0
 
     # -- messages ---------------------------------------------------------------
-    def _send(self, x: Any, dst: int) -> list[Any]:
+    # A step's messages to one peer all have one shape (equal micro-batches through
+    # the same layers), so only the first of each step carries a header, as
+    # torch's pipelining infers shapes once; a later one that differs is refused.
+    def _send(self, x: Any, dst: int) -> Any:
         a = _host_array(x)
         if a.ndim > _MAX_DIMS or str(a.dtype) not in _DTYPES:
             raise TypeError(f"pipeline: stage {self.stage} passes a {a.dtype} array of "
                             f"{a.ndim} dimensions; stages pass float arrays of up to "
                             f"{_MAX_DIMS} dimensions")
-        header = np.zeros(2 + _MAX_DIMS, np.int64)
-        header[:2] = a.ndim, _DTYPES.index(str(a.dtype))
-        header[2:2 + a.ndim] = a.shape
-        return _Sends([self.pipe.isend(header, dst, tag=_HEADER),
-                       self.pipe.isend(a.reshape(-1), dst, tag=_DATA)])
+        kind = (a.shape, str(a.dtype))
+        works = []
+        if dst not in self._sent:
+            self._sent[dst] = kind
+            header = np.zeros(2 + _MAX_DIMS, np.int64)
+            header[:2] = a.ndim, _DTYPES.index(str(a.dtype))
+            header[2:2 + a.ndim] = a.shape
+            works.append(self.pipe.isend(header, dst, tag=_HEADER))
+        elif self._sent[dst] != kind:
+            raise ValueError(f"pipeline: stage {self.stage} sends stage {dst} a "
+                             f"{kind[1]}{list(kind[0])} after a {self._sent[dst][1]}"
+                             f"{list(self._sent[dst][0])} in the same step; every "
+                             "micro-batch's message to a stage must have one shape")
+        works.append(self.pipe.isend(a.reshape(-1), dst, tag=_DATA))
+        return _Sends(works)
 
     def _recv(self, src: int) -> np.ndarray:
         import jax.numpy as jnp
 
         with timed("pipeline_wait"):  # the bubble: waiting on a neighbour
-            header = self.pipe.recv_(np.empty(2 + _MAX_DIMS, np.int64), src, tag=_HEADER)
-        ndim, code = int(header[0]), int(header[1])
-        shape = tuple(int(d) for d in header[2:2 + ndim])
-        dtype = np.dtype(jnp.dtype(_DTYPES[code]))
-        out = self.pipe.recv_(np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src,
-                              tag=_DATA)
+            if src not in self._received:
+                header = self.pipe.recv_(np.empty(2 + _MAX_DIMS, np.int64), src, tag=_HEADER)
+                ndim, code = int(header[0]), int(header[1])
+                self._received[src] = (tuple(int(d) for d in header[2:2 + ndim]),
+                                       np.dtype(jnp.dtype(_DTYPES[code])))
+            shape, dtype = self._received[src]
+            out = self.pipe.recv_(np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src,
+                                  tag=_DATA)
         return out.reshape(shape)
 
 

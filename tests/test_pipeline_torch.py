@@ -141,6 +141,12 @@ def test_torch_stage_errors_are_named():
         it.layered([shared, torch.nn.Sequential(shared)], loss=PM.torch_mse)
     with pytest.raises(ValueError, match=r"layers\[0\] \(Tanh\) has no parameters"):
         it.layered([torch.nn.Tanh(), torch.nn.Linear(3, 3)], loss=PM.torch_mse)
+    norm = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3))
+    with pytest.raises(ValueError, match=r"layers\[1\] has state in buffers \(1.running_mean"):
+        it.layered([torch.nn.Linear(3, 3), norm], loss=PM.torch_mse)
+    masked = torch.nn.Linear(3, 3)
+    masked.register_buffer("mask", torch.ones(3), persistent=False)  # not state: taken
+    assert len(it.layered([masked], loss=PM.torch_mse)[0]) == 1
 
     class Pair(torch.nn.Module):
         def __init__(self):
@@ -159,6 +165,26 @@ def test_torch_stage_errors_are_named():
 
     with pytest.raises(TypeError, match="layer 0 returns tuple; a stage passes one floating"):
         ops.spawn(tuple_out, 2, timeout=30)
+
+    class Shrinks(torch.nn.Linear):  # its second micro-batch's output loses a row
+        calls = 0
+
+        def forward(self, x):
+            self.calls += 1
+            y = super().forward(x)
+            return y if self.calls % 2 else y[1:]
+
+    def shape_changes(comm):
+        torch.manual_seed(0)
+        params, loss = it.layered([Shrinks(5, 3), torch.nn.Linear(3, 3)],
+                                  loss=lambda out, b: out.pow(2).mean())
+        pipe = shard.pipeline(loss, comm=comm, stages=2, microbatches=2)
+        step = shard.zero1(pipe, optimizer=ops.adamw(1e-3), comm=pipe.data)
+        step(step.init(pipe.params(params)), (torch.ones(4, 5),))
+
+    with pytest.raises(ValueError, match=r"stage 0 sends stage 1 a float32\[1, 3\] after a "
+                                         r"float32\[2, 3\] in the same step"):
+        ops.spawn(shape_changes, 2, timeout=30)
 
     params, loss = it.layered(PM.torch_layers(), loss=PM.torch_mse)
 
