@@ -38,6 +38,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from interop._torch_stage import TorchStage
+from interop._torch_units import check_owner
 from ops._dlpack import to_native, torch_view
 from shard._profile import timed
 
@@ -143,13 +144,9 @@ class TorchLayered:
 
     def claim(self, comm: Any) -> None:
         """Bind this object to ``comm``'s rank (see ``TorchLoss.claim``)."""
-        if self._rank is not None and self._rank != comm.rank:
-            raise ValueError(
-                f"interop.torch.layered: this loss object belongs to rank {self._rank}, and "
-                f"rank {comm.rank} uses it too; every rank needs its own modules: "
-                "interop.torch.layered(copy.deepcopy(layers), ...) inside the function each "
-                "rank runs")
-        self._rank = comm.rank
+        self._rank = check_owner(self._rank, comm, "interop.torch.layered",
+                                 "modules: interop.torch.layered(copy.deepcopy(layers), ...) "
+                                 "inside the function each rank runs")
 
     def stage(self, units: Any, layers: Sequence[int], *,
               checkpointing: bool = False) -> TorchStage:

@@ -15,9 +15,19 @@ from ops._dlpack import torch_view
 from ops._tree import tree_util
 from shard._profile import timed
 
-__all__ = ["ROOT", "UnitHooks"]
+__all__ = ["ROOT", "UnitHooks", "check_owner"]
 
 ROOT = "<root>"
+
+
+def check_owner(owner: int | None, comm: Any, name: str, remedy: str) -> int:
+    """The rank a torch loss object serves, once ``comm``'s rank claims it: a
+    module is one rank's, so thread ranks sharing one object are refused before
+    they train on each other's parameters."""
+    if owner is not None and owner != comm.rank:
+        raise ValueError(f"{name}: this loss object belongs to rank {owner}, and rank "
+                         f"{comm.rank} uses it too; every rank needs its own {remedy}")
+    return comm.rank
 
 
 class UnitHooks:

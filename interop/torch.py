@@ -61,7 +61,7 @@ import numpy as np
 
 from interop._torch_buffers import BufferState
 from interop._torch_layers import TorchLayered, layered
-from interop._torch_units import ROOT, UnitHooks, _Step
+from interop._torch_units import ROOT, UnitHooks, _Step, check_owner
 from ops._device import device_of_or_none
 from ops._dlpack import to_native, torch_view
 from shard._profile import timed
@@ -188,13 +188,11 @@ class TorchLoss(UnitHooks, BufferState):
         module is one rank's, so thread ranks sharing one object are refused
         before they train on each other's parameters or wait on each other's
         hooks."""
-        if self._rank is not None and self._rank != comm.rank:
-            raise ValueError(
-                f"interop.torch.functional: this loss object belongs to rank {self._rank}, and "
-                f"rank {comm.rank} uses it too; every rank needs its own module and loss: "
-                "params, loss = interop.torch.functional(copy.deepcopy(model), loss=...) "
-                "inside the function each rank runs")
-        self._rank, self._comm = comm.rank, comm
+        self._rank = check_owner(self._rank, comm, "interop.torch.functional",
+                                 "module and loss: params, loss = interop.torch.functional("
+                                 "copy.deepcopy(model), loss=...) inside the function each "
+                                 "rank runs")
+        self._comm = comm
 
     def hooks_usable(self, comm: Any) -> bool:
         """Whether stage 3 may run collectives inside the backward (see the Note)."""

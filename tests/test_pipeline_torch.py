@@ -23,13 +23,7 @@ def want():
     return PM.torch_reference()
 
 
-def worst(results, want):
-    out = 0.0
-    for layers, _ in results:
-        for i, got in layers.items():
-            for k in got:
-                out = max(out, float(np.abs(np.asarray(got[k]) - want[i][k]).max()))
-    return out
+worst = PM.worst_difference
 
 
 @pytest.mark.parametrize("data", [1, 2])
