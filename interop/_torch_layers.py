@@ -34,7 +34,8 @@ the ZeRO step's reducer once, after the last backward.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from interop._torch_stage import TorchStage
@@ -184,12 +185,18 @@ class TorchLayered:
 
     def loss_units(self, units: Any, batch: Any) -> Any:
         """The loss in eval mode, forward only, unit by unit (``step.evaluate``)."""
+        with self.evaluating():
+            stage = self.stage(units, range(len(self.layers)), checkpointing=True)
+            return stage.forward(0, None, batch)
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Every module in eval mode (no dropout), then back to its own mode."""
         modes = [m.training for m in self.layers]
         try:
             for m in self.layers:
                 m.eval()
-            stage = self.stage(units, range(len(self.layers)), checkpointing=True)
-            return stage.forward(0, None, batch)
+            yield
         finally:
             for m, mode in zip(self.layers, modes, strict=True):
                 m.train(mode)

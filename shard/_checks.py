@@ -67,7 +67,8 @@ class StepChecks:
         """A JAX loss's batch with its floating arrays in the compute dtype (see
         ``Precision.cast_forward_inputs``; a torch module casts in its forward)."""
         p = self.precision
-        if (self.kind == "provider" or not p.cast_forward_inputs or p.param_dtype is None
+        jax_batch = self.kind != "provider" or getattr(self.loss_fn, "jax_batch", False)
+        if (not jax_batch or not p.cast_forward_inputs or p.param_dtype is None
                 or p.param_dtype == self.master_dtype):
             return batch
 

@@ -28,18 +28,20 @@ class EvalPhase:
         the ranks (a collective: every rank calls it); no gradients, no update,
         the state stays usable.
 
-        A ``Layered`` loss runs unit by unit (at stage 3 within the training
-        step's memory bound); other losses see the whole params at once, as
-        FSDP's ``summon_full_params``. A torch module runs in eval mode
-        (BatchNorm's running statistics, no dropout) under ``torch.no_grad``.
+        A ``Layered`` loss, ``interop.torch.layered``'s and a pipeline's run
+        unit by unit (at stage 3 within the training step's memory bound; a
+        pipeline passes each micro-batch's activations forward through its
+        stages); other losses see the whole params at once, as FSDP's
+        ``summon_full_params``. A torch module runs in eval mode (BatchNorm's
+        running statistics, no dropout) under ``torch.no_grad``.
         """
         self._check_state(state)
         state.check_live()
         self._check_batch(batch)
         units = self._unit_params(state)
         with self._jax_placement():
-            if self.kind == "layered":
-                loss = self.loss_fn.loss_units(units, batch)
+            if self.kind == "layered" or hasattr(self.loss_fn, "loss_units"):
+                loss = self.loss_fn.loss_units(units, batch)  # unit by unit
             else:
                 params = self._whole_params(units)
                 value = getattr(self.loss_fn, "loss_value", None)
@@ -47,5 +49,6 @@ class EvalPhase:
                     self.loss_fn.value_and_grad(params, batch)[0]
                 del params
             total = self._on_device(loss, "the loss").astype(np.float64)
-        total = ops.all_reduce(self.comm, total)
+        # a pipeline's loss is its last stage's: summed over the whole mesh
+        total = ops.all_reduce(getattr(self.loss_fn, "norm_comm", self.comm), total)
         return float(self.device.to_host(total)[0]) / self.comm.world_size

@@ -50,9 +50,10 @@ import numpy as np
 
 from ops import Communicator
 from ops._device import device_of
-from ops._dlpack import jax_view, to_native
+from ops._dlpack import to_native
 from shard._loss import Layered
 from shard._pipeline_balance import _balanced, _size, balance_by_time
+from shard._pipeline_jax import JaxStage
 from shard._pipeline_ties import TiedReducer, check_ties, resolve_ties
 from shard._profile import timed
 
@@ -192,6 +193,12 @@ class Pipeline:
             self.loss.cast_forward_inputs = value
 
     @property
+    def jax_batch(self) -> bool:
+        """Whether the batch feeds JAX layers (so the step casts it under
+        ``Precision``, as for an unpipelined ``Layered``)."""
+        return isinstance(self.loss, Layered)
+
+    @property
     def norm_comm(self) -> Communicator:
         """The gradient norm and the loss sum over the whole mesh."""
         return self.world
@@ -206,13 +213,7 @@ class Pipeline:
         """One step's schedule over every micro-batch (see the Note); returns this
         stage's share of the loss (the mean over micro-batches on the last stage,
         0 elsewhere)."""
-        layers = getattr(self, "_layers", None)
-        if layers is None:
-            raise RuntimeError("pipeline: call step.init(pipe.params(params)) first")
-        make = getattr(self.loss, "stage", None)
-        runner = (make(units, layers, checkpointing=self.activation_checkpointing)
-                  if make is not None else
-                  _JaxStage(self.loss, units, layers, self.activation_checkpointing))
+        runner = self._runner(units, self.activation_checkpointing)
         m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
         micro = _split(batch, m)
         self._sent: dict[int, Any] = {}  # this step's message shapes, by peer
@@ -240,6 +241,36 @@ class Pipeline:
             runner.finish(reducer)
         self.forward_passes += runner.forward_passes
         return sum(float(x) for x in losses) / m if last else 0.0
+
+    def loss_units(self, units: Any, batch: Any) -> float:
+        """Every micro-batch's forward through the stages, no gradients (for
+        ``step.evaluate``); the mean loss on the last stage, 0 elsewhere."""
+        from contextlib import nullcontext
+
+        m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
+        micro = _split(batch, m)
+        self._sent, self._received = {}, {}
+        losses, sends = [], []
+        with getattr(self.loss, "evaluating", nullcontext)():
+            runner = self._runner(units, True)  # keeps only each micro-batch's input
+            for k in range(m):
+                out = runner.forward(k, None if first else self._recv(self.stage - 1), micro[k])
+                if last:
+                    losses.append(out)
+                else:
+                    sends.append(self._send(out, self.stage + 1))
+            for work in sends:
+                work.wait()
+        return sum(float(x) for x in losses) / m if last else 0.0
+
+    def _runner(self, units: Any, checkpointing: bool) -> Any:
+        layers = getattr(self, "_layers", None)
+        if layers is None:
+            raise RuntimeError("pipeline: call step.init(pipe.params(params)) first")
+        make = getattr(self.loss, "stage", None)
+        if make is not None:
+            return make(units, layers, checkpointing=checkpointing)
+        return JaxStage(self.loss, units, layers, checkpointing)
 
     # -- messages ---------------------------------------------------------------
     # A step's messages to one peer all have one shape (equal micro-batches through
@@ -280,72 +311,6 @@ class Pipeline:
             out = self.pipe.recv_(np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src,
                                   tag=_DATA)
         return out.reshape(shape)
-
-
-class _JaxStage:
-    """A ``Layered`` loss's layers of one stage over a step's micro-batches:
-    ``forward(k, x, batch)`` and ``backward(k, ct)`` in the schedule's order,
-    then ``finish(reducer)`` (the runner protocol ``interop.torch.layered``'s
-    stages share)."""
-
-    def __init__(self, loss: Layered, units: Any, layers: range, checkpointing: bool) -> None:
-        fwd, bwd = loss.compiled()
-        self.fwd, self.bwd = [fwd[i] for i in layers], [bwd[i] for i in layers]
-        self.units, self.checkpointing = units, checkpointing
-        self.subtrees = units.layout.treedef.children()
-        n = len(self.fwd)
-        self.grads: list[Any] = [None] * n
-        self.carries: dict[int, tuple[list[Any], Any]] = {}
-        self.forward_passes = 0
-        # stages 0-2 keep whole params for the step: view them once; stage 3
-        # gathers a unit each time it computes (its memory bound)
-        self.whole = [self._view(u) for u in range(n)] if units.stage < 3 else None
-
-    def _view(self, u: int) -> Any:
-        return self.subtrees[u].unflatten([jax_view(x) for x in self.units.get(u)])
-
-    def _tree(self, u: int) -> Any:
-        return self.whole[u] if self.whole is not None else self._view(u)
-
-    def _run(self, carry: Any, batch: Any, upto: int) -> tuple[Any, list[Any]]:
-        import jax
-
-        saved = []
-        for u in range(upto):
-            saved.append(carry)
-            with timed("forward"):
-                carry = jax.block_until_ready(self.fwd[u](self._tree(u), carry, batch))
-            self.forward_passes += 1
-        return carry, saved
-
-    def forward(self, k: int, x: Any, batch: Any) -> Any:
-        import jax.numpy as jnp
-
-        out, saved = self._run(None if x is None else jnp.asarray(x), batch, len(self.fwd))
-        self.out_dtype = jnp.result_type(out)  # on the last stage: the loss's, for its cotangent
-        self.carries[k] = (saved[:1] if self.checkpointing else saved, batch)
-        return out
-
-    def backward(self, k: int, ct: Any) -> Any:
-        import jax
-        import jax.numpy as jnp
-
-        saved, batch = self.carries.pop(k)
-        n = len(self.fwd)
-        if self.checkpointing:  # the layers' inputs, computed again
-            last_input, inputs = self._run(saved[0], batch, n - 1)
-            saved = [*inputs, last_input]
-        ct = jnp.asarray(ct, dtype=self.out_dtype) if isinstance(ct, float) else jnp.asarray(ct)
-        for u in reversed(range(n)):
-            with timed("backward"):
-                g, ct = jax.block_until_ready(self.bwd[u](self._tree(u), saved[u], batch, ct))
-            self.grads[u] = g if self.grads[u] is None else jax.tree_util.tree_map(
-                jnp.add, self.grads[u], g)
-        return ct
-
-    def finish(self, reducer: Any) -> None:
-        for u in range(len(self.fwd)):
-            reducer.add(u, self.subtrees[u].flatten_up_to(self.grads[u]))
 
 
 def _host_array(x: Any) -> np.ndarray:

@@ -309,3 +309,48 @@ def test_bad_ties_are_refused_by_name():
     pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=1, tied=[[(0, "w"), (4, "x")]])
     with pytest.raises(ValueError, match=r"\(layer 4, 'x'\) is not one array"):
         pipe.params(PM.init_params())
+
+
+def test_evaluate_runs_the_batch_through_the_stages(want):
+    """step.evaluate on a pipeline: forward only, stage to stage; every rank gets
+    the loss averaged over the data ranks, as the unpipelined model's."""
+    batch = PM.batches(1, rows=8)[0]
+
+    def run(comm):
+        pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=3, microbatches=2)
+        step = shard.zero3(pipe, optimizer=ops.adamw(PM.LR, weight_decay=PM.WD), comm=pipe.data)
+        state = step.init(pipe.params(PM.init_params()))
+        for b in PM.batches():
+            state, _ = step(state, shard.split_batch(b, rank=pipe.data.rank,
+                                                     world_size=pipe.data.world_size))
+        return step.evaluate(state, shard.split_batch(batch, rank=pipe.data.rank,
+                                                      world_size=pipe.data.world_size))
+
+    got = ops.spawn(run, 6)
+    h = None
+    for f, p in zip(PM.LAYERED.layers, want, strict=True):
+        h = f(p, h, batch)
+    assert max(abs(g - float(h)) for g in got) < 1e-5
+
+
+def test_bf16_pipeline_casts_the_batch_as_the_unpipelined_step_does():
+    precision = shard.Precision(param_dtype="bfloat16")
+
+    def run(comm, stages):
+        loss = PM.LAYERED
+        params = PM.init_params()
+        if stages:
+            loss = shard.pipeline(loss, comm=comm, stages=stages, microbatches=1)
+            params = loss.params(params)
+        step = shard.zero2(loss, optimizer=ops.adamw(PM.LR), precision=precision,
+                           comm=loss.data if stages else comm)
+        state = step.init(params)
+        for b in PM.batches(2):
+            state, _ = step(state, b)
+        return shard.gather(state, loss.data if stages else comm)
+
+    plain = ops.spawn(lambda c: run(c, None), 1)[0]
+    for layers in ops.spawn(lambda c: run(c, 2), 2):
+        for i, got in layers.items():
+            for k in got:
+                assert (got[k] == plain[i][k]).all(), (i, k)

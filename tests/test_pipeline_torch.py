@@ -265,3 +265,26 @@ def test_balance_by_time_times_torch_modules():
     x = (torch.randn(256, 64),)
     assert shard.balance_by_time(loss, params, x, 3) == [1, 1, 2]
     assert all(p.grad is None for m in layers for p in m.parameters())
+
+
+def test_evaluate_runs_the_stages_in_eval_mode():
+    """A pipeline of torch stages evaluates forward only, without dropout, to
+    the loss of the same modules in one process."""
+    layers = PM.torch_layers(dropout=0.5)
+    batch = PM.torch_batches(1)[0]
+
+    def run(comm):
+        params, loss = it.layered(copy.deepcopy(layers), loss=PM.torch_mse)
+        pipe = shard.pipeline(loss, comm=comm, stages=2, microbatches=2)
+        step = shard.zero3(pipe, optimizer=ops.adamw(PM.LR), comm=pipe.data)
+        state = step.init(pipe.params(params))
+        n, r = len(batch[0]) // pipe.data.world_size, pipe.data.rank
+        return step.evaluate(state, tuple(t[r * n:(r + 1) * n] for t in batch)), \
+            [m.training for m in loss.layers]
+
+    out = ops.spawn(run, 4)
+    model = torch.nn.Sequential(*copy.deepcopy(layers)).eval()
+    with torch.no_grad():
+        want = float(PM.torch_mse(model(batch[0]), batch))
+    assert max(abs(got - want) for got, _ in out) < 1e-6
+    assert all(all(modes) for _, modes in out)  # back in training mode
