@@ -2,7 +2,7 @@
 ``torch.distributed.pipelining`` (Schedule1F1B) and DeepSpeed's ``PipelineModule``
 (its 1F1B ``TrainSchedule``, on the CPU accelerator), side by side.
 
-    python benchmarks/pipeline.py [--stages 2,4] [--micro 4,8] [--steps 6]
+    python benchmarks/pipeline.py [--stages 2,4] [--micro 4,8] [--steps 6] [--model mlp|gpt]
 
 The model is L square layers (tanh) and a mean-squared-error loss, split into P
 stages of L/P layers, one gloo process per stage (torchrun), one compute thread
@@ -71,6 +71,29 @@ def ours(args: argparse.Namespace) -> dict:
     return {"step_ms": float(np.max(every[0::2])), "bubble": float(np.mean(every[1::2]))}
 
 
+def torch_model(args: argparse.Namespace) -> tuple[list, object, object, object]:
+    """The torch-side model, the same for every framework: ``(layers, x, y,
+    loss(out, y))``. ``--model mlp``: L square layers and tanh; ``--model gpt``:
+    ``examples/gpt.py``'s GPT as a chain (embeddings, L blocks, norm and head;
+    the head's weight its own, untied, as the peers' pipelines split it)."""
+    import torch
+
+    torch.manual_seed(0)
+    if args.model == "gpt":
+        import torch.nn.functional as F
+
+        from examples import gpt
+
+        cfg = gpt.GPTConfig(seq=args.seq, d=args.width, layers=args.layers, heads=4)
+        x, y = gpt.sample_batch(gpt.corpus(), 0, args.batch, cfg.seq)
+        return (gpt.chain(gpt.build(cfg)), x, y,
+                lambda out, target: F.cross_entropy(out.flatten(0, 1), target.flatten()))
+    layers = [torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.Tanh())
+              for _ in range(args.layers)]
+    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
+    return layers, x, y, lambda out, target: ((out - target) ** 2).mean()
+
+
 def ours_torch(args: argparse.Namespace) -> dict:
     """Ours over the torch layers the peers train (``interop.torch.layered``)."""
     import numpy as np
@@ -82,14 +105,11 @@ def ours_torch(args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(1)
     comm = ops.init_from_env()
-    torch.manual_seed(0)
-    layers = [torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.Tanh())
-              for _ in range(args.layers)]
-    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
-    params, loss = it.layered(layers, loss=lambda out, b: ((out - b[1]) ** 2).mean())
+    layers, x, y, loss_fn = torch_model(args)
+    params, loss = it.layered(layers, loss=lambda out, b: loss_fn(out, b[1]))
     pipe = shard.pipeline(loss, comm=comm, stages=comm.world_size,
                           microbatches=args.microbatches, schedule=args.schedule,
-                          balance=[args.layers // comm.world_size] * comm.world_size)
+                          balance=[len(layers) // comm.world_size] * comm.world_size)
     step = shard.zero1(pipe, optimizer=ops.adamw(1e-3), comm=pipe.data)
     state = step.init(pipe.params(params))
     times, waits = [], []
@@ -110,12 +130,9 @@ def torch_pipelining(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     r, w = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
-    layers = [torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.Tanh())
-              for _ in range(args.layers)]
-    per = args.layers // w
+    layers, x, y, loss_fn = torch_model(args)
+    per = len(layers) // w
     mod = torch.nn.Sequential(*layers[r * per:(r + 1) * per])
-    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
     opt = torch.optim.AdamW(mod.parameters(), lr=1e-3)
     m = args.microbatches
     if w > 1:
@@ -123,15 +140,14 @@ def torch_pipelining(args: argparse.Namespace) -> dict:
 
         stage = PipelineStage(mod, r, w, torch.device("cpu"))
         kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
-        sched = kind(stage, n_microbatches=args.microbatches,
-                     loss_fn=lambda out, target: ((out - target) ** 2).mean())
+        sched = kind(stage, n_microbatches=args.microbatches, loss_fn=loss_fn)
     times = []
     for i in range(args.steps + 2):
         t0 = time.perf_counter()
         opt.zero_grad()
         if w == 1:  # the same micro-batches, one after the other
             for xs, ys in zip(x.chunk(m), y.chunk(m), strict=True):
-                (((mod(xs) - ys) ** 2).mean() / m).backward()
+                (loss_fn(mod(xs), ys) / m).backward()
         elif r == 0:
             sched.step(x)
         elif r == w - 1:
@@ -164,18 +180,15 @@ def deepspeed_pipe(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     deepspeed.init_distributed(dist_backend="gloo")
     w = dist.get_world_size()
-    torch.manual_seed(0)
-    layers = [torch.nn.Sequential(torch.nn.Linear(args.width, args.width), torch.nn.Tanh())
-              for _ in range(args.layers)]
+    layers, x, y, loss_fn = torch_model(args)
     net = PipelineModule(layers=layers, num_stages=w, partition_method="uniform",
-                         loss_fn=lambda out, target: ((out - target) ** 2).mean())
+                         loss_fn=loss_fn)
     m = args.microbatches
     cfg = {"train_batch_size": args.batch, "train_micro_batch_size_per_gpu": args.batch // m,
            "gradient_accumulation_steps": m, "steps_per_print": 10**9,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
     engine, _, _, _ = deepspeed.initialize(model=net, model_parameters=net.parameters(),
                                            config=cfg)
-    x, y = torch.randn(args.batch, args.width), torch.randn(args.batch, args.width)
 
     def micro():
         while True:
@@ -199,6 +212,7 @@ def run(framework: str, p: int, m: int, args: argparse.Namespace) -> dict:
            __file__, "--worker", framework, "--microbatches", str(m), "--layers",
            str(args.layers),
            "--width", str(args.width), "--batch", str(args.batch), "--steps", str(args.steps),
+           "--model", args.model, "--seq", str(args.seq),
            "--schedule", args.schedule]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
                XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
@@ -219,6 +233,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe"])
+    ap.add_argument("--model", default="mlp", choices=["mlp", "gpt"],
+                    help="gpt: examples/gpt.py's blocks (width = d, layers = blocks; ours "
+                         "over torch modules only)")
+    ap.add_argument("--seq", type=int, default=32, help="--model gpt: sequence length")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--microbatches", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -231,7 +249,10 @@ def main() -> None:
         #              process group's teardown, which can abort on peers already gone
     stages = [int(s) for s in args.stages.split(",")]
     micro = [int(m) for m in args.micro.split(",")]
-    print(f"{args.layers} layers of {args.width}x{args.width}, batch {args.batch}, "
+    what = (f"examples/gpt.py's GPT with {args.layers} blocks of d = {args.width}, seq "
+            f"{args.seq}" if args.model == "gpt" else
+            f"{args.layers} layers of {args.width}x{args.width}")
+    print(f"{what}, batch {args.batch}, "
           f"{args.schedule}, medians of {args.steps} steps; "
           f"{os.cpu_count()} cores", flush=True)
     try:
@@ -240,6 +261,8 @@ def main() -> None:
     except ImportError:
         frameworks = ("ours", "ours_torch", "torch")
         print("DeepSpeed is not installed: its column is left out", flush=True)
+    if args.model == "gpt":  # a torch model: no JAX row
+        frameworks = frameworks[1:]
     rows = []
     base = {(f, m): run(f, 1, m, args)["step_ms"] for f in frameworks for m in micro}
     for p in stages:

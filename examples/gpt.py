@@ -99,6 +99,63 @@ class GPT(nn.Module):
         return self.head(self.ln_f(x))  # (B, T, vocab)
 
 
+class Embed(nn.Module):
+    """The token and position embeddings: a pipeline's first layer."""
+
+    def __init__(self, tok_emb: nn.Embedding, pos_emb: nn.Embedding) -> None:
+        super().__init__()
+        self.tok_emb, self.pos_emb = tok_emb, pos_emb
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.tok_emb(idx) + self.pos_emb(torch.arange(idx.shape[1]))
+
+
+class MaskedBlock(nn.Module):
+    """A block with its own copy of the causal mask (a non-persistent buffer)."""
+
+    def __init__(self, block: Block, mask: torch.Tensor) -> None:
+        super().__init__()
+        self.block = block
+        self.register_buffer("mask", mask.clone(), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.block(x, self.mask)
+
+
+class Head(nn.Module):
+    """The final norm and the output head, with its own copy of the token
+    embedding's weight: ``tied_weights`` names the pair for ``shard.pipeline``."""
+
+    def __init__(self, ln_f: nn.LayerNorm, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.ln_f = ln_f
+        self.head = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+        self.head.weight = nn.Parameter(weight.detach().clone())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.ln_f(x))
+
+
+def chain(model: GPT) -> list[nn.Module]:
+    """The model as a chain of modules for ``interop.torch.layered`` and
+    ``shard.pipeline``: embeddings, each block, then the norm and head. It shares
+    the model's parameters except the head's weight, a copy tied to the token
+    embedding by ``tied_weights``."""
+    return [Embed(model.tok_emb, model.pos_emb),
+            *(MaskedBlock(b, model.mask) for b in model.blocks),
+            Head(model.ln_f, model.tok_emb.weight)]
+
+
+def tied_weights(cfg: GPTConfig) -> list[list[tuple[int, str]]]:
+    """``shard.pipeline(tied=...)`` for :func:`chain`: the token embedding is the head."""
+    return [[(0, "tok_emb.weight"), (cfg.layers + 1, "head.weight")]]
+
+
+def chain_loss(logits: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """:func:`lm_loss` from the chain's output."""
+    return F.cross_entropy(logits.flatten(0, 1), batch[1].flatten())
+
+
 def lm_loss(model: GPT, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     x, y = batch
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())

@@ -116,7 +116,8 @@ def test_a_stage_checkpoint_names_its_layers_and_loads_back(tmp_path):
             assert (again[i][k] == whole1[i][k]).all()
 
 
-def test_pipeline_benchmark_prints_its_table():
+@pytest.mark.parametrize("model", ["mlp", "gpt"])
+def test_pipeline_benchmark_prints_its_table(model):
     import os
     import subprocess
     import sys
@@ -125,12 +126,14 @@ def test_pipeline_benchmark_prints_its_table():
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "pipeline.py"), "--stages",
                           "2", "--micro", "2", "--layers", "2", "--width", "64", "--batch", "8",
-                          "--steps", "1"], capture_output=True, text=True, timeout=600,
+                          "--steps", "1", "--model", model, "--seq", "8"],
+                         capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, PYTHONPATH=str(root)))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line for line in out.stdout.splitlines() if line.startswith("| 2 | 2 |")]
     ds = "DeepSpeed is not installed" not in out.stdout  # its three columns, when it is
-    assert len(rows) == 1 and len(rows[0].split("|")) == 14 + 3 * ds, out.stdout
+    jax_row = model == "mlp"  # ours over JAX layers: three more columns
+    assert len(rows) == 1 and len(rows[0].split("|")) == 11 + 3 * jax_row + 3 * ds, out.stdout
 
 
 def test_loggers_write_once_per_step_for_the_whole_mesh(tmp_path):
