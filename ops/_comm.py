@@ -209,6 +209,22 @@ class Communicator(abc.ABC):
         self._recv(out, src, tag)
         return out
 
+    def _prepost_recv(self, out: Any, src: int, tag: int) -> Any:
+        """Start receiving a message whose size is known to be ``out``'s; ``wait()``
+        returns ``out`` once it has arrived. Only for a size that cannot differ
+        (gloo aborts the process on a larger message than a posted buffer): the
+        pipeline's messages after a step's first, whose sender refuses another
+        shape. Here: a receive deferred to ``wait()``; gloo posts it at once, so
+        the transfer runs while this rank computes."""
+        self._check_p2p("recv", out, src, tag)
+        comm = self
+
+        class Deferred:
+            def wait(self) -> Any:
+                return comm.recv_(out, src, tag=tag)
+
+        return Deferred()
+
     def split(self, color: int) -> Communicator:
         """The communicator of the ranks that pass the same ``color`` (a collective;
         see [Note: point-to-point])."""

@@ -218,13 +218,28 @@ class GlooCommunicator(Communicator):
         header = torch.empty(4, dtype=torch.int64)
         self._run(f"recv from rank {src}", lambda: dist.irecv(
             header, peer, group=self.group, tag=_P2P_TAG + 2 * tag + 1).wait())
+        self._check_header(header, out, src, tag)
+        self._run(f"recv from rank {src}", lambda: dist.irecv(
+            torch_view(out.reshape(-1)), peer, group=self.group, tag=_P2P_TAG + 2 * tag).wait())
+
+    def _prepost_recv(self, out: Any, src: int, tag: int) -> Any:
+        import torch
+
+        self._check_p2p("recv", out, src, tag)
+        self._drain()
+        dist, peer = self._dist, self._peers[src]
+        header = torch.empty(4, dtype=torch.int64)
+        works = [dist.irecv(header, peer, group=self.group, tag=_P2P_TAG + 2 * tag + 1),
+                 dist.irecv(torch_view(out.reshape(-1)), peer, group=self.group,
+                            tag=_P2P_TAG + 2 * tag)]
+        return _Receiving(self, src, tag, header, works, out)
+
+    def _check_header(self, header: Any, out: Any, src: int, tag: int) -> None:
         _, n, d, _ = header.tolist()
         if n != out.size or d != zlib.crc32(str(out.dtype).encode()):
             raise CollectiveError(f"recv on rank {self.rank}: rank {src} sent {n} elements of "
                                   f"{_DTYPE_NAMES.get(d, d)} with tag {tag}, but the receive is "
                                   f"for {out.size} elements of {out.dtype}")
-        self._run(f"recv from rank {src}", lambda: dist.irecv(
-            torch_view(out.reshape(-1)), peer, group=self.group, tag=_P2P_TAG + 2 * tag).wait())
 
     def split(self, color: int) -> GlooCommunicator:
         colors = self._colors(color)
@@ -244,6 +259,22 @@ def _single(dist: Any, name: str) -> Any:
         return new
     return getattr(dist, "all_gather_into_tensor" if name == "all_gather" else
                    "reduce_scatter_tensor")
+
+
+class _Receiving:
+    """A posted gloo receive (``GlooCommunicator._prepost_recv``)."""
+
+    def __init__(self, comm: GlooCommunicator, src: int, tag: int, header: Any, works: list,
+                 out: Any) -> None:
+        self._comm, self._src, self._tag, self._header = comm, src, tag, header
+        self._works, self._out = works, out
+
+    def wait(self) -> Any:
+        name = f"recv from rank {self._src}"
+        self._comm._run(name, self._works[0].wait)
+        self._comm._check_header(self._header, self._out, self._src, self._tag)
+        self._comm._run(name, self._works[1].wait)
+        return self._out
 
 
 class _Sending:

@@ -126,6 +126,9 @@ class RoutedCommunicator(Communicator):
     def _recv(self, out: Any, src: int, tag: int) -> None:
         self._for(out)._recv(out, src, tag)
 
+    def _prepost_recv(self, out: Any, src: int, tag: int) -> Any:
+        return self._for(out)._prepost_recv(out, src, tag)
+
     def split(self, color: int) -> Communicator:
         """The host side's sub-communicator. Its device buffers are refused: the
         parent's NCCL communicator is made lazily, and splitting it then would

@@ -216,8 +216,7 @@ class Pipeline:
         runner = self._runner(units, self.activation_checkpointing)
         m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
         micro = _split(batch, m)
-        self._sent: dict[int, Any] = {}  # this step's message shapes, by peer
-        self._received: dict[int, Any] = {}
+        self._begin(backward=True)
         losses: list[Any] = []
         sends: list[Any] = []
         for kind, k in _order(self.schedule, self.stages, self.stage, m):
@@ -249,7 +248,7 @@ class Pipeline:
 
         m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
         micro = _split(batch, m)
-        self._sent, self._received = {}, {}
+        self._begin(backward=False)
         losses, sends = [], []
         with getattr(self.loss, "evaluating", nullcontext)():
             runner = self._runner(units, True)  # keeps only each micro-batch's input
@@ -308,9 +307,23 @@ class Pipeline:
                 self._received[src] = (tuple(int(d) for d in header[2:2 + ndim]),
                                        np.dtype(jnp.dtype(_DTYPES[code])))
             shape, dtype = self._received[src]
-            out = self.pipe.recv_(np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src,
-                                  tag=_DATA)
+            posted = self._posted.pop(src, None)
+            out = posted.wait() if posted is not None else self.pipe.recv_(
+                np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src, tag=_DATA)
+            self._expected[src] -= 1
+            if self._expected[src] > 0:  # the next one's size is this one's: post it now
+                self._posted[src] = self.pipe._prepost_recv(
+                    np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src, _DATA)
         return out.reshape(shape)
+
+    def _begin(self, backward: bool) -> None:
+        """A step's (or an evaluation's) message state: the shapes seen so far and
+        how many messages each neighbour will send."""
+        m = self.microbatches
+        self._sent: dict[int, Any] = {}
+        self._received: dict[int, Any] = {}
+        self._posted: dict[int, Any] = {}
+        self._expected = {self.stage - 1: m, self.stage + 1: m if backward else 0}
 
 
 def _host_array(x: Any) -> np.ndarray:

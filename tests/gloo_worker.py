@@ -163,6 +163,13 @@ def main() -> None:
                 pipe.send(np.arange(5, dtype=np.float64), 1)
             else:
                 report["pipe_recv"] = pipe.recv_(np.empty(5, np.float64), 0).tolist()
+            if r == 3:  # a receive posted before its message is sent
+                posted = comm._prepost_recv(np.empty(6, np.float64), 2, 11)
+                comm.send(np.ones(1, np.float32), 2, tag=12)
+                report["preposted"] = posted.wait().tolist()
+            elif r == 2:
+                comm.recv_(np.empty(1, np.float32), 3, tag=12)
+                comm.send(np.arange(6, dtype=np.float64), 3, tag=11)
             if r == 0:
                 comm.send(np.zeros(7, np.float32), 1, tag=9)
             elif r == 1:
