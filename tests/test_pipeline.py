@@ -357,3 +357,20 @@ def test_bf16_pipeline_casts_the_batch_as_the_unpipelined_step_does():
         for i, got in layers.items():
             for k in got:
                 assert (got[k] == plain[i][k]).all(), (i, k)
+
+
+def test_tied_weights_on_the_device_stand_in(device):
+    """Tied gradients of device state are summed through explicit host copies."""
+    from ops.testing import to_device
+
+    def run(comm):
+        pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=2, microbatches=2, tied=PM.TIED)
+        step = shard.zero3(pipe, optimizer=ops.adamw(PM.LR, weight_decay=PM.WD), comm=pipe.data)
+        state = step.init(to_device(pipe.params(PM.tied_params()), device))
+        for b in PM.batches(4):
+            state, m = step(state, b)
+        whole = shard.gather(state, pipe.data)
+        return {i: {k: device.to_host(v) for k, v in layer.items()}
+                for i, layer in whole.items()}, [m["loss"]]
+
+    assert PM.worst_difference(ops.spawn(run, 2), PM.tied_reference()) < 1e-5
