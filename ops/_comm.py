@@ -29,7 +29,9 @@ or its process is gone (gloo). ``split(color)`` (a collective) gives the
 communicator of the ranks that passed the same color, ranked in their order
 here: a device mesh's data-parallel and pipeline groups.
 
-Every rank must issue the same collectives in the same order. Async variants
+Every rank must issue the same collectives in the same order. On one rank a
+collective sends nothing: its result is its input (copied where the output is
+another buffer). Async variants
 return a :class:`Work`; a blocking call first waits for this communicator's
 outstanding async work, so the order seen by the peers is the order of calls.
 Every wait is bounded by ``timeout``: a peer that died or never arrived raises
@@ -49,6 +51,33 @@ __all__ = ["CollectiveError", "CollectiveTimeout", "Communicator", "PeerFailed",
            "aligned_empty"]
 
 OPS = ("sum", "mean")
+
+_thread = threading.local()
+
+
+def in_collective() -> bool:
+    """Whether this thread is inside a backend's collective (whose own copies a
+    device-operation count leaves out: the collective is one operation)."""
+    return getattr(_thread, "depth", 0) > 0
+
+
+def collectives_issued() -> int:
+    """How many collectives this thread has issued (blocking and async), for
+    counting a step's device operations."""
+    return getattr(_thread, "issued", 0)
+
+
+def _issued() -> None:
+    _thread.issued = collectives_issued() + 1
+
+
+def _inside(fn: Any, *args: Any) -> Any:
+    """Run a backend primitive marked as inside a collective."""
+    _thread.depth = getattr(_thread, "depth", 0) + 1
+    try:
+        return fn(*args)
+    finally:
+        _thread.depth -= 1
 
 
 class CollectiveError(RuntimeError):
@@ -153,21 +182,30 @@ class Communicator(abc.ABC):
     def all_gather_into(self, out: Any, x: Any) -> Any:
         self._check_sizes("all_gather", out.size, x.size * self.world_size, out, x)
         self._drain()
-        self._all_gather(out, x)
+        if self.world_size == 1:
+            return self._alone(out, x)
+        _issued()
+        _inside(self._all_gather, out, x)
         return out
 
     def reduce_scatter_into(self, out: Any, x: Any, op: str = "sum") -> Any:
         self._check_op("reduce_scatter", op)
         self._check_sizes("reduce_scatter", x.size, out.size * self.world_size, out, x)
         self._drain()
-        self._reduce_scatter(out, x, op)
+        if self.world_size == 1:
+            return self._alone(out, x)
+        _issued()
+        _inside(self._reduce_scatter, out, x, op)
         return out
 
     def all_reduce_(self, x: Any, op: str = "sum") -> Any:
         self._check_op("all_reduce", op)
         self._check_memory("all_reduce", x)
         self._drain()
-        self._all_reduce(x, op)
+        if self.world_size == 1:
+            return x
+        _issued()
+        _inside(self._all_reduce, x, op)
         return x
 
     def broadcast_(self, x: Any, src: int = 0) -> Any:
@@ -175,7 +213,10 @@ class Communicator(abc.ABC):
             raise ValueError(f"broadcast: src must be in [0, {self.world_size}); got {src}")
         self._check_memory("broadcast", x)
         self._drain()
-        self._broadcast(x, src)
+        if self.world_size == 1:
+            return x
+        _issued()
+        _inside(self._broadcast, x, src)
         return x
 
     def barrier(self) -> None:
@@ -198,9 +239,7 @@ class Communicator(abc.ABC):
 
     def _isend(self, x: Any, dst: int, tag: int) -> Any:
         self._send(x, dst, tag)  # buffered backends: done at once
-        done: cf.Future = cf.Future()
-        done.set_result(None)
-        return Work(done, "send", self.timeout, self.rank, x)
+        return self._done("send", x)
 
     def recv_(self, out: Any, src: int, *, tag: int = 0) -> Any:
         """Receive rank ``src``'s message into ``out`` (see [Note: point-to-point])."""
@@ -265,16 +304,22 @@ class Communicator(abc.ABC):
 
     def all_gather_async(self, out: Any, x: Any) -> Work:
         self._check_sizes("all_gather", out.size, x.size * self.world_size, out, x)
+        if self.world_size == 1:
+            return self._done("all_gather", self.all_gather_into(out, x))
         return self._submit("all_gather", self._all_gather, out, x)
 
     def reduce_scatter_async(self, out: Any, x: Any, op: str = "sum") -> Work:
         self._check_op("reduce_scatter", op)
         self._check_sizes("reduce_scatter", x.size, out.size * self.world_size, out, x)
+        if self.world_size == 1:
+            return self._done("reduce_scatter", self.reduce_scatter_into(out, x, op))
         return self._submit("reduce_scatter", self._reduce_scatter, out, x, op)
 
     def all_reduce_async(self, x: Any, op: str = "sum") -> Work:
         self._check_op("all_reduce", op)
         self._check_memory("all_reduce", x)
+        if self.world_size == 1:
+            return self._done("all_reduce", self.all_reduce_(x, op))
         return self._submit("all_reduce", self._all_reduce, x, op)
 
     def close(self) -> None:
@@ -285,12 +330,27 @@ class Communicator(abc.ABC):
             self._executor = None
 
     # -- helpers --------------------------------------------------------------
+    @staticmethod
+    def _alone(out: Any, x: Any) -> Any:
+        """A collective over one rank: its result is its input (a sum or mean of
+        one), copied where the output is another buffer; nothing is sent."""
+        if out is not x:
+            device_of(out).xp.copyto(out, x)
+        return out
+
+    def _done(self, name: str, out: Any) -> Work:
+        """A handle to work already complete."""
+        done: cf.Future = cf.Future()
+        done.set_result(None)
+        return Work(done, name, self.timeout, self.rank, out)
+
     def _submit(self, name: str, fn: Any, out: Any, *args: Any) -> Work:
         with self._lock:
             if self._executor is None:
                 self._executor = cf.ThreadPoolExecutor(
                     1, thread_name_prefix=f"zeroshard-{self.backend}-rank{self.rank}")
-            future = self._executor.submit(fn, out, *args)
+            _issued()
+            future = self._executor.submit(_inside, fn, out, *args)
             self._pending.append(future)
         future.add_done_callback(self._forget)
         return Work(future, name, self.timeout, self.rank, out)
@@ -306,7 +366,12 @@ class Communicator(abc.ABC):
         for future in pending:
             Work(future, "an earlier async collective", self.timeout, self.rank).wait()
 
+    def _check_dtype(self, name: str, buf: Any) -> None:  # noqa: B027 (most move any)
+        """Refuse a dtype this backend cannot move, before anything is sent (on one
+        rank too, where nothing is)."""
+
     def _check_memory(self, name: str, buf: Any) -> None:
+        self._check_dtype(name, buf)
         if self.host_memory is None:
             return
         device = device_of(buf)

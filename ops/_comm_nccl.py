@@ -129,6 +129,9 @@ class NcclCommunicator(Communicator):
                             f"{', '.join(str(d) for d in NCCL_DTYPES)}")
         return getattr(self._nccl, key)
 
+    def _check_dtype(self, name: str, buf: Any) -> None:
+        self.dtype_of(name, buf)
+
     def _op(self, op: str) -> int:
         return self._nccl.NCCL_AVG if op == "mean" else self._nccl.NCCL_SUM
 

@@ -17,7 +17,12 @@ where it matters for finding host-only code:
   grid, block and arguments a GPU would get (see ``ops/_emulate.py``);
 - every read back to the host (``get``, ``float``, ``int``, ``bool``,
   ``item``, ``tolist``) is counted in :data:`SYNCS`, so a test can say how
-  many host synchronisations a step makes.
+  many host synchronisations a step makes;
+- every operation a GPU would pay for is counted in :data:`DEVICE_OPS`, by
+  kind: allocations, copies (host-to-device ones included), kernel launches
+  (elementwise arithmetic included), host reads and DLPack exchanges. A
+  collective is one operation of the communicator (``Communicator.counts``):
+  the copies a thread-rank backend makes inside it are not counted here.
 
 DLPack exports them as CPU memory, so torch and JAX see host tensors over the
 same buffers: "device" torch modules and JAX computations run on the CPU, and
@@ -44,9 +49,10 @@ from typing import Any
 
 import numpy as np
 
+from ops._comm import collectives_issued, in_collective
 from ops._device import Device, aligned_empty, register_device
 
-__all__ = ["STANDIN", "SYNCS", "StandInArray", "xp"]
+__all__ = ["DEVICE_OPS", "STANDIN", "SYNCS", "StandInArray", "xp"]
 
 _IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. Please use `.get()` to "
              "construct a NumPy array explicitly.")
@@ -64,12 +70,46 @@ class _Syncs:
 
     def add(self) -> None:
         self._local.n = self.count + 1
+        DEVICE_OPS.add("host_read")
 
     def reset(self) -> None:
         self._local.n = 0
 
 
 SYNCS = _Syncs()
+
+
+class _DeviceOps:
+    """Counts the stand-in's device operations by kind, per thread (thread ranks
+    count their own), outside collectives (see the module docstring)."""
+
+    KINDS = ("alloc", "copy", "kernel", "host_read", "dlpack")
+
+    def __init__(self) -> None:
+        self._local = threading.local()
+
+    def _counts(self) -> dict[str, int]:
+        counts = getattr(self._local, "counts", None)
+        if counts is None:
+            counts = self._local.counts = dict.fromkeys(self.KINDS, 0)
+        return counts
+
+    def add(self, kind: str, n: int = 1) -> None:
+        if not in_collective():
+            self._counts()[kind] += n
+
+    def snapshot(self) -> dict[str, int]:
+        """This thread's counts since its last reset, by kind, and the collectives
+        it issued."""
+        since = getattr(self._local, "collectives", 0)
+        return {**self._counts(), "collective": collectives_issued() - since}
+
+    def reset(self) -> None:
+        self._local.counts = dict.fromkeys(self.KINDS, 0)
+        self._local.collectives = collectives_issued()
+
+
+DEVICE_OPS = _DeviceOps()
 
 
 class _Pointer:
@@ -175,6 +215,7 @@ class StandInArray:
 
     # -- DLPack (host memory, so torch and JAX see CPU tensors) -----------------------
     def __dlpack__(self, **kwargs: Any) -> Any:
+        DEVICE_OPS.add("dlpack")
         return self._a.__dlpack__(**kwargs)
 
     def __dlpack_device__(self) -> tuple:
@@ -189,6 +230,7 @@ class StandInArray:
         return StandInArray(out)
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        DEVICE_OPS.add("copy")  # a copy, or a fill kernel
         self._a[_key(key)] = _unwrap(value, "setitem")
 
     def reshape(self, *shape: Any) -> StandInArray:
@@ -207,23 +249,37 @@ class StandInArray:
         if not copy and np.dtype(dtype) == self.dtype:
             return self
         out = xp.empty(self.shape, dtype)
+        DEVICE_OPS.add("kernel")
         out._a[...] = self._a.astype(dtype)
         return out
 
     def fill(self, value: Any) -> None:
+        DEVICE_OPS.add("copy")
         self._a.fill(_unwrap(value, "fill"))
 
     def sum(self, axis: Any = None, dtype: Any = None) -> StandInArray:
+        DEVICE_OPS.add("alloc")
+        DEVICE_OPS.add("kernel")
         return StandInArray(np.asarray(self._a.sum(axis=axis, dtype=dtype)))
 
     # -- arithmetic -----------------------------------------------------------------
     def _binary(self, other: Any, op: Any, reflected: bool = False) -> StandInArray:
         o = _unwrap(other, op.__name__)
+        DEVICE_OPS.add("alloc")
+        DEVICE_OPS.add("kernel")
         return StandInArray(np.asarray(op(o, self._a) if reflected else op(self._a, o)))
 
     def _inplace(self, other: Any, op: Any) -> StandInArray:
+        DEVICE_OPS.add("kernel")
         op(self._a, _unwrap(other, op.__name__), out=self._a)
         return self
+
+
+def _result(a: np.ndarray) -> StandInArray:
+    """A new device array computed by one kernel."""
+    DEVICE_OPS.add("alloc")
+    DEVICE_OPS.add("kernel")
+    return StandInArray(a)
 
 
 def _install_operators() -> None:
@@ -238,8 +294,8 @@ def _install_operators() -> None:
     for name in ("add", "sub", "mul", "truediv"):
         setattr(StandInArray, f"__i{name}__",
                 lambda self, other, op=binary[name]: self._inplace(other, op))
-    StandInArray.__neg__ = lambda self: StandInArray(-self._a)
-    StandInArray.__abs__ = lambda self: StandInArray(np.abs(self._a))
+    StandInArray.__neg__ = lambda self: _result(np.negative(self._a))
+    StandInArray.__abs__ = lambda self: _result(np.abs(self._a))
     StandInArray.__hash__ = None
 
 
@@ -251,9 +307,11 @@ def _wrap_result(fn: Any) -> Any:
     def call(*args: Any, out: Any = None, **kwargs: Any) -> Any:
         raw = [_unwrap(a, fn.__name__) if isinstance(a, (StandInArray, np.ndarray)) else a
                for a in args]
+        DEVICE_OPS.add("kernel")
         if out is not None:
             fn(*raw, out=_unwrap(out, fn.__name__), **kwargs)
             return out
+        DEVICE_OPS.add("alloc")
         return StandInArray(np.asarray(fn(*raw, **kwargs)))
 
     return call
@@ -262,11 +320,13 @@ def _wrap_result(fn: Any) -> Any:
 def _empty(shape: Any, dtype: Any = np.float32) -> StandInArray:
     shape = (shape,) if np.isscalar(shape) else tuple(shape)
     n = int(np.prod(shape, dtype=np.int64))
+    DEVICE_OPS.add("alloc")
     return StandInArray(aligned_empty(n, dtype).reshape(shape))
 
 
 def _zeros(shape: Any, dtype: Any = np.float32) -> StandInArray:
     out = _empty(shape, dtype)
+    DEVICE_OPS.add("copy")  # a fill
     out._a[...] = 0
     return out
 
@@ -277,6 +337,7 @@ def _asarray(x: Any, dtype: Any = None) -> StandInArray:
         return x if dtype is None or np.dtype(dtype) == x.dtype else x.astype(dtype)
     src = np.asarray(x, dtype=dtype)
     out = _empty(src.shape, src.dtype)
+    DEVICE_OPS.add("copy")  # host to device
     out._a[...] = src
     return out
 
@@ -291,20 +352,25 @@ def _from_dlpack(x: Any) -> StandInArray:
     """A zero-copy device view of a DLPack producer in (host) memory."""
     if isinstance(x, StandInArray):
         return x
+    DEVICE_OPS.add("dlpack")
     return StandInArray(np.from_dlpack(x))
 
 
 def _copy(x: StandInArray) -> StandInArray:
     out = _empty(x.shape, x.dtype)
+    DEVICE_OPS.add("copy")
     out._a[...] = _unwrap(x, "copy")
     return out
 
 
 def _copyto(dst: StandInArray, src: Any) -> None:
+    DEVICE_OPS.add("copy")
     np.copyto(_unwrap(dst, "copyto"), _unwrap(src, "copyto"))
 
 
 def _concatenate(xs: Any, axis: int = 0) -> StandInArray:
+    DEVICE_OPS.add("alloc")
+    DEVICE_OPS.add("copy")
     return StandInArray(np.concatenate([_unwrap(x, "concatenate") for x in xs], axis=axis))
 
 
@@ -330,7 +396,19 @@ def _standin_driver() -> Any:
     from ops._cuda import CudaDriver
     from ops._emulate import EmulatedModule
 
-    return CudaDriver(xp, EmulatedModule, sm_count=1)
+    class CountedModule(EmulatedModule):
+        """Kernels emulated on the CPU, each launch counted."""
+
+        def get_function(self, name: str) -> Any:
+            run = super().get_function(name)
+
+            def launch(*args: Any, **kwargs: Any) -> Any:
+                DEVICE_OPS.add("kernel")
+                return run(*args, **kwargs)
+
+            return launch
+
+    return CudaDriver(xp, CountedModule, sm_count=1)
 
 
 def _memory_owner(a: StandInArray) -> np.ndarray:
@@ -342,8 +420,19 @@ def _memory_owner(a: StandInArray) -> np.ndarray:
     return owner
 
 
+def _copy_to_host(x: StandInArray, out: np.ndarray) -> None:
+    SYNCS.add()
+    out.view(np.uint8)[...] = _unwrap(x, "copy_to_host").view(np.uint8)
+
+
+def _copy_from_host(dst: StandInArray, src: np.ndarray) -> None:
+    DEVICE_OPS.add("copy")  # host to device
+    _unwrap(dst, "copy_from_host").view(np.uint8)[...] = src.view(np.uint8)
+
+
 STANDIN = Device("standin", xp, False, driver=_driver, to_host=_asnumpy, from_host=_asarray,
-                 from_dlpack=_from_dlpack, memory_owner=_memory_owner)
+                 from_dlpack=_from_dlpack, memory_owner=_memory_owner,
+                 copy_to_host=_copy_to_host, copy_from_host=_copy_from_host)
 register_device(StandInArray, STANDIN)
 
 

@@ -153,6 +153,9 @@ def test_collectives_through_the_nccl_entry_points(world, dtype):
         np.testing.assert_allclose(summed.astype(np.float64), total, rtol=1e-2)
         np.testing.assert_array_equal(bcast, xs[-1])
     calls = comms[0].comm.calls
+    if world == 1:  # one rank sends nothing: the results above are its inputs
+        assert calls == []
+        return
     assert [c[0] for c in calls] == ["allGather", "reduceScatter", "allReduce", "broadcast"]
     assert [c[1] for c in calls] == [k * world, k, k * world, k * world]  # element counts
 
