@@ -9,8 +9,13 @@ through the emulation of the very kernel it would launch on a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-__all__ = ["ADAM_MULTI_PARAMS", "TABLE", "Kernel", "adam_kernel", "cast_kernel",
+import numpy as np
+
+from ops._arrays import BF16
+
+__all__ = ["ADAM_MULTI_PARAMS", "TABLE", "Kernel", "adam_kernel", "cast_kernel", "runs_kernel",
            "sumsq_kernels"]
 
 # Parameter kinds: "ptr" (an array, or None for a null pointer), "f4", "f8", "i8".
@@ -25,6 +30,10 @@ _SUMSQ_PARAMS = (("x", "ptr"), ("n", "i8"), ("partials", "ptr"))
 _SUMSQ_HOST_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), ("out", "ptr"))
 _ADAM_MULTI_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), *_ADAM_PARAMS[6:])
 _FINISH_PARAMS = (("partials", "ptr"), ("nparts", "i8"), ("out", "ptr"))
+# Runs of elements (see ops/kernels/copy.cu): runs holds (source, destination
+# offset) pairs, starts each run's first index (nruns + 1 entries).
+_RUNS_PARAMS = (("src", "ptr"), ("dst", "ptr"), ("runs", "ptr"), ("starts", "ptr"),
+                ("nruns", "i8"))
 # Multi-tensor launches: a device table of pointers and the tensors' starts.
 _ADAM_TABLE_PARAMS = (("ptrs", "ptr"), ("starts", "ptr"), ("n", "i8"), *_ADAM_PARAMS[6:])
 _SUMSQ_TABLE_PARAMS = (("ptrs", "ptr"), ("starts", "ptr"), ("n", "i8"), ("partials", "ptr"))
@@ -91,6 +100,9 @@ def _entries() -> dict[str, Kernel]:
                              host_params=_SUMSQ_HOST_PARAMS, multi=multi)
         table[multi] = Kernel(multi, "reduce", _SUMSQ_TABLE_PARAMS)
     table["zs_sumsq_finish"] = Kernel("zs_sumsq_finish", "reduce", _FINISH_PARAMS)
+    for name in ("zs_copy_runs_b2", "zs_copy_runs_b4", "zs_copy_runs_b8", "zs_widen_runs_bf16",
+                 "zs_widen_runs_f16"):
+        table[name] = Kernel(name, "copy", _RUNS_PARAMS, host=name + "_host")
     return table
 
 
@@ -103,6 +115,17 @@ def adam_kernel(grad_code: str, copy_code: str) -> Kernel:
 
 def cast_kernel(src_code: str, dst_code: str) -> Kernel:
     return TABLE[f"zs_cast_{src_code}_{dst_code}"]
+
+
+def runs_kernel(src_dtype: Any, dst_dtype: Any) -> Kernel | None:
+    """The kernel copying runs of ``src_dtype`` elements into ``dst_dtype`` ones:
+    raw copies between equal dtypes, widening of 16-bit floats into float32;
+    None for any other pair."""
+    src, dst = np.dtype(src_dtype), np.dtype(dst_dtype)
+    if src == dst:
+        return TABLE.get(f"zs_copy_runs_b{src.itemsize}")
+    widen = {BF16: "zs_widen_runs_bf16", np.dtype(np.float16): "zs_widen_runs_f16"}
+    return TABLE[widen[src]] if dst == np.float32 and src in widen else None
 
 
 def sumsq_kernels(code: str) -> tuple[Kernel, Kernel]:

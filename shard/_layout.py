@@ -21,6 +21,7 @@ replicated leaves' gradients are all-reduced.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable, Sequence
@@ -30,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ops import HOST, Device, device_of
+from ops._runs import Runs
 from ops._tree import tree_util
 from shard._specs import Shard, resolve_specs
 
@@ -50,23 +52,24 @@ class LeafLayout:
     offset: int  # in the unit's local buffer
     rows_per_rank: int  # R for sharded leaves, the leaf's rows for replicated ones
 
-    @property
+    # Derived sizes, computed once: the step's per-leaf paths read them often.
+    @functools.cached_property
     def rows(self) -> int:
         return self.shape[0] if self.shape else 1
 
-    @property
+    @functools.cached_property
     def row_size(self) -> int:
         return math.prod(self.shape[1:]) if self.shape else 1
 
-    @property
+    @functools.cached_property
     def size(self) -> int:
         return math.prod(self.shape)
 
-    @property
+    @functools.cached_property
     def local_size(self) -> int:
         return self.rows_per_rank * self.row_size if self.sharded else self.size
 
-    @property
+    @functools.cached_property
     def local_shape(self) -> tuple[int, ...]:
         return (self.rows_per_rank, *self.shape[1:]) if self.sharded else self.shape
 
@@ -156,6 +159,48 @@ class Layout:
         if rest:
             rows[whole * r:] = block[whole, :rest]
 
+    def gather_runs(self, u: int, full: Layout) -> tuple[Runs, Runs]:
+        """Unit ``u``'s copy-out as runs (see ``ops/_runs.py``): from its all-gathered
+        (W, S) sections, each sharded leaf's rows on each rank into the unit's flat
+        buffer in the ``full`` (one-rank) layout; and each replicated leaf from
+        this rank's unit buffer."""
+        sharded: list[tuple[int, int, int]] = []
+        replicated: list[tuple[int, int, int]] = []
+        unit = self.units[u]
+        for i in unit.leaves:
+            leaf, dst = self.leaves[i], full.leaves[i].offset
+            if not leaf.sharded:
+                replicated.append((leaf.offset, dst, leaf.size))
+                continue
+            r = leaf.rows_per_rank
+            for w in range(self.world_size):
+                rows = max(0, min(r, leaf.rows - w * r))
+                sharded.append((w * unit.sharded_size + leaf.offset, dst + w * r * leaf.row_size,
+                                rows * leaf.row_size))
+        return Runs(*_columns(sharded)), Runs(*_columns(replicated))
+
+    def grad_runs(self, u: int, itemsize: int) -> Runs:
+        """Unit ``u``'s copy-in of whole gradients as runs over separate tensors
+        (tensor j: the unit's j-th leaf, elements of ``itemsize`` bytes): each
+        sharded leaf's rows for each rank into the (W, S) reduce layout, the
+        padding rows zero. Replicated leaves have no runs here."""
+        src, dst, lengths, tensor = [], [], [], []
+        unit = self.units[u]
+        for j, i in enumerate(unit.leaves):
+            leaf = self.leaves[i]
+            if not leaf.sharded:
+                continue
+            r, row = leaf.rows_per_rank, leaf.row_size
+            for w in range(self.world_size):
+                lo = min(w * r, leaf.rows)
+                rows = min(lo + r, leaf.rows) - lo
+                at = w * unit.sharded_size + leaf.offset
+                src += [lo * row * itemsize, 0]
+                dst += [at, at + rows * row]
+                lengths += [rows * row, (r - rows) * row]
+                tensor += [j, -1]
+        return Runs(src, dst, lengths, tensor=tensor)
+
     def pack_grad(self, leaf: LeafLayout, g: Any, sharded: Any, replicated: Any,
                   *, add: bool = False) -> None:
         """Copy (or with ``add``, add) a full gradient into a unit's reduce layout
@@ -187,6 +232,10 @@ class Layout:
             else:
                 dst[r, :hi - lo] = rows[lo:hi]
                 dst[r, hi - lo:] = 0
+
+
+def _columns(rows: list[tuple[int, int, int]]) -> tuple[list[int], list[int], list[int]]:
+    return ([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
 
 def _unit_keys(paths: list[tuple], units: Units) -> list[Any]:
