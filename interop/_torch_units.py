@@ -45,46 +45,49 @@ class UnitHooks:
     _sharded: bool
     _compute_dtype: Any
     _empties: dict[Any, Any]
+    _kept: dict[int, Any]
+    _grad_hooks: list[Any]
     _set_compute_dtype: Any
     _before_forward: Any
     sync_buffers: Any
 
     def run_units(self, units: Any, reducer: Any, batch: Any, loss_scale: float) -> Any:
-        """One micro-batch, unit by unit (see [Note: torch ZeRO-3]). At stages 0-2
-        the params stay bound and each unit's gradients still go to the reducer
+        """One micro-batch, unit by unit (see [Note: torch ZeRO-3]). Where the
+        state's own buffers are the whole params (stages 0-2, and stage 3 on one
+        rank) they stay bound, and each unit's gradients still go to the reducer
         as soon as they are complete, so their reduction overlaps the backward."""
         index, order, members = self._plan(units.layout)
         self.sync_buffers()
-        self._active = _Step(units, reducer, index, order, members)
-        self._active.gathering = units.stage == 3
+        self._active = a = _Step(units, reducer, index, order, members)
+        a.gathering = not units.persistent
         self._set_compute_dtype(_torch_dtype(units.local[0].dtype if units.stage == 3
                                              else units.full[0].dtype))
         self._install()
+        self._track_grads(a.gathering or not reducer.solo or reducer.on_final is not None)
         root = index.get(ROOT)
         try:
-            if not self._active.gathering:  # stages 0-2: whole params, bound for the step
+            if not a.gathering:
                 for u in members:
-                    self._bind(u, units.get(u))
+                    self._bind_persistent(u)
             elif root is not None:
-                self._bind(root, units.get(root, pinned=True))
+                self._bind(root, units.flat(root, pinned=True))
             with timed("forward"):
                 out = self.loss(self.module, batch)
-            self._active.phase = "backward"
-            self._active.kept = None
+            a.phase = "backward"
+            a.kept = None
             with timed("backward"):
                 (out * loss_scale).backward()
-            for u, missing in self._active.pending.items():
+            for u, missing in a.pending.items():
                 if missing:  # parameters the loss did not use: their gradient is zero
                     self._reduce(u)
         finally:
-            gathering = self._active.gathering
             for p in self.named.values():
-                if gathering:  # the module keeps stages 0-2's params (views of the state)
+                if a.gathering:  # the module keeps the state's buffers otherwise
                     p.data = self._empty(p)
                 p.grad = None
             self._active = None
             self._compute_dtype = None
-            self._sharded = gathering
+            self._sharded = a.gathering
         return out.detach()
 
     def _plan(self, layout: Any) -> tuple[dict[str, int], list[int], dict[int, list[str]]]:
@@ -120,10 +123,24 @@ class UnitHooks:
                 return self._run_unit(_key, _forward, *args, **kw)
 
             m.forward = wrapped
-        for name, p in self.named.items():
-            p.register_post_accumulate_grad_hook(lambda p, name=name: self._grad_ready(name))
         self.module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
         self._installed = True
+
+    def _track_grads(self, on: bool) -> None:
+        """Install (or remove) the per-parameter hooks that hand each unit's
+        gradients over as soon as they are complete. Needed where that starts
+        work (a reduction, or the overlapped offload's update) or frees the
+        unit; on one rank with nothing to start, the gradients are handed over
+        after the backward and autograd calls no hook per parameter."""
+        if on == bool(self._grad_hooks):
+            return
+        if on:
+            self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(name))
+                                for name, p in self.named.items()]
+        else:
+            for handle in self._grad_hooks:
+                handle.remove()
+            self._grad_hooks = []
 
     def _gather(self, u: int) -> None:
         """Gather and bind unit ``u``, starting the gather of the unit after it in
@@ -131,7 +148,7 @@ class UnitHooks:
         a = self._active
         pos = a.order.index(u)
         upcoming = a.order[pos + 1:] if a.phase == "forward" else a.order[:pos][::-1]
-        self._bind(u, a.units.get(u, upcoming))
+        self._bind(u, a.units.flat(u, upcoming))
 
     def _run_unit(self, key: str, forward: Any, *args: Any, **kw: Any) -> Any:
         """A unit's forward with its gathered params saved for the backward as
@@ -145,14 +162,13 @@ class UnitHooks:
         a.kept = u
         if u not in a.bound:
             self._gather(u)
-        storages = {p.untyped_storage().data_ptr(): name for name, p in a.bound[u].items()
-                    if p.numel()}
+        base = a.bound[u]
+        ptr, dtype, start = base.untyped_storage().data_ptr(), base.dtype, base.storage_offset()
 
         def pack(t: Any) -> Any:
-            name = storages.get(t.untyped_storage().data_ptr()) if t.numel() else None
-            if name is None or t.dtype != a.bound[u][name].dtype:
+            if t.dtype is not dtype or not t.numel() or t.untyped_storage().data_ptr() != ptr:
                 return t
-            return _ParamRef(u, name, tuple(t.shape), t.stride(), t.storage_offset())
+            return _ParamRef(u, tuple(t.shape), t.stride(), t.storage_offset() - start)
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             with timed("forward"):
@@ -171,8 +187,8 @@ class UnitHooks:
         a = self._active
         if saved.unit not in a.bound:  # not announced by its outputs' gradient hook
             self._gather(saved.unit)
-        base = a.bound[saved.unit][saved.name]
-        return base.as_strided(saved.shape, saved.stride, saved.offset)
+        base = a.bound[saved.unit]
+        return base.as_strided(saved.shape, saved.stride, base.storage_offset() + saved.offset)
 
     def _before_backward(self, u: int) -> None:
         """The gradient reached unit ``u``'s outputs: gather it for its backward."""
@@ -199,16 +215,47 @@ class UnitHooks:
             self._unbind(u)
         return out
 
-    def _bind(self, u: int, leaves: list[Any]) -> None:
+    def _bind(self, u: int, flat: Any) -> None:
+        """Bind unit ``u``'s parameters to views of its freshly gathered flat
+        buffer: one DLPack exchange for the unit, torch views for its leaves."""
         with timed("library"):
-            bound = self._active.bound[u] = {}
-            for name, leaf in zip(self._active.members[u], leaves, strict=True):
-                p = self.named[name]
-                p.data = bound[name] = torch_view(leaf)
+            a = self._active
+            base, leaves = self._views_of(u, flat)
+            a.bound[u] = base
+            for name, leaf in zip(a.members[u], leaves, strict=True):
+                self.named[name].data = leaf
+
+    def _bind_persistent(self, u: int) -> None:
+        """Bind unit ``u``'s parameters (and, where the reducer lets the module sum
+        its gradients in place, their ``.grad``) to views of the state's own
+        buffers. The views are made once and kept while the buffers are the
+        same objects; binding checks one pointer per parameter."""
+        a = self._active
+        flat, bucket = a.units.flat(u), a.reducer.bucket(u)
+        kept = self._kept.get(u)
+        if kept is None or kept.flat is not flat or kept.bucket is not bucket:
+            with timed("library"):
+                kept = self._kept[u] = _Persistent(self, u, flat, bucket)
+        for p, view, ptr in zip(kept.params, kept.views, kept.ptrs, strict=True):
+            if p.data_ptr() != ptr:
+                p.data = view
+        if kept.grads is not None:  # cleared after each step, as zero_grad would
+            for p, g in zip(kept.params, kept.grads, strict=True):
+                p.grad = g
+            a.bucketed.add(u)
+
+    def _views_of(self, u: int, flat: Any) -> tuple[Any, list[Any]]:
+        """A torch tensor over unit ``u``'s flat buffer, and its leaves' views."""
+        base = torch_view(flat)
+        layout = self._active.units.full_layout
+        return base, [base[leaf.offset:leaf.offset + leaf.size].view(leaf.shape) for leaf in
+                      (layout.leaves[i] for i in layout.units[u].leaves)]
 
     def _unbind(self, u: int) -> None:
         with timed("library"):
-            for name in self._active.bound.pop(u, {}):
+            if self._active.bound.pop(u, None) is None:
+                return
+            for name in self._active.members[u]:
                 p = self.named[name]
                 p.data = self._empty(p)
 
@@ -221,27 +268,54 @@ class UnitHooks:
             self._empties[key] = torch.empty(0, dtype=p.dtype, device=p.device)
         return self._empties[key]
 
-    def _grad_ready(self, name: str) -> None:
-        a = self._active
-        if a is None:
-            return
-        u = a.index[self.unit_of[name]]
-        a.pending[u].discard(name)
-        if not a.pending[u]:
-            self._reduce(u)
+    def _grad_hook(self, name: str) -> Any:
+        """Parameter ``name``'s post-accumulate-grad hook: the unit's gradients go
+        to the reducer once its last parameter's has arrived."""
+
+        unit_of = self.unit_of
+
+        def ready(_param: Any) -> None:
+            a = self._active
+            if a is None:
+                return
+            u = a.index[unit_of[name]]
+            pending = a.pending[u]
+            pending.discard(name)
+            if not pending:
+                self._reduce(u)
+
+        return ready
 
     def _reduce(self, u: int) -> None:
         a = self._active
         with timed("library"):
+            a.pending[u] = set()
+            if u in a.bucketed:  # summed in place by autograd, into the reducer's buffer
+                a.reducer.added(u)
+                return
             grads = []  # torch tensors, viewed on the step's device by the reducer; None: zero
             for name in a.members[u]:
                 p = self.named[name]
                 grads.append(p.grad)
                 p.grad = None
-            a.pending[u] = set()
             a.reducer.add(u, grads)
         if a.gathering and a.index.get(ROOT) != u:
             self._unbind(u)
+
+
+class _Persistent:
+    """Unit ``u``'s parameters bound to the state's own buffer ``flat``: torch
+    views of its leaves, their data pointers, and views of the reducer's
+    ``bucket`` as their ``.grad`` where it has the params' dtype."""
+
+    def __init__(self, hooks: UnitHooks, u: int, flat: Any, bucket: Any) -> None:
+        self.flat, self.bucket = flat, bucket
+        names = hooks._active.members[u]
+        self.params = [hooks.named[name] for name in names]
+        _, self.views = hooks._views_of(u, flat)
+        self.ptrs = [v.data_ptr() for v in self.views]
+        self.grads = (hooks._views_of(u, bucket)[1]
+                      if bucket is not None and bucket.dtype == flat.dtype else None)
 
 
 class _Step:
@@ -255,23 +329,24 @@ class _Step:
         self.gathering = True  # stage 3: units are gathered and freed; else bound throughout
         self.kept: int | None = None  # the unit that ran last in the forward, still bound
         self.pending = {i: set(m) for i, m in members.items()}  # params awaiting a gradient
-        self.bound: dict[int, dict[str, Any]] = {}  # units bound now: {name: tensor}
+        self.bound: dict[int, Any] = {}  # gathered units bound now: the flat torch tensor
+        self.bucketed: set[int] = set()  # units whose .grad are views of the reducer's buffer
 
 
 class _ParamRef(tuple):
-    """A saved tensor that is (a view of) a gathered parameter: (unit, name,
-    shape, stride, storage offset), re-gathered when the backward needs it."""
+    """A saved tensor that is (a view of) a gathered unit's parameters: (unit,
+    shape, stride, offset in the unit's flat buffer), re-gathered when the
+    backward needs it."""
 
     __slots__ = ()
 
-    def __new__(cls, unit: int, name: str, shape: tuple, stride: tuple, offset: int) -> _ParamRef:
-        return super().__new__(cls, (unit, name, shape, stride, offset))
+    def __new__(cls, unit: int, shape: tuple, stride: tuple, offset: int) -> _ParamRef:
+        return super().__new__(cls, (unit, shape, stride, offset))
 
     unit = property(lambda self: self[0])
-    name = property(lambda self: self[1])
-    shape = property(lambda self: self[2])
-    stride = property(lambda self: self[3])
-    offset = property(lambda self: self[4])
+    shape = property(lambda self: self[1])
+    stride = property(lambda self: self[2])
+    offset = property(lambda self: self[3])
 
 
 def _torch_dtype(dtype: Any) -> Any:

@@ -17,11 +17,12 @@ embedding shared with the output head) form a root unit that stays gathered
 for the whole step, as FSDP2's root group does. Each unit runs once per
 micro-batch, with its gathered params saved for the backward by reference:
 
-- forward: gather the unit (the next units' all-gathers already in flight),
-  bind its parameters, and run it under ``saved_tensors_hooks`` whose pack
-  hook replaces every saved tensor that is (a view of) one of the unit's
-  gathered parameters by a small reference (unit, name, shape, stride,
-  offset). Nothing autograd keeps then points at the gathered memory, so it
+- forward: gather the unit (the next units' all-gathers already in flight)
+  into one flat buffer, bind its parameters to views of it (one DLPack
+  exchange a unit), and run it under ``saved_tensors_hooks`` whose pack hook
+  replaces every saved tensor that is (a view of) the unit's gathered
+  parameters by a small reference (unit, shape, stride, offset in the flat
+  buffer). Nothing autograd keeps then points at the gathered memory, so it
   is freed when the next unit starts (the last unit stays for the backward,
   which begins with it);
 - backward: a gradient hook on the unit's outputs gathers it again (the
@@ -34,7 +35,19 @@ micro-batch, with its gathered params saved for the backward by reference:
   parameter's shape, so they stay bound until then).
 
 So, like FSDP2, a step computes each unit's forward once and keeps its
-activations. ``functional(..., activation_checkpointing=True)`` trades
+activations.
+
+Where the state's own buffers are the whole params (stages 0-2, and stage 3
+on one rank, whose shards are the whole params) nothing is gathered: each
+unit's parameters are bound to views of its buffer, made once and kept while
+the buffer is the same (a step checks one pointer per parameter), and no
+saved-tensor hooks run. Where the gradients' buffers have the params' layout
+and dtype (one rank, or stage 0), each ``.grad`` is a view of them, so
+autograd sums the gradients in place, as DDP's ``gradient_as_bucket_view``
+does, and nothing is packed; ``.grad`` is cleared after the step, as
+``zero_grad`` would. The per-parameter gradient hooks are installed only
+where a unit's complete gradient starts work (a reduction, the overlapped
+offload's update) or frees the unit. ``functional(..., activation_checkpointing=True)`` trades
 compute for activation memory instead: each unit's forward runs under
 non-reentrant activation checkpointing and is recomputed, gathered again, in
 the backward.
@@ -47,8 +60,9 @@ backward (correct, without the per-unit memory bound; a warning says so):
 processes under torchrun, one GPU each, keep the schedule above.
 
 Gathered leaves are bound as torch tensors over the step's device memory
-(DLPack, no copy) and gradients go to the reduce-scatter the same way, so a
-CUDA module trains on CuPy state with no host copy (see [Note: devices]).
+(DLPack, no copy), and a unit's gradients enter the reduce-scatter's layout
+in one launch that reads each where autograd left it (``ops/_runs.py``), so
+a CUDA module trains on CuPy state with no host copy (see [Note: devices]).
 """
 
 from __future__ import annotations
@@ -181,6 +195,9 @@ class TorchLoss(UnitHooks, BufferState):
         self._compute_dtype: Any = None  # set in a step when mixed precision changes it
         self.cast_forward_inputs = True  # Precision's; the step sets it
         self._empties: dict[Any, Any] = {}
+        self._kept: dict[int, Any] = {}  # units bound to the state's own buffers
+        self._grad_hooks: list[Any] = []  # see UnitHooks._track_grads
+        self._on_gpu = any(p.device.type == "cuda" for p in named.values())
         self._warned = False
 
     def claim(self, comm: Any) -> None:
@@ -196,8 +213,7 @@ class TorchLoss(UnitHooks, BufferState):
 
     def hooks_usable(self, comm: Any) -> bool:
         """Whether stage 3 may run collectives inside the backward (see the Note)."""
-        on_gpu = any(p.device.type == "cuda" for p in self.named.values())
-        if on_gpu and comm.world_size > 1 and comm.backend == "threads":
+        if self._on_gpu and comm.world_size > 1 and comm.backend == "threads":
             if not self._warned:
                 log.warning("thread ranks on a CUDA module: torch runs every thread's backward "
                             "on one worker thread per GPU, so stage 3 gathers all units for "

@@ -205,9 +205,8 @@ class Pipeline:
 
     # -- the step -------------------------------------------------------------
     def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> Any:
-        raise NotImplementedError("a pipeline stage runs unit by unit: on device state that "
-                                  "is zero3 only (zero1 and zero2 keep device state whole and "
-                                  "take gradients in one call)")
+        raise NotImplementedError("a pipeline stage runs unit by unit (the ZeRO step calls "
+                                  "run_units); it has no gradients of whole params in one call")
 
     def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
         """One step's schedule over every micro-batch (see the Note); returns this

@@ -8,6 +8,7 @@ from typing import Any
 
 import ops
 from ops import AdamState
+from ops._runs import copy_runs
 from shard._profile import timed
 from shard._state import TrainState
 
@@ -25,6 +26,7 @@ class UpdatePhase:
     optimizer: Any
     clip_norm: Any
     _fast: Any
+    _plans: Any
     _apply_offloaded: Any
     loss_fn: Any
 
@@ -90,14 +92,15 @@ class UpdatePhase:
                 for dst, x in zip(state.compute, src, strict=True):
                     dst[...] = x
             return
-        views = self.full_layout.local_views(list(state.compute))
         for u, unit in enumerate(self.layout.units):
             gathered = self.device.empty(unit.sharded_size * self.comm.world_size, src[u].dtype)
             if unit.sharded_size:
                 with timed("all_gather_wait"):
                     self._fast.all_gather_into(gathered, src[u][:unit.sharded_size])
-            for i in unit.leaves:
-                self.layout.copy_gathered_leaf(self.layout.leaves[i], gathered, src[u], views[i])
+            # the unit's copy-out, as ZeRO-3's (see Units.flat)
+            for runs, source in zip(self._plans.gather(u), (gathered, src[u]), strict=True):
+                copy_runs(state.compute[u], runs, runs.table(self.device), device=self.device,
+                          src=source)
 
 
 def _kept(sections: list[tuple[int, int]], cuts: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -77,7 +77,7 @@ from shard._offload import Offload
 from shard._offload_step import OffloadPhase, check_offload
 from shard._policy import LossScale, Precision
 from shard._profile import step_breakdown, timed
-from shard._runtime import GradReducer, LiveBytes
+from shard._runtime import CopyPlans, GradBuffers, GradReducer, LiveBytes
 from shard._runtime import Units as UnitParams
 from shard._state import StateMeta, TrainState
 from shard._update import UpdatePhase
@@ -127,6 +127,8 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
         self.master_dtype = np.dtype(np.float32)
         self.full_layout: Layout | None = None
         self.tracker = LiveBytes()
+        self._grad_store: GradBuffers | None = None
+        self._plans: CopyPlans | None = None  # the layout's run tables (see ops/_runs.py)
         self.device: Device = HOST
         self.name = name
 
@@ -195,6 +197,7 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
         if hasattr(self.loss_fn, "cast_forward_inputs"):  # the torch adapter casts itself
             self.loss_fn.cast_forward_inputs = precision.cast_forward_inputs
         self.full_layout = make_layout(params, self.specs, world_size=1, units=self.units)
+        self._plans = CopyPlans(layout, self.full_layout)
 
     @staticmethod
     def layout_leaves(params: Any) -> list[Any]:
@@ -270,7 +273,8 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
     def _run(self, state: TrainState, micro: list[Any]) -> tuple[TrainState, StepMetrics]:
         scale = float(state.loss_scale)
         reducer = GradReducer(self.layout, self._fast, stage=self.stage,
-                              dtype=self._reduce_dtype(), device=self.device)
+                              dtype=self._reduce_dtype(), device=self.device,
+                              buffers=self._grad_buffers(), plans=self._plans)
         units = self._unit_params(state)
         totals = self.device.zeros(2, np.float64)  # [sum of squares, sum of losses]
         w, k = self.comm.world_size, len(micro)
@@ -346,6 +350,13 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
 
         return jax.default_device(jax.devices("cpu")[0])
 
+    def _grad_buffers(self) -> GradBuffers:
+        """The gradient shards, kept across steps (see :class:`GradBuffers`)."""
+        store = self._grad_store
+        if store is None or not store.serves(self.layout, self._reduce_dtype(), self.device):
+            self._grad_store = GradBuffers(self.layout, self._reduce_dtype(), self.device)
+        return self._grad_store
+
     def _reduce_dtype(self) -> np.dtype:
         p = self.precision
         return np.dtype(p.reduce_dtype or p.param_dtype or self.master_dtype)
@@ -358,7 +369,7 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
         return UnitParams(self.layout, self._fast, stage=self.stage, device=self.device,
                           local=local, full=full,
                           full_layout=self.full_layout, prefetch=self.prefetch,
-                          tracker=self.tracker)
+                          tracker=self.tracker, plans=self._plans)
 
     def _whole_params(self, units: UnitParams) -> Any:
         """Every unit gathered at once, as the params pytree (jax arrays for a JAX
@@ -378,9 +389,9 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
         loss * scale) go to ``reducer``."""
         if self.kind == "layered":
             return self.loss_fn.run_units(units, reducer, batch, scale)
-        # Unit by unit: stage 3 within its memory bound; stages 0-2 (host state) so
-        # that each unit's reduction overlaps the rest of the backward.
-        if (self.stage == 3 or self.device.host) and hasattr(self.loss_fn, "run_units") and (
+        # Unit by unit: stage 3 within its memory bound; stages 0-2 so that each
+        # unit's reduction overlaps the rest of the backward, with params bound once.
+        if hasattr(self.loss_fn, "run_units") and (
                 getattr(self.loss_fn, "hooks_usable", lambda comm: True)(self.comm)):
             return self.loss_fn.run_units(units, reducer, batch, scale)
         n = len(self.layout.units)

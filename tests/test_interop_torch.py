@@ -222,18 +222,22 @@ def test_zero3_saves_param_views_as_references_not_tensors():
     depth, width = 6, 32
     model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)])
     unit = (width * width + width) * 4
-    seen = []
 
-    def loss(m, b):
-        out = m(b[0]).pow(2).mean()
-        seen.append(step.tracker.live)  # every unit's forward has run; no backward yet
-        return out
+    def run(comm):  # two ranks: one rank's shards are its whole params, never gathered
+        seen = []
 
-    params, fn = it.functional(model, loss=loss)
-    step = shard.zero3(fn, optimizer=ops.adamw(LR), comm=ops.spawn(lambda c: c, 1)[0])
-    state = step.init(params)
-    step(state, (torch.ones(3, width),))
-    assert seen == [unit]
+        def loss(m, b):
+            out = m(b[0]).pow(2).mean()
+            seen.append(step.tracker.live)  # every unit's forward has run; no backward yet
+            return out
+
+        params, fn = it.functional(copy.deepcopy(model), loss=loss)
+        step = shard.zero3(fn, optimizer=ops.adamw(LR), comm=comm)
+        state = step.init(params)
+        step(state, (torch.ones(3, width),))
+        return seen
+
+    assert ops.spawn(run, 2) == [[unit], [unit]]
 
 
 def test_gpt_state_per_rank_falls_as_the_zero_formula_says():
@@ -312,14 +316,34 @@ def test_gradient_reductions_start_inside_the_backward(stage):
 
 def test_a_module_trained_at_stage_3_says_how_to_get_its_params_back():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+
+    def run(comm):
+        mine = copy.deepcopy(model)
+        params, fn = it.functional(mine, loss=lambda m, b: m(b).sum())
+        step = shard.zero3(fn, optimizer=ops.adamw(LR), comm=comm)
+        state, _ = step(step.init(params), torch.ones(1, 4))
+        with pytest.raises(RuntimeError, match=r"load_state\(module, state, comm=comm\)"):
+            mine(torch.ones(1, 4))
+        it.load_state(mine, state, comm=comm)
+        return mine(torch.ones(1, 4)).shape
+
+    assert ops.spawn(run, 2) == [(1, 2), (1, 2)]
+
+
+def test_one_rank_at_stage_3_leaves_the_module_bound_to_its_state():
+    """One rank's shards are its whole params: the module computes with them
+    after the step, as at stages 0-2."""
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    loaded = copy.deepcopy(model)
     params, fn = it.functional(model, loss=lambda m, b: m(b).sum())
     comm = ops.spawn(lambda c: c, 1)[0]
     step = shard.zero3(fn, optimizer=ops.adamw(LR), comm=comm)
     state, _ = step(step.init(params), torch.ones(2, 4))
-    with pytest.raises(RuntimeError, match=r"load_state\(module, state, comm=comm\)"):
-        model(torch.ones(1, 4))
-    it.load_state(model, state, comm=comm)
-    assert model(torch.ones(1, 4)).shape == (1, 2)
+    whole = shard.gather(state, comm)
+    for name, p in model.named_parameters():
+        assert (p.detach().numpy() == whole[name]).all(), name
+    x = torch.ones(1, 4)
+    assert torch.equal(model(x), it.load_state(loaded, state, comm=comm)(x))
 
 
 def test_state_dict_has_tied_names_and_rank_0s_buffers_for_a_strict_load():
