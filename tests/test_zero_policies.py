@@ -216,3 +216,48 @@ def test_float64_state_bytes_equal_estimate_memory():
             assert held == {k: est[k] for k in held}
     n = sum(x.size for x in jax.tree_util.tree_leaves(params))
     assert shard.estimate_memory(params, stage=0, world_size=2)["optimizer"] == 16 * n
+
+
+@pytest.mark.parametrize("world", [1, 3])
+def test_layered_keeps_residuals_and_follows_the_recomputing_step(world):
+    """A Layered loss keeps each layer's VJP residuals, less its inputs: the
+    backward traces no layer again, and the trajectory is the recomputing
+    one's (activation_checkpointing=True) to float rounding."""
+    rng = np.random.default_rng(0)
+    width = 16
+    params = [{"w": rng.standard_normal((width, width)).astype(np.float32) * 0.3,
+               "b": rng.standard_normal(width).astype(np.float32) * 0.1} for _ in range(3)]
+    b = {"x": rng.standard_normal((6, width)).astype(np.float32),
+         "y": rng.standard_normal((6, width)).astype(np.float32)}
+    traced = []
+
+    def hidden(p, h, batch):
+        traced.append("hidden")
+        return jax.numpy.tanh((batch["x"] if h is None else h) @ p["w"] + p["b"])
+
+    def head(p, h, batch):
+        traced.append("head")
+        return jax.numpy.mean((h @ p["w"] + p["b"] - batch["y"]) ** 2)
+
+    def train(checkpointing):
+        loss = shard.Layered([hidden, hidden, head], activation_checkpointing=checkpointing)
+
+        def run(comm):
+            step = shard.zero3(loss, optimizer=ops.adamw(1e-2), comm=comm)
+            state = step.init(params)
+            part = shard.split_batch(b, rank=comm.rank, world_size=comm.world_size)
+            for _ in range(3):
+                state, _ = step(state, part)
+            return shard.gather(state, comm)
+
+        traced.clear()
+        out = ops.spawn(run, world)[0]
+        return out, sorted(set(traced)), len(traced)
+
+    kept, names, kept_traces = train(False)
+    recomputed, _, recompute_traces = train(True)
+    assert names == ["head", "hidden"]
+    assert kept_traces < recompute_traces  # the backward traced no layer's forward again
+    for a, r in zip(kept, recomputed, strict=True):
+        for k in a:
+            np.testing.assert_allclose(a[k], r[k], rtol=1e-5, atol=1e-6, err_msg=k)
