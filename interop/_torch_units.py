@@ -56,9 +56,10 @@ class UnitHooks:
         state's own buffers are the whole params (stages 0-2, and stage 3 on one
         rank) they stay bound, and each unit's gradients still go to the reducer
         as soon as they are complete, so their reduction overlaps the backward."""
-        index, order, members = self._plan(units.layout)
+        plan = self._plan(units)
         self.sync_buffers()
-        self._active = a = _Step(units, reducer, index, order, members)
+        self._active = a = _Step(units, reducer, plan)
+        index, members = a.index, a.members
         a.gathering = not units.persistent
         self._set_compute_dtype(_torch_dtype(units.local[0].dtype if units.stage == 3
                                              else units.full[0].dtype))
@@ -81,28 +82,22 @@ class UnitHooks:
                 if missing:  # parameters the loss did not use: their gradient is zero
                     self._reduce(u)
         finally:
-            for p in self.named.values():
-                if a.gathering:  # the module keeps the state's buffers otherwise
-                    p.data = self._empty(p)
-                p.grad = None
+            for pairs in a.empties.values():
+                for p, empty in pairs:
+                    if a.gathering:  # the module keeps the state's buffers otherwise
+                        p.data = empty
+                    p.grad = None
             self._active = None
             self._compute_dtype = None
             self._sharded = a.gathering
         return out.detach()
 
-    def _plan(self, layout: Any) -> tuple[dict[str, int], list[int], dict[int, list[str]]]:
-        """Unit indices by key, the units in forward order, and each unit's param
-        names: worked out once per layout, not per step."""
+    def _plan(self, units: Any) -> _Plan:
+        """What a step needs to know of the units: worked out once per layout."""
         cached = getattr(self, "_plan_cache", None)
-        if cached is not None and cached[0] is layout:
-            return cached[1]
-        index = {u.name: i for i, u in enumerate(layout.units)}
-        names = [path[0].key for path, _ in tree_util().tree_flatten_with_path(
-            layout.treedef.unflatten(list(range(len(layout.leaves)))))[0]]
-        members = {i: [names[j] for j in u.leaves] for i, u in enumerate(layout.units)}
-        order = [index[key] for key, _ in self.unit_modules if key in index]
-        self._plan_cache = (layout, (index, order, members))
-        return index, order, members
+        if cached is None or cached.layout is not units.layout:
+            cached = self._plan_cache = _Plan(self, units.layout, units.full_layout)
+        return cached
 
     def _install(self) -> None:
         if self._installed:
@@ -168,7 +163,7 @@ class UnitHooks:
         def pack(t: Any) -> Any:
             if t.dtype is not dtype or not t.numel() or t.untyped_storage().data_ptr() != ptr:
                 return t
-            return _ParamRef(u, tuple(t.shape), t.stride(), t.storage_offset() - start)
+            return _ParamRef((u, tuple(t.shape), t.stride(), t.storage_offset() - start))
 
         with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
             with timed("forward"):
@@ -182,13 +177,14 @@ class UnitHooks:
         return out
 
     def _unpack(self, saved: Any) -> Any:
-        if not isinstance(saved, _ParamRef):
+        if type(saved) is not _ParamRef:
             return saved
         a = self._active
-        if saved.unit not in a.bound:  # not announced by its outputs' gradient hook
-            self._gather(saved.unit)
-        base = a.bound[saved.unit]
-        return base.as_strided(saved.shape, saved.stride, base.storage_offset() + saved.offset)
+        u, shape, stride, offset = saved
+        if u not in a.bound:  # not announced by its outputs' gradient hook
+            self._gather(u)
+        base = a.bound[u]
+        return base.as_strided(shape, stride, base.storage_offset() + offset)
 
     def _before_backward(self, u: int) -> None:
         """The gradient reached unit ``u``'s outputs: gather it for its backward."""
@@ -222,8 +218,8 @@ class UnitHooks:
             a = self._active
             base, leaves = self._views_of(u, flat)
             a.bound[u] = base
-            for name, leaf in zip(a.members[u], leaves, strict=True):
-                self.named[name].data = leaf
+            for (p, _), leaf in zip(a.empties[u], leaves, strict=True):
+                p.data = leaf
 
     def _bind_persistent(self, u: int) -> None:
         """Bind unit ``u``'s parameters (and, where the reducer lets the module sum
@@ -247,17 +243,14 @@ class UnitHooks:
     def _views_of(self, u: int, flat: Any) -> tuple[Any, list[Any]]:
         """A torch tensor over unit ``u``'s flat buffer, and its leaves' views."""
         base = torch_view(flat)
-        layout = self._active.units.full_layout
-        return base, [base[leaf.offset:leaf.offset + leaf.size].view(leaf.shape) for leaf in
-                      (layout.leaves[i] for i in layout.units[u].leaves)]
+        return base, [base[a:b].view(shape) for a, b, shape in self._active.spans[u]]
 
     def _unbind(self, u: int) -> None:
         with timed("library"):
             if self._active.bound.pop(u, None) is None:
                 return
-            for name in self._active.members[u]:
-                p = self.named[name]
-                p.data = self._empty(p)
+            for p, empty in self._active.empties[u]:
+                p.data = empty
 
     def _empty(self, p: Any) -> Any:
         """A 0-size tensor of ``p``'s dtype and device (one per kind, shared)."""
@@ -318,17 +311,36 @@ class _Persistent:
                       if bucket is not None and bucket.dtype == flat.dtype else None)
 
 
+class _Plan:
+    """Unit indices by key, the units in forward order, each unit's param names,
+    its leaves' spans (start, end, shape) in its flat buffer, and its params
+    with the 0-size tensors they hold while unbound."""
+
+    def __init__(self, hooks: UnitHooks, layout: Any, full_layout: Any) -> None:
+        self.layout = layout
+        self.index = {u.name: i for i, u in enumerate(layout.units)}
+        names = [path[0].key for path, _ in tree_util().tree_flatten_with_path(
+            layout.treedef.unflatten(list(range(len(layout.leaves)))))[0]]
+        self.members = {i: [names[j] for j in u.leaves] for i, u in enumerate(layout.units)}
+        self.order = [self.index[key] for key, _ in hooks.unit_modules if key in self.index]
+        leaves = full_layout.leaves
+        self.spans = {i: [(leaves[j].offset, leaves[j].offset + leaves[j].size, leaves[j].shape)
+                          for j in u.leaves] for i, u in enumerate(full_layout.units)}
+        self.empties = {i: [(hooks.named[n], hooks._empty(hooks.named[n])) for n in names]
+                        for i, names in self.members.items()}
+
+
 class _Step:
     """What :meth:`TorchLoss.run_units` tracks during one micro-batch."""
 
-    def __init__(self, units: Any, reducer: Any, index: dict[str, int], order: list[int],
-                 members: dict[int, list[str]]) -> None:
-        self.units, self.reducer, self.index, self.order = units, reducer, index, order
-        self.members = members
+    def __init__(self, units: Any, reducer: Any, plan: _Plan) -> None:
+        self.units, self.reducer = units, reducer
+        self.index, self.order, self.members = plan.index, plan.order, plan.members
+        self.spans, self.empties = plan.spans, plan.empties
         self.phase = "forward"
         self.gathering = True  # stage 3: units are gathered and freed; else bound throughout
         self.kept: int | None = None  # the unit that ran last in the forward, still bound
-        self.pending = {i: set(m) for i, m in members.items()}  # params awaiting a gradient
+        self.pending = {i: set(m) for i, m in plan.members.items()}  # params awaiting a gradient
         self.bound: dict[int, Any] = {}  # gathered units bound now: the flat torch tensor
         self.bucketed: set[int] = set()  # units whose .grad are views of the reducer's buffer
 
@@ -339,14 +351,6 @@ class _ParamRef(tuple):
     backward needs it."""
 
     __slots__ = ()
-
-    def __new__(cls, unit: int, shape: tuple, stride: tuple, offset: int) -> _ParamRef:
-        return super().__new__(cls, (unit, shape, stride, offset))
-
-    unit = property(lambda self: self[0])
-    shape = property(lambda self: self[1])
-    stride = property(lambda self: self[2])
-    offset = property(lambda self: self[3])
 
 
 def _torch_dtype(dtype: Any) -> Any:

@@ -50,7 +50,9 @@ class CpuDriver:
             raise NotImplementedError(f"kernel {kernel.name} has no CPU host driver")
         sig = kernel.host_signature
         fn = self._function(kernel.family, kernel.host, sig)
-        fn(*(_arg(a, kind) for a, (_, kind) in zip(args, sig, strict=True)))
+        fn(*[None if a is None else a.ctypes.data if kind == "ptr" else
+             float(a) if kind in ("f4", "f8") else int(a)
+             for a, (_, kind) in zip(args, sig, strict=True)])  # as _arg, one call a launch
 
     def adam_from(self, kernel: Kernel, sources: tuple, args: tuple) -> None:
         """The out-of-place Adam update: old (param, exp_avg, exp_avg_sq) read from
