@@ -10,34 +10,20 @@
 // indices upwards, so it finds each next run by stepping forward.
 #include "common.cuh"
 
-// Raw copies: T is the element's storage (any dtype of that size).
+// An element as it is stored in the destination: raw copies keep the bits
+// (any dtype of that size), 16-bit floats widen to float32.
 template <typename T>
-__device__ __forceinline__ void copy_runs(const T* __restrict__ src, T* __restrict__ dst,
+__device__ __forceinline__ T zs_convert(T x) { return x; }
+__device__ __forceinline__ float zs_convert(zs_bf16 x) { return zs_to_f32(x); }
+__device__ __forceinline__ float zs_convert(zs_f16 x) { return zs_to_f32(x); }
+
+template <typename S, typename D>
+__device__ __forceinline__ void copy_runs(const S* __restrict__ src, D* __restrict__ dst,
                                           const zs_i64* __restrict__ runs,
                                           const zs_i64* __restrict__ starts, zs_i64 nruns) {
   zs_i64 k = 0, lo = 0, hi = 0;
-  const T* from = 0;
-  T* to = 0;
-  ZS_GRID_STRIDE(i, starts[nruns]) {
-    if (i >= hi) {
-      while (i >= starts[k + 1]) ++k;
-      lo = starts[k];
-      hi = starts[k + 1];
-      from = src ? src + runs[2 * k] : (const T*)runs[2 * k];
-      to = dst + runs[2 * k + 1];
-    }
-    to[i - lo] = from ? from[i - lo] : (T)0;
-  }
-}
-
-// Converting copies into fp32 (16-bit gradients into an fp32 reduction).
-template <typename S>
-__device__ __forceinline__ void widen_runs(const S* __restrict__ src, float* __restrict__ dst,
-                                           const zs_i64* __restrict__ runs,
-                                           const zs_i64* __restrict__ starts, zs_i64 nruns) {
-  zs_i64 k = 0, lo = 0, hi = 0;
   const S* from = 0;
-  float* to = 0;
+  D* to = 0;
   ZS_GRID_STRIDE(i, starts[nruns]) {
     if (i >= hi) {
       while (i >= starts[k + 1]) ++k;
@@ -46,16 +32,11 @@ __device__ __forceinline__ void widen_runs(const S* __restrict__ src, float* __r
       from = src ? src + runs[2 * k] : (const S*)runs[2 * k];
       to = dst + runs[2 * k + 1];
     }
-    to[i - lo] = from ? zs_to_f32(from[i - lo]) : 0.0f;
+    to[i - lo] = from ? (D)zs_convert(from[i - lo]) : (D)0;
   }
 }
 
 #ifdef ZS_CPU
-template <typename T>
-static inline T zs_to_f32_or_raw(T x) { return x; }
-static inline float zs_to_f32_or_raw(zs_bf16 x) { return zs_to_f32(x); }
-static inline float zs_to_f32_or_raw(zs_f16 x) { return zs_to_f32(x); }
-
 // The host drivers: one contiguous range of the index space per thread, walked
 // run by run; each run a vectorisable loop.
 template <typename S, typename D>
@@ -71,7 +52,7 @@ static void host_runs(const S* src, D* dst, const zs_i64* runs, const zs_i64* st
       if (from) {
         from -= starts[k];
 #pragma omp simd
-        for (zs_i64 i = lo; i < hi; ++i) to[i] = (D)zs_to_f32_or_raw(from[i]);
+        for (zs_i64 i = lo; i < hi; ++i) to[i] = (D)zs_convert(from[i]);
       } else {
 #pragma omp simd
         for (zs_i64 i = lo; i < hi; ++i) to[i] = (D)0;
@@ -85,24 +66,16 @@ static void host_runs(const S* src, D* dst, const zs_i64* runs, const zs_i64* st
   const S *__restrict__ src, D *__restrict__ dst, const zs_i64 *__restrict__ runs, \
       const zs_i64 *__restrict__ starts, zs_i64 nruns
 
-#define ZS_COPY_ENTRY(NAME, T)                                                     \
-  extern "C" __global__ void __launch_bounds__(256) NAME(ZS_RUNS_PARAMS(T, T)) {    \
-    copy_runs<T>(src, dst, runs, starts, nruns);                                   \
+#define ZS_RUNS_ENTRY(NAME, S, D)                                                   \
+  extern "C" __global__ void __launch_bounds__(256) NAME(ZS_RUNS_PARAMS(S, D)) {    \
+    copy_runs<S, D>(src, dst, runs, starts, nruns);                                \
   }                                                                                \
-  ZS_HOST(extern "C" void NAME##_host(ZS_RUNS_PARAMS(T, T)) {                      \
-    host_runs<T, T>(src, dst, runs, starts, nruns);                                \
+  ZS_HOST(extern "C" void NAME##_host(ZS_RUNS_PARAMS(S, D)) {                      \
+    host_runs<S, D>(src, dst, runs, starts, nruns);                                \
   })
 
-#define ZS_WIDEN_ENTRY(NAME, S)                                                    \
-  extern "C" __global__ void __launch_bounds__(256) NAME(ZS_RUNS_PARAMS(S, float)) { \
-    widen_runs<S>(src, dst, runs, starts, nruns);                                  \
-  }                                                                                \
-  ZS_HOST(extern "C" void NAME##_host(ZS_RUNS_PARAMS(S, float)) {                  \
-    host_runs<S, float>(src, dst, runs, starts, nruns);                            \
-  })
-
-ZS_COPY_ENTRY(zs_copy_runs_b2, zs_u16)
-ZS_COPY_ENTRY(zs_copy_runs_b4, zs_u32)
-ZS_COPY_ENTRY(zs_copy_runs_b8, zs_i64)
-ZS_WIDEN_ENTRY(zs_widen_runs_bf16, zs_bf16)
-ZS_WIDEN_ENTRY(zs_widen_runs_f16, zs_f16)
+ZS_RUNS_ENTRY(zs_copy_runs_b2, zs_u16, zs_u16)
+ZS_RUNS_ENTRY(zs_copy_runs_b4, zs_u32, zs_u32)
+ZS_RUNS_ENTRY(zs_copy_runs_b8, zs_i64, zs_i64)
+ZS_RUNS_ENTRY(zs_widen_runs_bf16, zs_bf16, float)
+ZS_RUNS_ENTRY(zs_widen_runs_f16, zs_f16, float)
