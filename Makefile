@@ -33,6 +33,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m pip install -q deepspeed -c constraints-bench.txt
+	$(PY) benchmarks/overhead.py --threads --jax
 	$(PY) benchmarks/adam.py
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --nproc-per-node 2 benchmarks/collectives.py gloo
 	$(PY) benchmarks/collectives.py threads --world 2

@@ -1,0 +1,23 @@
+"""benchmarks/overhead.py runs end to end on a smaller GPT and prints its tables."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def test_overhead_benchmark_prints_time_calls_and_device_operations():
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/overhead.py", "--modes", "torch", "fsdp2", "zero3",
+         "--passes", "1", "--steps", "2", "--warmup", "1", "--count-steps", "1",
+         "--layers", "2", "--jax"], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]]
+            for line in proc.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    assert rows["torch"][1] == "1.00" and rows["fsdp2"][2] == "1.00"
+    for mode in ("fsdp2", "zero3"):
+        calls, ops_ = rows[mode][3], rows[mode][4]
+        assert float(calls) > 0 and float(ops_.split()[0]) > 0, rows[mode]
+    assert rows["zero3"][4].split("(")[1].split(",")[3].strip() == "0.0"  # no collective
+    for mode in ("jax", "jax_fsdp", "layered3", "layered3x2"):
+        assert float(rows[mode][0]) > 0, rows[mode]
