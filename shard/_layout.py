@@ -141,24 +141,6 @@ class Layout:
         rows = block.reshape(self.world_size * leaf.rows_per_rank, leaf.row_size)
         return rows[:leaf.rows].reshape(leaf.shape)
 
-    def copy_gathered_leaf(self, leaf: LeafLayout, gathered: Any, local: Any, dst: Any) -> None:
-        """Write the full leaf (see :meth:`gathered_leaf`) into ``dst`` in one
-        strided copy per rank block, with no temporary."""
-        if not leaf.sharded:
-            dst[...] = local[leaf.offset:leaf.offset + leaf.size].reshape(dst.shape)
-            return
-        unit, r = self.units[leaf.unit], leaf.rows_per_rank
-        if r == 0 or leaf.size == 0:
-            return
-        block = gathered.reshape(self.world_size, unit.sharded_size)[
-            :, leaf.offset:leaf.offset + leaf.local_size].reshape(
-                self.world_size, r, leaf.row_size)
-        rows = dst.reshape(leaf.rows, leaf.row_size)
-        whole, rest = divmod(leaf.rows, r)
-        rows[:whole * r].reshape(whole, r, leaf.row_size)[...] = block[:whole]
-        if rest:
-            rows[whole * r:] = block[whole, :rest]
-
     def gather_runs(self, u: int, full: Layout) -> tuple[Runs, Runs]:
         """Unit ``u``'s copy-out as runs (see ``ops/_runs.py``): from its all-gathered
         (W, S) sections, each sharded leaf's rows on each rank into the unit's flat

@@ -8,13 +8,13 @@ while they fit in the memory bound below, so a small unit such as a norm
 does not leave the next large one's gather exposed), copies them out into
 one flat buffer, each leaf whole at its place in the one-rank layout, in
 one launch over the unit's runs (``ops/_runs.py``), and the caller drops it
-after use. A torch
-module keeps each unit's activations and saves its params by reference (see
-[Note: torch ZeRO-3] in ``interop/torch.py``). For a :class:`Layered` loss
-the forward pass keeps only each layer's input; the backward pass re-gathers
-each unit in reverse order, recomputes that layer's vector-Jacobian product
-(activation checkpointing at unit granularity, so no layer's residuals pin its
-parameters), and hands the unit's gradient to :class:`GradReducer`, whose
+after use. A torch module keeps each unit's activations and saves its params
+by reference (see [Note: torch ZeRO-3] in ``interop/torch.py``). For a :class:`Layered` loss
+the forward pass keeps each layer's VJP residuals except those that are its
+own inputs; the backward pass re-gathers each unit in reverse order, hands
+the layer's VJP its params again (so no residual pins a unit's params; with
+``activation_checkpointing=True`` it recomputes the layer's forward from its
+input instead), and hands the unit's gradient to :class:`GradReducer`, whose
 reduce-scatter runs asynchronously while the next unit computes. A monolithic
 loss gathers every unit first (it cannot be split), as the docs say.
 At stages 0-2 the whole compute params are the state's, and at stage 3 on
@@ -98,9 +98,10 @@ class Units:
         self._unit_bytes = max((self._gather_bytes(u) for u in range(len(layout.units))),
                                default=0)
         # One rank at stage 3: its shards are the whole params, laid out as the
-        # full layout's units (no padding rows), and already on the device.
-        self.solo = stage == 3 and comm.world_size == 1 and not (
-            not device.host and local and isinstance(local[0], np.ndarray))
+        # full layout's units (no padding rows), where they are on the device
+        # (not so for compute params offloaded to the host).
+        on_host = not device.host and bool(local) and isinstance(local[0], np.ndarray)
+        self.solo = stage == 3 and comm.world_size == 1 and not on_host
         # The state's own buffers serve as the whole params of every unit (stages
         # 0-2, and stage 3 on one rank): nothing is gathered, copied or freed.
         self.persistent = stage < 3 or self.solo

@@ -103,7 +103,7 @@ def test_layout_run_tables_move_what_the_per_leaf_copies_move(world, rng):
     local = rng.standard_normal(unit.local_size).astype(np.float32)
     want = np.zeros(one.units[0].local_size, np.float32)
     for i, dst in zip(unit.leaves, one.local_views([want]), strict=True):
-        layout.copy_gathered_leaf(layout.leaves[i], gathered, local, dst)
+        dst[...] = layout.gathered_leaf(layout.leaves[i], gathered, local)
     got = np.zeros_like(want)
     sharded, replicated = layout.gather_runs(0, one)
     copy_runs(got, sharded, sharded.table(HOST), device=HOST, src=gathered)
