@@ -183,9 +183,10 @@ def profiled(step: Any, data: list) -> Any:
     return prof
 
 
-def torch_ops(prof: Any, scopes: tuple[str, ...]) -> dict[str, int]:
+def torch_ops(prof: Any, scopes: tuple[str, ...], within: str | None = None) -> dict[str, int]:
     """Leaf aten operations (views left out) inside profiler events whose names
-    start with one of ``scopes``, by kind (see the module docstring)."""
+    start with one of ``scopes``, by kind (see the module docstring); with
+    ``within``, only those under the profiler range of that name."""
     counts = dict.fromkeys(KINDS, 0)
 
     def visit(event: Any, inside: bool) -> None:
@@ -201,9 +202,15 @@ def torch_ops(prof: Any, scopes: tuple[str, ...]) -> dict[str, int]:
         for child in event.cpu_children:
             visit(child, inside)
 
+    def roots(event: Any) -> list[Any]:
+        if within is None or event.name == within:
+            return [event]
+        return [r for child in event.cpu_children for r in roots(child)]
+
     for event in prof.events():
         if event.cpu_parent is None:
-            visit(event, False)
+            for root in roots(event):
+                visit(root, False)
     return counts
 
 
@@ -257,11 +264,21 @@ def standin_device_ops(mode: str, args: argparse.Namespace, world: int) -> dict[
         part = [halves(b, comm.rank, world) for b in data]
         for b in part[:2]:
             step(b)
+        from torch.profiler import record_function
+
+        def ranked(b: Any) -> Any:  # this rank's operations, under a range of its own
+            with record_function(f"rank{comm.rank}"):
+                return step(b)
+
         DEVICE_OPS.reset()
         before = DEVICE_OPS.snapshot()
-        prof = profiled(step, part[2:])
+        if comm.rank:  # torch's profiler is one per process: rank 0 runs it
+            for b in part[2:]:
+                ranked(b)
+            return {}
+        prof = profiled(ranked, part[2:])
         after = DEVICE_OPS.snapshot()
-        accumulate = torch_ops(prof, (ACCUMULATE,))
+        accumulate = torch_ops(prof, (ACCUMULATE,), within="rank0")
         return {k: (after[k] - before[k] + accumulate[k]) / args.count_steps for k in KINDS}
 
     return ops.spawn(run, world)[0]
