@@ -37,17 +37,16 @@ micro-batch, with its gathered params saved for the backward by reference:
 So, like FSDP2, a step computes each unit's forward once and keeps its
 activations.
 
-Where the state's own buffers are the whole params (stages 0-2, and stage 3
-on one rank, whose shards are the whole params) nothing is gathered: each
-unit's parameters are bound to views of its buffer, made once and kept while
-the buffer is the same (a step checks one pointer per parameter), and no
-saved-tensor hooks run. Where the gradients' buffers have the params' layout
-and dtype (one rank, or stage 0), each ``.grad`` is a view of them, so
-autograd sums the gradients in place, as DDP's ``gradient_as_bucket_view``
-does, and nothing is packed; ``.grad`` is cleared after the step, as
-``zero_grad`` would. The per-parameter gradient hooks are installed only
-where a unit's complete gradient starts work (a reduction, the overlapped
-offload's update) or frees the unit. ``functional(..., activation_checkpointing=True)`` trades
+Where the state's own buffers are the whole params (stages 0-2; stage 3 on
+one rank) nothing is gathered: parameters are bound to views of them, made
+once and kept while the buffers are the same (a step checks one pointer a
+parameter), with no saved-tensor hooks. Where the gradients' buffers have the
+params' layout and dtype (one rank, or stage 0), each ``.grad`` is a view of
+them, so autograd sums in place, as DDP's ``gradient_as_bucket_view`` does
+(cleared after the step, as ``zero_grad`` would). Gradient hooks are installed
+only where a unit's complete gradient starts work or frees the unit.
+
+``functional(..., activation_checkpointing=True)`` trades
 compute for activation memory instead: each unit's forward runs under
 non-reentrant activation checkpointing and is recomputed, gathered again, in
 the backward.

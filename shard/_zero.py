@@ -77,7 +77,8 @@ from shard._offload import Offload
 from shard._offload_step import OffloadPhase, check_offload
 from shard._policy import LossScale, Precision
 from shard._profile import step_breakdown, timed
-from shard._runtime import CopyPlans, GradBuffers, GradReducer, LiveBytes
+from shard._reduce import CopyPlans, GradBuffers, GradReducer
+from shard._runtime import LiveBytes
 from shard._runtime import Units as UnitParams
 from shard._state import StateMeta, TrainState
 from shard._update import UpdatePhase
@@ -352,10 +353,10 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
 
     def _grad_buffers(self) -> GradBuffers:
         """The gradient shards, kept across steps (see :class:`GradBuffers`)."""
-        store = self._grad_store
-        if store is None or not store.serves(self.layout, self._reduce_dtype(), self.device):
-            self._grad_store = GradBuffers(self.layout, self._reduce_dtype(), self.device)
-        return self._grad_store
+        dtype, store = self._reduce_dtype(), self._grad_store
+        if store is None or not store.serves(self.layout, dtype, self.device):
+            store = self._grad_store = GradBuffers(self.layout, dtype, self.device)
+        return store
 
     def _reduce_dtype(self) -> np.dtype:
         p = self.precision
@@ -389,8 +390,7 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
         loss * scale) go to ``reducer``."""
         if self.kind == "layered":
             return self.loss_fn.run_units(units, reducer, batch, scale)
-        # Unit by unit: stage 3 within its memory bound; stages 0-2 so that each
-        # unit's reduction overlaps the rest of the backward, with params bound once.
+        # Unit by unit: stage 3 within its memory bound, each reduction overlapped
         if hasattr(self.loss_fn, "run_units") and (
                 getattr(self.loss_fn, "hooks_usable", lambda comm: True)(self.comm)):
             return self.loss_fn.run_units(units, reducer, batch, scale)
