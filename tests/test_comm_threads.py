@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import jax.numpy as jnp
@@ -215,3 +216,28 @@ def test_ctrl_c_in_spawn_stops_every_rank_and_leaves_no_threads():
     assert time.perf_counter() - t0 < 5
     assert not [t for t in set(threading.enumerate()) - before
                 if t.is_alive() and t.name.startswith("zeroshard-rank")]
+
+
+def test_a_collective_is_complete_once_the_last_rank_has_issued_it():
+    """See [Note: thread collectives]: the last rank to arrive runs the collective
+    for every rank, so a handle is complete before anyone waits on it, and no
+    thread is started for it."""
+    world = 3
+    arrived = threading.Barrier(world)
+
+    def body(comm):
+        x = np.full(4, comm.rank, np.float32)
+        out = comm.allocate(4 * world, np.float32)
+        work = comm.all_gather_async(out, x)
+        summed = comm.all_reduce_async(np.full(2, comm.rank, np.float32))
+        arrived.wait()  # every rank has issued them (outside the communicator)
+        done = work.is_completed() and summed.is_completed()
+        assert summed.wait().tolist() == [sum(range(world))] * 2
+        threads = [t.name for t in threading.enumerate() if t.name.startswith(
+            "zeroshard-threads")]  # (the name an executor thread of this backend would have)
+        return done, work.wait().tolist(), threads
+
+    for done, gathered, threads in ops.spawn(body, world):
+        assert done
+        assert gathered == np.repeat(np.arange(world, dtype=np.float32), 4).tolist()
+        assert threads == []
