@@ -56,7 +56,7 @@ class Layered:
         self.activation_checkpointing = activation_checkpointing
         self._fwd: list[Any] = []
         self._bwd: list[Any] = []
-        self._vjp: list[_LayerVJP] = []
+        self._unit_layers: dict[Any, _UnitLayer] = {}
         self._lock = threading.Lock()  # thread ranks share one Layered
 
     def compiled(self) -> tuple[list[Any], list[Any]]:
@@ -72,101 +72,157 @@ class Layered:
 
                 self._bwd = [jax.jit(make_bwd(f)) for f in self.layers]
                 self._fwd = [jax.jit(f) for f in self.layers]
-                self._vjp = [_LayerVJP(f) for f in self.layers]
         return self._fwd, self._bwd
 
+    def unit_layer(self, u: int, layout: Any) -> _UnitLayer:
+        """Layer ``u`` over its unit's flat params buffer (laid out as ``layout``'s
+        unit ``u``); units of one geometry running one layer function share it,
+        so each is traced and compiled once."""
+        unit = layout.units[u]
+        pieces = tuple((layout.leaves[i].offset, layout.leaves[i].size, layout.leaves[i].shape)
+                       for i in unit.leaves)
+        key = (self.layers[u], layout.treedef.children()[u], pieces, unit.local_size)
+        with self._lock:
+            found = self._unit_layers.get(key)
+            if found is None:
+                found = self._unit_layers[key] = _UnitLayer(*key)
+        return found
+
     def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
-        """One micro-batch unit by unit (see [Note: ZeRO-3 schedule]): ``units.get``
-        gives each unit's full leaves, ``reducer.add`` takes its gradients (of
-        ``scale * loss``); returns the loss (a jax scalar). Each layer's forward
-        keeps its VJP residuals for the backward, less those that are its own
-        inputs (see :class:`_LayerVJP`): with ``activation_checkpointing`` it
-        keeps only its input and recomputes the forward in the backward."""
+        """One micro-batch unit by unit (see [Note: ZeRO-3 schedule]): ``units.flat``
+        gives each unit's whole params as one buffer (one DLPack exchange, sliced
+        into the leaves inside the compiled layer), ``reducer.add`` takes its
+        gradients (of ``scale * loss``, one flat buffer's views); returns the loss
+        (a jax scalar). Each layer's forward keeps its VJP residuals for the
+        backward, less those that are its own inputs (see :class:`_UnitLayer`):
+        with ``activation_checkpointing`` it keeps only its input and recomputes
+        the forward in the backward."""
         import jax
         import jax.numpy as jnp
 
-        layout = units.layout
-        subtrees = layout.treedef.children()
-        if len(subtrees) != len(layout.units):
+        layout = units.full_layout
+        if len(layout.treedef.children()) != len(layout.units):
             raise ValueError("Layered needs units = the top-level subtrees of the params "
                              "(units=None)")
-
-        def tree(u: int, leaves: list[Any]) -> Any:
-            return subtrees[u].unflatten([jax_view(x) for x in leaves])
-
-        fwd, bwd = self.compiled()
-        n = len(fwd)
+        n = len(self.layers)
+        layers = [self.unit_layer(u, layout) for u in range(n)]
+        batch = _placed(batch)
         carries: list[Any] = [None]
         saved: list[Any] = [None] * n
         for u in range(n):
-            params = tree(u, units.get(u, range(u + 1, n)))
+            # the last unit's backward comes next: it stays gathered for it (as
+            # FSDP2's root does), and the backward's first gather starts now
+            flat = jax_view(units.flat(u, range(u + 1, n) if u < n - 1 else
+                                       range(n - 2, -1, -1)))
             # Wait for the layer before dropping its params: JAX's async dispatch
             # would otherwise keep them alive into the next unit's compute.
             with timed("forward"):
                 if self.activation_checkpointing:
-                    carries.append(jax.block_until_ready(fwd[u](params, carries[-1], batch)))
+                    carries.append(jax.block_until_ready(layers[u].apply(flat, carries[-1],
+                                                                         batch)))
                 else:
-                    out, saved[u] = self._vjp[u].forward(params, carries[-1], batch)
+                    out, saved[u] = layers[u].forward(flat, carries[-1], batch)
                     carries.append(jax.block_until_ready(out))
-            del params
+            if u < n - 1:
+                del flat
         loss = carries.pop()
         ct = jnp.asarray(scale, dtype=jnp.result_type(loss))
         for u in reversed(range(n)):
-            params = tree(u, units.get(u, range(u - 1, -1, -1)))
+            if u < n - 1:
+                flat = jax_view(units.flat(u, range(u - 1, -1, -1)))
             with timed("backward"):
                 if self.activation_checkpointing:
-                    g_params, ct = bwd[u](params, carries[u], batch, ct)
+                    grad, ct = layers[u].recompute(flat, carries[u], batch, ct)
                 else:
-                    g_params, ct = self._vjp[u].backward(saved[u], params, carries[u], batch,
-                                                         ct)
+                    grad, ct = layers[u].backward(saved[u], flat, carries[u], batch, ct)
                     saved[u] = None
-                jax.block_until_ready((g_params, ct))
-            del params
+                jax.block_until_ready((grad, ct))
+            del flat
             carries[u] = None
-            reducer.add(u, subtrees[u].flatten_up_to(g_params))
+            reducer.add(u, units.leaf_views(u, units.device.from_jax(grad)))
         return loss
 
     def loss_units(self, units: Any, batch: Any) -> Any:
         """The loss, forward only, unit by unit (for ``ZeroStep.evaluate``)."""
         import jax
 
-        subtrees = units.layout.treedef.children()
-        fwd, _ = self.compiled()
+        n = len(self.layers)
+        batch = _placed(batch)
         carry = None
-        for u in range(len(fwd)):
-            params = subtrees[u].unflatten([jax_view(x) for x in
-                                            units.get(u, range(u + 1, len(fwd)))])
-            carry = jax.block_until_ready(fwd[u](params, carry, batch))
-            del params  # (waited for: async dispatch would keep it alive)
+        for u in range(n):
+            flat = jax_view(units.flat(u, range(u + 1, n)))
+            carry = jax.block_until_ready(self.unit_layer(u, units.full_layout).apply(
+                flat, carry, batch))
+            del flat  # (waited for: async dispatch would keep it alive)
         return carry
 
 
-class _LayerVJP:
-    """One layer's forward keeping its VJP residuals, and the backward from them.
+def _placed(batch: Any) -> Any:
+    """The batch with its numpy arrays made jax arrays once for every layer of the
+    step (a jitted call would convert them at each)."""
+    import jax
 
-    The forward runs ``jax.vjp`` under ``jax.jit`` and returns the residuals
-    except those that are the layer's own inputs (a weight a matrix product
-    needs in its backward, the layer's input): it finds them by identity
-    while tracing, and the backward puts the inputs it is handed back in
-    their place. So no residual pins a copy of a unit's params (stage 3
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, batch)
+
+
+class _UnitLayer:
+    """One layer over its unit's flat params buffer: compiled forward, forward
+    keeping its VJP residuals, and backward; the params are sliced out of the
+    buffer inside the compiled functions, and the backward returns the params'
+    gradient as one buffer of the same layout.
+
+    The kept forward runs ``jax.vjp`` under ``jax.jit`` and returns the
+    residuals except those that are the layer's own inputs (a weight a matrix
+    product needs in its backward, the layer's input): it finds them by
+    identity while tracing, and the backward puts the inputs it is handed back
+    in their place. So no residual pins a copy of a unit's params (stage 3
     re-gathers them for the backward, as it would to recompute), while the
     backward costs what autograd's does. The compiled forward, and which of
     its residuals are inputs, are kept per input structure and shapes.
     """
 
-    def __init__(self, f: Callable[..., Any]) -> None:
+    def __init__(self, f: Callable[..., Any], treedef: Any,
+                 pieces: tuple[tuple[int, int, tuple[int, ...]], ...], size: int) -> None:
         import jax
 
-        self.f = f
-        self._plans: dict[Any, tuple[Any, list[int | None], list[Any]]] = {}
-        self._apply = jax.jit(lambda vjp, ct: vjp(ct))
+        self.f, self.treedef, self.pieces, self.size = f, treedef, pieces, size
+        self._plans: dict[Any, tuple[Any, Any]] = {}
         self._lock = threading.Lock()
+        self.apply = jax.jit(lambda flat, c, b: f(self.params(flat), c, b))
 
-    def forward(self, p: Any, c: Any, b: Any) -> tuple[Any, Any]:
+        def recompute(flat: Any, c: Any, b: Any, ct: Any) -> Any:
+            g, dc = jax.vjp(lambda ls, c: f(self.treedef.unflatten(ls), c, b),
+                            self.leaves(flat), c)[1](ct)
+            return self.flat_grad(g, flat.dtype), dc
+
+        self.recompute = jax.jit(recompute)
+
+    def leaves(self, flat: Any) -> list[Any]:
+        return [flat[o:o + n].reshape(shape) for o, n, shape in self.pieces]
+
+    def params(self, flat: Any) -> Any:
+        return self.treedef.unflatten(self.leaves(flat))
+
+    def flat_grad(self, grads: list[Any], dtype: Any) -> Any:
+        """The leaves' gradients as one buffer laid out as the params'."""
+        import jax.numpy as jnp
+
+        parts, at = [], 0
+        for (o, n, _), g in sorted(zip(self.pieces, grads, strict=True), key=lambda p: p[0][0]):
+            if o > at:
+                parts.append(jnp.zeros(o - at, dtype))
+            parts.append(jnp.ravel(g).astype(dtype))
+            at = o + n
+        if at < self.size:
+            parts.append(jnp.zeros(self.size - at, dtype))
+        return jnp.concatenate(parts) if parts else jnp.zeros(0, dtype)
+
+    def forward(self, flat: Any, c: Any, b: Any) -> tuple[Any, Any]:
         """``(output, saved)``: the layer's output and what :meth:`backward` needs."""
         import jax
 
-        leaves, structure = jax.tree_util.tree_flatten((p, c, b))
+        leaves, structure = jax.tree_util.tree_flatten((flat, c, b))
         key = (structure, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves))
         plan = self._plans.get(key)
         if plan is None:
@@ -174,38 +230,42 @@ class _LayerVJP:
                 plan = self._plans.get(key)
                 if plan is None:
                     plan = self._plan()
-                    out, kept = plan[0](p, c, b)  # traces: fills the plan's sources
+                    out, kept = plan[0](flat, c, b)  # traces: fills the plan's sources
                     self._plans[key] = plan
                     return out, (plan, kept)
-        out, kept = plan[0](p, c, b)
+        out, kept = plan[0](flat, c, b)
         return out, (plan, kept)
 
-    def _plan(self) -> tuple[Any, list[int | None], list[Any]]:
+    def _plan(self) -> tuple[Any, Any]:
         import jax
 
         sources: list[int | None] = []
         meta: list[Any] = []  # the residuals' structure, set while tracing
 
-        def fwd(p: Any, c: Any, b: Any) -> Any:
-            out, vjp = jax.vjp(lambda p, c: self.f(p, c, b), p, c)
+        def fwd(flat: Any, c: Any, b: Any) -> Any:
+            ls = self.leaves(flat)
+            out, vjp = jax.vjp(lambda ls, c: self.f(self.treedef.unflatten(ls), c, b), ls, c)
             res, structure = jax.tree_util.tree_flatten(vjp)
-            ins = {id(x): k for k, x in enumerate(jax.tree_util.tree_leaves((p, c, b)))}
+            ins = {id(x): k for k, x in enumerate(jax.tree_util.tree_leaves((ls, c, b)))}
             sources[:] = [ins.get(id(r)) for r in res]
             meta[:] = [structure]
             return out, [r for r, s in zip(res, sources, strict=True) if s is None]
 
-        return jax.jit(fwd), sources, meta
+        def bwd(kept: Any, flat: Any, c: Any, b: Any, ct: Any) -> Any:
+            ins = jax.tree_util.tree_leaves((self.leaves(flat), c, b))
+            rest = iter(kept)
+            res = [next(rest) if s is None else ins[s] for s in sources]
+            g, dc = jax.tree_util.tree_unflatten(meta[0], res)(ct)
+            return self.flat_grad(g, flat.dtype), dc
 
-    def backward(self, saved: Any, p: Any, c: Any, b: Any, ct: Any) -> tuple[Any, Any]:
-        """The gradients ``(d params, d carry)`` of the cotangent ``ct``, from the
-        saved residuals and the layer's inputs (params gathered again)."""
-        import jax
+        return jax.jit(fwd), jax.jit(bwd)
 
-        (_, sources, meta), kept = saved
-        ins = jax.tree_util.tree_leaves((p, c, b))
-        rest = iter(kept)
-        res = [next(rest) if s is None else ins[s] for s in sources]
-        return self._apply(jax.tree_util.tree_unflatten(meta[0], res), ct)
+    def backward(self, saved: Any, flat: Any, c: Any, b: Any, ct: Any) -> tuple[Any, Any]:
+        """``(d params, d carry)`` of the cotangent ``ct``, from the saved residuals
+        and the layer's inputs (params gathered again); d params is one buffer
+        laid out as ``flat``."""
+        (_, bwd), kept = saved
+        return bwd(kept, flat, c, b, ct)
 
 
 class JaxLoss:

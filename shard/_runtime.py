@@ -10,11 +10,14 @@ one flat buffer, each leaf whole at its place in the one-rank layout, in
 one launch over the unit's runs (``ops/_runs.py``), and the caller drops it
 after use. A torch module keeps each unit's activations and saves its params
 by reference (see [Note: torch ZeRO-3] in ``interop/torch.py``). For a :class:`Layered` loss
-the forward pass keeps each layer's VJP residuals except those that are its
-own inputs; the backward pass re-gathers each unit in reverse order, hands
-the layer's VJP its params again (so no residual pins a unit's params; with
-``activation_checkpointing=True`` it recomputes the layer's forward from its
-input instead), and hands the unit's gradient to :class:`~shard._reduce.GradReducer`, whose
+each layer takes its unit's flat buffer (one DLPack exchange, sliced into
+leaves inside the compiled layer) and the forward pass keeps its VJP
+residuals except those that are its own inputs; the backward pass re-gathers
+each unit in reverse order (the last unit stays gathered from its forward,
+as FSDP2's root does), hands the layer's VJP its params again (so no residual
+pins a unit's params; with ``activation_checkpointing=True`` it recomputes
+the layer's forward from its input instead), and hands the unit's gradient
+(one flat buffer) to :class:`~shard._reduce.GradReducer`, whose
 reduce-scatter runs asynchronously while the next unit computes. A monolithic
 loss gathers every unit first (it cannot be split), as the docs say.
 At stages 0-2 the whole compute params are the state's, and at stage 3 on

@@ -99,3 +99,57 @@ def test_one_rank_sends_nothing_and_reads_nothing_back(stage):
     (ops_,) = per_step(stage, 1, units=3)
     assert ops_["collective"] == 0
     assert ops_["host_read"] == 0
+
+
+def layered_per_step(world: int, *, units: int, leaves: int, steps: int = 2) -> dict:
+    """Rank 0's device operations per step for a shard.Layered chain at stage 3:
+    ``units`` layers whose params are ``leaves`` matrices each."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    params = [[rng.standard_normal((WIDTH, WIDTH)).astype(np.float32) * 0.3
+               for _ in range(leaves)] for _ in range(units)]
+
+    def layer(p, h, batch):
+        h = batch if h is None else h
+        return jnp.tanh(sum(h @ w for w in p))
+
+    def last(p, h, batch):
+        return jnp.mean(layer(p, h, batch) ** 2)
+
+    loss = shard.Layered([layer] * (units - 1) + [last])
+    x = np.ones((2, WIDTH), np.float32)
+
+    def run(comm):
+        step = shard.zero3(loss, optimizer=ops.adamw(1e-3), comm=comm)
+        state = step.init(to_device(params, STANDIN))
+        for _ in range(2):
+            state, _ = step(state, x)
+        DEVICE_OPS.reset()
+        for _ in range(steps):
+            state, _ = step(state, x)
+        return {k: v / steps for k, v in DEVICE_OPS.snapshot().items()}
+
+    return ops.spawn(run, world)[0]
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_layered_units_operations_do_not_grow_with_its_leaves(world):
+    """A JAX layer takes its unit's params as one flat buffer (one DLPack exchange
+    a pass, sliced inside the compiled layer) and returns their gradient as one."""
+    assert layered_per_step(world, units=3, leaves=1) == layered_per_step(world, units=3,
+                                                                         leaves=3)
+
+
+def test_what_one_more_layered_unit_costs_on_two_ranks():
+    """Two gathers a unit (forward and backward), each an allocation and an
+    all-gather into it, a flat buffer and one launch copying into it, and one
+    DLPack exchange binding it; then the gradient (one DLPack exchange back),
+    its buffer, run table and launch, and the reduce-scatter. The last unit stays gathered from its
+    forward to its backward: a step's all-gathers are one fewer than twice its
+    units (and one all-reduce averages the loss over the ranks)."""
+    small, big = (layered_per_step(2, units=n, leaves=2) for n in (2, 4))
+    added = {k: (big[k] - small[k]) / 2 for k in big if big[k] != small[k]}
+    assert added == {"alloc": 5, "copy": 1, "kernel": 3, "dlpack": 3, "collective": 3}
+    assert small["collective"] == (2 * 2 - 1) + 2 + 1  # all-gathers, reduce-scatters, loss
