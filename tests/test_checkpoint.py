@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -232,3 +233,30 @@ def test_consolidated_gpt_checkpoint_gives_the_sharded_loss(tmp_path):
     assert torch.equal(plain.head.weight, plain.tok_emb.weight)
     with torch.no_grad():
         assert float(gpt.lm_loss(plain, probe)) == pytest.approx(sharded_loss, rel=1e-6)
+
+
+FIXTURE = Path(__file__).parent / "data" / "checkpoint-2026-11-23"
+
+
+@pytest.mark.parametrize("world,stage", [(4, 3), (3, 2)])
+def test_a_checkpoint_an_earlier_commit_wrote_still_resumes(world, stage):
+    """``tests/data/make_checkpoint_fixture.py`` wrote these files on 2026-11-23
+    (``saved_at_step5``'s run, and its params and moments after 10 steps): they
+    load, and the run resumed from them ends where the unbroken run ended."""
+    want = list(np.load(FIXTURE / "expected.npz").values())
+
+    def run(comm):
+        step = _make(stage, comm)
+        state, extra = shard.load(FIXTURE / "step5", step, comm=comm, like=M.init_params())
+        assert extra == {"batch": 5, "seed": [1, 2]} and int(state.step) == 5
+        for b in DATA[5:]:
+            state, _ = step(state, _local(b, comm))
+        return _gather_all(state, comm)
+
+    got = jax.tree_util.tree_leaves(ops.spawn(run, world)[0])
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        if world == 4 and stage == 3:
+            np.testing.assert_array_equal(g, w)
+        else:
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6 * np.abs(w).max())
