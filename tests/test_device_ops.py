@@ -34,6 +34,16 @@ class Block(torch.nn.Module):
         return x
 
 
+def counted(step, state, x, steps: int) -> dict:
+    """This thread's device operations per step, by kind, after two warm-up steps."""
+    for _ in range(2):
+        state, _ = step(state, x)
+    DEVICE_OPS.reset()
+    for _ in range(steps):
+        state, _ = step(state, x)
+    return {k: v / steps for k, v in DEVICE_OPS.snapshot().items()}
+
+
 def per_step(stage: int, world: int, *, units: int, linears: int = 1, steps: int = 2) -> list:
     """Each rank's device operations per step, by kind, after two warm-up steps."""
     torch.manual_seed(0)
@@ -43,14 +53,7 @@ def per_step(stage: int, world: int, *, units: int, linears: int = 1, steps: int
     def run(comm):
         params, fn = it.functional(copy.deepcopy(model), loss=lambda m, b: m(b).pow(2).mean())
         step = zero(fn, optimizer=ops.adamw(1e-3), comm=comm)
-        state = step.init(to_device(params, STANDIN))
-        x = torch.ones(2, WIDTH)
-        for _ in range(2):
-            state, _ = step(state, x)
-        DEVICE_OPS.reset()
-        for _ in range(steps):
-            state, _ = step(state, x)
-        return {k: v / steps for k, v in DEVICE_OPS.snapshot().items()}
+        return counted(step, step.init(to_device(params, STANDIN)), torch.ones(2, WIDTH), steps)
 
     return ops.spawn(run, world)
 
@@ -123,13 +126,7 @@ def layered_per_step(world: int, *, units: int, leaves: int, steps: int = 2) -> 
 
     def run(comm):
         step = shard.zero3(loss, optimizer=ops.adamw(1e-3), comm=comm)
-        state = step.init(to_device(params, STANDIN))
-        for _ in range(2):
-            state, _ = step(state, x)
-        DEVICE_OPS.reset()
-        for _ in range(steps):
-            state, _ = step(state, x)
-        return {k: v / steps for k, v in DEVICE_OPS.snapshot().items()}
+        return counted(step, step.init(to_device(params, STANDIN)), x, steps)
 
     return ops.spawn(run, world)[0]
 
