@@ -57,6 +57,7 @@ class Layered:
         self._fwd: list[Any] = []
         self._bwd: list[Any] = []
         self._unit_layers: dict[Any, _UnitLayer] = {}
+        self._for_layout: dict[int, tuple[Any, list[_UnitLayer]]] = {}
         self._lock = threading.Lock()  # thread ranks share one Layered
 
     def compiled(self) -> tuple[list[Any], list[Any]]:
@@ -74,19 +75,27 @@ class Layered:
                 self._fwd = [jax.jit(f) for f in self.layers]
         return self._fwd, self._bwd
 
-    def unit_layer(self, u: int, layout: Any) -> _UnitLayer:
-        """Layer ``u`` over its unit's flat params buffer (laid out as ``layout``'s
-        unit ``u``); units of one geometry running one layer function share it,
-        so each is traced and compiled once."""
-        unit = layout.units[u]
-        pieces = tuple((layout.leaves[i].offset, layout.leaves[i].size, layout.leaves[i].shape)
-                       for i in unit.leaves)
-        key = (self.layers[u], layout.treedef.children()[u], pieces, unit.local_size)
-        with self._lock:
-            found = self._unit_layers.get(key)
-            if found is None:
-                found = self._unit_layers[key] = _UnitLayer(*key)
-        return found
+    def unit_layers(self, layout: Any) -> list[_UnitLayer]:
+        """Each layer over its unit's flat params buffer (laid out as ``layout``'s
+        unit); units of one geometry running one layer function share one, so
+        each is traced and compiled once. Made once per layout, not per step."""
+        found = self._for_layout.get(id(layout))
+        if found is None or found[0] is not layout:
+            subtrees = layout.treedef.children()
+            if len(subtrees) != len(layout.units):
+                raise ValueError("Layered needs units = the top-level subtrees of the params "
+                                 "(units=None)")
+            made = []
+            for u, unit in enumerate(layout.units):
+                pieces = tuple((layout.leaves[i].offset, layout.leaves[i].size,
+                                layout.leaves[i].shape) for i in unit.leaves)
+                key = (self.layers[u], subtrees[u], pieces, unit.local_size)
+                with self._lock:
+                    if key not in self._unit_layers:
+                        self._unit_layers[key] = _UnitLayer(*key)
+                    made.append(self._unit_layers[key])
+            found = self._for_layout[id(layout)] = (layout, made)  # (kept: its id stays its)
+        return found[1]
 
     def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
         """One micro-batch unit by unit (see [Note: ZeRO-3 schedule]): ``units.flat``
@@ -100,12 +109,8 @@ class Layered:
         import jax
         import jax.numpy as jnp
 
-        layout = units.full_layout
-        if len(layout.treedef.children()) != len(layout.units):
-            raise ValueError("Layered needs units = the top-level subtrees of the params "
-                             "(units=None)")
         n = len(self.layers)
-        layers = [self.unit_layer(u, layout) for u in range(n)]
+        layers = self.unit_layers(units.full_layout)
         batch = _placed(batch)
         carries: list[Any] = [None]
         saved: list[Any] = [None] * n
@@ -151,7 +156,7 @@ class Layered:
         carry = None
         for u in range(n):
             flat = jax_view(units.flat(u, range(u + 1, n)))
-            carry = jax.block_until_ready(self.unit_layer(u, units.full_layout).apply(
+            carry = jax.block_until_ready(self.unit_layers(units.full_layout)[u].apply(
                 flat, carry, batch))
             del flat  # (waited for: async dispatch would keep it alive)
         return carry
