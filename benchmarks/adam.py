@@ -39,7 +39,7 @@ THREADS = int(os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 import numpy as np  # noqa: E402
 
 import ops  # noqa: E402
-from ops._build import load_cpu_source  # noqa: E402
+from ops.kernels._build import load_cpu_source  # noqa: E402
 
 LR, WD, MAX_NORM, LOSS_SCALE = 1e-3, 0.01, 1.0, 1.0
 STREAM_SRC = r"""

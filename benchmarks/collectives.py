@@ -26,7 +26,7 @@ import time
 import numpy as np
 
 import ops
-from ops._comm_gloo import _single
+from ops.comm._gloo import _single
 
 SIZES = [4 << 10, 64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20, 256 << 20]
 
@@ -54,7 +54,7 @@ def gloo_main() -> None:
     import torch
     import torch.distributed as dist
 
-    from ops._comm_gloo import GlooCommunicator
+    from ops.comm._gloo import GlooCommunicator
 
     comm = ops.init_from_env()
     w, rank = comm.world_size, comm.rank

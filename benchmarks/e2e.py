@@ -14,7 +14,7 @@ optimizer, and reading the loss); the table gives medians over all passes.
     python benchmarks/e2e.py --sizes 23m --modes zero3 --profile
 
 ``--profile`` adds, for this library's rows, where the step's time goes
-(``shard.profile``, see [Note: step profile] in ``shard/_profile.py``).
+(``shard.profile``, see [Note: step profile] in ``shard/monitor/_profile.py``).
 DeepSpeed rows run where ``import deepspeed`` works (``make bench`` installs
 it); its CPU Adam is compiled on first use, outside the timed steps.
 """

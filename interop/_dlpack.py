@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from ops import BF16, HOST, device_of
-from ops._dlpack import to_native, torch_view
+from ops.device._dlpack import to_native, torch_view
 
 __all__ = ["data_ptr", "shares_memory", "to_cupy", "to_jax", "to_numpy", "to_torch"]
 

@@ -15,7 +15,7 @@ import numpy as np
 from interop._dlpack import to_jax
 from ops._tree import tree_util
 from shard import Replicate, Shard, TrainState, to_partition_spec
-from shard._specs import DP_AXIS, resolve_specs
+from shard.core._specs import DP_AXIS, resolve_specs
 
 __all__ = ["global_params", "local_params", "mesh", "shardings"]
 

@@ -4,15 +4,14 @@ Arrays and the metal: single-source CUDA/CPU kernels (fused Adam/AdamW, sums of
 squares, casts) and the optimizers built on them; communicators (threads, gloo,
 NCCL) and the functional collectives over them. numpy arrays run the CPU
 build of each kernel, device arrays (cupy, or the strict stand-in of
-:mod:`ops.testing`) its CUDA build: see [Note: devices] in ``ops/_device.py``.
+:mod:`ops.testing`) its CUDA build: see [Note: devices] in ``ops/device/_device.py``.
 """
 
 from ops._adam import fused_adam_multi, fused_adam_step
-from ops._arrays import BF16
-from ops._build import KernelBuildError
 from ops._cast import cast
-from ops._collectives import all_gather, all_reduce, broadcast, reduce_scatter
-from ops._comm import (
+from ops._norm import global_norm, sum_of_squares
+from ops._optim import AdamState, FusedAdam, adam, adamw
+from ops.comm._base import (
     CollectiveError,
     CollectiveTimeout,
     Communicator,
@@ -20,11 +19,12 @@ from ops._comm import (
     Work,
     aligned_empty,
 )
-from ops._comm_threads import ThreadCommunicator, ThreadGroup, spawn
-from ops._device import HOST, Device, device_of
-from ops._norm import global_norm, sum_of_squares
-from ops._optim import AdamState, FusedAdam, adam, adamw
-from ops._world import init_from_env
+from ops.comm._collectives import all_gather, all_reduce, broadcast, reduce_scatter
+from ops.comm._threads import ThreadCommunicator, ThreadGroup, spawn
+from ops.comm._world import init_from_env
+from ops.device._arrays import BF16
+from ops.device._device import HOST, Device, device_of
+from ops.kernels._build import KernelBuildError
 
 __all__ = [
     "BF16",

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from ops._arrays import array_kind, check_array, driver_for, xp_of
-from ops._kernels import adam_kernel
+from ops.device._arrays import array_kind, check_array, driver_for, xp_of
+from ops.kernels._table import adam_kernel
 
 __all__ = ["adam_scalars", "fused_adam_multi", "fused_adam_step"]
 
@@ -253,7 +253,7 @@ def _adam_float64(p: Any, g: Any, m: Any, v: Any, scalars: tuple) -> None:
 def _scalars(step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
              decoupled: bool, grad_scale: float | None, grad_sumsq: Any,
              max_norm: float | None) -> tuple:
-    """The kernel's arguments from ``sumsq`` on (see ops/_kernels.py)."""
+    """The kernel's arguments from ``sumsq`` on (see ops/kernels/_table.py)."""
     s = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                      decoupled=decoupled)  # float64; the kernels round them once, to float32
     return (grad_sumsq, s["beta1"], s["beta2"], s["omb1"], s["omb2"], s["step_size"],

@@ -6,9 +6,9 @@ from typing import Any
 
 import numpy as np
 
-from ops._arrays import array_kind, check_array, driver_for, dtype_code, xp_of
-from ops._kernels import cast_kernel
 from ops._tree import tree_map
+from ops.device._arrays import array_kind, check_array, driver_for, dtype_code, xp_of
+from ops.kernels._table import cast_kernel
 
 __all__ = ["cast"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 
-from ops._comm import collectives_issued, in_collective
+from ops.comm._base import collectives_issued, in_collective
 
 __all__ = ["DEVICE_OPS", "SYNCS"]
 

@@ -7,8 +7,8 @@ from typing import Any
 
 import numpy as np
 
-from ops._arrays import array_kind, check_array, driver_for, xp_of
 from ops._tree import tree_leaves
+from ops.device._arrays import array_kind, check_array, driver_for, xp_of
 
 __all__ = ["global_norm", "sum_of_squares"]
 

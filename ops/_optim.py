@@ -16,8 +16,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ops._adam import fused_adam_multi, fused_adam_step
-from ops._arrays import xp_of
 from ops._tree import tree_util
+from ops.device._arrays import xp_of
 
 __all__ = ["AdamState", "FusedAdam", "adam", "adamw"]
 

@@ -12,9 +12,9 @@ where it matters for finding host-only code:
   ``asarray``, ``copyto``, ``add``, ... with CuPy's signatures), explicit host
   transfers (``x.get()``, ``xp.asnumpy``, ``xp.asarray(host)``) and no
   ``.ctypes``; ``x.data.ptr`` is the buffer's address, as on CuPy;
-- kernels launch through the CUDA driver (:class:`ops._cuda.CudaDriver`) with
+- kernels launch through the CUDA driver (:class:`ops.kernels._cuda.CudaDriver`) with
   the ``__global__`` kernels of ``ops/kernels`` emulated on the CPU, with the
-  grid, block and arguments a GPU would get (see ``ops/_emulate.py``);
+  grid, block and arguments a GPU would get (see ``ops/kernels/_emulate.py``);
 - every read back to the host (``get``, ``float``, ``int``, ``bool``,
   ``item``, ``tolist``) is counted in :data:`SYNCS`, so a test can say how
   many host synchronisations a step makes;
@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 
 from ops._counters import DEVICE_OPS, SYNCS
-from ops._device import Device, aligned_empty, register_device
+from ops.device._device import Device, aligned_empty, register_device
 
 __all__ = ["DEVICE_OPS", "STANDIN", "SYNCS", "StandInArray", "xp"]
 
@@ -338,8 +338,8 @@ def _driver() -> Any:
 
 @functools.cache
 def _standin_driver() -> Any:
-    from ops._cuda import CudaDriver
-    from ops._emulate import EmulatedModule
+    from ops.kernels._cuda import CudaDriver
+    from ops.kernels._emulate import EmulatedModule
 
     class CountedModule(EmulatedModule):
         """Kernels emulated on the CPU, each launch counted."""

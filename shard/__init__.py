@@ -6,21 +6,21 @@ function transforms: ``step = shard.zero3(loss_fn, optimizer=..., comm=...)``,
 """
 
 from ops import init_from_env, spawn
-from shard._checkpoint import CheckpointError, load, save
 from shard._deepspeed import DeepSpeedConfig, from_deepspeed_config
-from shard._gather import MicroBatches, gather, split_batch
-from shard._layout import Layout, make_layout, partition, unpartition
-from shard._loss import Layered
 from shard._memory import estimate_memory
-from shard._monitor import CSVLogger, TensorBoardLogger
-from shard._offload import Offload
-from shard._pipeline import Pipeline, balance_by_time, pipeline
-from shard._policy import LossScale, Precision
-from shard._profile import Breakdown, profile
-from shard._specs import Replicate, Shard, from_partition_spec, to_partition_spec
 from shard._stages import zero0, zero1, zero2, zero3
-from shard._state import DonatedStateError, TrainState
-from shard._zero import ZeroStep
+from shard.checkpoint._checkpoint import CheckpointError, load, save
+from shard.core._gather import MicroBatches, gather, split_batch
+from shard.core._layout import Layout, make_layout, partition, unpartition
+from shard.core._loss import Layered
+from shard.core._policy import LossScale, Precision
+from shard.core._specs import Replicate, Shard, from_partition_spec, to_partition_spec
+from shard.core._state import DonatedStateError, TrainState
+from shard.monitor._loggers import CSVLogger, TensorBoardLogger
+from shard.monitor._profile import Breakdown, profile
+from shard.offload._offload import Offload
+from shard.pipelines._pipeline import Pipeline, balance_by_time, pipeline
+from shard.step._step import ZeroStep
 
 __all__ = [
     "Breakdown",

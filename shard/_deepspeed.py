@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from ops import FusedAdam, adam, adamw
-from shard._offload import Offload
-from shard._policy import LossScale, Precision
+from shard.core._policy import LossScale, Precision
+from shard.offload._offload import Offload
 
 __all__ = ["DeepSpeedConfig", "from_deepspeed_config"]
 

@@ -6,9 +6,9 @@ from typing import Any
 
 import numpy as np
 
-from shard._layout import Units, make_layout, master_dtype_of
-from shard._offload import Offload
-from shard._policy import Precision
+from shard.core._layout import Units, make_layout, master_dtype_of
+from shard.core._policy import Precision
+from shard.offload._offload import Offload
 
 __all__ = ["estimate_memory"]
 

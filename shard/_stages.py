@@ -6,10 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 from ops import Communicator, FusedAdam
-from shard._layout import Units
-from shard._offload import Offload
-from shard._policy import LossScale, Precision
-from shard._zero import ZeroStep
+from shard.core._layout import Units
+from shard.core._policy import LossScale, Precision
+from shard.offload._offload import Offload
+from shard.step._step import ZeroStep
 
 __all__ = ["zero0", "zero1", "zero2", "zero3"]
 

@@ -22,8 +22,8 @@ def rng() -> np.random.Generator:
 @pytest.fixture(scope="session")
 def emulated_cuda():
     """The CUDA driver with numpy arrays and kernels emulated on the CPU."""
-    from ops._cuda import CudaDriver
-    from ops._emulate import EmulatedModule
+    from ops.kernels._cuda import CudaDriver
+    from ops.kernels._emulate import EmulatedModule
 
     return CudaDriver(np, EmulatedModule, sm_count=2)
 
@@ -37,7 +37,7 @@ def gpu_present() -> bool:
 
 
 # The ZeRO step on device state: the strict stand-in always, a real GPU when
-# there is one (see [Note: devices] in ops/_device.py).
+# there is one (see [Note: devices] in ops/device/_device.py).
 DEVICES = ["standin"] + (["cupy"] if gpu_present() else [])
 
 # Tests that mean the CPU pin JAX to it: on a GPU machine JAX would otherwise
@@ -56,6 +56,6 @@ def device(request):
         from ops.testing import STANDIN
 
         return STANDIN
-    from ops._device import cupy_device
+    from ops.device._device import cupy_device
 
     return cupy_device()

@@ -16,7 +16,7 @@ import traceback
 import numpy as np
 
 import ops
-from ops._arrays import BF16
+from ops.device._arrays import BF16
 
 DTYPES = {"f32": np.float32, "f64": np.float64, "bf16": BF16, "f16": np.float16}
 SIZES = [0, 1, 7, 1_000_003]
@@ -120,7 +120,7 @@ def main() -> None:
     try:
         comm = ops.init_from_env(timeout=timeout)
         if os.environ.get("ZS_ROUTED"):  # as init_from_env routes on a GPU machine
-            from ops._world import RoutedCommunicator
+            from ops.comm._world import RoutedCommunicator
 
             comm = RoutedCommunicator(comm, lambda: comm)
         report["rank"] = comm.rank

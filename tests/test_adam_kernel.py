@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import ops
-from ops._arrays import BF16
+from ops.device._arrays import BF16
 from tests.reference import adam_reference
 
 SIZES = [0, 1, 7, 1_000_003]
@@ -29,7 +29,7 @@ def _state(rng, n, gdtype=np.float32):
 
 def _spy_kernels(monkeypatch):
     """Record the name of every kernel the CPU driver runs."""
-    from ops._cpu import cpu_driver
+    from ops.kernels._cpu import cpu_driver
 
     names: list[str] = []
     driver = cpu_driver()

@@ -89,7 +89,7 @@ KILLER = r"""
 import os, signal, sys
 sys.path.insert(0, {root!r})
 import ops, shard
-from shard import _checkpoint
+from shard.checkpoint import _checkpoint
 from tests import zero_models as M
 path = {path!r}
 def run(comm):

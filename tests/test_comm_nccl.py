@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import ops
-from ops._arrays import BF16
-from ops._comm_nccl import NcclCommunicator, check_distinct_devices
+from ops.comm._nccl import NcclCommunicator, check_distinct_devices
+from ops.device._arrays import BF16
 from ops.testing import STANDIN, xp
 
 nccl = pytest.importorskip("cupy.cuda.nccl")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ops
-from ops._arrays import BF16
+from ops.device._arrays import BF16
 
 WORLDS = [1, 2, 3, 4, 5]
 DTYPES = [np.float32, np.float64, BF16, np.float16]

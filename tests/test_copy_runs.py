@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ops._arrays import BF16
-from ops._device import HOST
-from ops._runs import Runs, contiguous_on, copy_runs
+from ops.device._arrays import BF16
+from ops.device._device import HOST
+from ops.device._runs import Runs, contiguous_on, copy_runs
 from ops.testing import DEVICE_OPS, STANDIN
-from shard._layout import make_layout
-from shard._specs import Replicate, Shard
+from shard.core._layout import make_layout
+from shard.core._specs import Replicate, Shard
 
 DEVICES = {"host": HOST, "standin": STANDIN}
 

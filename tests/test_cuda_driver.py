@@ -11,11 +11,11 @@ import pytest
 
 import ops
 from ops._adam import adam_scalars
-from ops._arrays import BF16
-from ops._build import load_cpu
-from ops._cpu import cpu_driver
-from ops._emulate import EmulatedModule, EmulationError
-from ops._kernels import TABLE, adam_kernel, cast_kernel
+from ops.device._arrays import BF16
+from ops.kernels._build import load_cpu
+from ops.kernels._cpu import cpu_driver
+from ops.kernels._emulate import EmulatedModule, EmulationError
+from ops.kernels._table import TABLE, adam_kernel, cast_kernel
 
 DT = {"f32": np.float32, "bf16": BF16, "f16": np.float16}
 

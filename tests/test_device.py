@@ -20,8 +20,8 @@ import torch
 import interop.torch as it
 import ops
 import shard
-from ops._device import HOST, device_of_or_none
 from ops._tree import tree_map
+from ops.device._device import HOST, device_of_or_none
 from ops.testing import STANDIN, SYNCS, to_device
 from tests import test_interop_torch as T
 from tests import zero_models as M
@@ -230,7 +230,7 @@ def test_a_step_without_clipping_or_loss_scaling_reads_nothing_back():
 def test_a_planted_host_conversion_in_the_step_fails_on_the_stand_in(monkeypatch):
     """What the stand-in is for: code that hands device memory to numpy (fine on
     the host, an error on a GPU) fails the device tests."""
-    from shard._zero import ZeroStep
+    from shard.step._step import ZeroStep
 
     original = ZeroStep._norm_and_loss
 
@@ -271,7 +271,7 @@ def test_torch_gradients_of_another_device_are_refused():
 
 def test_jax_losses_over_host_state_stay_on_the_cpu(monkeypatch):
     """Even where JAX's default device is a GPU (it is on a GPU machine)."""
-    from shard._zero import ZeroStep
+    from shard.step._step import ZeroStep
 
     seen = []
     original = ZeroStep._on_device

@@ -9,9 +9,9 @@ import subprocess
 
 import pytest
 
-from ops._build import source
-from ops._cuda import NVRTC_OPTIONS
-from ops._kernels import TABLE
+from ops.kernels._build import source
+from ops.kernels._cuda import NVRTC_OPTIONS
+from ops.kernels._table import TABLE
 
 FAMILIES = sorted({k.family for k in TABLE.values()})
 ARCHS = ["sm_80", "sm_90"]

@@ -13,7 +13,7 @@ import subprocess
 import numpy as np
 import pytest
 
-from ops._build import source
+from ops.kernels._build import source
 
 DRIVER = r"""
 #include <cstdio>

@@ -29,7 +29,7 @@ def test_metrics_carry_the_step_time_split_and_tokens_per_second():
     state, m = step(state, BATCH, tokens=4096)
     wall_ms = 1e3 * (time.perf_counter() - t0)
     t = m["time_ms"]
-    assert set(t) == {"step", *shard._profile.CATEGORIES}
+    assert set(t) == {"step", *shard.monitor._profile.CATEGORIES}
     assert t["step"] == pytest.approx(sum(v for k, v in t.items() if k != "step"))
     assert 0 < t["step"] <= wall_ms and t["compute"] > 0 and t["optimizer"] > 0
     assert m["tokens_per_s"] == pytest.approx(4096 / (t["step"] / 1e3))

@@ -15,7 +15,7 @@ import pytest
 
 import ops
 import shard
-from ops._device import HOST, device_of_or_none
+from ops.device._device import HOST, device_of_or_none
 from ops.testing import to_device
 from tests import zero_models as M
 
@@ -150,7 +150,7 @@ def test_a_failed_disk_update_leaves_the_previous_generation(tmp_path, monkeypat
 def test_a_failing_kernel_mid_stream_stops_the_threads_and_leaves_no_partial_file(tmp_path):
     import threading
 
-    from shard._offload import DiskTier
+    from shard.offload._offload import DiskTier
 
     tier = DiskTier(shard.Offload("disk", path=tmp_path, chunk_mb=1), 0, [600_000, 5],
                     np.float32)

@@ -13,7 +13,7 @@ import pytest
 
 import ops
 import shard
-from shard._reduce import GradReducer
+from shard.step._reduce import GradReducer
 from tests import zero_models as M
 from tests.test_offload import assert_same, trajectory
 

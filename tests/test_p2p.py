@@ -120,7 +120,7 @@ def test_routed_communicator_moves_host_messages_and_splits_for_host_buffers():
     """init_from_env on a GPU machine routes host buffers to gloo and device ones to
     NCCL; its point-to-point and split follow the same routing (here: thread ranks
     for the host side, the device stand-in for device buffers)."""
-    from ops._world import RoutedCommunicator
+    from ops.comm._world import RoutedCommunicator
     from ops.testing import STANDIN
 
     def run(comm):
@@ -148,7 +148,7 @@ def test_jax_sees_its_own_gpu_and_shares_one_without_preallocating():
     """init_from_env's JAX placement on a GPU node: a process sees the GPU its
     local rank names, and where processes outnumber GPUs (several on one) none
     takes 75% of the GPU at start."""
-    from ops._world import jax_gpu_placement
+    from ops.comm._world import jax_gpu_placement
 
     assert [jax_gpu_placement(r, 8, 8) for r in (0, 7)] == [("0", True), ("7", True)]
     assert [jax_gpu_placement(r, 4, 1) for r in range(4)] == [("0", False)] * 4

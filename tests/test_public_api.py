@@ -5,6 +5,7 @@ be made on purpose, here and in the README."""
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 import pytest
 
@@ -46,3 +47,36 @@ def test_public_objects_have_docstrings(module):
     undocumented = [name for name in m.__all__
                     if callable(getattr(m, name)) and not (getattr(m, name).__doc__ or "").strip()]
     assert undocumented == []
+
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = sorted(p.parent for top in ("ops", "shard", "interop")
+                  for p in (ROOT / top).rglob("__init__.py"))
+
+
+@pytest.mark.parametrize("package", PACKAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_folder_says_what_it_holds_and_stays_small(package):
+    """The folders are the map of the code: each package's docstring names every
+    private module in it, and no folder grows past a dozen modules."""
+    name = ".".join(package.relative_to(ROOT).parts)
+    doc = importlib.import_module(name).__doc__ or ""
+    modules = sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")
+    assert len(modules) <= 12, modules
+    if package.name in ("ops", "shard", "interop"):  # the roots' docs speak of the API
+        return
+    unnamed = [m for m in modules if m.startswith("_") and m != "__main__.py" and m not in doc]
+    assert unnamed == []
+
+
+def test_every_subpackage_has_an_import_contract():
+    """pyproject.toml's import-linter contracts place every subpackage (`make
+    lint` checks them)."""
+    tomllib = pytest.importorskip("tomllib")
+
+    contracts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"][
+        "contracts"]
+    placed = {layer.strip() for c in contracts for group in c.get("layers", ())
+              for layer in group.replace(":", "|").split("|")}
+    for package in PACKAGES:
+        if package.parent != ROOT:
+            assert package.name in placed, package

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import ops
-from ops._arrays import BF16
+from ops.device._arrays import BF16
 
 SIZES = [0, 1, 7, 65_537, 1_000_003]
 DTYPES = [np.float32, BF16, np.float16]

@@ -109,7 +109,7 @@ def test_specs_prefixes_and_partition_specs():
     params = M.init_params()
     specs = [shard.Shard(0), {"w": shard.Shard(0), "b": shard.Replicate(),
                               "gain": shard.Shard(0)}]
-    full = shard._specs.resolve_specs(params, specs)
+    full = shard.core._specs.resolve_specs(params, specs)
     assert full[1]["b"] == shard.Replicate()
     assert full[1]["gain"] == shard.Replicate()  # a scalar has nothing to split
     assert full[0]["b"] == shard.Shard(0)

@@ -1,0 +1,27 @@
+"""Train a torch ``nn.Module`` with the ZeRO transforms.
+
+``params, loss = interop.torch.functional(model, loss=lambda m, b: ...)`` turns
+a module into a params pytree (arrays over the module's own parameter memory:
+numpy for a CPU module, CuPy for a CUDA one; named by their state_dict keys) and a loss object whose
+``value_and_grad`` runs the module with torch autograd. Hand both to a ZeRO
+transform: ``step = shard.zero3(loss, optimizer=..., comm=comm)``,
+``state = step.init(params)``. :func:`layered` makes a chain of modules a
+pipeline's layers; :func:`load_state` and :func:`state_dict` bring the trained
+params back to the module.
+
+The package, a file per concept (it may import :mod:`shard` and :mod:`ops`):
+
+- ``_adapter.py``: :func:`functional` and :class:`TorchLoss` ([Note: torch ZeRO-3]);
+- ``_units.py``: the unit-by-unit hooks that gather and release each unit;
+- ``_layers.py`` and ``_stage.py``: a model as a chain of units, and one
+  pipeline stage's run over micro-batches ([Note: torch layers]);
+- ``_buffers.py``: the module's buffers and tied names beside its state
+  ([Note: torch buffers]);
+- ``_state_dict.py``: :func:`load_state` and :func:`state_dict`.
+"""
+
+from interop.torch._adapter import TorchLoss, functional
+from interop.torch._layers import TorchLayered, layered
+from interop.torch._state_dict import load_state, state_dict
+
+__all__ = ["TorchLayered", "TorchLoss", "functional", "layered", "load_state", "state_dict"]

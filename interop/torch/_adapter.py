@@ -1,0 +1,304 @@
+"""The adapter behind :mod:`interop.torch`: :func:`functional` and the loss
+object it returns, :class:`TorchLoss`.
+
+[Note: torch ZeRO-3]
+At stage 3 the loss object drives the module unit by unit. Units are the
+module's top-level children, with containers (``ModuleList``, ``Sequential``,
+``ModuleDict``) opened up, so a transformer's units are its embeddings, each
+block, and its head; or pass ``units=[submodules]``. Parameters that no unit
+owns alone (the root's own, and weights tied between units, such as an
+embedding shared with the output head) form a root unit that stays gathered
+for the whole step, as FSDP2's root group does. Each unit runs once per
+micro-batch, with its gathered params saved for the backward by reference:
+
+- forward: gather the unit (the next units' all-gathers already in flight)
+  into one flat buffer, bind its parameters to views of it (one DLPack
+  exchange a unit), and run it under ``saved_tensors_hooks`` whose pack hook
+  replaces every saved tensor that is (a view of) the unit's gathered
+  parameters by a small reference (unit, shape, stride, offset in the flat
+  buffer). Nothing autograd keeps then points at the gathered memory, so it
+  is freed when the next unit starts (the last unit stays for the backward,
+  which begins with it);
+- backward: a gradient hook on the unit's outputs gathers it again (the
+  previous units' all-gathers in flight) before its backward runs, and the
+  unpack hook hands autograd views of the re-gathered parameters (the same
+  values, so the gradients are bit for bit those of plain autograd);
+- as soon as every parameter of a unit has its gradient (post-accumulate-grad
+  hooks), the gradients go to the reduce-scatter and are dropped, and the
+  unit's parameters are unbound (autograd checks a gradient against its
+  parameter's shape, so they stay bound until then).
+
+So, like FSDP2, a step computes each unit's forward once and keeps its
+activations.
+
+Where the state's own buffers are the whole params (stages 0-2; stage 3 on
+one rank) nothing is gathered: parameters are bound to views of them, made
+once and kept while the buffers are the same (a step checks one pointer a
+parameter), with no saved-tensor hooks. Where the gradients' buffers have the
+params' layout and dtype (one rank, or stage 0), each ``.grad`` is a view of
+them, so autograd sums in place, as DDP's ``gradient_as_bucket_view`` does
+(cleared after the step, as ``zero_grad`` would). Gradient hooks are installed
+only where a unit's complete gradient starts work or frees the unit.
+
+``functional(..., activation_checkpointing=True)`` trades
+compute for activation memory instead: each unit's forward runs under
+non-reentrant activation checkpointing and is recomputed, gathered again, in
+the backward.
+
+Thread ranks on a CUDA module are the exception: torch's autograd engine runs
+the backward of every thread on one worker thread per GPU, so a collective
+inside one rank's backward would wait forever for ranks queued behind it.
+There stage 3 gathers every unit before the forward and reduces after the
+backward (correct, without the per-unit memory bound; a warning says so):
+processes under torchrun, one GPU each, keep the schedule above.
+
+Gathered leaves are bound as torch tensors over the step's device memory
+(DLPack, no copy), and a unit's gradients enter the reduce-scatter's layout
+in one launch that reads each where autograd left it (``ops/device/_runs.py``), so
+a CUDA module trains on CuPy state with no host copy (see [Note: devices]).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from interop.torch._buffers import BufferState
+from interop.torch._units import ROOT, UnitHooks, _Step, check_owner
+from ops.device._dlpack import to_native, torch_view
+from shard.monitor._profile import timed
+
+__all__ = ["TorchLoss", "functional"]
+
+log = logging.getLogger("interop.torch")
+_CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")
+
+
+def _default_units(module: Any) -> list[tuple[str, Any]]:
+    out = []
+
+    def visit(prefix: str, m: Any) -> None:
+        for name, child in m.named_children():
+            path = f"{prefix}{name}"
+            if type(child).__name__ in _CONTAINERS:
+                visit(path + ".", child)
+            else:
+                out.append((path, child))
+
+    visit("", module)
+    return out
+
+
+def functional(module: Any, *, loss: Callable[[Any, Any], Any],
+               units: Sequence[Any] | None = None,
+               activation_checkpointing: bool = False,
+               broadcast_buffers: bool = True) -> tuple[dict[str, Any], TorchLoss]:
+    """A module's parameters as a pytree, and a loss the ZeRO transforms train.
+
+    Args:
+      module: the ``torch.nn.Module`` (one per rank: thread ranks each build
+        or ``copy.deepcopy`` their own).
+      loss: ``loss(module, batch) -> scalar tensor``; ``batch`` is whatever the
+        step is given (torch tensors, numpy arrays...).
+      units: the submodules that form ZeRO-3 units, in execution order
+        (default: see [Note: torch ZeRO-3]).
+      activation_checkpointing: at stage 3, recompute each unit's forward in
+        the backward instead of keeping its activations (less memory, about a
+        third more compute), as FSDP2's and DeepSpeed's activation
+        checkpointing do.
+      broadcast_buffers: give every rank rank 0's buffers (BatchNorm's running
+        statistics) before each forward, as DDP does (see [Note: torch
+        buffers]); checkpoints keep rank 0's either way.
+
+    Returns:
+      ``(params, loss_object)``: params is ``{state_dict key: array}`` (numpy
+      for a CPU module, CuPy for a CUDA one) sharing memory with the
+      parameters (tied parameters appear once, under their first name);
+      loss_object has ``value_and_grad(params, batch)`` and
+      a ``units`` function that groups the params into units.
+
+    Example:
+      >>> import copy, torch, ops, shard, interop.torch as it
+      >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
+      ...                             torch.nn.Linear(8, 1))
+      >>> def run(comm):  # thread ranks: each trains its own copy of one model
+      ...     params, loss = it.functional(copy.deepcopy(model),
+      ...                                  loss=lambda m, b: m(b[0]).pow(2).mean())
+      ...     step = shard.zero3(loss, optimizer=ops.adamw(1e-2), comm=comm)
+      ...     state = step.init(params)
+      ...     state, metrics = step(state, (torch.ones(2, 4),))
+      ...     return metrics["skipped"]
+      >>> ops.spawn(run, 2)
+      [False, False]
+    """
+    import torch
+
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(f"functional: expected a torch.nn.Module; got {type(module).__name__}")
+    named = dict(module.named_parameters())
+    if not named:
+        raise ValueError("functional: the module has no parameters")
+    unit_modules = ([(_name_of(module, m), m) for m in units] if units is not None
+                    else _default_units(module))
+    owners: dict[int, list[str]] = {}
+    for key, m in unit_modules:
+        for p in m.parameters():
+            owners.setdefault(id(p), []).append(key)
+    unit_of = {name: (owners[id(p)][0] if len(owners.get(id(p), [])) == 1 else ROOT)
+               for name, p in named.items()}
+    devices = {p.device for p in named.values()}
+    if len(devices) > 1:
+        raise ValueError(f"functional: the module's parameters are on {sorted(map(str, devices))}; "
+                         "move it to one device first")
+    params = {name: to_native(p.data)[0] for name, p in named.items()}
+    return params, TorchLoss(module, loss, named, unit_of, unit_modules,
+                             activation_checkpointing=bool(activation_checkpointing),
+                             broadcast_buffers=bool(broadcast_buffers))
+
+
+def _name_of(root: Any, sub: Any) -> str:
+    for name, m in root.named_modules():
+        if m is sub:
+            return name
+    raise ValueError("functional: units must be submodules of the module")
+
+
+class TorchLoss(UnitHooks, BufferState):
+    """The loss object :func:`functional` returns (see [Note: torch ZeRO-3] and
+    [Note: torch buffers])."""
+
+    def __init__(self, module: Any, loss: Callable[[Any, Any], Any], named: dict[str, Any],
+                 unit_of: dict[str, str], unit_modules: list[tuple[str, Any]], *,
+                 activation_checkpointing: bool = False, broadcast_buffers: bool = True) -> None:
+        self.module, self.loss, self.named = module, loss, named
+        self.activation_checkpointing = activation_checkpointing
+        self.broadcast_buffers = broadcast_buffers
+        self._comm: Any = None
+        self.unit_of, self.unit_modules = unit_of, unit_modules
+        self._active: _Step | None = None  # set while run_units runs
+        self._installed = False
+        self._sharded = False  # a stage-3 step left the params unbound
+        self._rank: int | None = None  # the rank this object serves (see claim)
+        self._dtype = next(iter(named.values())).dtype  # the module's own param dtype
+        self._compute_dtype: Any = None  # set in a step when mixed precision changes it
+        self.cast_forward_inputs = True  # Precision's; the step sets it
+        self._empties: dict[Any, Any] = {}
+        self._kept: dict[int, Any] = {}  # units bound to the state's own buffers
+        self._grad_hooks: list[Any] = []  # see UnitHooks._track_grads
+        self._on_gpu = any(p.device.type == "cuda" for p in named.values())
+        self._warned = False
+
+    def claim(self, comm: Any) -> None:
+        """Bind this loss object to ``comm``'s rank (the step's ``init`` calls it): a
+        module is one rank's, so thread ranks sharing one object are refused
+        before they train on each other's parameters or wait on each other's
+        hooks."""
+        self._rank = check_owner(self._rank, comm, "interop.torch.functional",
+                                 "module and loss: params, loss = interop.torch.functional("
+                                 "copy.deepcopy(model), loss=...) inside the function each "
+                                 "rank runs")
+        self._comm = comm
+
+    def hooks_usable(self, comm: Any) -> bool:
+        """Whether stage 3 may run collectives inside the backward (see the Note)."""
+        if self._on_gpu and comm.world_size > 1 and comm.backend == "threads":
+            if not self._warned:
+                log.warning("thread ranks on a CUDA module: torch runs every thread's backward "
+                            "on one worker thread per GPU, so stage 3 gathers all units for "
+                            "the step; run one process per GPU (torchrun) for the per-unit "
+                            "memory bound")
+                self._warned = True
+            return False
+        return True
+
+    def units(self, path: tuple) -> str:
+        """The unit key of a params leaf (by its key path in the params dict)."""
+        return self.unit_of[path[0].key]
+
+    # -- stages 0-2 (and anything with whole params) ------------------------------
+    def value_and_grad(self, params: dict[str, Any], batch: Any,
+                       loss_scale: float = 1.0) -> tuple[Any, dict[str, Any]]:
+        """Loss and gradients (of ``loss_scale * loss``) at ``params``, by autograd:
+        a scalar tensor and ``{name: tensor}``, on the module's device."""
+        import torch
+
+        for name, p in self.named.items():
+            p.data = torch_view(params[name])
+            p.grad = None
+        self.sync_buffers()
+        self._install()
+        self._set_compute_dtype(next(iter(self.named.values())).dtype)
+        try:
+            with timed("forward"):
+                out = self.loss(self.module, batch)
+            with timed("backward"):
+                (out * loss_scale).backward()
+        finally:
+            self._compute_dtype = None
+        grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p))
+                 for name, p in self.named.items()}
+        for p in self.named.values():
+            p.grad = None
+        return out.detach(), grads
+
+    def loss_value(self, params: dict[str, Any], batch: Any) -> Any:
+        """The loss at ``params`` in eval mode under ``torch.no_grad``, with rank
+        0's buffers (for ``ZeroStep.evaluate``, a collective); the module's
+        parameters and mode are restored."""
+        import torch
+
+        self.sync_buffers()
+        before = {name: p.data for name, p in self.named.items()}
+        training = self.module.training
+        self._set_compute_dtype(_torch_dtype_of(params))
+        try:
+            for name, p in self.named.items():
+                p.data = torch_view(params[name])
+            self.module.eval()
+            with torch.no_grad():
+                return self.loss(self.module, batch).detach()
+        finally:
+            self._compute_dtype = None
+            self.module.train(training)
+            for name, p in self.named.items():
+                p.data = before[name]
+
+    # -- stage 3 --------------------------------------------------------------------
+    def _set_compute_dtype(self, dtype: Any) -> None:
+        self._compute_dtype = dtype if dtype != self._dtype else None
+
+    def _before_forward(self, module: Any, args: Any, kwargs: Any) -> Any:
+        """The root module's pre-hook: refuse a sharded module outside a step; in a
+        step, cast floating inputs to the compute dtype (FSDP2's
+        ``cast_forward_inputs``) when mixed precision changed it."""
+        dtype = self._compute_dtype
+        if dtype is None or not self.cast_forward_inputs:
+            if self._active is None:
+                self._check_usable()
+            return None
+        import torch
+
+        def cast(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
+            if isinstance(x, (tuple, list)):
+                return type(x)(cast(v) for v in x)
+            if isinstance(x, dict):
+                return {k: cast(v) for k, v in x.items()}
+            return x
+
+        return cast(args), cast(kwargs)
+
+    def _check_usable(self) -> None:
+        if self._sharded and any(
+                p.numel() == 0 for p in self.named.values()):
+            raise RuntimeError(
+                "this module's parameters are sharded by a ZeRO-3 step (each rank holds only "
+                "its shards): evaluate with step.evaluate(state, batch), write the trained "
+                "params back with interop.torch.load_state(module, state, comm=comm), or train "
+                "a copy.deepcopy(model)")
+
+
+def _torch_dtype_of(params: dict[str, Any]) -> Any:
+    return torch_view(next(iter(params.values()))).dtype

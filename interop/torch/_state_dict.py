@@ -1,0 +1,103 @@
+"""Whole parameters back into a torch module, and its whole ``state_dict``, from a
+ZeRO state: :func:`load_state` and :func:`state_dict`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ops.device._device import device_of_or_none
+from ops.device._dlpack import to_native, torch_view
+
+__all__ = ["load_state", "state_dict"]
+
+
+def load_state(module: Any, state_or_params: Any, *, comm: Any = None) -> Any:
+    """Write whole parameters back into ``module`` (for evaluation or export).
+
+    Args:
+      module: the module :func:`functional` was made from (or one like it).
+      state_or_params: a TrainState (gathered with ``comm``, a collective) or
+        a ``{name: array}`` dict of whole parameters (e.g. ``shard.gather``'s).
+      comm: this rank's communicator, when a TrainState is given.
+
+    Returns:
+      The module, its parameters overwritten in place (copies, in their dtype).
+    """
+    import torch
+
+    from shard import TrainState, gather
+
+    params = state_or_params
+    if isinstance(state_or_params, TrainState):
+        if comm is None:
+            raise ValueError("load_state: gathering a TrainState needs comm=")
+        params = gather(state_or_params, comm)
+    named = dict(module.named_parameters())
+    missing = sorted(set(named) - set(params))
+    if missing:
+        raise KeyError(f"load_state: no values for {missing[:5]}")
+    with torch.no_grad():
+        for name, p in named.items():
+            src = _as_tensor(params[name])
+            if tuple(src.shape) != tuple(p.shape) and p.numel() > 0:
+                raise ValueError(f"load_state: {name} has shape {tuple(src.shape)}, the module "
+                                 f"{tuple(p.shape)}")
+            p.data = src.to(device=p.device, dtype=p.dtype, copy=True)
+    return module
+
+
+def state_dict(module: Any, state_or_params: Any, *, comm: Any = None) -> dict[str, Any]:
+    """The module's whole ``state_dict`` from a ZeRO state, for ``torch.save`` or
+    ``load_state_dict(..., strict=True)``.
+
+    Every parameter appears under each of its names (a head tied to the
+    embedding too), in the module's dtypes; buffers (BatchNorm's running
+    statistics, say) are rank 0's, broadcast, so every rank returns the same
+    dict, as DDP's ``broadcast_buffers`` keeps them.
+
+    Args:
+      module: the module :func:`functional` was made from.
+      state_or_params: a TrainState (gathered with ``comm``: a collective) or
+        a ``{name: array}`` dict of whole parameters.
+      comm: this rank's communicator (needed for a TrainState; with a dict,
+        buffers are broadcast only when it is given).
+    """
+    import torch
+
+    import ops
+    from shard import TrainState, gather
+
+    params = state_or_params
+    if isinstance(state_or_params, TrainState):
+        if comm is None:
+            raise ValueError("state_dict: gathering a TrainState needs comm=")
+        params = gather(state_or_params, comm)
+    canonical = {id(p): name for name, p in module.named_parameters()}
+    every_name = dict(module.named_parameters(remove_duplicate=False))
+    out = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if key in every_name:
+            name = canonical[id(every_name[key])]
+            if name not in params:
+                raise KeyError(f"state_dict: no value for parameter {name}")
+            out[key] = _as_tensor(params[name]).to(device=value.device, dtype=value.dtype,
+                                                   copy=True)
+            continue
+        buf = value.detach().clone()
+        if comm is not None and comm.world_size > 1:
+            buf = torch.as_tensor(ops.broadcast(comm, buf, src=0)).to(value.device)
+        out[key] = buf
+    return out
+
+
+def _as_tensor(x: Any) -> Any:
+    """A torch tensor over an array of any device (numbers and lists copied)."""
+    import torch
+
+    if device_of_or_none(x) is not None:
+        return torch_view(x)
+    if hasattr(x, "__dlpack__"):
+        return torch_view(to_native(x)[0])
+    return torch.as_tensor(np.asarray(x, np.float32))

@@ -1,0 +1,374 @@
+"""Driving a torch module unit by unit: the hooks behind [Note: torch ZeRO-3].
+
+:class:`UnitHooks` is the part of ``interop.torch.TorchLoss`` that runs one
+micro-batch with each unit's params bound only while needed: the wrapped unit
+forwards, the saved-tensor hooks that keep references instead of gathered
+params, the gradient hooks that re-gather a unit for its backward and hand its
+gradients to the reducer.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ops._tree import tree_util
+from ops.device._dlpack import torch_view
+from shard.monitor._profile import timed
+
+__all__ = ["ROOT", "UnitHooks", "check_owner"]
+
+ROOT = "<root>"
+
+
+def check_owner(owner: int | None, comm: Any, name: str, remedy: str) -> int:
+    """The rank a torch loss object serves, once ``comm``'s rank claims it: a
+    module is one rank's, so thread ranks sharing one object are refused before
+    they train on each other's parameters."""
+    if owner is not None and owner != comm.rank:
+        raise ValueError(f"{name}: this loss object belongs to rank {owner}, and rank "
+                         f"{comm.rank} uses it too; every rank needs its own {remedy}")
+    return comm.rank
+
+
+class UnitHooks:
+    """Stage-3 (and stages 0-2 overlap) machinery of ``TorchLoss``; see the Note."""
+
+    # provided by TorchLoss
+    module: Any
+    loss: Any
+    named: dict[str, Any]
+    unit_of: dict[str, str]
+    unit_modules: list[tuple[str, Any]]
+    activation_checkpointing: bool
+    _active: Any
+    _installed: bool
+    _sharded: bool
+    _compute_dtype: Any
+    _empties: dict[Any, Any]
+    _kept: dict[int, Any]
+    _grad_hooks: list[Any]
+    _set_compute_dtype: Any
+    _before_forward: Any
+    sync_buffers: Any
+
+    def run_units(self, units: Any, reducer: Any, batch: Any, loss_scale: float) -> Any:
+        """One micro-batch, unit by unit (see [Note: torch ZeRO-3]). Where the
+        state's own buffers are the whole params (stages 0-2, and stage 3 on one
+        rank) they stay bound, and each unit's gradients still go to the reducer
+        as soon as they are complete, so their reduction overlaps the backward."""
+        plan = self._plan(units)
+        self.sync_buffers()
+        self._active = a = _Step(units, reducer, plan)
+        index, members = a.index, a.members
+        a.gathering = not units.persistent
+        self._set_compute_dtype(_torch_dtype(units.local[0].dtype if units.stage == 3
+                                             else units.full[0].dtype))
+        self._install()
+        self._track_grads(a.gathering or not reducer.solo or reducer.on_final is not None)
+        root = index.get(ROOT)
+        try:
+            if not a.gathering:
+                for u in members:
+                    self._bind_persistent(u)
+            elif root is not None:
+                self._bind(root, units.flat(root, pinned=True))
+            with timed("forward"):
+                out = self.loss(self.module, batch)
+            a.phase = "backward"
+            a.kept = None
+            with timed("backward"):
+                (out * loss_scale).backward()
+            for u, missing in a.pending.items():
+                if missing:  # parameters the loss did not use: their gradient is zero
+                    self._reduce(u)
+        finally:
+            for pairs in a.empties.values():
+                for p, empty in pairs:
+                    if a.gathering:  # the module keeps the state's buffers otherwise
+                        p.data = empty
+                    p.grad = None
+            self._active = None
+            self._compute_dtype = None
+            self._sharded = a.gathering
+        return out.detach()
+
+    def _plan(self, units: Any) -> _Plan:
+        """What a step needs to know of the units: worked out once per layout."""
+        cached = getattr(self, "_plan_cache", None)
+        if cached is None or cached.layout is not units.layout:
+            cached = self._plan_cache = _Plan(self, units.layout, units.full_layout)
+        return cached
+
+    def _install(self) -> None:
+        if self._installed:
+            return
+        for key, m in self.unit_modules:
+            if not any(self.unit_of.get(n) == key for n in self.named):
+                continue
+            forward = m.forward
+
+            def wrapped(*args: Any, _key: str = key, _forward: Any = forward, **kw: Any) -> Any:
+                if self._active is None or not self._active.gathering:
+                    return _forward(*args, **kw)
+                if self.activation_checkpointing:
+                    from torch.utils.checkpoint import checkpoint
+
+                    return checkpoint(self._run_recomputed, _key, _forward, *args,
+                                      use_reentrant=False, **kw)
+                return self._run_unit(_key, _forward, *args, **kw)
+
+            m.forward = wrapped
+        self.module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self._installed = True
+
+    def _track_grads(self, on: bool) -> None:
+        """Install (or remove) the per-parameter hooks that hand each unit's
+        gradients over as soon as they are complete. Needed where that starts
+        work (a reduction, or the overlapped offload's update) or frees the
+        unit; on one rank with nothing to start, the gradients are handed over
+        after the backward and autograd calls no hook per parameter."""
+        if on == bool(self._grad_hooks):
+            return
+        if on:
+            self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(name))
+                                for name, p in self.named.items()]
+        else:
+            for handle in self._grad_hooks:
+                handle.remove()
+            self._grad_hooks = []
+
+    def _gather(self, u: int) -> None:
+        """Gather and bind unit ``u``, starting the gather of the unit after it in
+        this phase's order."""
+        a = self._active
+        pos = a.order.index(u)
+        upcoming = a.order[pos + 1:] if a.phase == "forward" else a.order[:pos][::-1]
+        self._bind(u, a.units.flat(u, upcoming))
+
+    def _run_unit(self, key: str, forward: Any, *args: Any, **kw: Any) -> Any:
+        """A unit's forward with its gathered params saved for the backward as
+        references, not tensors (see the Note)."""
+        import torch
+
+        a = self._active
+        u = a.index[key]
+        if a.kept is not None and a.kept != u:
+            self._unbind(a.kept)  # before this unit's copy-out: the two-unit bound
+        a.kept = u
+        if u not in a.bound:
+            self._gather(u)
+        base = a.bound[u]
+        ptr, dtype, start = base.untyped_storage().data_ptr(), base.dtype, base.storage_offset()
+
+        def pack(t: Any) -> Any:
+            if t.dtype is not dtype or not t.numel() or t.untyped_storage().data_ptr() != ptr:
+                return t
+            return _ParamRef((u, tuple(t.shape), t.stride(), t.storage_offset() - start))
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, self._unpack):
+            with timed("forward"):
+                out = forward(*args, **kw)
+        # Stays bound until the next unit starts: the last unit of the forward is
+        # the first of the backward, and is not gathered twice in a row.
+        hooked = [t for t in _tensors(out) if t.requires_grad]
+        if hooked:
+            torch.autograd.graph.register_multi_grad_hook(
+                hooked, lambda _grads, u=u: self._before_backward(u), mode="any")
+        return out
+
+    def _unpack(self, saved: Any) -> Any:
+        if type(saved) is not _ParamRef:
+            return saved
+        a = self._active
+        u, shape, stride, offset = saved
+        if u not in a.bound:  # not announced by its outputs' gradient hook
+            self._gather(u)
+        base = a.bound[u]
+        return base.as_strided(shape, stride, base.storage_offset() + offset)
+
+    def _before_backward(self, u: int) -> None:
+        """The gradient reached unit ``u``'s outputs: gather it for its backward."""
+        a = self._active
+        if a is None or not a.pending[u]:
+            return
+        if u not in a.bound:
+            self._gather(u)
+            return
+        pos = a.order.index(u)  # still bound from the forward: prefetch the unit before it
+        with timed("library"):
+            a.units.prefetch_after(a.order[:pos][::-1])
+
+    def _run_recomputed(self, key: str, forward: Any, *args: Any, **kw: Any) -> Any:
+        """A unit's forward under activation checkpointing: the backward recomputes
+        it, gathering the unit again."""
+        a = self._active
+        u = a.index[key]
+        if u not in a.bound:
+            self._gather(u)
+        with timed(a.phase):
+            out = forward(*args, **kw)
+        if a.phase == "forward":  # recomputing: unbound once its gradients are in
+            self._unbind(u)
+        return out
+
+    def _bind(self, u: int, flat: Any) -> None:
+        """Bind unit ``u``'s parameters to views of its freshly gathered flat
+        buffer: one DLPack exchange for the unit, torch views for its leaves."""
+        with timed("library"):
+            a = self._active
+            base, leaves = self._views_of(u, flat)
+            a.bound[u] = base
+            for (p, _), leaf in zip(a.empties[u], leaves, strict=True):
+                p.data = leaf
+
+    def _bind_persistent(self, u: int) -> None:
+        """Bind unit ``u``'s parameters (and, where the reducer lets the module sum
+        its gradients in place, their ``.grad``) to views of the state's own
+        buffers. The views are made once and kept while the buffers are the
+        same objects; binding checks one pointer per parameter."""
+        a = self._active
+        flat, bucket = a.units.flat(u), a.reducer.bucket(u)
+        kept = self._kept.get(u)
+        if kept is None or kept.flat is not flat or kept.bucket is not bucket:
+            with timed("library"):
+                kept = self._kept[u] = _Persistent(self, u, flat, bucket)
+        for p, view, ptr in zip(kept.params, kept.views, kept.ptrs, strict=True):
+            if p.data_ptr() != ptr:
+                p.data = view
+        if kept.grads is not None:  # cleared after each step, as zero_grad would
+            for p, g in zip(kept.params, kept.grads, strict=True):
+                p.grad = g
+            a.bucketed.add(u)
+
+    def _views_of(self, u: int, flat: Any) -> tuple[Any, list[Any]]:
+        """A torch tensor over unit ``u``'s flat buffer, and its leaves' views."""
+        base = torch_view(flat)
+        return base, [base[a:b].view(shape) for a, b, shape in self._active.spans[u]]
+
+    def _unbind(self, u: int) -> None:
+        with timed("library"):
+            if self._active.bound.pop(u, None) is None:
+                return
+            for p, empty in self._active.empties[u]:
+                p.data = empty
+
+    def _empty(self, p: Any) -> Any:
+        """A 0-size tensor of ``p``'s dtype and device (one per kind, shared)."""
+        import torch
+
+        key = (p.dtype, p.device)
+        if key not in self._empties:
+            self._empties[key] = torch.empty(0, dtype=p.dtype, device=p.device)
+        return self._empties[key]
+
+    def _grad_hook(self, name: str) -> Any:
+        """Parameter ``name``'s post-accumulate-grad hook: the unit's gradients go
+        to the reducer once its last parameter's has arrived."""
+
+        unit_of = self.unit_of
+
+        def ready(_param: Any) -> None:
+            a = self._active
+            if a is None:
+                return
+            u = a.index[unit_of[name]]
+            pending = a.pending[u]
+            pending.discard(name)
+            if not pending:
+                self._reduce(u)
+
+        return ready
+
+    def _reduce(self, u: int) -> None:
+        a = self._active
+        with timed("library"):
+            a.pending[u] = set()
+            if u in a.bucketed:  # summed in place by autograd, into the reducer's buffer
+                a.reducer.added(u)
+                return
+            grads = []  # torch tensors, viewed on the step's device by the reducer; None: zero
+            for name in a.members[u]:
+                p = self.named[name]
+                grads.append(p.grad)
+                p.grad = None
+            a.reducer.add(u, grads)
+        if a.gathering and a.index.get(ROOT) != u:
+            self._unbind(u)
+
+
+class _Persistent:
+    """Unit ``u``'s parameters bound to the state's own buffer ``flat``: torch
+    views of its leaves, their data pointers, and views of the reducer's
+    ``bucket`` as their ``.grad`` where it has the params' dtype."""
+
+    def __init__(self, hooks: UnitHooks, u: int, flat: Any, bucket: Any) -> None:
+        self.flat, self.bucket = flat, bucket
+        names = hooks._active.members[u]
+        self.params = [hooks.named[name] for name in names]
+        _, self.views = hooks._views_of(u, flat)
+        self.ptrs = [v.data_ptr() for v in self.views]
+        self.grads = (hooks._views_of(u, bucket)[1]
+                      if bucket is not None and bucket.dtype == flat.dtype else None)
+
+
+class _Plan:
+    """Unit indices by key, the units in forward order, each unit's param names,
+    its leaves' spans (start, end, shape) in its flat buffer, and its params
+    with the 0-size tensors they hold while unbound."""
+
+    def __init__(self, hooks: UnitHooks, layout: Any, full_layout: Any) -> None:
+        self.layout = layout
+        self.index = {u.name: i for i, u in enumerate(layout.units)}
+        names = [path[0].key for path, _ in tree_util().tree_flatten_with_path(
+            layout.treedef.unflatten(list(range(len(layout.leaves)))))[0]]
+        self.members = {i: [names[j] for j in u.leaves] for i, u in enumerate(layout.units)}
+        self.order = [self.index[key] for key, _ in hooks.unit_modules if key in self.index]
+        leaves = full_layout.leaves
+        self.spans = {i: [(leaves[j].offset, leaves[j].offset + leaves[j].size, leaves[j].shape)
+                          for j in u.leaves] for i, u in enumerate(full_layout.units)}
+        self.empties = {i: [(hooks.named[n], hooks._empty(hooks.named[n])) for n in names]
+                        for i, names in self.members.items()}
+
+
+class _Step:
+    """What :meth:`TorchLoss.run_units` tracks during one micro-batch."""
+
+    def __init__(self, units: Any, reducer: Any, plan: _Plan) -> None:
+        self.units, self.reducer = units, reducer
+        self.index, self.order, self.members = plan.index, plan.order, plan.members
+        self.spans, self.empties = plan.spans, plan.empties
+        self.phase = "forward"
+        self.gathering = True  # stage 3: units are gathered and freed; else bound throughout
+        self.kept: int | None = None  # the unit that ran last in the forward, still bound
+        self.pending = {i: set(m) for i, m in plan.members.items()}  # params awaiting a gradient
+        self.bound: dict[int, Any] = {}  # gathered units bound now: the flat torch tensor
+        self.bucketed: set[int] = set()  # units whose .grad are views of the reducer's buffer
+
+
+class _ParamRef(tuple):
+    """A saved tensor that is (a view of) a gathered unit's parameters: (unit,
+    shape, stride, offset in the unit's flat buffer), re-gathered when the
+    backward needs it."""
+
+    __slots__ = ()
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    """The torch dtype of a numpy (or CuPy, or ml_dtypes) dtype."""
+    import torch
+
+    name = str(dtype)
+    return getattr(torch, name)
+
+
+def _tensors(out: Any) -> list[Any]:
+    """The tensors in a unit's output (a tensor, or tuples, lists and dicts of them)."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for x in out for t in _tensors(x)]
+    if isinstance(out, dict):
+        return [t for x in out.values() for t in _tensors(x)]
+    return []

@@ -1,0 +1,16 @@
+"""Communicators and the functional collectives over them.
+
+One interface ([Note: collective semantics], [Note: point-to-point]) and three
+backends: threads as ranks in one process ([Note: thread collectives]), gloo
+processes under torchrun ([Note: gloo algorithms]) and NCCL on GPUs.
+
+- ``_base.py``: :class:`~ops.Communicator`, :class:`~ops.Work`, the errors;
+- ``_threads.py``, ``_gloo.py``, ``_nccl.py``: the backends;
+- ``_world.py``: :func:`~ops.init_from_env`, the communicator torchrun's
+  environment describes;
+- ``_collectives.py``: :func:`~ops.all_gather`, :func:`~ops.reduce_scatter`,
+  :func:`~ops.all_reduce`, :func:`~ops.broadcast`.
+
+It may import :mod:`ops.device` and :mod:`ops.kernels`; the public names are
+:mod:`ops`'s.
+"""

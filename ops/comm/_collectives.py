@@ -1,0 +1,109 @@
+"""Functional collectives: arrays in, new arrays out.
+
+Each call takes any array a communicator's backend can move (numpy, cupy or the
+device stand-in, and
+torch tensors or jax arrays through DLPack, zero-copy where possible) and
+returns the same kind it was given. See [Note: collective semantics] in
+``ops/comm/_base.py`` for what each collective means.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ops.comm._base import Communicator
+from ops.device._device import device_of
+from ops.device._dlpack import to_native
+
+__all__ = ["all_gather", "all_gather_host", "all_reduce", "broadcast", "reduce_scatter"]
+
+
+def _flat(name: str, x: Any) -> Any:
+    if not x.flags.c_contiguous:
+        raise ValueError(f"{name}: the input must be C-contiguous; got strides {x.strides}")
+    return x.reshape(-1)
+
+
+def all_gather(comm: Communicator, x: Any, *, out: Any = None) -> Any:
+    """Every rank's ``x``, concatenated in rank order along the first axis.
+
+    Args:
+      comm: this rank's communicator.
+      x: this rank's array; every rank must pass the same shape and dtype.
+      out: optional output, ``world_size * x.size`` elements.
+
+    Returns:
+      An array of shape ``(world_size * x.shape[0], *x.shape[1:])`` (for a scalar
+      ``x``, ``(world_size,)``), of ``x``'s kind.
+    """
+    native, back = to_native(x)
+    flat = _flat("all_gather", native)
+    shape = (comm.world_size * native.shape[0], *native.shape[1:]) if native.ndim else \
+        (comm.world_size,)
+    buf = comm.allocate(flat.size * comm.world_size, flat.dtype, device=device_of(flat)) \
+        if out is None else \
+        to_native(out)[0].reshape(-1)
+    comm.all_gather_into(buf, flat)
+    return back(buf.reshape(shape)) if out is None else out
+
+
+def all_gather_host(comm: Communicator, x: np.ndarray) -> np.ndarray:
+    """:func:`all_gather` of a small host array (checksums, sizes) over any
+    backend: a GPU-only backend (NCCL) moves it through an explicit device copy."""
+    if comm.host_memory is False:
+        device = comm.device
+        return device.to_host(all_gather(comm, device.from_host(x)))
+    return all_gather(comm, x)
+
+
+def reduce_scatter(comm: Communicator, x: Any, *, op: str = "sum", dtype: Any = None,
+                   out: Any = None) -> Any:
+    """This rank's slice of the elementwise sum (or mean) of every rank's ``x``.
+
+    ``x`` is split along its first axis into ``world_size`` equal chunks; rank r
+    receives the reduction of chunk r. With ``dtype`` (e.g. ``np.float32`` for
+    bfloat16 inputs) the inputs are widened first and the sum is carried out
+    and returned in that dtype.
+
+    Args:
+      comm: this rank's communicator.
+      x: an array whose first dimension (or size, for 1-D) divides by world_size.
+      op: ``"sum"`` or ``"mean"``.
+      dtype: optional wider dtype to reduce in.
+      out: optional output with ``x.size // world_size`` elements.
+    """
+    native, back = to_native(x)
+    flat = _flat("reduce_scatter", native)
+    lead = native.shape[0] if native.ndim else 1
+    if lead % comm.world_size:
+        raise ValueError(f"reduce_scatter: the first dimension ({lead}) must divide by "
+                         f"world_size={comm.world_size}; pad it (shard.partition does)")
+    if dtype is not None and np.dtype(dtype) != flat.dtype:
+        flat = flat.astype(dtype)
+    k = flat.size // comm.world_size
+    buf = comm.allocate(k, flat.dtype, device=device_of(flat)) if out is None else \
+        to_native(out)[0].reshape(-1)
+    comm.reduce_scatter_into(buf, flat, op)
+    shape = (lead // comm.world_size, *native.shape[1:])
+    return back(buf.reshape(shape)) if out is None else out
+
+
+def all_reduce(comm: Communicator, x: Any, *, op: str = "sum") -> Any:
+    """The elementwise sum (or mean) of every rank's ``x``, as a new array."""
+    native, back = to_native(x)
+    buf = comm.allocate(native.size, native.dtype, device=device_of(native))
+    buf[...] = _flat("all_reduce", native)
+    comm.all_reduce_(buf, op)
+    return back(buf.reshape(native.shape))
+
+
+def broadcast(comm: Communicator, x: Any, *, src: int = 0) -> Any:
+    """Rank ``src``'s ``x`` on every rank, as a new array."""
+    native, back = to_native(x)
+    buf = comm.allocate(native.size, native.dtype, device=device_of(native))
+    buf[...] = _flat("broadcast", native)
+    comm.broadcast_(buf, src)
+    return back(buf.reshape(native.shape))
+

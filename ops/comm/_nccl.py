@@ -1,0 +1,219 @@
+"""NCCL backend: cupy.cuda.nccl on GPUs, one process per GPU under torchrun.
+
+The NCCL unique id is made on rank 0 and shared through torch.distributed's
+TCPStore. Collectives run on this communicator's own CuPy stream, ordered after
+the work already queued on the caller's current stream (an event), and the
+caller's stream waits for them in turn: no host synchronisation per call. A
+blocking wait polls for completion and aborts the NCCL communicator when the
+timeout passes, so a dead peer surfaces as an error instead of a hang.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import zlib
+from typing import Any
+
+import numpy as np
+
+from ops.comm._base import CollectiveError, CollectiveTimeout, Communicator
+from ops.device._arrays import BF16
+from ops.device._device import Device, cupy_device
+
+__all__ = ["NCCL_DTYPES", "NcclCommunicator", "check_distinct_devices"]
+
+# numpy dtype -> cupy.cuda.nccl datatype name (resolved lazily: cupy is optional).
+NCCL_DTYPES = {
+    np.dtype(np.float32): "NCCL_FLOAT32", np.dtype(np.float64): "NCCL_FLOAT64",
+    np.dtype(np.float16): "NCCL_FLOAT16", BF16: "NCCL_BFLOAT16",
+    np.dtype(np.int32): "NCCL_INT32", np.dtype(np.int64): "NCCL_INT64",
+    np.dtype(np.uint8): "NCCL_UINT8", np.dtype(np.int8): "NCCL_INT8",
+}
+_UID_KEY = "zeroshard/nccl_unique_id"
+_DEVICE_KEY = "zeroshard/nccl_device"
+
+
+def check_distinct_devices(devices: list[str]) -> None:
+    """Raise, naming the ranks and the GPU, if two ranks would share one GPU.
+
+    ``devices[r]`` is rank r's ``"host/gpu index"``.
+    """
+    seen: dict[str, list[int]] = {}
+    for rank, device in enumerate(devices):
+        seen.setdefault(device, []).append(rank)
+    shared = {d: ranks for d, ranks in seen.items() if len(ranks) > 1}
+    if shared:
+        detail = "; ".join(f"ranks {ranks} on GPU {d.split('/')[-1]} of host "
+                           f"{d.rsplit('/', 1)[0]}" for d, ranks in shared.items())
+        raise RuntimeError(f"NCCL needs one GPU per rank, but {detail}; start one process per "
+                           "GPU (torchrun --nproc-per-node = GPUs per node), or run several "
+                           "ranks on one GPU as threads (ops.spawn)")
+
+
+def _set_torch_device(index: int) -> None:  # pragma: no cover - needs a GPU
+    try:
+        import torch
+    except ImportError:
+        return
+    if torch.cuda.is_available():
+        torch.cuda.set_device(index)
+
+
+def _ptr(a: Any) -> int:
+    return a.data.ptr  # a device array's address (host arrays were refused before)
+
+
+class NcclCommunicator(Communicator):
+    """One GPU's rank in an NCCL communicator.
+
+    Args:
+      rank, world_size: this rank and the number of ranks.
+      comm: a ``cupy.cuda.nccl.NcclCommunicator`` (or an object with its
+        methods and NCCL semantics, for testing).
+      nccl: the module with the NCCL constants (``cupy.cuda.nccl``).
+      stream: the CuPy stream collectives run on, or None (tests).
+      timeout: seconds a blocking wait may take before the communicator aborts.
+      device: where its buffers live (default: CuPy's current GPU).
+    """
+
+    backend = "nccl"
+    host_memory = False
+
+    def __init__(self, rank: int, world_size: int, *, comm: Any, nccl: Any, stream: Any = None,
+                 timeout: float = 300.0, device: Device | None = None) -> None:
+        super().__init__(rank, world_size, timeout)
+        self.comm, self._nccl, self.stream = comm, nccl, stream
+        self._device = device
+
+    @property
+    def device(self) -> Device:
+        return self._device or cupy_device()
+
+    @classmethod
+    def from_process_group(cls, *, timeout: float = 300.0) -> NcclCommunicator:  # pragma: no cover
+        """Create the communicator of every rank of torch.distributed's default group.
+
+        Each process takes the GPU ``LOCAL_RANK`` names (as torchrun sets it), for
+        CuPy and torch alike. Two ranks on one GPU fail here, naming them: NCCL
+        itself would fail later with ``NCCL_ERROR_INVALID_USAGE`` and no cause.
+        """
+        import cupy
+        import torch.distributed as dist
+        from cupy.cuda import nccl
+
+        rank, world = dist.get_rank(), dist.get_world_size()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        count = cupy.cuda.runtime.getDeviceCount()
+        if not 0 <= local < count:
+            raise RuntimeError(f"NCCL rank {rank}: LOCAL_RANK={local}, but this machine has "
+                               f"{count} GPU(s); start at most {count} processes per node, or "
+                               "run several ranks on one GPU as threads (ops.spawn)")
+        cupy.cuda.Device(local).use()
+        _set_torch_device(local)
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"{_DEVICE_KEY}/{rank}", f"{socket.gethostname()}/{local}")
+        check_distinct_devices([store.get(f"{_DEVICE_KEY}/{r}").decode() for r in range(world)])
+        if rank == 0:
+            store.set(_UID_KEY, nccl.get_unique_id())  # 128 bytes
+        comm = nccl.NcclCommunicator(world, store.get(_UID_KEY), rank)
+        return cls(rank, world, comm=comm, nccl=nccl, stream=cupy.cuda.Stream(non_blocking=True),
+                   timeout=timeout)
+
+    # -- argument handling, testable without a GPU ---------------------------
+    def dtype_of(self, name: str, a: Any) -> int:
+        key = NCCL_DTYPES.get(np.dtype(a.dtype))
+        if key is None:
+            raise TypeError(f"{name}: NCCL cannot move dtype {a.dtype}; supported: "
+                            f"{', '.join(str(d) for d in NCCL_DTYPES)}")
+        return getattr(self._nccl, key)
+
+    def _check_dtype(self, name: str, buf: Any) -> None:
+        self.dtype_of(name, buf)
+
+    def _op(self, op: str) -> int:
+        return self._nccl.NCCL_AVG if op == "mean" else self._nccl.NCCL_SUM
+
+    def _stream_ptr(self) -> int:
+        return 0 if self.stream is None else self.stream.ptr
+
+    def _launch(self, name: str, fn: Any, *args: Any) -> None:
+        if self.stream is None:
+            fn(*args, 0)
+            return
+        import cupy  # pragma: no cover - needs a GPU
+
+        ready = cupy.cuda.get_current_stream().record()  # pragma: no cover
+        self.stream.wait_event(ready)  # pragma: no cover
+        fn(*args, self.stream.ptr)  # pragma: no cover
+        cupy.cuda.get_current_stream().wait_event(self.stream.record())  # pragma: no cover
+
+    def _all_gather(self, out: Any, x: Any) -> None:
+        self._launch("all_gather", self.comm.allGather, _ptr(x), _ptr(out), x.size,
+                     self.dtype_of("all_gather", x))
+
+    def _reduce_scatter(self, out: Any, x: Any, op: str) -> None:
+        self._launch("reduce_scatter", self.comm.reduceScatter, _ptr(x), _ptr(out), out.size,
+                     self.dtype_of("reduce_scatter", x), self._op(op))
+
+    def _all_reduce(self, x: Any, op: str) -> None:
+        self._launch("all_reduce", self.comm.allReduce, _ptr(x), _ptr(x), x.size,
+                     self.dtype_of("all_reduce", x), self._op(op))
+
+    def _broadcast(self, x: Any, src: int) -> None:
+        self._launch("broadcast", self.comm.broadcast, _ptr(x), _ptr(x), x.size,
+                     self.dtype_of("broadcast", x), src)
+
+    def _barrier(self) -> None:
+        flag = self.allocate(1, np.float32)
+        flag[...] = 0
+        self._all_reduce(flag, "sum")
+        self.synchronize("barrier")
+
+    # -- point-to-point (see [Note: point-to-point]) ----------------------------
+    # NCCL has no tags and delivers a pair's messages in order, so the header
+    # (size, dtype, tag) that precedes each payload also catches a receive
+    # posted for another message than the next one.
+    def _send(self, x: Any, dst: int, tag: int) -> None:
+        header = self.device.from_host(np.array(
+            [x.size, zlib.crc32(str(x.dtype).encode()), tag], np.int64))
+        int64 = self.dtype_of("send", header)
+        self._launch("send", self.comm.send, _ptr(header), 3, int64, dst)
+        self._launch("send", self.comm.send, _ptr(x), x.size, self.dtype_of("send", x), dst)
+        self.synchronize(f"send to rank {dst}")
+
+    def _recv(self, out: Any, src: int, tag: int) -> None:
+        header = self.allocate(3, np.int64)
+        self._launch("recv", self.comm.recv, _ptr(header), 3, self.dtype_of("recv", header),
+                     src)
+        self.synchronize(f"recv from rank {src}")
+        n, d, t = (int(v) for v in self.device.to_host(header))
+        if n != out.size or d != zlib.crc32(str(out.dtype).encode()) or t != tag:
+            raise CollectiveError(f"recv on rank {self.rank}: the next message from rank {src} "
+                                  f"has {n} elements, tag {t}, dtype checksum {d}, but the "
+                                  f"receive is for {out.size} elements of {out.dtype} with tag "
+                                  f"{tag} (NCCL delivers a pair's messages in order)")
+        self._launch("recv", self.comm.recv, _ptr(out), out.size, self.dtype_of("recv", out),
+                     src)
+        self.synchronize(f"recv from rank {src}")
+
+    def split(self, color: int) -> NcclCommunicator:
+        colors = self._colors(color)
+        members = [r for r, c in enumerate(colors) if c == color]
+        sub = self.comm.commSplit(color, self.rank)
+        return NcclCommunicator(members.index(self.rank), len(members), comm=sub,
+                                nccl=self._nccl, stream=self.stream, timeout=self.timeout,
+                                device=self._device)
+
+    def synchronize(self, name: str = "collective") -> None:
+        """Block until this communicator's stream is idle, at most ``timeout`` s."""
+        if self.stream is None:
+            return
+        deadline = time.monotonic() + self.timeout  # pragma: no cover - needs a GPU
+        while not self.stream.done:  # pragma: no cover
+            if time.monotonic() > deadline:
+                self.comm.abort()
+                raise CollectiveTimeout(f"{name} on rank {self.rank} did not complete within "
+                                        f"{self.timeout:g} s; the NCCL communicator was aborted")
+            time.sleep(1e-4)

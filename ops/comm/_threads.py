@@ -1,0 +1,428 @@
+"""Threads backend: N ranks in one process, one thread and communicator each.
+
+For notebooks and fast tests. See [Note: thread collectives]. Buffers may
+live on any device (see [Note: devices]): copies and sums go through the
+buffers' own array module, so thread ranks share one GPU as they share the
+host.
+
+[Note: thread collectives]
+A collective is one rendezvous, with no thread of its own. Each rank, when
+it issues its k-th collective of the group, deposits its arguments in round k
+and goes on (an async call returns at once); the rank that arrives last runs
+the collective for every rank (every copy and sum, ranks added in rank order)
+and completes each rank's handle. So no rank waits unless it asks for a
+result that is not there yet, nothing wakes a thread per collective, and no
+rank can reuse a buffer another still reads (every read is done before any
+handle completes). The arguments are checked to agree across ranks before
+anything moves. A rank that fails, returns early or never arrives fails the
+others' pending and later collectives at once, naming it.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures as cf
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ops.comm._base import (
+    CollectiveError,
+    CollectiveTimeout,
+    Communicator,
+    PeerFailed,
+    Work,
+    _inside,
+    _issued,
+)
+from ops.device._device import device_of
+
+__all__ = ["ThreadCommunicator", "ThreadGroup", "spawn"]
+
+DEFAULT_TIMEOUT = 300.0
+
+
+class ThreadGroup:
+    """State shared by the ranks of one in-process group."""
+
+    def __init__(self, world_size: int, timeout: float = DEFAULT_TIMEOUT) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1; got {world_size}")
+        self.world_size, self.timeout = world_size, timeout
+        self._rounds: dict[int, _Round] = {}  # collectives some rank has entered
+        self._entered = [0] * world_size  # collectives each rank has entered
+        self._returned: set[int] = set()  # ranks whose function has returned
+        self._lock = threading.Lock()
+        self.failure: tuple[int, BaseException] | None = None
+        self._mail: dict[tuple[int, int, int], collections.deque] = \
+            collections.defaultdict(collections.deque)
+        self._mail_cv = threading.Condition(threading.Lock())
+        # sub-groups made by split: (group, its members' ranks here)
+        self._children: dict[tuple[int, int], tuple[ThreadGroup, list[int]]] = {}
+        self._parent: ThreadGroup | None = None
+
+    def communicators(self) -> list[ThreadCommunicator]:
+        return [ThreadCommunicator(self, r) for r in range(self.world_size)]
+
+    def fail(self, rank: int, exc: BaseException) -> None:
+        """Record the first failure and fail every rank's pending collectives and
+        receives, here and in the groups split from (or containing) this one."""
+        with self._lock:
+            if self.failure is not None:
+                return
+            self.failure = (rank, exc)
+            rounds, self._rounds = list(self._rounds.values()), {}
+        for pending in rounds:
+            for r, slot in enumerate(pending.slots):
+                if slot is not None:
+                    _settle(slot.future, self._peer_failed(r, slot.name))
+        with self._mail_cv:
+            self._mail_cv.notify_all()
+        for child, members in list(self._children.values()):
+            child.fail(members.index(rank) if rank in members else -1, exc)
+        if self._parent is not None:
+            self._parent.fail(-1, exc)
+
+    def _peer_failed(self, rank: int, name: str) -> PeerFailed:
+        r, exc = self.failure or (-1, None)
+        who = "the caller of ops.spawn" if r < 0 else f"rank {r}"
+        return PeerFailed(f"{name} on rank {rank} cannot complete: {who} failed "
+                          f"({type(exc).__name__}: {exc})")
+
+    def returned(self, rank: int) -> None:
+        """Rank ``rank``'s function returned: ranks waiting in a collective it never
+        entered fail now, naming it, instead of at the timeout."""
+        with self._lock:
+            self._returned.add(rank)
+            ahead = [r for r in range(self.world_size) if self._entered[r] > self._entered[rank]]
+        with self._mail_cv:
+            self._mail_cv.notify_all()
+        for child, members in list(self._children.values()):
+            if rank in members:
+                child.returned(members.index(rank))
+        if ahead:
+            self.fail(rank, RankReturned(f"rank {rank} returned from its function while rank(s) "
+                                         f"{ahead} wait in a collective it never called"))
+
+    def arrive(self, rank: int, name: str, meta: tuple, args: tuple,
+               run: Callable[[list[tuple]], None]) -> tuple[cf.Future, int]:
+        """Enter this rank's next collective with its ``args``; the last rank to
+        arrive checks that every rank's ``meta`` agrees and calls ``run`` with
+        every rank's args, in rank order (see [Note: thread collectives]).
+        Returns the handle's future and the collective's number."""
+        future: cf.Future = cf.Future()
+        with self._lock:
+            gone = sorted(self._returned - {rank})
+            k = self._entered[rank]
+            self._entered[rank] += 1
+            failed = self.failure is not None
+            pending = None
+            if not gone and not failed:
+                pending = self._rounds.setdefault(k, _Round(self.world_size))
+                pending.slots[rank] = _Slot(name, meta, args, future)
+                pending.arrived += 1
+                if pending.arrived == self.world_size:
+                    del self._rounds[k]
+                    pending.run = run
+                else:
+                    pending = None
+        if gone:
+            err = PeerFailed(f"{name} on rank {rank} cannot complete: rank(s) {gone} already "
+                             "returned from their function")
+            self.fail(rank, err)
+            raise err
+        if failed:
+            raise self._peer_failed(rank, name)
+        if pending is not None:
+            self._complete(pending, rank)
+        return future, k
+
+    def _complete(self, done: _Round, rank: int) -> None:
+        slots = done.slots
+        metas = [slot.meta for slot in slots]
+        err: BaseException | None = None
+        if any(m != metas[0] for m in metas):
+            detail = "; ".join(f"rank {r}: {m[0]}" + ("" if m[1] is None else f"{m[1:]}")
+                               for r, m in enumerate(metas))
+            err = CollectiveError(f"{slots[rank].name}: ranks called collectives that do not "
+                                  "match (collective (size, dtype, argument, device)): "
+                                  f"{detail}; every rank must make the same calls in the same "
+                                  "order (save and load included)")
+        else:
+            try:
+                _inside(done.run, [slot.args for slot in slots])  # type: ignore[union-attr]
+            except Exception as exc:  # a backend error: every rank's collective fails
+                err = CollectiveError(f"{slots[rank].name} failed: {type(exc).__name__}: {exc}")
+                err.__cause__ = exc
+        for slot in slots:
+            _settle(slot.future, err)
+        if err is not None:
+            self.fail(rank, err)
+
+    def behind(self, k: int) -> list[int]:
+        """The ranks that have not entered collective number ``k``."""
+        with self._lock:
+            return [r for r in range(self.world_size) if self._entered[r] <= k]
+
+    # -- point-to-point (see [Note: point-to-point]) ------------------------------
+    def post(self, src: int, dst: int, tag: int, meta: tuple, value: Any) -> None:
+        with self._mail_cv:
+            self._mail[src, dst, tag].append((meta, value))
+            self._mail_cv.notify_all()
+
+    def take(self, rank: int, src: int, tag: int, meta: tuple) -> Any:
+        """The next message from ``src`` to ``rank`` with ``tag`` (its meta checked)."""
+        deadline = time.monotonic() + self.timeout
+        err: BaseException | None = None
+        with self._mail_cv:
+            box = self._mail[src, rank, tag]
+            while not box:
+                failure = self.failure
+                if failure is not None and failure[0] != rank:
+                    r, exc = failure
+                    who = "the caller of ops.spawn" if r < 0 else f"rank {r}"
+                    err = PeerFailed(f"recv from rank {src} on rank {rank} cannot complete: "
+                                     f"{who} failed ({type(exc).__name__}: {exc})")
+                elif src in self._returned:
+                    err = RankReturned(f"recv on rank {rank}: rank {src} returned from its "
+                                       "function without sending the message")
+                elif time.monotonic() > deadline:
+                    err = CollectiveTimeout(f"recv from rank {src} on rank {rank} did not "
+                                            f"complete within {self.timeout:g} s")
+                if err is not None:
+                    break
+                self._mail_cv.wait(min(0.1, max(deadline - time.monotonic(), 0.001)))
+            else:
+                got, value = box.popleft()
+        if err is None and got != meta:
+            err = CollectiveError(f"recv on rank {rank}: rank {src} sent {got[1]} elements of "
+                                  f"{got[2]} with tag {tag}, but the receive is for {meta[1]} "
+                                  f"elements of {meta[2]}")
+        if err is not None:
+            if not isinstance(err, PeerFailed):
+                self.fail(rank, err)
+            raise err
+        return value
+
+
+class RankReturned(PeerFailed):
+    """A rank's function returned while its peers waited in a collective."""
+
+
+class ThreadCommunicator(Communicator):
+    """One rank of a :class:`ThreadGroup`."""
+
+    backend = "threads"
+
+    def __init__(self, group: ThreadGroup, rank: int) -> None:
+        super().__init__(rank, group.world_size, group.timeout)
+        self.group = group
+
+    def _meta(self, name: str, x: Any, arg: Any = None) -> tuple:
+        if x is None:
+            return (name, None, None, arg, None)
+        return (name, x.size, str(x.dtype), arg, device_of(x).name)
+
+    # The blocking primitives enter the round and wait for it; the async calls
+    # (Communicator._submit) enter it and return the handle.
+    def _all_gather(self, out: Any, x: Any) -> None:
+        self._start("all_gather", out, x).wait()
+
+    def _reduce_scatter(self, out: Any, x: Any, op: str) -> None:
+        self._start("reduce_scatter", out, x, op).wait()
+
+    def _all_reduce(self, x: Any, op: str) -> None:
+        self._start("all_reduce", x, x, op).wait()
+
+    def _broadcast(self, x: Any, src: int) -> None:
+        self._start("broadcast", x, x, src).wait()
+
+    def _barrier(self) -> None:
+        self._start("barrier", None, None).wait()
+
+    def _submit(self, name: str, fn: Any, out: Any, *args: Any) -> Work:
+        if name == "all_reduce":  # (x, op): x is its output
+            args = (out, *args)
+        _issued()
+        work = _inside(self._start, name, out, *args)
+        with self._lock:
+            self._pending.append(work._future)
+        work._future.add_done_callback(self._forget)
+        return work
+
+    def _start(self, name: str, out: Any, x: Any, arg: Any = None) -> Work:
+        future, k = self.group.arrive(self.rank, name, self._meta(name, x, arg),
+                                      (out, x, arg), _RUN[name])
+        return _RoundWork(future, name, self.timeout, self.rank, out, self.group, k)
+
+    def _send(self, x: Any, dst: int, tag: int) -> None:
+        self.group.post(self.rank, dst, tag, self._meta("p2p", x), x.copy())
+
+    def _recv(self, out: Any, src: int, tag: int) -> None:
+        value = self.group.take(self.rank, src, tag, self._meta("p2p", out))
+        device_of(out).xp.copyto(out, value)
+
+    def split(self, color: int) -> ThreadCommunicator:
+        colors = self._colors(color)
+        members = [r for r, c in enumerate(colors) if c == color]
+        self._splits = getattr(self, "_splits", 0) + 1
+        parent = self.group
+        with parent._lock:
+            key = (self._splits, color)
+            if key not in parent._children:
+                child = ThreadGroup(len(members), parent.timeout)
+                child._parent = parent
+                parent._children[key] = (child, members)
+            child = parent._children[key][0]
+            failure = parent.failure
+        if failure is not None:  # failed before this group was made: so is the group
+            child.fail(-1, failure[1])
+        return ThreadCommunicator(child, members.index(self.rank))
+
+
+class _RoundWork(Work):
+    """The handle of a thread collective: a rank still missing when it times out
+    is named, and every rank's collectives fail."""
+
+    def __init__(self, future: cf.Future, name: str, timeout: float, rank: int, out: Any,
+                 group: ThreadGroup, k: int) -> None:
+        super().__init__(future, name, timeout, rank, out)
+        self._group, self._k = group, k
+
+    def wait(self) -> Any:
+        try:
+            self._future.result(timeout=self._timeout)
+            return self._out
+        except cf.TimeoutError:
+            err = CollectiveTimeout(
+                f"{self._name} on rank {self._rank} did not complete within {self._timeout:g} "
+                f"s: rank(s) {self._group.behind(self._k) or 'unknown'} never reached it")
+            self._group.fail(self._rank, err)
+            raise err from None
+
+
+class _Slot:
+    __slots__ = ("args", "future", "meta", "name")
+
+    def __init__(self, name: str, meta: tuple, args: tuple, future: cf.Future) -> None:
+        self.name, self.meta, self.args, self.future = name, meta, args, future
+
+
+class _Round:
+    """One collective: each rank's slot as it arrives, and what runs it."""
+
+    __slots__ = ("arrived", "run", "slots")
+
+    def __init__(self, world_size: int) -> None:
+        self.slots: list[_Slot | None] = [None] * world_size
+        self.arrived = 0
+        self.run: Callable[[list[tuple]], None] | None = None
+
+
+def _settle(future: cf.Future, err: BaseException | None) -> None:
+    if future.done():
+        return
+    if err is None:
+        future.set_result(None)
+    else:
+        future.set_exception(err)
+
+
+# Each collective for every rank at once, from every rank's (out, x, arg) in
+# rank order (see [Note: collective semantics]).
+def _sum(xs: list[Any], lo: int, hi: int, op: str) -> Any:
+    xp = device_of(xs[0]).xp
+    acc = xs[0].reshape(-1)[lo:hi].copy()
+    for xr in xs[1:]:
+        xp.add(acc, xr.reshape(-1)[lo:hi], out=acc)
+    if op == "mean":
+        xp.divide(acc, acc.dtype.type(len(xs)), out=acc)
+    return acc
+
+
+def _run_all_gather(ranks: list[tuple]) -> None:
+    xs = [x.reshape(-1) for _, x, _ in ranks]
+    k = xs[0].size
+    for out, _, _ in ranks:
+        xp = device_of(out).xp
+        for r, xr in enumerate(xs):
+            xp.copyto(out[r * k:(r + 1) * k], xr)
+
+
+def _run_reduce_scatter(ranks: list[tuple]) -> None:
+    xs = [x for _, x, _ in ranks]
+    for r, (out, _, op) in enumerate(ranks):
+        k = out.size
+        device_of(out).xp.copyto(out, _sum(xs, r * k, (r + 1) * k, op))
+
+
+def _run_all_reduce(ranks: list[tuple]) -> None:
+    xs = [x for _, x, _ in ranks]
+    total = _sum(xs, 0, xs[0].size, ranks[0][2])
+    for x in xs:
+        device_of(x).xp.copyto(x.reshape(-1), total)
+
+
+def _run_broadcast(ranks: list[tuple]) -> None:
+    src = ranks[0][2]
+    for r, (x, _, _) in enumerate(ranks):
+        if r != src:
+            device_of(x).xp.copyto(x, ranks[src][0])
+
+
+_RUN: dict[str, Callable[[list[tuple]], None]] = {
+    "all_gather": _run_all_gather, "reduce_scatter": _run_reduce_scatter,
+    "all_reduce": _run_all_reduce, "broadcast": _run_broadcast, "barrier": lambda ranks: None}
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
+          timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
+    """Run ``fn(comm, *args)`` on ``world_size`` thread ranks; return results by rank.
+
+    Each rank gets its own :class:`ThreadCommunicator`. If any rank raises, the
+    others' pending and future collectives fail at once (:class:`PeerFailed`)
+    and the first failure is re-raised here, annotated with its rank.
+
+    Example:
+      >>> import numpy as np, ops
+      >>> ops.spawn(lambda comm: ops.all_gather(comm, np.array([comm.rank])).tolist(), 3)
+      [[0, 1, 2], [0, 1, 2], [0, 1, 2]]
+    """
+    group = ThreadGroup(world_size, timeout)
+    comms = group.communicators()
+    results: list[Any] = [None] * world_size
+    errors: dict[int, BaseException] = {}
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = fn(comms[rank], *args)
+            comms[rank].close()
+            group.returned(rank)
+        except BaseException as exc:  # re-raised in the caller below
+            errors[rank] = exc
+            group.fail(rank, exc)
+
+    threads = [threading.Thread(target=run, args=(r,), name=f"zeroshard-rank{r}", daemon=True)
+               for r in range(world_size)]
+    for t in threads:
+        t.start()
+    try:
+        for t in threads:
+            while t.is_alive():  # join in slices: Ctrl-C reaches the main thread at once
+                t.join(0.1)
+    except KeyboardInterrupt:
+        # Every rank fails at its next collective (within one unit's compute);
+        # wait for them so nothing keeps running after control returns.
+        group.fail(-1, KeyboardInterrupt("interrupted"))
+        for t in threads:
+            t.join(group.timeout)
+        raise
+    if errors:
+        rank, exc = group.failure if group.failure and group.failure[0] in errors else \
+            min(errors.items())
+        exc = errors[rank]
+        if hasattr(exc, "add_note"):
+            exc.add_note(f"(raised on rank {rank} of {world_size} in ops.spawn)")
+        raise exc
+    return results

@@ -1,0 +1,84 @@
+"""CPU driver: calls a kernel family's host entry points through ctypes.
+
+The host entry points are compiled from the same ``.cu`` source as the CUDA
+kernels (see ``[Note: one source, two targets]`` in ``kernels/shim_cpu.h``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import Any
+
+import numpy as np
+
+from ops.kernels._build import load_cpu
+from ops.kernels._table import ADAM_MULTI_PARAMS, Kernel, sumsq_kernels
+
+__all__ = ["CpuDriver", "cpu_driver"]
+
+_CTYPES = {"ptr": ctypes.c_void_p, "f4": ctypes.c_float, "f8": ctypes.c_double,
+           "i8": ctypes.c_int64}
+
+
+def _arg(value: Any, kind: str) -> Any:
+    if kind == "ptr":
+        return None if value is None else value.ctypes.data
+    return float(value) if kind in ("f4", "f8") else int(value)
+
+
+class CpuDriver:
+    """Runs kernels on numpy arrays with the CPU build (OpenMP + SIMD)."""
+
+    kind = "numpy"
+
+    def __init__(self) -> None:
+        self._functions: dict[str, Any] = {}
+
+    def _function(self, family: str, cname: str, signature: tuple) -> Any:
+        fn = self._functions.get(cname)
+        if fn is None:
+            fn = getattr(load_cpu(family), cname)
+            fn.argtypes = [_CTYPES[kind] for _, kind in signature]
+            fn.restype = None
+            self._functions[cname] = fn
+        return fn
+
+    def elementwise(self, kernel: Kernel, n: int, args: tuple) -> None:
+        """Run an elementwise kernel over ``n`` elements; args in ``kernel.params`` order."""
+        if kernel.host is None:
+            raise NotImplementedError(f"kernel {kernel.name} has no CPU host driver")
+        sig = kernel.host_signature
+        fn = self._function(kernel.family, kernel.host, sig)
+        fn(*[None if a is None else a.ctypes.data if kind == "ptr" else
+             float(a) if kind in ("f4", "f8") else int(a)
+             for a, (_, kind) in zip(args, sig, strict=True)])  # as _arg, one call a launch
+
+    def adam_from(self, kernel: Kernel, sources: tuple, args: tuple) -> None:
+        """The out-of-place Adam update: old (param, exp_avg, exp_avg_sq) read from
+        ``sources``, new ones written to the buffers in ``args``."""
+        sig = (("p0", "ptr"), ("m0", "ptr"), ("v0", "ptr"), *kernel.host_signature)
+        fn = self._function(kernel.family, kernel.from_host, sig)
+        fn(*(_arg(a, kind) for a, (_, kind) in zip((*sources, *args), sig, strict=True)))
+
+    def adam_multi(self, kernel: Kernel, tensors: list[tuple], scalars: tuple) -> None:
+        """One fused Adam call over many (p, g, m, v, copy) tuples; scalars from ``sumsq`` on."""
+        ptrs = np.array([0 if a is None else a.ctypes.data for t in tensors for a in t],
+                        np.int64)
+        sizes = np.array([t[0].size for t in tensors], np.int64)
+        fn = self._function(kernel.family, kernel.multi_host, ADAM_MULTI_PARAMS)
+        args = (ptrs, sizes, len(tensors), *scalars)
+        fn(*(_arg(a, kind) for a, (_, kind) in zip(args, ADAM_MULTI_PARAMS, strict=True)))
+
+    def sum_of_squares(self, xs: list[np.ndarray], code: str, out: np.ndarray) -> None:
+        """Write the float64 sum of squares of all of ``xs`` into ``out[0]``."""
+        partial, _ = sumsq_kernels(code)
+        ptrs = np.array([x.ctypes.data for x in xs], np.int64)
+        sizes = np.array([x.size for x in xs], np.int64)
+        fn = self._function(partial.family, partial.host, partial.host_signature)
+        fn(ptrs.ctypes.data, sizes.ctypes.data, len(xs), out.ctypes.data)
+
+
+@functools.cache
+def cpu_driver() -> CpuDriver:
+    return CpuDriver()

@@ -1,0 +1,21 @@
+"""Checkpoints: sharded, atomic, re-shardable, and the tools to read them.
+
+    python -m shard.checkpoint inspect CKPT
+    python -m shard.checkpoint consolidate CKPT OUT.safetensors [--optimizer]
+
+:func:`shard.save` and :func:`shard.load` write and read a training state
+([Note: checkpoint format]); :func:`consolidate` writes its full params (and
+optionally the Adam moments) to one safetensors file, and :func:`inspect`
+says what a checkpoint holds without loading it.
+
+The package (it may import :mod:`shard.core` and :mod:`ops`):
+
+- ``_checkpoint.py``: the format, :func:`shard.save` and :func:`shard.load`;
+- ``_files.py``: what every part shares, its error and the file checksum;
+- ``_module.py``: a torch module's buffers and tied names in a checkpoint;
+- ``_tools.py``: :func:`consolidate`, :func:`inspect` and the command line.
+"""
+
+from shard.checkpoint._tools import consolidate, inspect, run
+
+__all__ = ["consolidate", "inspect", "run"]

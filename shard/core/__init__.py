@@ -1,0 +1,15 @@
+"""The nouns of ZeRO: specs, layouts, training state, policies and losses.
+
+- ``_specs.py``: :class:`~shard.Shard`, :class:`~shard.Replicate` and their
+  ``PartitionSpec`` forms;
+- ``_layout.py``: which leaf lives where in each rank's flat unit buffers
+  ([Note: unit buffers]);
+- ``_state.py``: :class:`~shard.TrainState`, one rank's state as a pytree
+  ([Note: TrainState]);
+- ``_policy.py``: :class:`~shard.Precision` and :class:`~shard.LossScale`;
+- ``_loss.py``: the losses the transforms accept and :class:`~shard.Layered`;
+- ``_gather.py``: whole params from shards, and batches cut into parts;
+- ``_paths.py``: params shapes from a checkpoint's leaf paths.
+
+It may import :mod:`shard.monitor` and :mod:`ops`.
+"""

@@ -1,0 +1,300 @@
+"""Loss functions the ZeRO transforms accept, and how their gradients are taken.
+
+Three forms:
+- a JAX function ``loss_fn(params, batch) -> scalar``: gradients by
+  ``jax.value_and_grad``. At stage 3 every unit is gathered before it runs.
+- :class:`Layered`: a chain of per-unit JAX layers. At stage 3 each unit is
+  gathered just before its layer runs and freed after (see [Note: ZeRO-3
+  schedule] in ``shard/step/_runtime.py``).
+- any object with ``value_and_grad(params, batch) -> (loss, grads)`` (the torch
+  adapter is one). With dynamic loss scaling it is called with
+  ``loss_scale=s`` and must return the gradients of ``s * loss``.
+
+The unit-by-unit protocol (``Layered`` has it; an object may too, as the torch
+adapter does, to run stage 3 within the memory bound):
+``run_units(units, reducer, batch, scale) -> loss``, where ``units.get(u,
+upcoming)`` returns unit ``u``'s full leaves (starting the gathers of
+``upcoming``), ``reducer.add(u, grads)`` takes its leaf gradients of ``scale *
+loss`` (arrays of the state's device, torch tensors or jax arrays on it, or
+None for zero), and the loss is a number or a scalar array.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ops.device._dlpack import jax_view
+from shard.monitor._profile import timed
+
+__all__ = ["Layered"]
+
+
+class Layered:
+    """A loss written as one JAX layer per unit.
+
+    ``layers[i](params_i, carry, batch) -> carry`` where ``params_i`` is the
+    i-th unit's subtree (in the order of the params' top-level subtrees, so a
+    list of per-layer params lines up), ``carry`` is None for the first layer
+    and the last layer returns the scalar loss.
+
+    Example:
+      >>> import jax.numpy as jnp, shard
+      >>> loss = shard.Layered([
+      ...     lambda p, _, b: jnp.tanh(b["x"] @ p["w"]),
+      ...     lambda p, h, b: jnp.mean((h @ p["w"] - b["y"]) ** 2)])
+    """
+
+    def __init__(self, layers: Sequence[Callable[..., Any]], *,
+                 activation_checkpointing: bool = False) -> None:
+        if not layers:
+            raise ValueError("Layered needs at least one layer")
+        self.layers = list(layers)
+        self.activation_checkpointing = activation_checkpointing
+        self._fwd: list[Any] = []
+        self._bwd: list[Any] = []
+        self._unit_layers: dict[Any, _UnitLayer] = {}
+        self._for_layout: dict[int, tuple[Any, list[_UnitLayer]]] = {}
+        self._lock = threading.Lock()  # thread ranks share one Layered
+
+    def compiled(self) -> tuple[list[Any], list[Any]]:
+        """Jitted forward and vector-Jacobian functions, one per layer."""
+        with self._lock:
+            if not self._fwd:
+                import jax
+
+                def make_bwd(f: Callable[..., Any]) -> Callable[..., Any]:
+                    def bwd(p: Any, c: Any, b: Any, ct: Any) -> Any:
+                        return jax.vjp(lambda p, c: f(p, c, b), p, c)[1](ct)
+                    return bwd
+
+                self._bwd = [jax.jit(make_bwd(f)) for f in self.layers]
+                self._fwd = [jax.jit(f) for f in self.layers]
+        return self._fwd, self._bwd
+
+    def unit_layers(self, layout: Any) -> list[_UnitLayer]:
+        """Each layer over its unit's flat params buffer (laid out as ``layout``'s
+        unit); units of one geometry running one layer function share one, so
+        each is traced and compiled once. Made once per layout, not per step."""
+        found = self._for_layout.get(id(layout))
+        if found is None or found[0] is not layout:
+            subtrees = layout.treedef.children()
+            if len(subtrees) != len(layout.units):
+                raise ValueError("Layered needs units = the top-level subtrees of the params "
+                                 "(units=None)")
+            made = []
+            for u, unit in enumerate(layout.units):
+                pieces = tuple((layout.leaves[i].offset, layout.leaves[i].size,
+                                layout.leaves[i].shape) for i in unit.leaves)
+                key = (self.layers[u], subtrees[u], pieces, unit.local_size)
+                with self._lock:
+                    if key not in self._unit_layers:
+                        self._unit_layers[key] = _UnitLayer(*key)
+                    made.append(self._unit_layers[key])
+            found = self._for_layout[id(layout)] = (layout, made)  # (kept: its id stays its)
+        return found[1]
+
+    def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
+        """One micro-batch unit by unit (see [Note: ZeRO-3 schedule]): ``units.flat``
+        gives each unit's whole params as one buffer (one DLPack exchange, sliced
+        into the leaves inside the compiled layer), ``reducer.add`` takes its
+        gradients (of ``scale * loss``, one flat buffer's views); returns the loss
+        (a jax scalar). Each layer's forward keeps its VJP residuals for the
+        backward, less those that are its own inputs (see :class:`_UnitLayer`):
+        with ``activation_checkpointing`` it keeps only its input and recomputes
+        the forward in the backward."""
+        import jax
+        import jax.numpy as jnp
+
+        n = len(self.layers)
+        layers = self.unit_layers(units.full_layout)
+        batch = _placed(batch)
+        carries: list[Any] = [None]
+        saved: list[Any] = [None] * n
+        for u in range(n):
+            # the last unit's backward comes next: it stays gathered for it (as
+            # FSDP2's root does), and the backward's first gather starts now
+            flat = jax_view(units.flat(u, range(u + 1, n) if u < n - 1 else
+                                       range(n - 2, -1, -1)))
+            # Wait for the layer before dropping its params: JAX's async dispatch
+            # would otherwise keep them alive into the next unit's compute.
+            with timed("forward"):
+                if self.activation_checkpointing:
+                    carries.append(jax.block_until_ready(layers[u].apply(flat, carries[-1],
+                                                                         batch)))
+                else:
+                    out, saved[u] = layers[u].forward(flat, carries[-1], batch)
+                    carries.append(jax.block_until_ready(out))
+            if u < n - 1:
+                del flat
+        loss = carries.pop()
+        ct = jnp.asarray(scale, dtype=jnp.result_type(loss))
+        for u in reversed(range(n)):
+            if u < n - 1:
+                flat = jax_view(units.flat(u, range(u - 1, -1, -1)))
+            with timed("backward"):
+                if self.activation_checkpointing:
+                    grad, ct = layers[u].recompute(flat, carries[u], batch, ct)
+                else:
+                    grad, ct = layers[u].backward(saved[u], flat, carries[u], batch, ct)
+                    saved[u] = None
+                jax.block_until_ready((grad, ct))
+            del flat
+            carries[u] = None
+            reducer.add(u, units.leaf_views(u, units.device.from_jax(grad)))
+        return loss
+
+    def loss_units(self, units: Any, batch: Any) -> Any:
+        """The loss, forward only, unit by unit (for ``ZeroStep.evaluate``)."""
+        import jax
+
+        n = len(self.layers)
+        batch = _placed(batch)
+        carry = None
+        for u in range(n):
+            flat = jax_view(units.flat(u, range(u + 1, n)))
+            carry = jax.block_until_ready(self.unit_layers(units.full_layout)[u].apply(
+                flat, carry, batch))
+            del flat  # (waited for: async dispatch would keep it alive)
+        return carry
+
+
+def _placed(batch: Any) -> Any:
+    """The batch with its numpy arrays made jax arrays once for every layer of the
+    step (a jitted call would convert them at each)."""
+    import jax
+
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, batch)
+
+
+class _UnitLayer:
+    """One layer over its unit's flat params buffer: compiled forward, forward
+    keeping its VJP residuals, and backward; the params are sliced out of the
+    buffer inside the compiled functions, and the backward returns the params'
+    gradient as one buffer of the same layout.
+
+    The kept forward runs ``jax.vjp`` under ``jax.jit`` and returns the
+    residuals except those that are the layer's own inputs (a weight a matrix
+    product needs in its backward, the layer's input): it finds them by
+    identity while tracing, and the backward puts the inputs it is handed back
+    in their place. So no residual pins a copy of a unit's params (stage 3
+    re-gathers them for the backward, as it would to recompute), while the
+    backward costs what autograd's does. The compiled forward, and which of
+    its residuals are inputs, are kept per input structure and shapes.
+    """
+
+    def __init__(self, f: Callable[..., Any], treedef: Any,
+                 pieces: tuple[tuple[int, int, tuple[int, ...]], ...], size: int) -> None:
+        import jax
+
+        self.f, self.treedef, self.pieces, self.size = f, treedef, pieces, size
+        self._plans: dict[Any, tuple[Any, Any]] = {}
+        self._lock = threading.Lock()
+        self.apply = jax.jit(lambda flat, c, b: f(self.params(flat), c, b))
+
+        def recompute(flat: Any, c: Any, b: Any, ct: Any) -> Any:
+            g, dc = jax.vjp(lambda ls, c: f(self.treedef.unflatten(ls), c, b),
+                            self.leaves(flat), c)[1](ct)
+            return self.flat_grad(g, flat.dtype), dc
+
+        self.recompute = jax.jit(recompute)
+
+    def leaves(self, flat: Any) -> list[Any]:
+        return [flat[o:o + n].reshape(shape) for o, n, shape in self.pieces]
+
+    def params(self, flat: Any) -> Any:
+        return self.treedef.unflatten(self.leaves(flat))
+
+    def flat_grad(self, grads: list[Any], dtype: Any) -> Any:
+        """The leaves' gradients as one buffer laid out as the params'."""
+        import jax.numpy as jnp
+
+        parts, at = [], 0
+        for (o, n, _), g in sorted(zip(self.pieces, grads, strict=True), key=lambda p: p[0][0]):
+            if o > at:
+                parts.append(jnp.zeros(o - at, dtype))
+            parts.append(jnp.ravel(g).astype(dtype))
+            at = o + n
+        if at < self.size:
+            parts.append(jnp.zeros(self.size - at, dtype))
+        return jnp.concatenate(parts) if parts else jnp.zeros(0, dtype)
+
+    def forward(self, flat: Any, c: Any, b: Any) -> tuple[Any, Any]:
+        """``(output, saved)``: the layer's output and what :meth:`backward` needs."""
+        import jax
+
+        leaves, structure = jax.tree_util.tree_flatten((flat, c, b))
+        key = (structure, tuple((np.shape(x), getattr(x, "dtype", type(x))) for x in leaves))
+        plan = self._plans.get(key)
+        if plan is None:
+            with self._lock:  # thread ranks: one of them traces, the others wait
+                plan = self._plans.get(key)
+                if plan is None:
+                    plan = self._plan()
+                    out, kept = plan[0](flat, c, b)  # traces: fills the plan's sources
+                    self._plans[key] = plan
+                    return out, (plan, kept)
+        out, kept = plan[0](flat, c, b)
+        return out, (plan, kept)
+
+    def _plan(self) -> tuple[Any, Any]:
+        import jax
+
+        sources: list[int | None] = []
+        meta: list[Any] = []  # the residuals' structure, set while tracing
+
+        def fwd(flat: Any, c: Any, b: Any) -> Any:
+            ls = self.leaves(flat)
+            out, vjp = jax.vjp(lambda ls, c: self.f(self.treedef.unflatten(ls), c, b), ls, c)
+            res, structure = jax.tree_util.tree_flatten(vjp)
+            ins = {id(x): k for k, x in enumerate(jax.tree_util.tree_leaves((ls, c, b)))}
+            sources[:] = [ins.get(id(r)) for r in res]
+            meta[:] = [structure]
+            return out, [r for r, s in zip(res, sources, strict=True) if s is None]
+
+        def bwd(kept: Any, flat: Any, c: Any, b: Any, ct: Any) -> Any:
+            ins = jax.tree_util.tree_leaves((self.leaves(flat), c, b))
+            rest = iter(kept)
+            res = [next(rest) if s is None else ins[s] for s in sources]
+            g, dc = jax.tree_util.tree_unflatten(meta[0], res)(ct)
+            return self.flat_grad(g, flat.dtype), dc
+
+        return jax.jit(fwd), jax.jit(bwd)
+
+    def backward(self, saved: Any, flat: Any, c: Any, b: Any, ct: Any) -> tuple[Any, Any]:
+        """``(d params, d carry)`` of the cotangent ``ct``, from the saved residuals
+        and the layer's inputs (params gathered again); d params is one buffer
+        laid out as ``flat``."""
+        (_, bwd), kept = saved
+        return bwd(kept, flat, c, b, ct)
+
+
+class JaxLoss:
+    """A monolithic JAX loss with a jitted, loss-scaled value_and_grad."""
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        import jax
+
+        self.fn = fn
+        self._vg = jax.jit(jax.value_and_grad(lambda p, b, s: fn(p, b) * s))
+        self.loss_value = jax.jit(fn)
+
+    def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> tuple[Any, Any]:
+        scaled, grads = self._vg(params, batch, loss_scale)
+        return scaled / loss_scale, grads  # stays a jax array: no host read
+
+
+def classify(loss_fn: Any) -> str:
+    """'layered', 'provider' or 'jax'; a TypeError for anything else."""
+    if isinstance(loss_fn, Layered):
+        return "layered"
+    if hasattr(loss_fn, "value_and_grad"):
+        return "provider"
+    if callable(loss_fn):
+        return "jax"
+    raise TypeError(f"loss_fn must be a JAX function (params, batch) -> loss, a shard.Layered, or "
+                    f"an object with value_and_grad(params, batch); got {type(loss_fn).__name__}")

@@ -1,0 +1,198 @@
+"""TrainState: one rank's training state as a pure pytree.
+
+[Note: TrainState]
+The leaves are the flat unit buffers of [Note: unit buffers]: fp32 master
+shards, Adam's two moments (same layout), the compute-dtype copy the next
+all-gather sends (stage 3 with mixed precision; otherwise the masters serve),
+the full compute params of stages 0-2 (what plain data parallelism and ZeRO-1/2
+keep whole on every rank), and scalars (step, loss scale, good steps). Static
+metadata (the layout, stage, policies) is aux data. ``params`` and ``opt``
+present the buffers as pytrees shaped like the model's params (views).
+
+A step reuses the buffers of the state it is given: that state is donated, and
+using it again raises :class:`DonatedStateError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ops import AdamState
+from ops._tree import tree_util
+from shard.core._layout import Layout
+
+__all__ = ["DonatedStateError", "StateMeta", "TrainState"]
+
+
+class DonatedStateError(RuntimeError):
+    """A TrainState was used after a step consumed (donated) its buffers."""
+
+
+@dataclass(frozen=True)
+class StateMeta:
+    """What a TrainState's buffers mean; static, hashable."""
+
+    layout: Layout
+    stage: int
+    rank: int
+    precision: Any
+    master_dtype: str
+    compute_dtype: str
+    device: str = "numpy"  # where every buffer lives (see [Note: devices])
+    offload: str | None = None  # "host" or "disk": masters and moments there (the rest
+    #                             on ``device``; see [Note: offload])
+    compute_on_host: bool = False  # Offload(params="host"): stage 3's compute shards too
+    # () -> (buffers, tied names) of the torch module the state trains, which
+    # checkpoints keep beside the params (see [Note: torch buffers]); None for
+    # other losses. Not part of the state's identity.
+    module_state: Any = field(default=None, compare=False, hash=False, repr=False)
+
+
+@dataclass(frozen=True)
+class TrainState:
+    """One rank's training state (see [Note: TrainState]).
+
+    Attributes:
+      master: per unit, this rank's master shard (fp32; the whole unit at stage 0).
+      exp_avg, exp_avg_sq: Adam's moments, laid out like ``master``.
+      compute: per unit, the params as the loss sees them: whole at stages 0-2,
+        this rank's shard at stage 3 (empty tuple where ``master`` serves).
+      step: int64 scalar array, optimizer updates applied.
+      loss_scale: float64 scalar array (1.0 without dynamic loss scaling).
+      good_steps: int64 scalar array, finite steps since the scale last changed.
+      meta: static metadata (aux data).
+    """
+
+    master: tuple[np.ndarray, ...]
+    exp_avg: tuple[np.ndarray, ...]
+    exp_avg_sq: tuple[np.ndarray, ...]
+    compute: tuple[np.ndarray, ...]
+    step: np.ndarray
+    loss_scale: np.ndarray
+    good_steps: np.ndarray
+    meta: StateMeta
+    _live: list = field(default_factory=lambda: [True], compare=False, repr=False)
+
+    _FIELDS = ("master", "exp_avg", "exp_avg_sq", "compute", "step", "loss_scale", "good_steps")
+
+    # -- views ----------------------------------------------------------------
+    @property
+    def params(self) -> Any:
+        """This rank's master shards as a pytree shaped like the params (views)."""
+        self.check_live()
+        layout = self.meta.layout
+        return layout.treedef.unflatten(layout.local_views(self.master))
+
+    @property
+    def opt(self) -> AdamState:
+        """Adam's state as pytrees shaped like the params (views)."""
+        self.check_live()
+        layout = self.meta.layout
+        return AdamState(self.step, layout.treedef.unflatten(layout.local_views(self.exp_avg)),
+                         layout.treedef.unflatten(layout.local_views(self.exp_avg_sq)))
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes this rank holds, by kind."""
+        def size(bufs: tuple) -> int:
+            return int(sum(b.nbytes for b in bufs))
+
+        return {"params": size(self.master), "optimizer": size(self.exp_avg + self.exp_avg_sq),
+                "compute_params": size(self.compute)}
+
+    def tiers(self) -> dict[str, int]:
+        """Bytes this rank holds by where they live: ``device`` (the compute
+        params; everything without offload), ``host`` and ``disk`` (an
+        offloaded state's masters and moments; see [Note: offload])."""
+        n = self.nbytes()
+        kept = n["params"] + n["optimizer"]
+        where, compute = self.meta.offload, n["compute_params"]
+        on_host = compute if self.meta.compute_on_host else 0
+        return {"device": compute - on_host + (0 if where else kept),
+                "host": on_host + (kept if where == "host" else 0),
+                "disk": kept if where == "disk" else 0}
+
+    def padding(self) -> list[int]:
+        """Per unit, the elements of this rank's shard that are padding rows (a
+        Shard(0) leaf whose rows do not divide by the world size)."""
+        layout, rank = self.meta.layout, (self.meta.rank if self.meta.stage else 0)
+        out = [0] * len(layout.units)
+        for leaf in layout.leaves:
+            if leaf.sharded:
+                mine = max(0, min(leaf.rows_per_rank, leaf.rows - rank * leaf.rows_per_rank))
+                out[leaf.unit] += (leaf.rows_per_rank - mine) * leaf.row_size
+        return out
+
+    def describe(self) -> str:
+        """A table of what this rank holds: units, sizes (with padding) and bytes."""
+        m = self.meta
+        lines = [repr(self)]
+        lines.append(f"  {'unit':<28}{'leaves':>7}{'elements':>10}{'sharded':>10}{'padding':>9}")
+        for u, pad in zip(m.layout.units, self.padding(), strict=True):
+            lines.append(f"  {u.name[:28]:<28}{len(u.leaves):>7}{_count(u.local_size):>10}"
+                         f"{_count(u.sharded_size):>10}{_count(pad):>9}")
+        total = 0
+        for kind, n in self.nbytes().items():
+            lines.append(f"  {kind:<20}{_bytes(n):>12}")
+            total += n
+        lines.append(f"  {'total':<20}{_bytes(total):>12}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        m = self.meta
+        if not self._live[0]:
+            return f"TrainState(donated; stage {m.stage}, rank {m.rank})"
+        here = m.layout.local_size()
+        return (f"TrainState(stage {m.stage}, rank {m.rank} of {m.layout.world_size}, step "
+                f"{int(self.step)}, {len(m.layout.units)} units, {_count(here)} elements here, "
+                f"{_bytes(sum(self.nbytes().values()))}, {m.master_dtype} masters, "
+                f"{m.compute_dtype} compute, on {m.device}"
+                + (f"; masters and moments on {m.offload})" if m.offload else ")"))
+
+    # -- donation -----------------------------------------------------------
+    def check_live(self) -> None:
+        if not self._live[0]:
+            raise DonatedStateError(
+                "this TrainState was donated to a step, which reused its buffers; use the state "
+                "that step returned (state, metrics = step(state, batch))")
+
+    def donate(self) -> None:
+        self.check_live()
+        self._live[0] = False
+
+    def replace(self, **changes: Any) -> TrainState:
+        return dataclasses.replace(self, _live=[True], **changes)
+
+
+def _count(n: int) -> str:
+    """1234567 -> '1.23M'."""
+    for div, unit in ((1e9, "G"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.3g}{unit}"
+    return str(n)
+
+
+def _bytes(n: int) -> str:
+    for div, unit in ((2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB")):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n} B"
+
+
+def _flatten(s: TrainState) -> tuple[tuple, StateMeta]:
+    return tuple(getattr(s, f) for f in TrainState._FIELDS), s.meta
+
+
+def _flatten_with_keys(s: TrainState) -> tuple[tuple, StateMeta]:
+    tu = tree_util()
+    return tuple((tu.GetAttrKey(f), getattr(s, f)) for f in TrainState._FIELDS), s.meta
+
+
+def _unflatten(meta: StateMeta, children: tuple) -> TrainState:
+    return TrainState(*children, meta=meta)
+
+
+tree_util().register_pytree_with_keys(TrainState, _flatten_with_keys, _unflatten, _flatten)

@@ -1,0 +1,254 @@
+"""The offloaded parts of a ZeRO step (see [Note: offload] in ``shard/offload/_offload.py``):
+the state's masters and moments made in host memory or in the disk tier, and the
+update that runs there."""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import ops
+from ops import AdamState
+from shard.monitor._profile import timed
+from shard.offload._offload import KINDS, DiskTier, Offload
+from shard.offload._overlap import HostStaging, OverlappedUpdate, Spare
+
+__all__ = ["OffloadPhase", "check_offload"]
+
+log = logging.getLogger(__name__)
+
+
+def check_offload(name: str, stage: int, offload: Any, clip_norm: Any) -> None:
+    """``zero1``-``zero3``'s ``offload=`` argument, before anything is built."""
+    if offload is None:
+        return
+    if not isinstance(offload, Offload):
+        raise TypeError(f"{name}: offload must be a shard.Offload(...); got "
+                        f"{type(offload).__name__}")
+    if stage == 0:
+        raise ValueError(f"{name}: offload is for stages 1-3 (stage 0 keeps everything whole "
+                         "on every rank); use zero1, zero2 or zero3")
+    if offload.params == "host" and stage != 3:
+        raise ValueError(f"{name}: Offload(params='host') is for stage 3 (stages 1-2 keep "
+                         "whole compute params on the device for the step); use zero3")
+    if offload.overlap and clip_norm is not None:
+        raise ValueError(f"{name}: clip_norm needs the global norm before any update, and "
+                         "Offload(overlap=True) updates during the backward; drop one of them")
+
+
+class OffloadPhase:
+    """Offload methods of ``ZeroStep`` (which provides the attributes)."""
+
+    offload: Offload | None
+    layout: Any
+    comm: Any
+    device: Any
+    stage: int
+    optimizer: Any
+    clip_norm: Any
+    master_dtype: Any
+    precision: Any
+    _tier: DiskTier | None
+    _host_staging: HostStaging | None = None
+    _spare: Spare | None = None
+    _overlap: OverlappedUpdate | None = None
+    name: str
+    state_from: Any
+    _refresh: Any
+
+    def _compute_on_host(self) -> bool:
+        """Stage 3's compute shards in host memory (``Offload(params="host")``)."""
+        return bool(self.offload and self.offload.params == "host" and not self.device.host)
+
+    def _setup_offload(self) -> None:
+        """The disk tier for this layout (host memory needs nothing)."""
+        if self.offload is None or self.offload.optimizer != "disk":
+            self._tier = None
+            return
+        sizes = [u.local_size for u in self.layout.units]
+        tier = self._tier
+        if tier is None or tier.sizes != sizes or tier.dtype != self.master_dtype:
+            self._tier = DiskTier(self.offload, self.comm.rank, sizes, self.master_dtype)
+
+    def _offloaded_init(self, leaves: list[Any], rank: int) -> Any:
+        """``init``'s state with the masters scattered straight into host memory or
+        the disk tier, one unit at a time."""
+        def fill(u: int, kind: str, buf: Any) -> None:
+            if kind != "master":
+                return
+            for i in self.layout.units[u].leaves:
+                leaf = self.layout.leaves[i]
+                x = leaves[i] if self.device.host else self.device.to_host(leaves[i])
+                self.layout.scatter_leaf(leaf, x, rank, buf[
+                    leaf.offset:leaf.offset + leaf.local_size].reshape(leaf.local_shape))
+
+        *bufs, copies = self._offloaded_buffers(fill)
+        log.info("%s: masters and moments offloaded to %s", self.name, self.offload.optimizer)
+        return self.state_from(*bufs, full_leaves=leaves, copies=copies)
+
+    def _offloaded_buffers(self, fill: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+        """Masters and moments where the policy keeps them, unit by unit, and the
+        compute-dtype copy of each unit's masters (host arrays, for the device).
+
+        ``fill(u, kind, buf)`` writes unit ``u``'s values of ``kind`` into the
+        host buffer ``buf`` (zeros already); only one unit is in memory at a time
+        for the disk tier.
+        """
+        compute_dtype = np.dtype(self.precision.param_dtype or self.master_dtype)
+        copies = []
+        if self._tier is None:  # host memory
+            bufs = {k: [np.zeros(u.local_size, self.master_dtype) for u in self.layout.units]
+                    for k in KINDS}
+            for u in range(len(self.layout.units)):
+                for k in KINDS:
+                    fill(u, k, bufs[k][u])
+                copies.append(_cast(bufs["master"][u], compute_dtype))
+            return bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"], copies
+        tier = self._tier
+        path = tier.new_file()
+        for u, unit in enumerate(self.layout.units):
+            for k in KINDS:
+                buf = np.zeros(unit.local_size, self.master_dtype)
+                fill(u, k, buf)
+                if k == "master":
+                    copies.append(_cast(buf, compute_dtype))
+                if buf.any():  # zeros are the file's (sparse) default
+                    tier.write(path, k, u, buf)
+        tier.finish(path)
+        maps = tier.maps(path)
+        return maps["master"], maps["exp_avg"], maps["exp_avg_sq"], copies
+
+    def _apply_offloaded(self, state: Any, shards: list[Any], grad_scale: float,
+                         grad_sumsq: Any) -> Any:
+        """The update in host memory or streamed through the disk tier; the new
+        compute-dtype params go back to the device. Returns the new state."""
+        host_sumsq = None
+        if grad_sumsq is not None:
+            host_sumsq = np.asarray(self.device.to_host(grad_sumsq) if not self.device.host
+                                    else grad_sumsq, np.float64).reshape(1)
+            if not math.isfinite(float(host_sumsq[0])):
+                return state  # skipped (see [Note: non-finite gradients])
+        resident = self._resident(state)
+        staging = self._staging(state, shards)
+        overlap = self._overlap
+        with timed("optimizer"):
+            if overlap is not None:  # see [Note: overlapped offload]
+                overlap.wait_updated()
+                state = self._commit(state, overlap.spare, resident)
+                out = overlap.spare.compute if resident else staging.out
+            else:
+                grads = [g if self.device.host else self.device.to_host_into(g, staging.grads[u])
+                         for u, g in enumerate(shards)]
+                out = list(state.compute) if resident else staging.out
+                state = self._update_units(state, grads, out, grad_scale, host_sumsq)
+            if resident:
+                return state
+            if self.stage == 3:  # the shard the next all-gather sends
+                for dst, src in zip(state.compute, out, strict=True):
+                    self.device.from_host_into(dst, src)
+                return state
+        self._refresh(state, tuple(self.device.asarray(c) for c in out))
+        return state
+
+    def _resident(self, state: Any) -> bool:
+        """Stage 3's compute shards are host memory: new params go straight in."""
+        return self.stage == 3 and (self.device.host or state.meta.compute_on_host)
+
+    def _staging(self, state: Any, shards: list[Any]) -> HostStaging:
+        """Host buffers for what crosses the bus: gradients from a device, and new
+        compute params wherever the compute shards are not host memory."""
+        sizes = [u.local_size for u in self.layout.units]
+        grad_dtype = None if self.device.host else shards[0].dtype
+        out_dtype = None if self._resident(state) else np.dtype(state.meta.compute_dtype)
+        if self._host_staging is None or not self._host_staging.fits(sizes, grad_dtype,
+                                                                      out_dtype):
+            self._host_staging = HostStaging.make(self.device, sizes, grad_dtype, out_dtype)
+        return self._host_staging
+
+    def _unit_update(self, state: Any, grad_scale: float, host_sumsq: Any) -> Any:
+        """``run(grad, p, m, v, copy, read_from=None)``: the kernel on one unit's
+        host buffers (or a chunk of them), writing the new compute-dtype params
+        into ``copy``; with ``read_from=(p0, m0, v0)``, out of place."""
+        separate = np.dtype(state.meta.compute_dtype) != np.dtype(state.meta.master_dtype)
+        count = AdamState(state.step, (), ())
+
+        def run(grad: Any, p: Any, m: Any, v: Any, copy: Any, read_from: Any = None) -> None:
+            self.optimizer.apply((grad,), count._replace(mu=(m,), nu=(v,)), (p,),
+                                 grad_scale=grad_scale, grad_sumsq=host_sumsq,
+                                 max_norm=self.clip_norm, param_copies=(copy,) if separate
+                                 else None, finite=True,
+                                 read_from=None if read_from is None else
+                                 tuple((x,) for x in read_from))
+            if not separate:
+                copy[...] = p
+
+        return run
+
+    def _update_units(self, state: Any, grads: list[Any], out: list[Any], grad_scale: float,
+                      host_sumsq: Any) -> Any:
+        run = self._unit_update(state, grad_scale, host_sumsq)
+        if self._tier is None:
+            for u in range(len(self.layout.units)):
+                run(grads[u], state.master[u], state.exp_avg[u], state.exp_avg_sq[u], out[u])
+            return state
+        src = _file_of(state.master)
+        new = self._tier.update(src, lambda u, lo, hi, p, m, v: run(
+            grads[u][lo:hi], p, m, v, out[u][lo:hi]))
+        maps = self._tier.maps(new)
+        self._tier.retire(src)
+        return state.replace(master=tuple(maps["master"]), exp_avg=tuple(maps["exp_avg"]),
+                             exp_avg_sq=tuple(maps["exp_avg_sq"]))
+
+    # -- overlap (see [Note: overlapped offload]) -----------------------------------
+    def _start_overlap(self, state: Any, reducer: Any, grad_scale: float) -> Any:
+        """The step's :class:`OverlappedUpdate` (handed each unit's reduction by
+        ``reducer``), or None where the policy does not overlap."""
+        if self.offload is None or not self.offload.overlap:
+            return None
+        resident = self._resident(state)
+        spare = self._spare
+        if spare is None or not spare.fits(state, resident):
+            spare = self._spare = Spare.like(state, resident)
+        staging = self._staging(state, reducer.shards)
+        run = self._unit_update(state, grad_scale, None)
+        copy_out = spare.compute if resident else staging.out
+
+        def run_unit(u: int, grad: np.ndarray, spare: Spare) -> None:
+            run(grad, spare.master[u], spare.exp_avg[u], spare.exp_avg_sq[u], copy_out[u],
+                read_from=(state.master[u], state.exp_avg[u], state.exp_avg_sq[u]))
+
+        self._overlap = OverlappedUpdate(self.device, reducer.shards, staging, spare, run_unit)
+        reducer.on_final = self._overlap.submit
+        return self._overlap
+
+    def _end_overlap(self) -> None:
+        if self._overlap is not None:
+            self._overlap.close()
+            self._overlap = None
+
+    def _commit(self, state: Any, spare: Spare, resident: bool) -> Any:
+        """The spare set becomes the state's; the old set the next step's spare."""
+        old = Spare(list(state.master), list(state.exp_avg), list(state.exp_avg_sq),
+                    list(state.compute) if resident else None)
+        changes = {"master": tuple(spare.master), "exp_avg": tuple(spare.exp_avg),
+                   "exp_avg_sq": tuple(spare.exp_avg_sq)}
+        if resident:
+            changes["compute"] = tuple(spare.compute)
+        self._spare = old
+        return state.replace(**changes)
+
+
+def _cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    return ops.cast(x, dtype) if x.dtype != dtype else x.copy()
+
+
+def _file_of(bufs: Any) -> Path:
+    for b in bufs:
+        name = getattr(b, "filename", None)
+        if name is not None:
+            return Path(name)
+    raise RuntimeError("this disk-tier state holds no file")

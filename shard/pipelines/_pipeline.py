@@ -1,0 +1,371 @@
+"""Pipeline parallelism composed with ZeRO: :func:`pipeline`.
+
+[Note: pipeline]
+``pipe = shard.pipeline(layered, comm=comm, stages=P, microbatches=M)`` lays
+the world's ranks out as a (data x pipe) mesh: rank ``r`` runs stage
+``r // D`` for data index ``r % D`` (``D = world / P``). ``pipe.data`` is this
+rank's data-parallel communicator, ``pipe.params(params)`` the params of this
+stage's layers (contiguous layers, balanced by parameter count or by the
+``balance`` given; a dict keyed by layer index), and ``pipe`` itself is the
+loss a ZeRO transform takes:
+
+    step = shard.zero2(pipe, optimizer=ops.adamw(1e-3), comm=pipe.data)
+    state = step.init(pipe.params(params))
+    state, metrics = step(state, batch)     # every stage of a data rank: its batch
+
+Each step splits the batch into M micro-batches (by rows) and runs them
+through the stages with the GPipe schedule (every forward, then every
+backward) or 1F1B (``P - 1 - stage`` forwards to fill the pipe, then one
+forward and one backward in turn, so at most P micro-batches' activations are
+held). Activations and their gradients cross between stages by point-to-point
+messages (a small header with the shape and dtype, then the data). A stage's
+gradients are summed over the micro-batches and handed to the ZeRO step, which
+shards and reduces them over the data axis as for any loss; the gradient norm
+(for clipping and the finite check) and the loss are summed over the whole
+mesh, so every rank clips by the same global norm and skips the same steps.
+The trajectory is that of the unpipelined model on the whole batch.
+``pipe.save(state, path)`` writes one checkpoint per stage and an index, which
+``shard.load`` reads into an unpipelined step (and ``pipe.load`` a plain
+checkpoint into a stage: a stage's leaves are named by layer index). With
+``activation_checkpointing=True`` a stage keeps only each micro-batch's input
+and recomputes its layers' forward in the backward (the same bits).
+
+The layers are a ``shard.Layered`` (JAX) or the loss of
+``interop.torch.layered`` (torch modules, see [Note: torch layers]). Either
+runs a stage through the same runner protocol: ``forward(k, x, batch)`` and
+``backward(k, ct)`` in the schedule's order, then ``finish(reducer)``; the
+pipeline only moves the messages. Weights used by layers on different stages
+are declared with ``tied=`` (see [Note: tied weights]).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ops import Communicator
+from ops.device._device import device_of
+from ops.device._dlpack import to_native
+from shard.core._loss import Layered
+from shard.monitor._profile import timed
+from shard.pipelines._balance import _balanced, _size, balance_by_time
+from shard.pipelines._jax import JaxStage
+from shard.pipelines._ties import TiedReducer, check_ties, resolve_ties
+
+__all__ = ["Pipeline", "balance_by_time", "pipeline"]
+
+_DTYPES = ("float32", "bfloat16", "float16", "float64")
+_HEADER, _DATA = 0, 1  # tags: a message's header, then its payload
+_MAX_DIMS = 8
+
+
+def pipeline(loss: Any, *, comm: Communicator, stages: int, microbatches: int = 1,
+             schedule: str = "1f1b", balance: list[int] | None = None,
+             activation_checkpointing: bool = False, tied: Any = None) -> Pipeline:
+    """Split a :class:`shard.Layered` loss into ``stages`` pipeline stages over
+    ``comm``'s ranks (see [Note: pipeline]).
+
+    Args:
+      loss: the layers (one ZeRO unit each): a :class:`shard.Layered`, or the
+        loss object of ``interop.torch.layered(modules, loss=...)`` (see
+        [Note: torch layers] in ``interop/torch/_layers.py``).
+      comm: the world's communicator (every rank calls this: it splits it).
+      stages: P, which must divide the world size.
+      microbatches: M; every stage's batch rows must divide by it.
+      schedule: ``"1f1b"`` or ``"gpipe"``.
+      balance: layers per stage (summing to the number of layers), e.g. from
+        :func:`balance_by_time`; default: contiguous runs of about equal
+        parameter count, once ``params`` are seen (``pipe.params(params)``).
+      activation_checkpointing: keep only each micro-batch's input to the stage
+        and recompute the stage's forward in its backward (less activation
+        memory, about one more forward of compute).
+      tied: groups of ``(layer, key)`` pairs naming one weight used by several
+        layers, e.g. ``[[(0, "wte"), (11, "w_out")]]`` (see [Note: tied
+        weights] in ``shard/pipelines/_ties.py``).
+    """
+    if not isinstance(loss, Layered) and not hasattr(loss, "stage"):
+        raise TypeError(f"pipeline: loss must be a shard.Layered or the loss of "
+                        f"interop.torch.layered(...); got {type(loss).__name__}")
+    if not isinstance(stages, int) or stages < 1 or comm.world_size % stages:
+        raise ValueError(f"pipeline: stages must divide the world size {comm.world_size}; got "
+                         f"{stages!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"pipeline: microbatches must be an int >= 1; got {microbatches!r}")
+    if schedule not in ("1f1b", "gpipe"):
+        raise ValueError(f"pipeline: schedule must be '1f1b' or 'gpipe'; got {schedule!r}")
+    n = len(loss.layers)
+    if stages > n:
+        raise ValueError(f"pipeline: {stages} stages for {n} layers")
+    if balance is not None and (len(balance) != stages or sum(balance) != n
+                                or min(balance) < 1):
+        raise ValueError(f"pipeline: balance must give each of the {stages} stages at least "
+                         f"one layer, {n} in all; got {balance}")
+    width = comm.world_size // stages
+    stage = comm.rank // width
+    data = comm.split(stage)  # the ranks of this stage
+    pipe = comm.split(comm.rank % width)  # this data index's stages, in stage order
+    return Pipeline(loss, stage, stages, microbatches, schedule, balance, data, pipe, comm,
+                    bool(activation_checkpointing), check_ties(tied, n))
+
+
+@dataclass
+class Pipeline:
+    """This rank's pipeline stage: the loss object a ZeRO transform takes."""
+
+    loss: Layered
+    stage: int
+    stages: int
+    microbatches: int
+    schedule: str
+    balance: list[int] | None
+    data: Communicator
+    pipe: Communicator
+    world: Communicator
+    activation_checkpointing: bool = False
+    tied: list[Any] = field(default_factory=list)  # see [Note: tied weights]
+    forward_passes: int = 0  # layer forwards run, recomputations included
+
+    # -- layout ---------------------------------------------------------------
+    def layers_of(self, params: list[Any]) -> range:
+        """The layers (indices) of this stage."""
+        if len(params) != len(self.loss.layers):
+            raise ValueError(f"pipeline: {len(self.loss.layers)} layers but {len(params)} "
+                             "entries in params (one per layer)")
+        counts = self.balance or _balanced([_size(p) for p in params], self.stages)
+        start = sum(counts[:self.stage])
+        return range(start, start + counts[self.stage])
+
+    def params(self, params: list[Any]) -> dict[int, Any]:
+        """This stage's part of the full params (a list with one entry per layer),
+        keyed by layer index: checkpoints and ``shard.gather`` name the layers
+        as the whole model does, so one stage's state is never mistaken for
+        another's layers."""
+        params = list(params)
+        self._layers = self.layers_of(params)
+        self._ties = resolve_ties(self.tied, params, self._layers)
+        self.norm_skip = tuple(i for tie in self._ties for i in tie.skip)
+        return {i: params[i] for i in self._layers}
+
+    # -- checkpoints --------------------------------------------------------------
+    def save(self, state: Any, path: str | os.PathLike, *, extra: Any = None) -> Path:
+        """Save every stage's state under ``path`` (a collective over the whole
+        mesh): one checkpoint per stage in ``stage-<s>/``, then ``pipeline.json``.
+        ``shard.load`` reads it into a plain step or a pipeline of any shape."""
+        from shard.checkpoint._checkpoint import save
+
+        path = Path(path)
+        save(state, path / f"stage-{self.stage:03d}", comm=self.data, extra=extra)
+        self.world.barrier()
+        if self.world.rank == 0:
+            part = path / "pipeline.json.part"
+            part.write_text(json.dumps({"step": int(state.step), "parts": [
+                f"stage-{s:03d}" for s in range(self.stages)]}))
+            os.replace(part, path / "pipeline.json")
+        self.world.barrier()
+        return path
+
+    def load(self, path: str | os.PathLike, step: Any) -> tuple[Any, Any]:
+        """This stage's state from a checkpoint of the whole model, plain or
+        pipelined (a collective over the stage's data ranks)."""
+        from shard.checkpoint._checkpoint import load
+
+        return load(path, step, comm=self.data)
+
+    def claim(self, comm: Communicator) -> None:
+        """A torch stage's modules serve one rank of the whole mesh (see
+        ``interop.torch.layered``)."""
+        if hasattr(self.loss, "claim"):
+            self.loss.claim(self.world)
+
+    @property
+    def cast_forward_inputs(self) -> bool:
+        """A torch stage's own casting of its first input (``Precision``'s)."""
+        return bool(getattr(self.loss, "cast_forward_inputs", True))
+
+    @cast_forward_inputs.setter
+    def cast_forward_inputs(self, value: bool) -> None:
+        if hasattr(self.loss, "cast_forward_inputs"):
+            self.loss.cast_forward_inputs = value
+
+    @property
+    def jax_batch(self) -> bool:
+        """Whether the batch feeds JAX layers (so the step casts it under
+        ``Precision``, as for an unpipelined ``Layered``)."""
+        return isinstance(self.loss, Layered)
+
+    @property
+    def norm_comm(self) -> Communicator:
+        """The gradient norm and the loss sum over the whole mesh."""
+        return self.world
+
+    # -- the step -------------------------------------------------------------
+    def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> Any:
+        raise NotImplementedError("a pipeline stage runs unit by unit (the ZeRO step calls "
+                                  "run_units); it has no gradients of whole params in one call")
+
+    def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
+        """One step's schedule over every micro-batch (see the Note); returns this
+        stage's share of the loss (the mean over micro-batches on the last stage,
+        0 elsewhere)."""
+        runner = self._runner(units, self.activation_checkpointing)
+        m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
+        micro = _split(batch, m)
+        self._begin(backward=True)
+        losses: list[Any] = []
+        sends: list[Any] = []
+        for kind, k in _order(self.schedule, self.stages, self.stage, m):
+            if kind == "F":
+                out = runner.forward(k, None if first else self._recv(self.stage - 1), micro[k])
+                if last:
+                    losses.append(out)
+                else:
+                    sends.append(self._send(out, self.stage + 1))
+            else:
+                ct = runner.backward(k, scale / m if last else self._recv(self.stage + 1))
+                if not first:
+                    sends.append(self._send(ct, self.stage - 1))
+        for work in sends:
+            work.wait()
+        if self._ties:  # see [Note: tied weights]
+            tied = TiedReducer(self._ties, self.pipe)
+            runner.finish(tied)
+            tied.flush(reducer)
+        else:
+            runner.finish(reducer)
+        self.forward_passes += runner.forward_passes
+        return sum(float(x) for x in losses) / m if last else 0.0
+
+    def loss_units(self, units: Any, batch: Any) -> float:
+        """Every micro-batch's forward through the stages, no gradients (for
+        ``step.evaluate``); the mean loss on the last stage, 0 elsewhere."""
+        from contextlib import nullcontext
+
+        m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
+        micro = _split(batch, m)
+        self._begin(backward=False)
+        losses, sends = [], []
+        with getattr(self.loss, "evaluating", nullcontext)():
+            runner = self._runner(units, True)  # keeps only each micro-batch's input
+            for k in range(m):
+                out = runner.forward(k, None if first else self._recv(self.stage - 1), micro[k])
+                if last:
+                    losses.append(out)
+                else:
+                    sends.append(self._send(out, self.stage + 1))
+            for work in sends:
+                work.wait()
+        return sum(float(x) for x in losses) / m if last else 0.0
+
+    def _runner(self, units: Any, checkpointing: bool) -> Any:
+        layers = getattr(self, "_layers", None)
+        if layers is None:
+            raise RuntimeError("pipeline: call step.init(pipe.params(params)) first")
+        make = getattr(self.loss, "stage", None)
+        if make is not None:
+            return make(units, layers, checkpointing=checkpointing)
+        return JaxStage(self.loss, units, layers, checkpointing)
+
+    # -- messages ---------------------------------------------------------------
+    # A step's messages to one peer all have one shape (equal micro-batches through
+    # the same layers), so only the first of each step carries a header, as
+    # torch's pipelining infers shapes once; a later one that differs is refused.
+    def _send(self, x: Any, dst: int) -> Any:
+        a = _host_array(x)
+        if a.ndim > _MAX_DIMS or str(a.dtype) not in _DTYPES:
+            raise TypeError(f"pipeline: stage {self.stage} passes a {a.dtype} array of "
+                            f"{a.ndim} dimensions; stages pass float arrays of up to "
+                            f"{_MAX_DIMS} dimensions")
+        kind = (a.shape, str(a.dtype))
+        works = []
+        if dst not in self._sent:
+            self._sent[dst] = kind
+            header = np.zeros(2 + _MAX_DIMS, np.int64)
+            header[:2] = a.ndim, _DTYPES.index(str(a.dtype))
+            header[2:2 + a.ndim] = a.shape
+            works.append(self.pipe.isend(header, dst, tag=_HEADER))
+        elif self._sent[dst] != kind:
+            raise ValueError(f"pipeline: stage {self.stage} sends stage {dst} a "
+                             f"{kind[1]}{list(kind[0])} after a {self._sent[dst][1]}"
+                             f"{list(self._sent[dst][0])} in the same step; every "
+                             "micro-batch's message to a stage must have one shape")
+        works.append(self.pipe.isend(a.reshape(-1), dst, tag=_DATA))
+        return _Sends(works)
+
+    def _recv(self, src: int) -> np.ndarray:
+        import jax.numpy as jnp
+
+        with timed("pipeline_wait"):  # the bubble: waiting on a neighbour
+            if src not in self._received:
+                header = self.pipe.recv_(np.empty(2 + _MAX_DIMS, np.int64), src, tag=_HEADER)
+                ndim, code = int(header[0]), int(header[1])
+                self._received[src] = (tuple(int(d) for d in header[2:2 + ndim]),
+                                       np.dtype(jnp.dtype(_DTYPES[code])))
+            shape, dtype = self._received[src]
+            posted = self._posted.pop(src, None)
+            out = posted.wait() if posted is not None else self.pipe.recv_(
+                np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src, tag=_DATA)
+            self._expected[src] -= 1
+            if self._expected[src] > 0:  # the next one's size is this one's: post it now
+                self._posted[src] = self.pipe._prepost_recv(
+                    np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src, _DATA)
+        return out.reshape(shape)
+
+    def _begin(self, backward: bool) -> None:
+        """A step's (or an evaluation's) message state: the shapes seen so far and
+        how many messages each neighbour will send."""
+        m = self.microbatches
+        self._sent: dict[int, Any] = {}
+        self._received: dict[int, Any] = {}
+        self._posted: dict[int, Any] = {}
+        self._expected = {self.stage - 1: m, self.stage + 1: m if backward else 0}
+
+
+def _host_array(x: Any) -> np.ndarray:
+    """A message's payload in host memory (device activations are copied out)."""
+    if not isinstance(x, np.ndarray):
+        x = to_native(x)[0]
+        device = device_of(x)
+        if not device.host:
+            x = device.to_host_into(x, np.empty(x.shape, x.dtype))
+    return np.ascontiguousarray(x)
+
+
+class _Sends:
+    def __init__(self, works: list[Any]) -> None:
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def _order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
+    """Stage ``s``'s forwards (F) and backwards (B) of ``m`` micro-batches."""
+    if schedule == "gpipe":
+        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+    warm = min(p - 1 - s, m)
+    out = [("F", k) for k in range(warm)]
+    for i in range(m - warm):
+        out += [("F", warm + i), ("B", i)]
+    return out + [("B", k) for k in range(m - warm, m)]
+
+
+def _split(batch: Any, m: int) -> list[Any]:
+    import jax
+
+    def rows(x: Any) -> int:
+        return int(np.shape(x)[0])
+
+    leaves = jax.tree_util.tree_leaves(batch)
+    n = {rows(x) for x in leaves}
+    if len(n) != 1 or next(iter(n)) % m:
+        raise ValueError(f"pipeline: the batch's leading dimensions {sorted(n)} must agree "
+                         f"and divide into {m} micro-batches")
+    k = next(iter(n)) // m
+    return [jax.tree_util.tree_map(lambda x, i=i: x[i * k:(i + 1) * k], batch)
+            for i in range(m)]

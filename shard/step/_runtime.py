@@ -1,0 +1,217 @@
+"""Per-step machinery: getting units' full params, and reducing their gradients.
+
+[Note: ZeRO-3 schedule]
+At stage 3 a unit's full parameters exist only while that unit computes:
+:meth:`Units.flat` all-gathers the unit's compute-dtype shards (the next
+unit's all-gather is already in flight: ``prefetch`` units ahead, and more
+while they fit in the memory bound below, so a small unit such as a norm
+does not leave the next large one's gather exposed), copies them out into
+one flat buffer, each leaf whole at its place in the one-rank layout, in
+one launch over the unit's runs (``ops/device/_runs.py``), and the caller drops it
+after use. A torch module keeps each unit's activations and saves its params
+by reference (see [Note: torch ZeRO-3] in ``interop/torch.py``). For a :class:`Layered` loss
+each layer takes its unit's flat buffer (one DLPack exchange, sliced into
+leaves inside the compiled layer) and the forward pass keeps its VJP
+residuals except those that are its own inputs; the backward pass re-gathers
+each unit in reverse order (the last unit stays gathered from its forward,
+as FSDP2's root does), hands the layer's VJP its params again (so no residual
+pins a unit's params; with ``activation_checkpointing=True`` it recomputes
+the layer's forward from its input instead), and hands the unit's gradient
+(one flat buffer) to :class:`~shard.step._reduce.GradReducer`, whose
+reduce-scatter runs asynchronously while the next unit computes. A monolithic
+loss gathers every unit first (it cannot be split), as the docs say.
+At stages 0-2 the whole compute params are the state's, and at stage 3 on
+one rank the shards are the whole params: :meth:`Units.flat` returns those
+buffers themselves, the same every step, and nothing is gathered, copied or
+sent. Gradients enter a unit's reduce layout the same way, in one launch
+over runs that read each gradient where it lies; where the gradient buffers
+have the whole params' layout (one rank, or stage 0), a torch module's
+autograd sums into them directly (``GradReducer.bucket`` in ``shard/step/_reduce.py``).
+Every buffer here is allocated on the state's device (see [Note: devices]).
+
+Dropping a unit's arrays does not free them at once: JAX releases an input
+buffer a moment after the computation that read it has finished. So, like
+FSDP's all-gather rate limiter, a new gather or copy-out waits (briefly, and
+at most ``RELEASE_WAIT`` seconds) until the full params still alive leave room
+for it within ``1 + prefetch`` units beyond the pinned ones (a unit gathered
+with ``pinned=True`` stays for the whole step, as a torch module's root unit
+does); the bound is then a measured fact.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ops import Communicator, Device
+from ops.device._runs import copy_runs
+from shard.core._layout import Layout
+from shard.monitor._profile import timed
+from shard.step._reduce import CopyPlans
+
+__all__ = ["LiveBytes", "Units"]
+
+log = logging.getLogger(__name__)
+RELEASE_WAIT = 0.05  # seconds
+
+
+class LiveBytes:
+    """Counts the bytes of full unit parameters alive right now, and the peak.
+
+    Arrays are counted until they are garbage collected (weakref finalizers),
+    so anything that keeps a gathered unit alive shows up: a measurement, not
+    bookkeeping of intent.
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+
+    def track(self, a: Any, device: Device) -> Any:
+        self.live += a.nbytes
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(device.memory_owner(a), self._release, a.nbytes)
+        return a
+
+    def _release(self, n: int) -> None:
+        self.live -= n
+
+
+class Units:
+    """Full parameters of one unit at a time (see [Note: ZeRO-3 schedule])."""
+
+    def __init__(self, layout: Layout, comm: Communicator, *, stage: int, device: Device,
+                 local: list[Any], full: list[Any] | None,
+                 full_layout: Layout | None, prefetch: int = 1,
+                 tracker: LiveBytes | None = None, plans: CopyPlans | None = None) -> None:
+        self.layout, self.comm, self.stage, self.device = layout, comm, stage, device
+        self.plans = plans or CopyPlans(layout, full_layout)
+        self.local, self.full, self.full_layout = local, full, full_layout
+        self.prefetch = prefetch
+        self.tracker = tracker if tracker is not None else LiveBytes()
+        self.bounded = True  # False: gather everything (a monolithic loss)
+        self.pinned_bytes = 0
+        self._warned = False
+        self._inflight: dict[int, tuple[Any, Any, Any]] = {}  # u: (gathered, work, shard)
+        self._unit_bytes = max((self._gather_bytes(u) for u in range(len(layout.units))),
+                               default=0)
+        # One rank at stage 3: its shards are the whole params, laid out as the
+        # full layout's units (no padding rows), where they are on the device
+        # (not so for compute params offloaded to the host).
+        on_host = not device.host and bool(local) and isinstance(local[0], np.ndarray)
+        self.solo = stage == 3 and comm.world_size == 1 and not on_host
+        # The state's own buffers serve as the whole params of every unit (stages
+        # 0-2, and stage 3 on one rank): nothing is gathered, copied or freed.
+        self.persistent = stage < 3 or self.solo
+
+    def _gather_bytes(self, u: int) -> int:
+        """Bytes of unit ``u``'s all-gathered sections."""
+        return (self.layout.units[u].sharded_size * self.comm.world_size
+                * self.local[u].dtype.itemsize)
+
+    def _wait_for_room(self, nbytes: int) -> None:
+        """Block until ``nbytes`` more fit in ``1 + prefetch`` units (see the Note)."""
+        if not self.bounded:
+            return
+        deadline = time.monotonic() + RELEASE_WAIT
+        while not self._fits(nbytes):
+            if time.monotonic() > deadline:
+                if not self._warned:
+                    log.warning("full unit params are still referenced %.2f s after use (held "
+                                "by the loss function?); ZeRO-3 goes over its memory bound",
+                                RELEASE_WAIT)
+                    self._warned = True
+                return
+            time.sleep(2e-5)
+
+    def _fits(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit in ``1 + prefetch`` units beyond the pinned ones."""
+        limit = self.pinned_bytes + self._unit_bytes * (1 + self.prefetch)
+        return not self.bounded or self.tracker.live + nbytes <= limit
+
+    def start(self, u: int, *, wait: bool = True) -> bool:
+        """Begin all-gathering unit ``u`` (stage 3; no-op otherwise). With
+        ``wait=False`` only if it fits in the memory bound now; returns whether
+        the unit is in flight."""
+        if self.persistent or not 0 <= u < len(self.layout.units):
+            return False
+        if u in self._inflight:
+            return True
+        unit, shard = self.layout.units[u], self.local[u]
+        # an extra prefetch leaves room for the copy-out of every unit in flight,
+        # which briefly holds that unit twice
+        copies = sum(out.nbytes for out, _, _ in self._inflight.values())
+        if not wait and not self._fits(self._gather_bytes(u) + copies):
+            return False
+        self._wait_for_room(self._gather_bytes(u))
+        out = self.tracker.track(self.device.empty(unit.sharded_size * self.comm.world_size,
+                                                   shard.dtype), self.device)
+        if not self.device.host and isinstance(shard, np.ndarray):  # compute params on the
+            shard = self.device.asarray(shard)  # host (Offload(params="host")): a copy over
+        work = (self.comm.all_gather_async(out, shard[:unit.sharded_size])
+                if unit.sharded_size else None)
+        self._inflight[u] = (out, work, shard)
+        return True
+
+    def get(self, u: int, upcoming: list[int] | tuple = (), *,
+            pinned: bool = False) -> list[Any]:
+        """Unit ``u``'s full leaves (views of :meth:`flat`), then start the gathers
+        of ``upcoming`` units.
+
+        The next gathers start only once this unit is copied out and its gather
+        buffer freed, so at most this unit and ``prefetch`` more are alive.
+        ``pinned`` units are kept for the step and counted outside that bound.
+        More units may be prefetched while they fit (:meth:`prefetch_after`).
+        """
+        return self.leaf_views(u, self.flat(u, upcoming, pinned=pinned))
+
+    def flat(self, u: int, upcoming: list[int] | tuple = (), *, pinned: bool = False) -> Any:
+        """Unit ``u``'s whole params as one flat buffer, laid out as the full
+        layout's unit (each leaf whole and contiguous at its offset there; see
+        :meth:`leaf_views`). Where :attr:`persistent`, it is the state's own
+        buffer, the same object every step; otherwise freshly gathered (stage 3)."""
+        if self.stage < 3:
+            return self.full[u]
+        if self.solo:
+            return self.local[u]
+        with timed("library"):
+            return self._gather(u, upcoming, pinned)
+
+    def leaf_views(self, u: int, flat: Any) -> list[Any]:
+        """The leaves of unit ``u`` (in its leaf order) as views of its flat buffer."""
+        leaves = self.full_layout.leaves
+        return [flat[leaf.offset:leaf.offset + leaf.size].reshape(leaf.shape)
+                for leaf in (leaves[i] for i in self.full_layout.units[u].leaves)]
+
+    def _gather(self, u: int, upcoming: Any, pinned: bool) -> Any:
+        if pinned:
+            self.pinned_bytes += self._gather_bytes(u)
+        self.start(u)
+        gathered, work, shard = self._inflight.pop(u)
+        if work is not None:
+            with timed("all_gather_wait"):
+                work.wait()
+        del work  # the handle references the buffer; the copy-out below is its last use
+        self._wait_for_room(gathered.nbytes)
+        # one buffer for the unit, tracked once: its views keep it alive
+        flat = self.tracker.track(
+            self.device.empty(self.full_layout.units[u].local_size, gathered.dtype), self.device)
+        sharded, replicated = self.plans.gather(u)
+        copy_runs(flat, sharded, sharded.table(self.device), device=self.device, src=gathered)
+        copy_runs(flat, replicated, replicated.table(self.device), device=self.device, src=shard)
+        del gathered, shard
+        self.prefetch_after(upcoming)
+        return flat
+
+    def prefetch_after(self, upcoming: Any) -> None:
+        """Start the gathers of the next ``prefetch`` units of ``upcoming``, then of
+        more while they fit in the memory bound (small units, such as norms,
+        would otherwise leave the next large unit's gather with nothing to hide
+        behind)."""
+        for i, v in enumerate(upcoming):
+            if not self.start(v, wait=i < self.prefetch):
+                return
