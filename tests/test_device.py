@@ -230,15 +230,15 @@ def test_a_step_without_clipping_or_loss_scaling_reads_nothing_back():
 def test_a_planted_host_conversion_in_the_step_fails_on_the_stand_in(monkeypatch):
     """What the stand-in is for: code that hands device memory to numpy (fine on
     the host, an error on a GPU) fails the device tests."""
-    from shard.step._step import ZeroStep
+    from shard.step import _update
 
-    original = ZeroStep._norm_and_loss
+    original = _update.norm_and_loss
 
-    def planted(self, shards, totals):
+    def planted(plan, shards, totals):
         np.asarray(shards[0])  # a host-only habit
-        return original(self, shards, totals)
+        return original(plan, shards, totals)
 
-    monkeypatch.setattr(ZeroStep, "_norm_and_loss", planted)
+    monkeypatch.setattr(_update, "norm_and_loss", planted)
     ops.spawn(lambda c: train(c, HOST, stage=3, steps=1), 2)  # the host does not mind
     with pytest.raises(TypeError, match="Implicit conversion to a NumPy array"):
         ops.spawn(lambda c: train(c, STANDIN, stage=3, steps=1), 2)
@@ -271,16 +271,16 @@ def test_torch_gradients_of_another_device_are_refused():
 
 def test_jax_losses_over_host_state_stay_on_the_cpu(monkeypatch):
     """Even where JAX's default device is a GPU (it is on a GPU machine)."""
-    from shard.step._step import ZeroStep
+    from shard.step import _grads
 
     seen = []
-    original = ZeroStep._on_device
+    original = _grads.on_device
 
-    def record(self, x, what):
+    def record(plan, x, what):
         seen.append({d.platform for d in x.devices()})
-        return original(self, x, what)
+        return original(plan, x, what)
 
-    monkeypatch.setattr(ZeroStep, "_on_device", record)
+    monkeypatch.setattr(_grads, "on_device", record)
 
     def run(comm):
         step = shard.zero1(M.loss, optimizer=ops.adamw(M.LR), comm=comm)

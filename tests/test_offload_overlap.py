@@ -115,21 +115,23 @@ def test_units_update_before_the_backward_ends(monkeypatch):
 
 def test_a_failing_update_leaves_the_state_unchanged():
     def run(comm):
-        step = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm, offload=OVERLAP)
+        optimizer = ops.adamw(M.LR)
+        calls, armed = [], []
+
+        def failing(*a, **k):  # the second unit's update of the second step fails
+            if armed:
+                calls.append(1)
+                if len(calls) == 2:
+                    raise MemoryError("planted")
+            return optimizer.apply(*a, **k)
+
+        step = shard.zero3(M.loss, optimizer=optimizer._replace(apply=failing), comm=comm,
+                           offload=OVERLAP)
         state = step.init(M.init_params())
         b = shard.split_batch(M.batches(1)[0], rank=comm.rank, world_size=1)
         state, _ = step(state, b)
         before = [np.array(x) for x in state.master + state.exp_avg + state.exp_avg_sq]
-        calls = []
-        original = step.optimizer.apply
-
-        def failing(*a, **k):
-            calls.append(1)
-            if len(calls) == 2:
-                raise MemoryError("planted")
-            return original(*a, **k)
-
-        step.optimizer = step.optimizer._replace(apply=failing)
+        armed.append(True)
         with pytest.raises(RuntimeError, match="overlapped offload update failed") as e:
             step(state, b)
         assert isinstance(e.value.__cause__, MemoryError)
@@ -162,7 +164,7 @@ def test_estimate_memory_counts_the_spare_set(device, params):
         state = step.init(to_device(M.init_params(), device))
         b = shard.split_batch(M.batches(1)[0], rank=comm.rank, world_size=2)
         state, _ = step(state, b)
-        return state.tiers(), step._spare.nbytes()
+        return state.tiers(), step._offloader.spare.nbytes()
 
     tiers, spare = ops.spawn(run, 2)[0]
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
@@ -183,7 +185,7 @@ def test_host_state_keeps_no_staging_buffers_it_does_not_need(tmp_path, stage):
                            offload=shard.Offload("disk", path=tmp_path, chunk_mb=1), **BF16)
         state = step.init(M.init_params())
         step(state, shard.split_batch(M.batches(1)[0], rank=comm.rank, world_size=1))
-        return step._host_staging
+        return step._offloader.host_staging
 
     staging = ops.spawn(run, 1)[0]
     assert staging.grads == []

@@ -45,6 +45,7 @@ from shard.checkpoint._module import _load_module, _write_module_file, read_modu
 from shard.core._layout import Layout, LeafLayout, alloc_units
 from shard.core._paths import shapes_from_manifest
 from shard.core._state import TrainState
+from shard.step._plan import make_plan, new_state
 
 __all__ = ["CheckpointError", "leaf_names", "load", "read_manifest", "read_module_file", "save"]
 
@@ -294,27 +295,22 @@ def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
         nothing is loaded in that case, and the step is left as it was.
     """
     path, manifest = read_any_manifest(path)
-    before = (step.layout, step.full_layout, step.master_dtype, step.device, step.precision)
-    try:  # a checkpoint that does not fit leaves the step as it was
-        with _every_rank("load", comm):
-            return _load(path, manifest, step, comm, like, device)
-    except BaseException:
-        (step.layout, step.full_layout, step.master_dtype, step.device,
-         step.precision) = before
-        raise
+    with _every_rank("load", comm):
+        return _load(path, manifest, step, comm, like, device)
 
 
 def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
           device: Any) -> tuple[TrainState, Any]:
     from safetensors import safe_open
 
-    if like is None and step.layout is None:
+    config, plan = step.config, step.plan  # the plan of the step's init, if any
+    if like is None and plan is None:
         like = shapes_from_manifest(manifest, f"{path}/manifest.json")
     if like is not None:
-        step.setup(like)
+        plan = make_plan(config, like, device=plan.device if plan else None)
     if device is not None:
-        step.device = device_named(device) if isinstance(device, str) else device
-    layout, rank = step.layout, (comm.rank if step.stage > 0 else 0)
+        plan = plan.on(device_named(device) if isinstance(device, str) else device)
+    layout, rank = plan.layout, (comm.rank if config.stage > 0 else 0)
     saved = {e["path"]: e for e in manifest["leaves"]}
     sources = []
     for leaf in layout.leaves:
@@ -333,7 +329,7 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
     needed = {(s.path, r) for s, (lo, hi) in zip(sources, wanted, strict=True)
               for r in s.ranks_for(lo, hi)}
     needed |= {(s.path, r) for s in sources for r in s.ranks_for(0, s.rows)} \
-        if step.stage in (0, 1, 2) else set()
+        if config.stage in (0, 1, 2) else set()
     handles = {}
     for where, m in {s.path: s.manifest for s in sources}.items():
         ranks = {r for p, r in needed if p == where}
@@ -342,28 +338,29 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
         handles.update({(where, r): safe_open(str(where / (files[r] if m["stage"] else
                                                              files[0])["file"]),
                                               framework="numpy") for r in ranks})
-    buffers = {kind: alloc_units(layout, step.master_dtype) for kind in KINDS}  # host
+    buffers = {kind: alloc_units(layout, plan.master_dtype) for kind in KINDS}  # host
     for kind, bufs in buffers.items():
         for leaf, src, (lo, hi), dst in zip(layout.leaves, sources, wanted,
                                             layout.local_views(bufs), strict=True):
             _fill(leaf, dst, src.read(handles, kind, lo, hi))
-    on_device = step.device.asarray  # host buffers: an explicit copy to a GPU
+    on_device = plan.device.asarray  # host buffers: an explicit copy to a GPU
     full_leaves = [on_device(src.read(handles, "master", 0, src.rows).reshape(leaf.shape))
-                   if step.stage in (0, 1, 2) else None
+                   if config.stage in (0, 1, 2) else None
                    for leaf, src in zip(layout.leaves, sources, strict=True)]
     copies = None
-    if step.offload is not None:  # into host memory or the disk tier, unit by unit
+    offloader = plan.offloader()
+    if offloader is not None:  # into host memory or the disk tier, unit by unit
         def fill(u: int, kind: str, buf: np.ndarray) -> None:
             buf[...] = buffers[kind][u]
 
-        *bufs, copies = step._offloaded_buffers(fill)
+        *bufs, copies = offloader.buffers(fill)
         buffers = dict(zip(KINDS, bufs, strict=True))
     else:
         buffers = {kind: [on_device(b) for b in bufs] for kind, bufs in buffers.items()}
-    state = step.state_from(buffers["master"], buffers["exp_avg"], buffers["exp_avg_sq"],
-                            full_leaves=full_leaves, step=manifest["step"],
-                            loss_scale=manifest["loss_scale"],
-                            good_steps=manifest["good_steps"], copies=copies)
+    state = new_state(plan, buffers["master"], buffers["exp_avg"], buffers["exp_avg_sq"],
+                      full_leaves=full_leaves, step=manifest["step"],
+                      loss_scale=manifest["loss_scale"], good_steps=manifest["good_steps"],
+                      copies=copies)
     _load_module(path, manifest, step)
     comm.barrier()
     return state, manifest.get("extra")

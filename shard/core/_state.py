@@ -50,6 +50,10 @@ class StateMeta:
     # checkpoints keep beside the params (see [Note: torch buffers]); None for
     # other losses. Not part of the state's identity.
     module_state: Any = field(default=None, compare=False, hash=False, repr=False)
+    # The step's plan this state was made with (shard/step/_plan.py): which step
+    # made it, and what that step derived from its params. Not part of the
+    # state's identity.
+    plan: Any = field(default=None, compare=False, hash=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -17,7 +17,7 @@ from shard.monitor._profile import timed
 from shard.offload._offload import KINDS, DiskTier, Offload
 from shard.offload._overlap import HostStaging, OverlappedUpdate, Spare
 
-__all__ = ["OffloadPhase", "check_offload"]
+__all__ = ["Offloader", "check_offload"]
 
 log = logging.getLogger(__name__)
 
@@ -40,43 +40,28 @@ def check_offload(name: str, stage: int, offload: Any, clip_norm: Any) -> None:
                          "Offload(overlap=True) updates during the backward; drop one of them")
 
 
-class OffloadPhase:
-    """Offload methods of ``ZeroStep`` (which provides the attributes)."""
+class Offloader:
+    """An offloaded state's buffers and update, for one layout (see [Note:
+    offload]): the disk tier's generation files, the host buffers for what
+    crosses the bus, and the overlapped update's spare set (see [Note:
+    overlapped offload]), kept from step to step."""
 
-    offload: Offload | None
-    layout: Any
-    comm: Any
-    device: Any
-    stage: int
-    optimizer: Any
-    clip_norm: Any
-    master_dtype: Any
-    precision: Any
-    _tier: DiskTier | None
-    _host_staging: HostStaging | None = None
-    _spare: Spare | None = None
-    _overlap: OverlappedUpdate | None = None
-    name: str
-    state_from: Any
-    _refresh: Any
+    def __init__(self, policy: Offload, *, name: str, stage: int, layout: Any, device: Any,
+                 master_dtype: Any, compute_dtype: Any, rank: int, optimizer: Any,
+                 clip_norm: float | None) -> None:
+        self.policy, self.name, self.stage, self.layout = policy, name, stage, layout
+        self.device, self.rank = device, rank
+        self.master_dtype, self.compute_dtype = np.dtype(master_dtype), np.dtype(compute_dtype)
+        self.optimizer, self.clip_norm = optimizer, clip_norm
+        self.tier = None if policy.optimizer != "disk" else DiskTier(
+            policy, rank, [u.local_size for u in layout.units], self.master_dtype)
+        self.host_staging: HostStaging | None = None
+        self.spare: Spare | None = None
+        self.overlap: OverlappedUpdate | None = None
 
-    def _compute_on_host(self) -> bool:
-        """Stage 3's compute shards in host memory (``Offload(params="host")``)."""
-        return bool(self.offload and self.offload.params == "host" and not self.device.host)
-
-    def _setup_offload(self) -> None:
-        """The disk tier for this layout (host memory needs nothing)."""
-        if self.offload is None or self.offload.optimizer != "disk":
-            self._tier = None
-            return
-        sizes = [u.local_size for u in self.layout.units]
-        tier = self._tier
-        if tier is None or tier.sizes != sizes or tier.dtype != self.master_dtype:
-            self._tier = DiskTier(self.offload, self.comm.rank, sizes, self.master_dtype)
-
-    def _offloaded_init(self, leaves: list[Any], rank: int) -> Any:
-        """``init``'s state with the masters scattered straight into host memory or
-        the disk tier, one unit at a time."""
+    def init_buffers(self, leaves: list[Any], rank: int) -> tuple[list, list, list, list]:
+        """``init``'s masters (scattered straight into host memory or the disk tier,
+        one unit at a time), zero moments, and the masters' compute-dtype copies."""
         def fill(u: int, kind: str, buf: Any) -> None:
             if kind != "master":
                 return
@@ -86,11 +71,11 @@ class OffloadPhase:
                 self.layout.scatter_leaf(leaf, x, rank, buf[
                     leaf.offset:leaf.offset + leaf.local_size].reshape(leaf.local_shape))
 
-        *bufs, copies = self._offloaded_buffers(fill)
-        log.info("%s: masters and moments offloaded to %s", self.name, self.offload.optimizer)
-        return self.state_from(*bufs, full_leaves=leaves, copies=copies)
+        out = self.buffers(fill)
+        log.info("%s: masters and moments offloaded to %s", self.name, self.policy.optimizer)
+        return out
 
-    def _offloaded_buffers(self, fill: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+    def buffers(self, fill: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
         """Masters and moments where the policy keeps them, unit by unit, and the
         compute-dtype copy of each unit's masters (host arrays, for the device).
 
@@ -98,43 +83,43 @@ class OffloadPhase:
         host buffer ``buf`` (zeros already); only one unit is in memory at a time
         for the disk tier.
         """
-        compute_dtype = np.dtype(self.precision.param_dtype or self.master_dtype)
         copies = []
-        if self._tier is None:  # host memory
+        if self.tier is None:  # host memory
             bufs = {k: [np.zeros(u.local_size, self.master_dtype) for u in self.layout.units]
                     for k in KINDS}
             for u in range(len(self.layout.units)):
                 for k in KINDS:
                     fill(u, k, bufs[k][u])
-                copies.append(_cast(bufs["master"][u], compute_dtype))
+                copies.append(_cast(bufs["master"][u], self.compute_dtype))
             return bufs["master"], bufs["exp_avg"], bufs["exp_avg_sq"], copies
-        tier = self._tier
+        tier = self.tier
         path = tier.new_file()
         for u, unit in enumerate(self.layout.units):
             for k in KINDS:
                 buf = np.zeros(unit.local_size, self.master_dtype)
                 fill(u, k, buf)
                 if k == "master":
-                    copies.append(_cast(buf, compute_dtype))
+                    copies.append(_cast(buf, self.compute_dtype))
                 if buf.any():  # zeros are the file's (sparse) default
                     tier.write(path, k, u, buf)
         tier.finish(path)
         maps = tier.maps(path)
         return maps["master"], maps["exp_avg"], maps["exp_avg_sq"], copies
 
-    def _apply_offloaded(self, state: Any, shards: list[Any], grad_scale: float,
-                         grad_sumsq: Any) -> Any:
-        """The update in host memory or streamed through the disk tier; the new
-        compute-dtype params go back to the device. Returns the new state."""
+    def apply(self, state: Any, shards: list[Any], grad_scale: float,
+              grad_sumsq: Any) -> tuple[Any, tuple | None]:
+        """The update in host memory or streamed through the disk tier. Returns the
+        new state, and the new compute-dtype params (device arrays) that stages
+        1-2 still gather into their whole compute params, else None."""
         host_sumsq = None
         if grad_sumsq is not None:
             host_sumsq = np.asarray(self.device.to_host(grad_sumsq) if not self.device.host
                                     else grad_sumsq, np.float64).reshape(1)
             if not math.isfinite(float(host_sumsq[0])):
-                return state  # skipped (see [Note: non-finite gradients])
+                return state, None  # skipped (see [Note: non-finite gradients])
         resident = self._resident(state)
         staging = self._staging(state, shards)
-        overlap = self._overlap
+        overlap = self.overlap
         with timed("optimizer"):
             if overlap is not None:  # see [Note: overlapped offload]
                 overlap.wait_updated()
@@ -146,13 +131,12 @@ class OffloadPhase:
                 out = list(state.compute) if resident else staging.out
                 state = self._update_units(state, grads, out, grad_scale, host_sumsq)
             if resident:
-                return state
+                return state, None
             if self.stage == 3:  # the shard the next all-gather sends
                 for dst, src in zip(state.compute, out, strict=True):
                     self.device.from_host_into(dst, src)
-                return state
-        self._refresh(state, tuple(self.device.asarray(c) for c in out))
-        return state
+                return state, None
+        return state, tuple(self.device.asarray(c) for c in out)
 
     def _resident(self, state: Any) -> bool:
         """Stage 3's compute shards are host memory: new params go straight in."""
@@ -164,10 +148,9 @@ class OffloadPhase:
         sizes = [u.local_size for u in self.layout.units]
         grad_dtype = None if self.device.host else shards[0].dtype
         out_dtype = None if self._resident(state) else np.dtype(state.meta.compute_dtype)
-        if self._host_staging is None or not self._host_staging.fits(sizes, grad_dtype,
-                                                                      out_dtype):
-            self._host_staging = HostStaging.make(self.device, sizes, grad_dtype, out_dtype)
-        return self._host_staging
+        if self.host_staging is None or not self.host_staging.fits(sizes, grad_dtype, out_dtype):
+            self.host_staging = HostStaging.make(self.device, sizes, grad_dtype, out_dtype)
+        return self.host_staging
 
     def _unit_update(self, state: Any, grad_scale: float, host_sumsq: Any) -> Any:
         """``run(grad, p, m, v, copy, read_from=None)``: the kernel on one unit's
@@ -191,28 +174,28 @@ class OffloadPhase:
     def _update_units(self, state: Any, grads: list[Any], out: list[Any], grad_scale: float,
                       host_sumsq: Any) -> Any:
         run = self._unit_update(state, grad_scale, host_sumsq)
-        if self._tier is None:
+        if self.tier is None:
             for u in range(len(self.layout.units)):
                 run(grads[u], state.master[u], state.exp_avg[u], state.exp_avg_sq[u], out[u])
             return state
         src = _file_of(state.master)
-        new = self._tier.update(src, lambda u, lo, hi, p, m, v: run(
+        new = self.tier.update(src, lambda u, lo, hi, p, m, v: run(
             grads[u][lo:hi], p, m, v, out[u][lo:hi]))
-        maps = self._tier.maps(new)
-        self._tier.retire(src)
+        maps = self.tier.maps(new)
+        self.tier.retire(src)
         return state.replace(master=tuple(maps["master"]), exp_avg=tuple(maps["exp_avg"]),
                              exp_avg_sq=tuple(maps["exp_avg_sq"]))
 
     # -- overlap (see [Note: overlapped offload]) -----------------------------------
-    def _start_overlap(self, state: Any, reducer: Any, grad_scale: float) -> Any:
+    def start_overlap(self, state: Any, reducer: Any, grad_scale: float) -> Any:
         """The step's :class:`OverlappedUpdate` (handed each unit's reduction by
         ``reducer``), or None where the policy does not overlap."""
-        if self.offload is None or not self.offload.overlap:
+        if not self.policy.overlap:
             return None
         resident = self._resident(state)
-        spare = self._spare
+        spare = self.spare
         if spare is None or not spare.fits(state, resident):
-            spare = self._spare = Spare.like(state, resident)
+            spare = self.spare = Spare.like(state, resident)
         staging = self._staging(state, reducer.shards)
         run = self._unit_update(state, grad_scale, None)
         copy_out = spare.compute if resident else staging.out
@@ -221,14 +204,14 @@ class OffloadPhase:
             run(grad, spare.master[u], spare.exp_avg[u], spare.exp_avg_sq[u], copy_out[u],
                 read_from=(state.master[u], state.exp_avg[u], state.exp_avg_sq[u]))
 
-        self._overlap = OverlappedUpdate(self.device, reducer.shards, staging, spare, run_unit)
-        reducer.on_final = self._overlap.submit
-        return self._overlap
+        self.overlap = OverlappedUpdate(self.device, reducer.shards, staging, spare, run_unit)
+        reducer.on_final = self.overlap.submit
+        return self.overlap
 
-    def _end_overlap(self) -> None:
-        if self._overlap is not None:
-            self._overlap.close()
-            self._overlap = None
+    def end_overlap(self) -> None:
+        if self.overlap is not None:
+            self.overlap.close()
+            self.overlap = None
 
     def _commit(self, state: Any, spare: Spare, resident: bool) -> Any:
         """The spare set becomes the state's; the old set the next step's spare."""
@@ -238,7 +221,7 @@ class OffloadPhase:
                    "exp_avg_sq": tuple(spare.exp_avg_sq)}
         if resident:
             changes["compute"] = tuple(spare.compute)
-        self._spare = old
+        self.spare = old
         return state.replace(**changes)
 
 

@@ -1,8 +1,12 @@
-"""The ZeRO step: :class:`~shard.ZeroStep` and the phases it calls.
+"""The ZeRO step: :class:`~shard.ZeroStep` and the parts it calls.
 
 - ``_step.py``: the step, stages 0-3 as one code path ([Note: non-finite
-  gradients]);
+  gradients]); it holds its configuration and calls the parts below;
+- ``_config.py``: :class:`StepConfig`, the step's arguments, checked and frozen;
+- ``_plan.py``: the :class:`Plan` that ``init`` and ``shard.load`` derive from
+  the params (layouts, dtypes, device), carried by every state;
 - ``_checks.py``: what a step checks before it changes anything;
+- ``_grads.py``: the gradient phase, each micro-batch's loss and gradients;
 - ``_runtime.py``: units' full params gathered and their gradients reduced
   ([Note: ZeRO-3 schedule]); ``_reduce.py``: the gradients' reduction into
   the shards the optimizer reads;

@@ -10,91 +10,88 @@ from typing import Any
 import numpy as np
 
 import ops._tree
+from ops import Communicator, Device
 from ops.comm._collectives import all_gather_host
 from shard.core._layout import Layout
 from shard.core._state import TrainState
 
-__all__ = ["StepChecks"]
+__all__ = ["agree_on_layout", "agree_on_values", "cast_inputs", "check_batch", "check_fits",
+           "check_is_state"]
 
 
-class StepChecks:
-    """The checking methods of ``ZeroStep`` (which provides the attributes)."""
+def agree_on_values(comm: Communicator, device: Device, leaves: list[Any], fn: str) -> None:
+    """Every rank's params equal rank 0's (a checksum is compared; a collective)."""
+    digest = 1
+    for x in leaves:  # on a GPU, an explicit copy to the host, once, at init
+        host = np.ascontiguousarray(x if device.host else device.to_host(x))
+        digest = zlib.adler32(host.view(np.uint8).reshape(-1), digest)
+    every = all_gather_host(comm, np.array([digest], np.int64))
+    if np.any(every != every[0]):
+        bad = [r for r, d in enumerate(every.tolist()) if d != int(every[0])]
+        raise ValueError(f"{fn}: the params on rank(s) {bad} differ from rank "
+                         "0's; seed the model's initialisation identically on every rank "
+                         "(thread ranks share torch's global RNG: build the model once and "
+                         "deepcopy it)")
 
-    comm: Any
-    device: Any
-    name: str
-    stage: int
-    layout: Any
-    kind: str
-    precision: Any
-    master_dtype: Any
-    _fast: Any
 
-    def _agree_on_values(self, leaves: list[Any]) -> None:
-        digest = 1
-        for x in leaves:  # on a GPU, an explicit copy to the host, once, at init
-            host = np.ascontiguousarray(x if self.device.host else self.device.to_host(x))
-            digest = zlib.adler32(host.view(np.uint8).reshape(-1), digest)
-        every = all_gather_host(self.comm, np.array([digest], np.int64))
-        if np.any(every != every[0]):
-            bad = [r for r, d in enumerate(every.tolist()) if d != int(every[0])]
-            raise ValueError(f"{self.name}.init: the params on rank(s) {bad} differ from rank "
-                             "0's; seed the model's initialisation identically on every rank "
-                             "(thread ranks share torch's global RNG: build the model once and "
-                             "deepcopy it)")
+def agree_on_layout(comm: Communicator, layout: Layout, fn: str) -> None:
+    """Every rank built the same layout (a fingerprint is compared; a collective)."""
+    mine = np.array([layout.fingerprint()], np.int64)
+    every = all_gather_host(comm, mine)
+    if np.any(every != mine[0]):
+        bad = [r for r, f in enumerate(every.tolist()) if f != int(mine[0])]
+        raise ValueError(f"{fn}: rank(s) {bad} built a different layout than rank "
+                         f"{comm.rank} (params shapes, dtypes, specs or units differ); "
+                         "every rank must init with the same params")
 
-    def _agree_on_layout(self, layout: Layout) -> None:
-        mine = np.array([layout.fingerprint()], np.int64)
-        every = all_gather_host(self.comm, mine)
-        if np.any(every != mine[0]):
-            bad = [r for r, f in enumerate(every.tolist()) if f != int(mine[0])]
-            raise ValueError(f"{self.name}.init: rank(s) {bad} built a different layout than rank "
-                             f"{self.comm.rank} (params shapes, dtypes, specs or units differ); "
-                             "every rank must init with the same params")
-        self._fast = self.comm.unchecked()
 
-    def _check_batch(self, batch: Any) -> None:
-        """An empty batch would give a nan loss (a mean over nothing) silently."""
-        tu = ops._tree.tree_util()
-        for path, x in tu.tree_flatten_with_path(batch)[0]:
-            shape = getattr(x, "shape", None)
-            if shape is not None and len(shape) > 0 and shape[0] == 0:
-                raise ValueError(f"{self.name}: batch{tu.keystr(path)} has no rows (shape "
-                                 f"{tuple(shape)}) on rank {self.comm.rank}; every rank needs a "
-                                 "non-empty part of the batch")
+def check_batch(name: str, rank: int, batch: Any) -> None:
+    """An empty batch would give a nan loss (a mean over nothing) silently."""
+    tu = ops._tree.tree_util()
+    for path, x in tu.tree_flatten_with_path(batch)[0]:
+        shape = getattr(x, "shape", None)
+        if shape is not None and len(shape) > 0 and shape[0] == 0:
+            raise ValueError(f"{name}: batch{tu.keystr(path)} has no rows (shape "
+                             f"{tuple(shape)}) on rank {rank}; every rank needs a "
+                             "non-empty part of the batch")
 
-    def _cast_inputs(self, batch: Any) -> Any:
-        """A JAX loss's batch with its floating arrays in the compute dtype (see
-        ``Precision.cast_forward_inputs``; a torch module casts in its forward)."""
-        p = self.precision
-        jax_batch = self.kind != "provider" or getattr(self.loss_fn, "jax_batch", False)
-        if (not jax_batch or not p.cast_forward_inputs or p.param_dtype is None
-                or p.param_dtype == self.master_dtype):
-            return batch
 
-        def cast(x: Any) -> Any:
-            dtype = getattr(x, "dtype", None)
-            if dtype is None or not hasattr(x, "astype"):
-                return x
-            d = np.dtype(dtype)
-            return x.astype(p.param_dtype) if d.kind == "f" and d != p.param_dtype else x
+def cast_inputs(plan: Any, batch: Any) -> Any:
+    """A JAX loss's batch with its floating arrays in the compute dtype (see
+    ``Precision.cast_forward_inputs``; a torch module casts in its forward)."""
+    p, c = plan.precision, plan.config
+    jax_batch = c.kind != "provider" or getattr(c.loss_fn, "jax_batch", False)
+    if (not jax_batch or not p.cast_forward_inputs or p.param_dtype is None
+            or p.param_dtype == plan.master_dtype):
+        return batch
 
-        return ops._tree.tree_map(cast, batch)
+    def cast(x: Any) -> Any:
+        dtype = getattr(x, "dtype", None)
+        if dtype is None or not hasattr(x, "astype"):
+            return x
+        d = np.dtype(dtype)
+        return x.astype(p.param_dtype) if d.kind == "f" and d != p.param_dtype else x
 
-    def _check_state(self, state: TrainState) -> None:
-        if not isinstance(state, TrainState):
-            raise TypeError(f"{self.name}: expected the TrainState from {self.name}.init; got "
-                            f"{type(state).__name__}")
-        if self.layout is None:
-            raise RuntimeError(f"{self.name}: call init(params) before stepping")
-        m = state.meta
-        if m.stage != self.stage or m.layout != self.layout or m.rank != self.comm.rank:
-            raise ValueError(
-                f"{self.name}: this TrainState was made for stage {m.stage}, rank {m.rank} of "
-                f"{m.layout.world_size if m.stage else 'any'} ranks, but this step is stage "
-                f"{self.stage} on rank {self.comm.rank} of {self.comm.world_size}; load it "
-                "through shard.load to re-shard, or init a new state")
-        if m.device != self.device.name:
-            raise ValueError(f"{self.name}: this TrainState lives on {m.device} but the step was "
-                             f"set up for {self.device.name} params; load it onto this device "
-                             "with shard.load(..., device=), or init a new state")
+    return ops._tree.tree_map(cast, batch)
+
+
+def check_is_state(name: str, state: Any) -> None:
+    if not isinstance(state, TrainState):
+        raise TypeError(f"{name}: expected the TrainState from {name}.init; got "
+                        f"{type(state).__name__}")
+
+
+def check_fits(plan: Any, state: TrainState) -> None:
+    """A state another step made fits ``plan``: the same stage, rank, layout and
+    device."""
+    c, m = plan.config, state.meta
+    if m.stage != c.stage or m.layout != plan.layout or m.rank != c.comm.rank:
+        raise ValueError(
+            f"{c.name}: this TrainState was made for stage {m.stage}, rank {m.rank} of "
+            f"{m.layout.world_size if m.stage else 'any'} ranks, but this step is stage "
+            f"{c.stage} on rank {c.comm.rank} of {c.comm.world_size}; load it "
+            "through shard.load to re-shard, or init a new state")
+    if m.device != plan.device.name:
+        raise ValueError(f"{c.name}: this TrainState lives on {m.device} but the step was "
+                         f"set up for {plan.device.name} params; load it onto this device "
+                         "with shard.load(..., device=), or init a new state")

@@ -9,9 +9,9 @@ does not leave the next large one's gather exposed), copies them out into
 one flat buffer, each leaf whole at its place in the one-rank layout, in
 one launch over the unit's runs (``ops/device/_runs.py``), and the caller drops it
 after use. A torch module keeps each unit's activations and saves its params
-by reference (see [Note: torch ZeRO-3] in ``interop/torch.py``). For a :class:`Layered` loss
-each layer takes its unit's flat buffer (one DLPack exchange, sliced into
-leaves inside the compiled layer) and the forward pass keeps its VJP
+by reference (see [Note: torch ZeRO-3] in ``interop/torch/_adapter.py``). For a
+:class:`Layered` loss each layer takes its unit's flat buffer (one DLPack
+exchange, sliced into leaves inside the compiled layer) and the forward pass keeps its VJP
 residuals except those that are its own inputs; the backward pass re-gathers
 each unit in reverse order (the last unit stays gathered from its forward,
 as FSDP2's root does), hands the layer's VJP its params again (so no residual

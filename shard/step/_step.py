@@ -16,15 +16,20 @@ What each stage shards (the ZeRO paper's P_os, P_os+g, P_os+g+p):
 | 3     | this rank's shard      | shard, reduce-scattered early | shard; gathered |
 |       |                        |                               | per unit        |
 
-One step, in order (each a small function below):
+One step, in order (the part that does each in brackets):
 1. for each micro-batch: gradients of the (loss-scaled) loss, unit by unit,
-   handed to the GradReducer (stage 3: [Note: ZeRO-3 schedule]);
+   handed to the GradReducer (``_grads.py``, ``_reduce.py``; stage 3:
+   [Note: ZeRO-3 schedule] in ``_runtime.py``);
 2. finish the reductions; the global sum of squares of the gradients and the
-   mean loss in one all-reduce;
-3. dynamic loss scaling: on inf/nan skip the step and back the scale off;
+   mean loss in one all-reduce (``_update.norm_and_loss``);
+3. dynamic loss scaling: on inf/nan skip the step and back the scale off
+   (:meth:`ZeroStep._run`, below);
 4. the fused optimizer on every unit's shard: unscale, clip, AdamW, and the
-   compute-dtype copy of the new params, in one pass;
-5. stages 1-2: all-gather the new compute params for the next step.
+   compute-dtype copy of the new params, in one pass (``_update.apply``, or
+   the :class:`~shard.offload._step.Offloader` where the masters are
+   offloaded);
+5. stages 1-2: all-gather the new compute params for the next step
+   (``_update.refresh``).
 
 Every buffer lives on the device of the params given to ``init`` (numpy,
 CuPy, or the stand-in of :mod:`ops.testing`; see [Note: devices]). The loss,
@@ -49,89 +54,82 @@ metrics are looked at.
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import logging
 import math
 from typing import Any
 
 import numpy as np
 
-import ops
-import ops._tree
-from ops import HOST, Communicator, Device, FusedAdam
-from ops.device._dlpack import jax_view
+from ops import HOST, Device
 from shard.core._gather import MicroBatches
-from shard.core._layout import (
-    Layout,
-    Units,
-    alloc_units,
-    make_layout,
-    master_dtype_of,
-    native_leaves,
-)
-from shard.core._loss import JaxLoss, classify
-from shard.core._policy import LossScale, Precision
-from shard.core._state import StateMeta, TrainState
+from shard.core._layout import Layout, alloc_units, native_leaves
+from shard.core._policy import Precision
+from shard.core._state import TrainState
 from shard.monitor._metrics import StepMetrics
 from shard.monitor._profile import step_breakdown, timed
-from shard.offload._offload import Offload
-from shard.offload._step import OffloadPhase, check_offload
-from shard.step._checks import StepChecks
-from shard.step._eval import EvalPhase
-from shard.step._reduce import CopyPlans, GradBuffers, GradReducer
+from shard.offload._step import Offloader
+from shard.step import _checks, _eval, _grads, _update
+from shard.step._config import StepConfig
+from shard.step._plan import Plan, make_plan, new_state
+from shard.step._reduce import GradBuffers, GradReducer
 from shard.step._runtime import LiveBytes
-from shard.step._runtime import Units as UnitParams
-from shard.step._update import UpdatePhase
 
 __all__ = ["ZeroStep"]
 
 log = logging.getLogger(__name__)
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(StepConfig))
 
 
-class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
-    """A ZeRO train step; build it with :func:`zero0` ... :func:`zero3`."""
+class ZeroStep:
+    """A ZeRO train step; build it with :func:`zero0` ... :func:`zero3`.
 
-    def __init__(self, loss_fn: Any, *, stage: int, optimizer: FusedAdam, comm: Communicator,
-                 specs: Any = None, units: Units = None, precision: Precision | None = None,
-                 clip_norm: float | None = None, loss_scale: LossScale | None = None,
-                 prefetch: int = 1, loggers: Any = (), offload: Offload | None = None) -> None:
-        name = f"zero{stage}"
-        if stage not in (0, 1, 2, 3):
-            raise ValueError(f"stage must be 0, 1, 2 or 3; got {stage!r}")
-        if not isinstance(optimizer, FusedAdam):
-            raise TypeError(f"{name}: optimizer must be an ops.adamw(...) or ops.adam(...); got "
-                            f"{type(optimizer).__name__}")
-        if not isinstance(comm, Communicator):
-            raise TypeError(f"{name}: comm must be an ops.Communicator (from ops.spawn or "
-                            f"ops.init_from_env); got {type(comm).__name__}")
-        if clip_norm is not None and not clip_norm > 0:
-            raise ValueError(f"{name}: clip_norm must be > 0; got {clip_norm!r}")
-        if prefetch < 0:
-            raise ValueError(f"{name}: prefetch must be >= 0; got {prefetch}")
-        check_offload(name, stage, offload, clip_norm)
-        self.offload, self._tier = offload, None
-        self.loggers = (loggers,) if callable(loggers) else tuple(loggers or ())
-        for lg in self.loggers:
-            if not callable(lg):
-                raise TypeError(f"{name}: loggers must be callables (step, metrics), such as "
-                                f"shard.CSVLogger; got {type(lg).__name__}")
-        self.kind = classify(loss_fn)
-        self.loss_fn = JaxLoss(loss_fn) if self.kind == "jax" else loss_fn
-        if units is None:  # a loss object may know its model's units (interop.torch does)
-            units = getattr(loss_fn, "units", None) if self.kind == "provider" else None
-        self.stage, self.optimizer, self.comm = stage, optimizer, comm
-        self.specs, self.units = specs, units
-        self.precision = self._precision_arg = precision or Precision()
-        self.clip_norm, self.loss_scale, self.prefetch = clip_norm, loss_scale, prefetch
-        self.layout: Layout | None = None
-        self.master_dtype = np.dtype(np.float32)
-        self.full_layout: Layout | None = None
-        self.tracker = LiveBytes()
-        self._grad_store: GradBuffers | None = None
-        self._plans: CopyPlans | None = None  # the layout's run tables (see ops/device/_runs.py)
-        self.device: Device = HOST
-        self.name = name
+    It holds its frozen configuration (``step.config``) and calls the step's
+    parts with explicit inputs: the checks (``_checks.py``), the gradient phase
+    (``_grads.py``, ``_reduce.py``, ``_runtime.py``), the update
+    (``_update.py``, or ``shard/offload/``'s :class:`Offloader`) and
+    evaluation (``_eval.py``). What it derives from the params, a
+    :class:`~shard.step._plan.Plan`, comes with each state (``init`` and
+    ``shard.load`` make it); what it keeps between steps are buffers only.
+    """
+
+    def __init__(self, loss_fn: Any, **kwargs: Any) -> None:
+        self.config = StepConfig.make(loss_fn, **kwargs)
+        self.tracker = LiveBytes()  # live gathered bytes (stage 3's memory bound)
+        self._plan: Plan | None = None
+        self._grad_buffers: GradBuffers | None = None
+        self._offloader: Offloader | None = None
+
+    def __getattr__(self, name: str) -> Any:
+        """The configuration's fields as the step's (``step.stage``,
+        ``step.optimizer``, ``step.offload``...), as DeepSpeed's engine shows them."""
+        config = self.__dict__.get("config")
+        if config is not None and name in _CONFIG_FIELDS:
+            return getattr(config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _CONFIG_FIELDS:
+            raise AttributeError(f"{self.name}: the step's {name} is part of its frozen "
+                                 f"configuration; build a new step with {name}=...")
+        object.__setattr__(self, name, value)
+
+    @property
+    def plan(self) -> Plan | None:
+        """The plan of the last state this step made or ran (None before ``init``)."""
+        return self._plan
+
+    @property
+    def layout(self) -> Layout | None:
+        return self._plan.layout if self._plan else None
+
+    @property
+    def device(self) -> Device:
+        return self._plan.device if self._plan else HOST
+
+    @property
+    def precision(self) -> Precision:
+        return self._plan.precision if self._plan else self.config.precision
 
     # -- init -----------------------------------------------------------------
     def init(self, params: Any) -> TrainState:
@@ -140,104 +138,48 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
         Raises ValueError if the ranks' params differ (a checksum is compared):
         seed the model's initialisation identically on every rank.
         """
-        self.setup(params)
-        _, leaves = native_leaves(self.layout.treedef.flatten_up_to(params), f"{self.name}.init")
-        leaves = [self.device.asarray(x) for x in leaves]
-        self._agree_on_values(leaves)
-        rank = self.comm.rank if self.stage > 0 else 0
-        if self.offload is not None:  # masters and moments in host memory or on disk
-            return self._offloaded_init(leaves, rank)
-        master = alloc_units(self.layout, self.master_dtype, self.device)
-        for leaf, x, dst in zip(self.layout.leaves, leaves,
-                                self.layout.local_views(master), strict=True):
-            self.layout.scatter_leaf(leaf, x, rank, dst)
-        zeros = [alloc_units(self.layout, self.master_dtype, self.device) for _ in range(2)]
-        state = self.state_from(master, *zeros, full_leaves=leaves)
-        log.info("%s: %d units, %d of %d elements on rank %d", self.name, len(self.layout.units),
-                 self.layout.local_size(), self.full_layout.local_size(), self.comm.rank)
+        c = self.config
+        plan = make_plan(c, params, device=self.device)
+        layout, device = plan.layout, plan.device
+        _, leaves = native_leaves(layout.treedef.flatten_up_to(params), f"{c.name}.init")
+        leaves = [device.asarray(x) for x in leaves]
+        _checks.agree_on_values(c.comm, device, leaves, f"{c.name}.init")
+        rank = c.comm.rank if c.stage > 0 else 0
+        offloader = plan.offloader()
+        if offloader is not None:  # masters and moments in host memory or on disk
+            *bufs, copies = offloader.init_buffers(leaves, rank)
+            state = new_state(plan, *bufs, full_leaves=leaves, copies=copies)
+        else:
+            master = alloc_units(layout, plan.master_dtype, device)
+            for leaf, x, dst in zip(layout.leaves, leaves, layout.local_views(master),
+                                    strict=True):
+                layout.scatter_leaf(leaf, x, rank, dst)
+            zeros = [alloc_units(layout, plan.master_dtype, device) for _ in range(2)]
+            state = new_state(plan, master, *zeros, full_leaves=leaves)
+            log.info("%s: %d units, %d of %d elements on rank %d", c.name, len(layout.units),
+                     layout.local_size(), plan.full_layout.local_size(), c.comm.rank)
+        self._use(plan, offloader)
         return state
 
-    def setup(self, params: Any) -> None:
-        """Build the layouts for ``params`` (arrays or shapes) and check that every
-        rank built the same one; ``init`` and ``shard.load`` call this. Arrays
-        decide the step's device; shapes keep the device it has."""
-        w, fn = self.comm.world_size, f"{self.name}.init"
-        if hasattr(self.loss_fn, "claim"):  # a loss object that serves one rank
-            self.loss_fn.claim(self.comm)
-        device, _ = native_leaves(self.layout_leaves(params), fn)
-        layout = make_layout(params, self.specs, world_size=1 if self.stage == 0 else w,
-                             units=self.units, fn=fn)
-        if not layout.leaves:
-            raise ValueError(f"{fn}: the params tree has no leaves: nothing to train")
-        for leaf in layout.leaves:
-            if leaf.dtype not in FLOAT_DTYPES:
-                raise TypeError(f"{fn}: params{leaf.path} is {leaf.dtype}; ZeRO trains "
-                                "floating-point params (float16, bfloat16, float32, float64): "
-                                "keep integer, boolean and complex state out of params")
-        precision = self._precision_arg
-        dtypes = sorted({leaf.dtype for leaf in layout.leaves})
-        if precision.param_dtype is None and {"float16", "bfloat16"} & set(dtypes):
-            if len(dtypes) > 1:  # 16-bit params: compute in their dtype, if they agree
-                raise ValueError(f"{fn}: the params mix dtypes {dtypes}; say which one the loss "
-                                 "computes in: precision=shard.Precision(param_dtype=...)")
-            precision = Precision(param_dtype=dtypes[0], reduce_dtype=precision.reduce_dtype)
-        master_dtype = master_dtype_of(layout)
-        if master_dtype == np.float64 and precision.param_dtype not in (
-                None, np.dtype(np.float64)):
-            raise NotImplementedError(f"{fn}: float64 params keep float64 masters, which mixed "
-                                      "precision does not support; give float32 params or drop "
-                                      "precision=")
-        if self.kind == "layered" and len(self.loss_fn.layers) != len(layout.units):
-            raise ValueError(f"{fn}: Layered has {len(self.loss_fn.layers)} layers but the "
-                             f"params form {len(layout.units)} units "
-                             f"({[u.name for u in layout.units]}); give one layer per unit")
-        self._agree_on_layout(layout)
-        self.device = device or self.device
-        self.layout, self.master_dtype, self.precision = layout, master_dtype, precision
-        self._setup_offload()
-        if hasattr(self.loss_fn, "cast_forward_inputs"):  # the torch adapter casts itself
-            self.loss_fn.cast_forward_inputs = precision.cast_forward_inputs
-        self.full_layout = make_layout(params, self.specs, world_size=1, units=self.units)
-        self._plans = CopyPlans(layout, self.full_layout)
+    def _use(self, plan: Plan, offloader: Offloader | None = None) -> Plan:
+        if plan is not self._plan:
+            self._plan = plan
+            self._offloader = offloader or plan.offloader()
+        return plan
 
-    @staticmethod
-    def layout_leaves(params: Any) -> list[Any]:
-        return ops._tree.tree_leaves(params)
-
-    def state_from(self, master: list[Any], exp_avg: list[Any],
-                   exp_avg_sq: list[Any], *, full_leaves: list[Any], step: int = 0,
-                   loss_scale: float | None = None, good_steps: int = 0,
-                   copies: list[Any] | None = None) -> TrainState:
-        """A TrainState over the given master and moment buffers (this step's layout).
-
-        ``full_leaves`` are the whole params in leaf order (arrays of the step's
-        device), for the compute params stages 0-2 keep whole. ``copies``: an
-        offloaded state's compute-dtype copy of each unit's masters (host
-        arrays), which stage 3 keeps on the device.
-        """
-        master_dtype = self.master_dtype
-        compute_dtype = self.precision.param_dtype or master_dtype
-        compute: tuple = ()
-        if self.stage in (1, 2) or (self.stage == 0 and compute_dtype != master_dtype):
-            full = alloc_units(self.full_layout, compute_dtype, self.device)
-            for leaf, x, dst in zip(self.full_layout.leaves, full_leaves,
-                                    self.full_layout.local_views(full), strict=True):
-                self.full_layout.scatter_leaf(leaf, x.astype(compute_dtype), 0, dst)
-            compute = tuple(full)
-        elif self.stage == 3 and copies is not None:
-            compute = tuple(copies if self._compute_on_host() else
-                            (self.device.asarray(c) for c in copies))
-        elif self.stage == 3 and compute_dtype != master_dtype:
-            compute = tuple(ops.cast(m, compute_dtype) for m in master)
-        meta = StateMeta(self.layout, self.stage, self.comm.rank, self.precision,
-                         str(master_dtype), str(compute_dtype), self.device.name,
-                         self.offload.optimizer if self.offload else None,
-                         self._compute_on_host(), getattr(self.loss_fn, "module_state", None))
-        if loss_scale is None:
-            loss_scale = self.loss_scale.initial if self.loss_scale else 1.0
-        return TrainState(tuple(master), tuple(exp_avg), tuple(exp_avg_sq), compute,
-                          np.asarray(step, np.int64), np.asarray(loss_scale, np.float64),
-                          np.asarray(good_steps, np.int64), meta)
+    def _plan_for(self, state: Any) -> Plan:
+        """The plan ``state`` was made with, where this step (its ``init``, or
+        ``shard.load`` into it) made it; a state of another step must fit this
+        step's own plan."""
+        c = self.config
+        _checks.check_is_state(c.name, state)
+        plan = state.meta.plan
+        if plan is not None and plan.config is c:
+            return self._use(plan)
+        if self._plan is None:
+            raise RuntimeError(f"{c.name}: call init(params) before stepping")
+        _checks.check_fits(self._plan, state)
+        return self._plan
 
     # -- step -------------------------------------------------------------------
     def __call__(self, state: TrainState, batch: Any, *,
@@ -255,44 +197,50 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
         if tokens is not None:
             metrics.add(tokens_per_s=1e3 * int(tokens) / max(split["step"], 1e-9))
         world = getattr(self.loss_fn, "norm_comm", self.comm)  # a pipeline's whole mesh
-        for logger in self.loggers if world.rank == 0 else ():
+        for logger in self.config.loggers if world.rank == 0 else ():
             logger(int(state.step), metrics)
         return state, metrics
 
     def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
-        self._check_state(state)
+        plan = self._plan_for(state)
         micro = list(batch) if isinstance(batch, MicroBatches) else [batch]
         for b in micro:
-            self._check_batch(b)
-        micro = [self._cast_inputs(b) for b in micro]
+            _checks.check_batch(self.name, self.comm.rank, b)
+        micro = [_checks.cast_inputs(plan, b) for b in micro]
         state.donate()
         try:
-            return self._run(state, micro)
+            return self._run(plan, state, micro)
         finally:
-            self._end_overlap()  # the overlapped offload's threads, if it started them
+            if self._offloader is not None:  # the overlapped offload's threads, if started
+                self._offloader.end_overlap()
 
-    def _run(self, state: TrainState, micro: list[Any]) -> tuple[TrainState, StepMetrics]:
+    def _run(self, plan: Plan, state: TrainState,
+             micro: list[Any]) -> tuple[TrainState, StepMetrics]:
+        c, device = self.config, plan.device
         scale = float(state.loss_scale)
-        reducer = GradReducer(self.layout, self._fast, stage=self.stage,
-                              dtype=self._reduce_dtype(), device=self.device,
-                              buffers=self._grad_buffers(), plans=self._plans)
-        units = self._unit_params(state)
-        totals = self.device.zeros(2, np.float64)  # [sum of squares, sum of losses]
-        w, k = self.comm.world_size, len(micro)
+        self._grad_buffers = _grads.grad_buffers(plan, self._grad_buffers)
+        reducer = GradReducer(plan.layout, plan.fast, stage=c.stage,
+                              dtype=_grads.reduce_dtype(plan), device=device,
+                              buffers=self._grad_buffers, plans=plan.copy_plans)
+        units = _grads.unit_params(plan, state, self.tracker)
+        totals = device.zeros(2, np.float64)  # [sum of squares, sum of losses]
+        w, k = c.comm.world_size, len(micro)
         grad_scale = 1.0 / (w * k * scale)
-        overlap = self._start_overlap(state, reducer, grad_scale)
-        with self._jax_placement():
+        offloader = self._offloader
+        overlap = offloader.start_overlap(state, reducer, grad_scale) if offloader else None
+        with _grads.placement(plan):
             for i, b in enumerate(micro):
                 reducer.final = i == len(micro) - 1
-                totals[1:2] += self._on_device(self._grads(units, reducer, b, scale), "the loss")
+                loss = _grads.loss_and_grads(plan, units, reducer, b, scale)
+                totals[1:2] += _grads.on_device(plan, loss, "the loss")
         shards = reducer.finish()
         if overlap is not None:  # see [Note: overlapped offload]
             overlap.submit_rest()
             with timed("reduce_wait"):
                 overlap.wait_copied()
         with timed("optimizer"):
-            self._norm_and_loss(shards, totals)
-        known = {"lr": float(self.optimizer.learning_rate(int(state.step))),
+            _update.norm_and_loss(plan, shards, totals)
+        known = {"lr": float(c.optimizer.learning_rate(int(state.step))),
                  "loss_scale": scale, "skipped": False}
 
         def finish(host: np.ndarray) -> dict[str, float]:
@@ -300,9 +248,9 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
             norm = math.sqrt(sumsq) * grad_scale if math.isfinite(sumsq) else sumsq
             return {"loss": float(host[1]) / (w * k), "grad_norm": norm}
 
-        fresh_copies = self.stage in (1, 2) and bool(state.compute) and (
+        fresh_copies = c.stage in (1, 2) and bool(state.compute) and (
             state.meta.compute_dtype != state.meta.master_dtype)
-        if self.clip_norm is None and self.loss_scale is None and not fresh_copies:
+        if c.clip_norm is None and c.loss_scale is None and not fresh_copies:
             # Nothing to decide on the host: no read back until metrics are looked
             # at. The kernel reads the sum of squares on the device and skips the
             # update when it is not finite (see [Note: non-finite gradients]).
@@ -313,94 +261,53 @@ class ZeroStep(UpdatePhase, OffloadPhase, EvalPhase, StepChecks):
                 out["skipped"] = not math.isfinite(float(host[0]))
                 if out["skipped"]:
                     log.warning("%s: non-finite gradients (inf or nan) at step %d: the update "
-                                "was skipped", self.name, int(state.step))
+                                "was skipped", c.name, int(state.step))
                 return out
 
-            state = self._apply(state, shards, grad_scale, totals[0:1])
+            state = self._apply(plan, state, shards, grad_scale, totals[0:1])
             return (state.replace(step=np.asarray(int(state.step) + 1, np.int64)),
-                    StepMetrics(known, totals, finish_and_flag, self.device.to_host))
-        host = self.device.to_host(totals)  # the step's one read: skip it or not
+                    StepMetrics(known, totals, finish_and_flag, device.to_host))
+        host = device.to_host(totals)  # the step's one read: skip it or not
         known.update(finish(host))
         finite = math.isfinite(float(host[0]))
         new_scale, good = scale, int(state.good_steps)
-        if self.loss_scale is not None:
-            new_scale, good = self.loss_scale.update(scale, good, finite)
+        if c.loss_scale is not None:
+            new_scale, good = c.loss_scale.update(scale, good, finite)
         if finite:
-            state = self._apply(state, shards, grad_scale,
-                                totals[0:1] if self.clip_norm is not None else None)
-        elif self.loss_scale is None:
+            state = self._apply(plan, state, shards, grad_scale,
+                                totals[0:1] if c.clip_norm is not None else None)
+        elif c.loss_scale is None:
             log.warning("%s: non-finite gradients (inf or nan) at step %d: the update was "
-                        "skipped", self.name, int(state.step))
+                        "skipped", c.name, int(state.step))
         known["skipped"] = not finite
         return state.replace(step=np.asarray(int(state.step) + finite, np.int64),
                              loss_scale=np.asarray(new_scale, np.float64),
                              good_steps=np.asarray(good, np.int64)), StepMetrics(known)
 
-    def _on_device(self, x: Any, what: str) -> Any:
-        """A loss (a number, or a torch, jax or device scalar) as a device array."""
-        if isinstance(x, (int, float)):
-            x = np.asarray(x, np.float64)
-        return self.device.asarray(x, what=f"{self.name}: {what}").reshape(1)
+    def _apply(self, plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
+               grad_sumsq: Any) -> TrainState:
+        """The update where the state's masters live; returns the new state."""
+        if state.meta.offload is None:
+            return _update.apply(plan, state, shards, grad_scale, grad_sumsq)
+        state, new_compute = self._offloader.apply(state, shards, grad_scale, grad_sumsq)
+        if new_compute is not None:
+            _update.refresh(plan, state, new_compute)
+        return state
 
-    def _jax_placement(self) -> Any:
-        """JAX computations over host state run on JAX's CPU device, even where
-        JAX's default device is a GPU."""
-        if not self.device.host or self.kind == "provider":
-            return contextlib.nullcontext()
-        import jax
+    # -- evaluation -------------------------------------------------------------
+    def evaluate(self, state: Any, batch: Any) -> float:
+        """The loss at ``state``'s params on this rank's ``batch``, averaged over
+        the ranks (a collective: every rank calls it); no gradients, no update,
+        the state stays usable.
 
-        return jax.default_device(jax.devices("cpu")[0])
-
-    def _grad_buffers(self) -> GradBuffers:
-        """The gradient shards, kept across steps (see :class:`GradBuffers`)."""
-        dtype, store = self._reduce_dtype(), self._grad_store
-        if store is None or not store.serves(self.layout, dtype, self.device):
-            store = self._grad_store = GradBuffers(self.layout, dtype, self.device)
-        return store
-
-    def _reduce_dtype(self) -> np.dtype:
-        p = self.precision
-        return np.dtype(p.reduce_dtype or p.param_dtype or self.master_dtype)
-
-    def _unit_params(self, state: TrainState) -> UnitParams:
-        local = list(state.compute) if self.stage == 3 and state.compute else list(state.master)
-        full = list(state.compute) if self.stage in (1, 2) or (
-            self.stage == 0 and state.compute) else (list(state.master) if self.stage == 0
-                                                     else None)
-        return UnitParams(self.layout, self._fast, stage=self.stage, device=self.device,
-                          local=local, full=full,
-                          full_layout=self.full_layout, prefetch=self.prefetch,
-                          tracker=self.tracker, plans=self._plans)
-
-    def _whole_params(self, units: UnitParams) -> Any:
-        """Every unit gathered at once, as the params pytree (jax arrays for a JAX
-        loss): what a monolithic loss needs."""
-        n = len(self.layout.units)
-        units.bounded = False
-        leaves: list[Any] = [None] * len(self.layout.leaves)
-        for u in range(n):
-            for i, x in zip(self.layout.units[u].leaves, units.get(u, range(u + 1, n)),
-                            strict=True):
-                leaves[i] = jax_view(x) if self.kind == "jax" else x
-        return self.layout.treedef.unflatten(leaves)
-
-    # -- gradients ----------------------------------------------------------------
-    def _grads(self, units: UnitParams, reducer: GradReducer, batch: Any, scale: float) -> Any:
-        """Loss of one micro-batch (a number or a scalar array); its gradients (of
-        loss * scale) go to ``reducer``."""
-        if self.kind == "layered":
-            return self.loss_fn.run_units(units, reducer, batch, scale)
-        # Unit by unit: stage 3 within its memory bound, each reduction overlapped
-        if hasattr(self.loss_fn, "run_units") and (
-                getattr(self.loss_fn, "hooks_usable", lambda comm: True)(self.comm)):
-            return self.loss_fn.run_units(units, reducer, batch, scale)
-        n = len(self.layout.units)
-        params = self._whole_params(units)
-        kwargs = {"loss_scale": scale} if (self.loss_scale or self.kind == "jax") else {}
-        with timed("compute"):
-            loss, grads = self.loss_fn.value_and_grad(params, batch, **kwargs)
-        del params
-        flat = self.layout.treedef.flatten_up_to(grads)
-        for u in reversed(range(n)):
-            reducer.add(u, [flat[i] for i in self.layout.units[u].leaves])
-        return loss
+        A ``Layered`` loss, ``interop.torch.layered``'s and a pipeline's run
+        unit by unit (at stage 3 within the training step's memory bound; a
+        pipeline passes each micro-batch's activations forward through its
+        stages); other losses see the whole params at once, as FSDP's
+        ``summon_full_params``. A torch module runs in eval mode (BatchNorm's
+        running statistics, no dropout) under ``torch.no_grad``.
+        """
+        plan = self._plan_for(state)
+        state.check_live()
+        _checks.check_batch(self.name, self.comm.rank, batch)
+        return _eval.evaluate(plan, _grads.unit_params(plan, state, self.tracker), batch)

@@ -1,0 +1,71 @@
+"""A ZeRO step's configuration: :class:`StepConfig`, checked once and frozen."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from ops import Communicator, FusedAdam
+from shard.core._loss import JaxLoss, classify
+from shard.core._policy import LossScale, Precision
+from shard.offload._offload import Offload
+from shard.offload._step import check_offload
+
+__all__ = ["StepConfig"]
+
+
+@dataclass(frozen=True, eq=False)
+class StepConfig:
+    """What a :class:`~shard.ZeroStep` is built with: ``shard.zero3(...)``'s
+    arguments, checked. Nothing a step learns later lives here; the layouts,
+    dtypes and device come from the params, in a
+    :class:`~shard.step._plan.Plan` that every state carries."""
+
+    name: str
+    stage: int
+    loss_fn: Any  # a JAX loss wrapped in JaxLoss; Layered and loss objects as given
+    kind: str  # "jax", "layered" or "provider" (see classify)
+    optimizer: FusedAdam
+    comm: Communicator
+    specs: Any
+    units: Any
+    precision: Precision
+    clip_norm: float | None
+    loss_scale: LossScale | None
+    prefetch: int
+    loggers: tuple
+    offload: Offload | None
+
+    @classmethod
+    def make(cls, loss_fn: Any, *, stage: int, optimizer: FusedAdam, comm: Communicator,
+             specs: Any = None, units: Any = None, precision: Precision | None = None,
+             clip_norm: float | None = None, loss_scale: LossScale | None = None,
+             prefetch: int = 1, loggers: Any = (), offload: Offload | None = None
+             ) -> StepConfig:
+        """The configuration of ``zero{stage}(loss_fn, ...)``; a TypeError or
+        ValueError naming the argument for anything it cannot train with."""
+        name = f"zero{stage}"
+        if stage not in (0, 1, 2, 3):
+            raise ValueError(f"stage must be 0, 1, 2 or 3; got {stage!r}")
+        if not isinstance(optimizer, FusedAdam):
+            raise TypeError(f"{name}: optimizer must be an ops.adamw(...) or ops.adam(...); got "
+                            f"{type(optimizer).__name__}")
+        if not isinstance(comm, Communicator):
+            raise TypeError(f"{name}: comm must be an ops.Communicator (from ops.spawn or "
+                            f"ops.init_from_env); got {type(comm).__name__}")
+        if clip_norm is not None and not clip_norm > 0:
+            raise ValueError(f"{name}: clip_norm must be > 0; got {clip_norm!r}")
+        if prefetch < 0:
+            raise ValueError(f"{name}: prefetch must be >= 0; got {prefetch}")
+        check_offload(name, stage, offload, clip_norm)
+        loggers = (loggers,) if callable(loggers) else tuple(loggers or ())
+        for lg in loggers:
+            if not callable(lg):
+                raise TypeError(f"{name}: loggers must be callables (step, metrics), such as "
+                                f"shard.CSVLogger; got {type(lg).__name__}")
+        kind = classify(loss_fn)
+        if units is None:  # a loss object may know its model's units (interop.torch does)
+            units = getattr(loss_fn, "units", None) if kind == "provider" else None
+        return cls(name, stage, JaxLoss(loss_fn) if kind == "jax" else loss_fn, kind,
+                   optimizer, comm, specs, units, precision or Precision(), clip_norm,
+                   loss_scale, prefetch, loggers, offload)

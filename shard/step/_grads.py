@@ -1,0 +1,98 @@
+"""A step's gradient phase: the units' params as the loss sees them, each
+micro-batch's loss and gradients, handed unit by unit to the reduction (step 1
+of the step in ``shard/step/_step.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+
+from ops.device._dlpack import jax_view
+from shard.core._state import TrainState
+from shard.monitor._profile import timed
+from shard.step._reduce import GradBuffers, GradReducer
+from shard.step._runtime import LiveBytes, Units
+
+__all__ = ["grad_buffers", "loss_and_grads", "on_device", "placement", "reduce_dtype",
+           "unit_params", "whole_params"]
+
+
+def reduce_dtype(plan: Any) -> np.dtype:
+    p = plan.precision
+    return np.dtype(p.reduce_dtype or p.param_dtype or plan.master_dtype)
+
+
+def grad_buffers(plan: Any, kept: GradBuffers | None) -> GradBuffers:
+    """The gradient shards, kept across steps (see :class:`GradBuffers`):
+    ``kept`` where it serves ``plan``, else new ones."""
+    dtype = reduce_dtype(plan)
+    if kept is not None and kept.serves(plan.layout, dtype, plan.device):
+        return kept
+    return GradBuffers(plan.layout, dtype, plan.device)
+
+
+def unit_params(plan: Any, state: TrainState, tracker: LiveBytes) -> Units:
+    """Each unit's full params for this step: gathered (stage 3) or the state's
+    own whole buffers."""
+    stage = plan.config.stage
+    local = list(state.compute) if stage == 3 and state.compute else list(state.master)
+    full = list(state.compute) if stage in (1, 2) or (stage == 0 and state.compute) else (
+        list(state.master) if stage == 0 else None)
+    return Units(plan.layout, plan.fast, stage=stage, device=plan.device, local=local,
+                 full=full, full_layout=plan.full_layout, prefetch=plan.config.prefetch,
+                 tracker=tracker, plans=plan.copy_plans)
+
+
+def whole_params(plan: Any, units: Units) -> Any:
+    """Every unit gathered at once, as the params pytree (jax arrays for a JAX
+    loss): what a monolithic loss needs."""
+    layout = plan.layout
+    n = len(layout.units)
+    units.bounded = False
+    leaves: list[Any] = [None] * len(layout.leaves)
+    for u in range(n):
+        for i, x in zip(layout.units[u].leaves, units.get(u, range(u + 1, n)), strict=True):
+            leaves[i] = jax_view(x) if plan.config.kind == "jax" else x
+    return layout.treedef.unflatten(leaves)
+
+
+def on_device(plan: Any, x: Any, what: str) -> Any:
+    """A loss (a number, or a torch, jax or device scalar) as a device array."""
+    if isinstance(x, (int, float)):
+        x = np.asarray(x, np.float64)
+    return plan.device.asarray(x, what=f"{plan.config.name}: {what}").reshape(1)
+
+
+def placement(plan: Any) -> Any:
+    """JAX computations over host state run on JAX's CPU device, even where
+    JAX's default device is a GPU."""
+    if not plan.device.host or plan.config.kind == "provider":
+        return contextlib.nullcontext()
+    import jax
+
+    return jax.default_device(jax.devices("cpu")[0])
+
+
+def loss_and_grads(plan: Any, units: Units, reducer: GradReducer, batch: Any,
+                   scale: float) -> Any:
+    """Loss of one micro-batch (a number or a scalar array); its gradients (of
+    loss * scale) go to ``reducer``."""
+    c, layout = plan.config, plan.layout
+    loss_fn = c.loss_fn
+    if c.kind == "layered":
+        return loss_fn.run_units(units, reducer, batch, scale)
+    # Unit by unit: stage 3 within its memory bound, each reduction overlapped
+    if hasattr(loss_fn, "run_units") and (
+            getattr(loss_fn, "hooks_usable", lambda comm: True)(c.comm)):
+        return loss_fn.run_units(units, reducer, batch, scale)
+    params = whole_params(plan, units)
+    kwargs = {"loss_scale": scale} if (c.loss_scale or c.kind == "jax") else {}
+    with timed("compute"):
+        loss, grads = loss_fn.value_and_grad(params, batch, **kwargs)
+    del params
+    flat = layout.treedef.flatten_up_to(grads)
+    for u in reversed(range(len(layout.units))):
+        reducer.add(u, [flat[i] for i in layout.units[u].leaves])
+    return loss

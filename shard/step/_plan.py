@@ -1,0 +1,162 @@
+"""What a step derives from its params: a :class:`Plan` (layouts, dtypes,
+device), and the :class:`~shard.TrainState` over a plan's buffers.
+
+``step.init(params)`` and ``shard.load(path, step, ...)`` make a plan from the
+step's :class:`~shard.step._config.StepConfig` and the params (or their
+shapes); every state made with it carries it (``state.meta.plan``), and a step
+takes its plan from the state it is given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import ops
+import ops._tree
+from ops import HOST, Communicator, Device
+from shard.core._layout import Layout, alloc_units, make_layout, master_dtype_of, native_leaves
+from shard.core._policy import Precision
+from shard.core._state import StateMeta, TrainState
+from shard.offload._step import Offloader
+from shard.step._checks import agree_on_layout
+from shard.step._config import StepConfig
+from shard.step._reduce import CopyPlans
+
+__all__ = ["Plan", "make_plan", "new_state"]
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """One step's layouts, dtypes and device for one params tree.
+
+    Attributes:
+      config: the step's configuration.
+      layout: where each leaf lives in this rank's unit buffers.
+      full_layout: the same leaves whole (one rank), for stages 0-2's compute
+        params.
+      master_dtype: the masters' and moments' dtype (float32, or float64 for
+        float64 params).
+      precision: the step's precision, with a 16-bit params tree's dtype as
+        the compute dtype where none was given.
+      device: where the state's buffers live.
+      fast: the communicator without per-call argument checks (every rank's
+        layout was found equal when the plan was made).
+      copy_plans: the layout's run tables (see ``ops/device/_runs.py``).
+    """
+
+    config: StepConfig
+    layout: Layout
+    full_layout: Layout
+    master_dtype: np.dtype
+    precision: Precision
+    device: Device
+    fast: Communicator
+    copy_plans: CopyPlans
+
+    @property
+    def compute_dtype(self) -> np.dtype:
+        return np.dtype(self.precision.param_dtype or self.master_dtype)
+
+    @property
+    def compute_on_host(self) -> bool:
+        """Stage 3's compute shards in host memory (``Offload(params="host")``)."""
+        off = self.config.offload
+        return bool(off and off.params == "host" and not self.device.host)
+
+    def on(self, device: Device) -> Plan:
+        """This plan with its buffers on ``device``."""
+        return dataclasses.replace(self, device=device)
+
+    def offloader(self) -> Offloader | None:
+        """A fresh :class:`Offloader` for this plan's offloaded state, or None."""
+        c = self.config
+        if c.offload is None:
+            return None
+        return Offloader(c.offload, name=c.name, stage=c.stage, layout=self.layout,
+                         device=self.device, master_dtype=self.master_dtype,
+                         compute_dtype=self.compute_dtype, rank=c.comm.rank,
+                         optimizer=c.optimizer, clip_norm=c.clip_norm)
+
+
+def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) -> Plan:
+    """The plan for ``params`` (arrays or shapes), after checking that every rank
+    made the same one (a collective). Arrays decide the device; for shapes,
+    ``device`` does (default: the host)."""
+    w, fn = config.comm.world_size, f"{config.name}.init"
+    loss_fn = config.loss_fn
+    if hasattr(loss_fn, "claim"):  # a loss object that serves one rank
+        loss_fn.claim(config.comm)
+    found, _ = native_leaves(ops._tree.tree_leaves(params), fn)
+    layout = make_layout(params, config.specs, world_size=1 if config.stage == 0 else w,
+                         units=config.units, fn=fn)
+    if not layout.leaves:
+        raise ValueError(f"{fn}: the params tree has no leaves: nothing to train")
+    for leaf in layout.leaves:
+        if leaf.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{fn}: params{leaf.path} is {leaf.dtype}; ZeRO trains "
+                            "floating-point params (float16, bfloat16, float32, float64): "
+                            "keep integer, boolean and complex state out of params")
+    precision = config.precision
+    dtypes = sorted({leaf.dtype for leaf in layout.leaves})
+    if precision.param_dtype is None and {"float16", "bfloat16"} & set(dtypes):
+        if len(dtypes) > 1:  # 16-bit params: compute in their dtype, if they agree
+            raise ValueError(f"{fn}: the params mix dtypes {dtypes}; say which one the loss "
+                             "computes in: precision=shard.Precision(param_dtype=...)")
+        precision = Precision(param_dtype=dtypes[0], reduce_dtype=precision.reduce_dtype)
+    master_dtype = master_dtype_of(layout)
+    if master_dtype == np.float64 and precision.param_dtype not in (None, np.dtype(np.float64)):
+        raise NotImplementedError(f"{fn}: float64 params keep float64 masters, which mixed "
+                                  "precision does not support; give float32 params or drop "
+                                  "precision=")
+    if config.kind == "layered" and len(loss_fn.layers) != len(layout.units):
+        raise ValueError(f"{fn}: Layered has {len(loss_fn.layers)} layers but the "
+                         f"params form {len(layout.units)} units "
+                         f"({[u.name for u in layout.units]}); give one layer per unit")
+    agree_on_layout(config.comm, layout, fn)
+    if hasattr(loss_fn, "cast_forward_inputs"):  # the torch adapter casts itself
+        loss_fn.cast_forward_inputs = precision.cast_forward_inputs
+    full_layout = make_layout(params, config.specs, world_size=1, units=config.units)
+    return Plan(config, layout, full_layout, np.dtype(master_dtype), precision,
+                found or device or HOST, config.comm.unchecked(),
+                CopyPlans(layout, full_layout))
+
+
+def new_state(plan: Plan, master: list[Any], exp_avg: list[Any], exp_avg_sq: list[Any], *,
+              full_leaves: list[Any], step: int = 0, loss_scale: float | None = None,
+              good_steps: int = 0, copies: list[Any] | None = None) -> TrainState:
+    """A TrainState over the given master and moment buffers (``plan``'s layout).
+
+    ``full_leaves`` are the whole params in leaf order (arrays of the plan's
+    device), for the compute params stages 0-2 keep whole. ``copies``: an
+    offloaded state's compute-dtype copy of each unit's masters (host arrays),
+    which stage 3 keeps on the device.
+    """
+    c, device = plan.config, plan.device
+    master_dtype = plan.master_dtype
+    compute_dtype = plan.precision.param_dtype or master_dtype
+    compute: tuple = ()
+    if c.stage in (1, 2) or (c.stage == 0 and compute_dtype != master_dtype):
+        full = alloc_units(plan.full_layout, compute_dtype, device)
+        for leaf, x, dst in zip(plan.full_layout.leaves, full_leaves,
+                                plan.full_layout.local_views(full), strict=True):
+            plan.full_layout.scatter_leaf(leaf, x.astype(compute_dtype), 0, dst)
+        compute = tuple(full)
+    elif c.stage == 3 and copies is not None:
+        compute = tuple(copies if plan.compute_on_host else (device.asarray(x) for x in copies))
+    elif c.stage == 3 and compute_dtype != master_dtype:
+        compute = tuple(ops.cast(m, compute_dtype) for m in master)
+    meta = StateMeta(plan.layout, c.stage, c.comm.rank, plan.precision, str(master_dtype),
+                     str(compute_dtype), device.name,
+                     c.offload.optimizer if c.offload else None, plan.compute_on_host,
+                     getattr(c.loss_fn, "module_state", None), plan)
+    if loss_scale is None:
+        loss_scale = c.loss_scale.initial if c.loss_scale else 1.0
+    return TrainState(tuple(master), tuple(exp_avg), tuple(exp_avg_sq), compute,
+                      np.asarray(step, np.int64), np.asarray(loss_scale, np.float64),
+                      np.asarray(good_steps, np.int64), meta)

@@ -1,0 +1,117 @@
+"""The ZeRO step's parts, each alone: its frozen configuration, the plan a state
+carries, the checks, the update's norm and the offloaded buffers; and that
+``shard.load`` reads nothing from a step but its configuration."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+
+import numpy as np
+import pytest
+
+import ops
+import shard
+from shard.step import _checks, _update
+from shard.step._config import StepConfig
+from shard.step._plan import make_plan
+from tests import zero_models as M
+
+
+def one_comm():
+    return ops.spawn(lambda c: c, 1)[0]
+
+
+def test_the_configuration_is_frozen_and_checked_once():
+    step = shard.zero2(M.loss, optimizer=ops.adamw(M.LR), comm=one_comm(), clip_norm=1.0)
+    assert isinstance(step.config, StepConfig)
+    assert (step.stage, step.name, step.config.clip_norm) == (2, "zero2", 1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        step.config.clip_norm = 2.0
+    with pytest.raises(AttributeError):
+        step.optimizer = ops.adam(1e-3)
+    with pytest.raises(ValueError, match="clip_norm must be > 0"):
+        StepConfig.make(M.loss, stage=2, optimizer=ops.adamw(M.LR), comm=one_comm(),
+                        clip_norm=0.0)
+
+
+def test_no_class_of_the_step_is_assembled_from_mixins():
+    import shard.offload._step
+    import shard.step._step
+
+    for module in (shard.step._step, shard.offload._step):
+        for _, cls in inspect.getmembers(module, inspect.isclass):
+            if cls.__module__ == module.__name__:
+                assert cls.__bases__ == (object,), cls
+
+
+def test_a_state_carries_the_plan_its_step_made():
+    step = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=one_comm())
+    assert step.plan is None and step.layout is None
+    state = step.init(M.init_params())
+    plan = state.meta.plan
+    assert step.plan is plan and plan.config is step.config
+    assert plan.layout is state.meta.layout and plan.device is ops.HOST
+    new, _ = step(state, M.batches(1)[0])
+    assert new.meta.plan is plan
+
+
+def test_load_reads_only_the_configuration_and_the_step_takes_the_plan_from_the_state(
+        tmp_path):
+    comm = one_comm()
+    first = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm)
+    state, _ = first(first.init(M.init_params()), M.batches(1)[0])
+    shard.save(state, tmp_path / "ckpt", comm=comm)
+
+    step = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm)
+    loaded, _ = shard.load(tmp_path / "ckpt", step, comm=comm, like=M.init_params())
+    assert step.plan is None  # loading changed nothing in the step
+    assert loaded.meta.plan.config is step.config
+    after, _ = step(loaded, M.batches(2)[1])
+    assert step.plan is loaded.meta.plan
+    want, _ = first(state, M.batches(2)[1])
+    for a, b in zip(after.master, want.master, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_state_of_another_step_must_fit_this_steps_plan():
+    comm = one_comm()
+    zero3 = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm)
+    state = zero3.init(M.init_params())
+    twin = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm)
+    with pytest.raises(RuntimeError, match="call init"):
+        twin(state, M.batches(1)[0])
+    twin.init(M.init_params())
+    twin(state, M.batches(1)[0])  # the same layout and device: it fits
+    zero2 = shard.zero2(M.loss, optimizer=ops.adamw(M.LR), comm=comm)
+    zero2.init(M.init_params())
+    with pytest.raises(ValueError, match="made for stage 3"):
+        _checks.check_fits(zero2.plan, state)
+
+
+def test_the_norm_and_loss_part_alone():
+    """Sum of squares of the shards and the loss total, with one all-reduce."""
+    config = StepConfig.make(M.loss, stage=3, optimizer=ops.adamw(M.LR), comm=one_comm())
+    plan = make_plan(config, M.init_params())
+    rng = np.random.default_rng(0)
+    shards = [rng.standard_normal(u.local_size).astype(np.float32) for u in plan.layout.units]
+    totals = np.array([0.0, 2.5])
+    _update.norm_and_loss(plan, shards, totals)
+    want = sum(float(np.sum(g.astype(np.float64) ** 2)) for g in shards)
+    np.testing.assert_allclose(totals, [want, 2.5], rtol=1e-6)
+
+
+def test_the_offloaded_buffers_part_alone(tmp_path):
+    config = StepConfig.make(M.loss, stage=3, optimizer=ops.adamw(M.LR), comm=one_comm(),
+                             offload=shard.Offload("disk", path=tmp_path))
+    plan = make_plan(config, M.init_params())
+    offloader = plan.offloader()
+
+    def fill(u, kind, buf):
+        buf[...] = {"master": 1.0, "exp_avg": 2.0, "exp_avg_sq": 0.0}[kind] * (u + 1)
+
+    master, exp_avg, exp_avg_sq, copies = offloader.buffers(fill)
+    for u, unit in enumerate(plan.layout.units):
+        assert master[u].shape == (unit.local_size,) and isinstance(master[u], np.memmap)
+        assert np.all(master[u] == u + 1) and np.all(exp_avg[u] == 2 * (u + 1))
+        assert not exp_avg_sq[u].any() and np.all(copies[u] == u + 1)
