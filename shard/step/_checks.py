@@ -4,6 +4,7 @@ the batch's cast to the compute dtype."""
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Any
 
@@ -16,7 +17,7 @@ from shard.core._layout import Layout
 from shard.core._state import TrainState
 
 __all__ = ["agree_on_layout", "agree_on_values", "cast_inputs", "check_batch", "check_fits",
-           "check_is_state"]
+           "check_is_state", "learning_rate"]
 
 
 def agree_on_values(comm: Communicator, device: Device, leaves: list[Any], fn: str) -> None:
@@ -54,6 +55,21 @@ def check_batch(name: str, rank: int, batch: Any) -> None:
             raise ValueError(f"{name}: batch{tu.keystr(path)} has no rows (shape "
                              f"{tuple(shape)}) on rank {rank}; every rank needs a "
                              "non-empty part of the batch")
+
+
+def learning_rate(config: Any, count: int) -> float:
+    """The rate of the update after ``count`` updates: a finite number >= 0, or a
+    ValueError before the step changes anything (see [Note: failed steps])."""
+    lr = config.optimizer.learning_rate(count)
+    try:
+        lr = float(lr)
+    except (TypeError, ValueError):
+        raise TypeError(f"{config.name}: the learning-rate schedule gave {lr!r} at step "
+                        f"{count}; it must return a number") from None
+    if not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(f"{config.name}: the learning-rate schedule gave {lr!r} at step "
+                         f"{count}; it must be a finite number >= 0 (the state is unchanged)")
+    return lr
 
 
 def cast_inputs(plan: Any, batch: Any) -> Any:

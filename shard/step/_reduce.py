@@ -8,6 +8,7 @@ tables of a layout's unit copies (``ops/device/_runs.py``).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any
 
@@ -19,7 +20,7 @@ from ops.kernels._table import runs_kernel
 from shard.core._layout import Layout
 from shard.monitor._profile import timed
 
-__all__ = ["CopyPlans", "GradBuffers", "GradReducer"]
+__all__ = ["CopyPlans", "GradBuffers", "GradReducer", "wait_quietly"]
 
 
 class GradReducer:
@@ -181,6 +182,13 @@ class GradReducer:
                              f"param has {leaf.shape}")
         return g
 
+    def drain(self) -> None:
+        """Wait for every reduction still in flight and drop it (a failed step: see
+        [Note: failed steps]), so none writes into the buffers the next step uses."""
+        pending, early = self._pending, self._early
+        self._pending, self._early = [], {}
+        wait_quietly([w for _, _, w in pending] + list(early.values()))
+
     def finish(self) -> list[Any]:
         """Wait for the reductions; return per-unit gradient shards (sums over ranks)."""
         if self.solo:  # summed in place, nothing in flight
@@ -268,3 +276,12 @@ class _Done:
 
 
 _DONE = _Done()
+
+
+def wait_quietly(works: Any) -> None:
+    """Wait for each collective (None: nothing in flight), ignoring its errors:
+    a failed step's, which the caller raises."""
+    for work in works:
+        if work is not None:
+            with contextlib.suppress(Exception):
+                work.wait()

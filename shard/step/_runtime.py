@@ -51,7 +51,7 @@ from ops import Communicator, Device
 from ops.device._runs import copy_runs
 from shard.core._layout import Layout
 from shard.monitor._profile import timed
-from shard.step._reduce import CopyPlans
+from shard.step._reduce import CopyPlans, wait_quietly
 
 __all__ = ["LiveBytes", "Units"]
 
@@ -215,3 +215,9 @@ class Units:
         for i, v in enumerate(upcoming):
             if not self.start(v, wait=i < self.prefetch):
                 return
+
+    def drain(self) -> None:
+        """Wait for every gather still in flight and drop it (a failed step: see
+        [Note: failed steps]); errors of those gathers are the failure's."""
+        inflight, self._inflight = self._inflight, {}
+        wait_quietly(work for _, work, _ in inflight.values())

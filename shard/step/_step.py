@@ -50,6 +50,19 @@ reads the sum of squares on the device and skips there, so a GPU step still
 reads nothing back: the counter advances (the learning-rate schedule and Adam's
 bias correction count the skipped step), and ``skipped`` is known when the
 metrics are looked at.
+
+[Note: failed steps]
+A step changes nothing of the state it is given until its gradients are
+reduced and their norm is known. Before that come the checks (the state,
+every micro-batch, and this step's learning rate: a schedule's nan or
+negative value is refused here), then every micro-batch's forward and
+backward and the reductions, which write only into the step's own buffers.
+An exception there (a loss that raises, a batch that does not fit, a
+collective that fails on every rank) waits for the step's collectives still
+in flight and leaves the state valid: step it again, and the run goes on as
+one that never saw the failure. From the update on, the state is donated (its
+buffers are reused), and a failure there leaves it refused
+(``DonatedStateError``) rather than half updated.
 """
 
 from __future__ import annotations
@@ -188,7 +201,7 @@ class ZeroStep:
         ``batch`` holds, for ``metrics["tokens_per_s"]`` (this rank's rate)."""
         if tokens is not None and (isinstance(tokens, bool) or not isinstance(
                 tokens, (int, np.integer)) or tokens < 0):
-            raise ValueError(f"{self.name}: tokens must be a count >= 0; got {tokens!r}")
+            raise ValueError(f"{self.config.name}: tokens must be a count >= 0; got {tokens!r}")
         with step_breakdown() as b:  # see [Note: step profile]
             with timed("library", step=True):
                 state, metrics = self._step(state, batch)
@@ -196,26 +209,32 @@ class ZeroStep:
         metrics.add(time_ms=split)
         if tokens is not None:
             metrics.add(tokens_per_s=1e3 * int(tokens) / max(split["step"], 1e-9))
-        world = getattr(self.loss_fn, "norm_comm", self.comm)  # a pipeline's whole mesh
-        for logger in self.config.loggers if world.rank == 0 else ():
+        c = self.config
+        world = getattr(c.loss_fn, "norm_comm", c.comm)  # a pipeline's whole mesh
+        for logger in c.loggers if world.rank == 0 else ():
             logger(int(state.step), metrics)
         return state, metrics
 
     def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
         plan = self._plan_for(state)
+        state.check_live()
         micro = list(batch) if isinstance(batch, MicroBatches) else [batch]
+        c = self.config
         for b in micro:
-            _checks.check_batch(self.name, self.comm.rank, b)
+            _checks.check_batch(c.name, c.comm.rank, b)
+        lr = _checks.learning_rate(c, int(state.step))
         micro = [_checks.cast_inputs(plan, b) for b in micro]
-        state.donate()
         try:
-            return self._run(plan, state, micro)
+            return self._run(plan, state, micro, lr)
         finally:
             if self._offloader is not None:  # the overlapped offload's threads, if started
                 self._offloader.end_overlap()
 
-    def _run(self, plan: Plan, state: TrainState,
-             micro: list[Any]) -> tuple[TrainState, StepMetrics]:
+    def _run(self, plan: Plan, state: TrainState, micro: list[Any],
+             lr: float) -> tuple[TrainState, StepMetrics]:
+        """The step after its checks. Nothing of ``state`` changes until the
+        gradients are reduced and their norm is known; an exception before that
+        leaves it valid (see [Note: failed steps])."""
         c, device = self.config, plan.device
         scale = float(state.loss_scale)
         self._grad_buffers = _grads.grad_buffers(plan, self._grad_buffers)
@@ -228,20 +247,25 @@ class ZeroStep:
         grad_scale = 1.0 / (w * k * scale)
         offloader = self._offloader
         overlap = offloader.start_overlap(state, reducer, grad_scale) if offloader else None
-        with _grads.placement(plan):
-            for i, b in enumerate(micro):
-                reducer.final = i == len(micro) - 1
-                loss = _grads.loss_and_grads(plan, units, reducer, b, scale)
-                totals[1:2] += _grads.on_device(plan, loss, "the loss")
-        shards = reducer.finish()
-        if overlap is not None:  # see [Note: overlapped offload]
-            overlap.submit_rest()
-            with timed("reduce_wait"):
-                overlap.wait_copied()
-        with timed("optimizer"):
-            _update.norm_and_loss(plan, shards, totals)
-        known = {"lr": float(c.optimizer.learning_rate(int(state.step))),
-                 "loss_scale": scale, "skipped": False}
+        try:
+            with _grads.placement(plan):
+                for i, b in enumerate(micro):
+                    reducer.final = i == len(micro) - 1
+                    loss = _grads.loss_and_grads(plan, units, reducer, b, scale)
+                    totals[1:2] += _grads.on_device(plan, loss, "the loss")
+            shards = reducer.finish()
+            if overlap is not None:  # see [Note: overlapped offload]
+                overlap.submit_rest()
+                with timed("reduce_wait"):
+                    overlap.wait_copied()
+            with timed("optimizer"):
+                _update.norm_and_loss(plan, shards, totals)
+        except BaseException:
+            units.drain()  # no collective of this step still writes anywhere
+            reducer.drain()
+            raise
+        state.donate()  # from here on the update reuses its buffers
+        known = {"lr": lr, "loss_scale": scale, "skipped": False}
 
         def finish(host: np.ndarray) -> dict[str, float]:
             sumsq = float(host[0])
@@ -309,5 +333,5 @@ class ZeroStep:
         """
         plan = self._plan_for(state)
         state.check_live()
-        _checks.check_batch(self.name, self.comm.rank, batch)
+        _checks.check_batch(self.config.name, self.config.comm.rank, batch)
         return _eval.evaluate(plan, _grads.unit_params(plan, state, self.tracker), batch)
