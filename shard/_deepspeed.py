@@ -1,47 +1,93 @@
 """DeepSpeed JSON configs as the ZeRO transforms' options: :func:`from_deepspeed_config`.
 
-The keys below map onto ``shard.zero0``-``zero3``'s arguments. Every other key,
-and every value this library cannot honour, is reported by name (an error, or
-with ``unsupported="warn"`` a warning), never silently ignored.
+The keys below map onto ``shard.zero0``-``zero3``'s arguments. Keys that tune
+DeepSpeed's own buffers and change no result are accepted and listed once in
+an info log. Every other key, and every value this library cannot honour, is
+reported by name (an error, or with ``unsupported="warn"`` a warning), never
+silently ignored.
 
 - ``zero_optimization.stage``: ``zero0``-``zero3``;
   ``overlap_comm``, ``contiguous_gradients``, ``reduce_scatter`` (true): what
-  every stage does; ``offload_optimizer``: ``device`` ``cpu`` (``pin_memory``
-  accepted) is ``shard.Offload("host")``, ``nvme`` with ``nvme_path`` is
-  ``shard.Offload("disk", path=nvme_path)``;
+  every stage does; ``offload_optimizer``: ``device`` ``cpu`` is
+  ``shard.Offload("host")``, ``nvme`` with ``nvme_path`` is
+  ``shard.Offload("disk", path=nvme_path)``; ``offload_param`` ``cpu`` at
+  stage 3 adds ``params="host"``;
 - ``fp16``: ``enabled``, ``initial_scale_power``, ``loss_scale_window``,
-  ``hysteresis`` (1 only): ``Precision(float16)`` and a ``LossScale``;
-- ``bf16.enabled``: ``Precision(bfloat16)``;
+  ``min_loss_scale``, ``hysteresis`` (1 only): ``Precision(float16)`` and a
+  ``LossScale``;
+- ``bf16.enabled``: ``Precision(bfloat16)``; ``communication_data_type``: the
+  precision's ``reduce_dtype``;
 - ``gradient_clipping``: ``clip_norm``;
-- ``gradient_accumulation_steps``, ``train_micro_batch_size_per_gpu``,
-  ``train_batch_size``: checked against each other and the world size (a step
-  with accumulation takes ``shard.MicroBatches``);
+- ``gradient_accumulation_steps``: the step takes ``shard.MicroBatches`` of
+  that many micro-batches (and refuses others); with
+  ``train_micro_batch_size_per_gpu`` and ``train_batch_size``, checked against
+  each other and the world size;
 - ``optimizer``: ``Adam`` (``adam_w_mode``, default true, as DeepSpeed's) and
   ``AdamW``: ``ops.adamw`` or ``ops.adam``;
 - ``scheduler``: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR`` and
   ``OneCycle`` (with ``cycle_momentum: false``: Adam's ``b1`` is fixed here):
-  the same schedule, as the optimizer's ``count -> lr``.
+  the same schedule, as the optimizer's ``count -> lr``;
+- ``tensorboard`` and ``csv_monitor`` (``enabled``, ``output_path``,
+  ``job_name``): ``shard.TensorBoardLogger`` and ``shard.CSVLogger``;
+- ``wall_clock_breakdown``: every step's ``metrics["time_ms"]`` holds the split.
+
+``"auto"`` values, as Hugging Face's templates write them, resolve from the
+arguments of :func:`from_deepspeed_config` (``lr``, ``betas``, ``eps``,
+``weight_decay``, ``warmup_steps``, ``total_steps``, ``micro_batch_size``,
+``gradient_accumulation_steps``, ``clip_norm``, ``fp16``, ``bf16``), as the
+Trainer fills them; ``warmup_min_lr`` is 0, ``train_batch_size`` follows from
+the others and the world size, and tuning keys need no value. Any ``"auto"``
+left without an argument is named, all of them in one error.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
-import math
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ops import FusedAdam, adam, adamw
+from shard._deepspeed_lr import schedule
 from shard.core._policy import LossScale, Precision
+from shard.monitor._loggers import CSVLogger, TensorBoardLogger
 from shard.offload._offload import Offload
 
 __all__ = ["DeepSpeedConfig", "from_deepspeed_config"]
 
 log = logging.getLogger(__name__)
 _ALWAYS = ("overlap_comm", "contiguous_gradients", "reduce_scatter")
+# Keys that tune DeepSpeed's buffers, logging or placement and change no result.
+_TUNING = {
+    "": ("steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
+         "dump_state", "memory_breakdown", "flops_profiler", "comms_logger",
+         "zero_force_ds_cpu_optimizer"),
+    "zero_optimization": (
+        "allgather_partitions", "allgather_bucket_size", "reduce_bucket_size",
+        "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
+        "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size",
+        "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save",
+        "gather_16bit_weights_on_model_save", "memory_efficient_linear",
+        "ignore_unused_parameters"),
+    "zero_optimization.offload_optimizer": ("pin_memory", "buffer_count", "pipeline_read",
+                                            "pipeline_write", "fast_init"),
+    "zero_optimization.offload_param": ("pin_memory", "buffer_count", "buffer_size",
+                                        "max_in_cpu"),
+}
+# "auto" values and the argument that resolves each (None: needs none)
+_AUTO = {
+    "optimizer.params.lr": "lr", "optimizer.params.betas": "betas",
+    "optimizer.params.eps": "eps", "optimizer.params.weight_decay": "weight_decay",
+    "scheduler.params.warmup_max_lr": "lr", "scheduler.params.warmup_num_steps": "warmup_steps",
+    "scheduler.params.total_num_steps": "total_steps",
+    "train_micro_batch_size_per_gpu": "micro_batch_size",
+    "gradient_accumulation_steps": "gradient_accumulation_steps",
+    "gradient_clipping": "clip_norm", "fp16.enabled": "fp16", "bf16.enabled": "bf16",
+}
+_AUTO_FIXED = {"scheduler.params.warmup_min_lr": 0.0}
 
 
 @dataclass(frozen=True)
@@ -57,10 +103,13 @@ class DeepSpeedConfig:
     micro_batch_size: int | None
     train_batch_size: int | None
     offload: Offload | None = None
+    loggers: tuple = field(default=())
 
-    def transform(self, loss_fn: Any, *, comm: Any, **kwargs: Any) -> Any:
-        """``shard.zero{stage}(loss_fn, ...)`` with this config's options. A step
-        with ``gradient_accumulation_steps > 1`` takes ``shard.MicroBatches``."""
+    def transform(self, loss_fn: Any, *, comm: Any, **overrides: Any) -> Any:
+        """``shard.zero{stage}(loss_fn, ...)`` with this config's options;
+        ``overrides`` (any of the transform's arguments) replace them. The step
+        takes ``shard.MicroBatches`` of ``gradient_accumulation_steps``
+        micro-batches (a plain batch where it is 1)."""
         from shard._stages import zero0, zero1, zero2, zero3
 
         if self.train_batch_size is not None and self.micro_batch_size is not None:
@@ -71,28 +120,41 @@ class DeepSpeedConfig:
                                  f"gradient_accumulation_steps {self.gradient_accumulation_steps}"
                                  f" x world size {comm.world_size}")
         zero = (zero0, zero1, zero2, zero3)[self.stage]
-        return zero(loss_fn, optimizer=self.optimizer, comm=comm, precision=self.precision,
-                    clip_norm=self.clip_norm, loss_scale=self.loss_scale,
-                    **({"offload": self.offload} if self.offload else {}), **kwargs)
+        kw = dict(optimizer=self.optimizer, precision=self.precision, clip_norm=self.clip_norm,
+                  loss_scale=self.loss_scale, loggers=self.loggers,
+                  gradient_accumulation_steps=self.gradient_accumulation_steps)
+        if self.offload:
+            kw["offload"] = self.offload
+        return zero(loss_fn, comm=comm, **{**kw, **overrides})
 
 
-def from_deepspeed_config(config: dict | str | os.PathLike, *,
-                          unsupported: str = "error") -> DeepSpeedConfig:
+def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str = "error",
+                          lr: float | None = None, betas: Any = None, eps: float | None = None,
+                          weight_decay: float | None = None, warmup_steps: int | None = None,
+                          total_steps: int | None = None, micro_batch_size: int | None = None,
+                          gradient_accumulation_steps: int | None = None,
+                          clip_norm: float | None = None, fp16: bool | None = None,
+                          bf16: bool | None = None) -> DeepSpeedConfig:
     """Read a DeepSpeed config (a dict, or a JSON file's path).
 
     Args:
       config: the config.
       unsupported: "error" (default): a ValueError naming every key or value
         that has no meaning here; "warn": log them and go on.
+      lr, betas, eps, weight_decay, warmup_steps, total_steps,
+      micro_batch_size, gradient_accumulation_steps, clip_norm, fp16, bf16:
+        the values of the config's ``"auto"`` entries (see above); unused
+        where the config gives a value.
 
     Example:
       >>> import shard
       >>> cfg = shard.from_deepspeed_config({
-      ...     "zero_optimization": {"stage": 3}, "bf16": {"enabled": True},
-      ...     "gradient_clipping": 1.0,
-      ...     "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.1}},
+      ...     "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},
+      ...     "bf16": {"enabled": True}, "gradient_clipping": 1.0,
+      ...     "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.1}},
       ...     "scheduler": {"type": "WarmupLR", "params": {"warmup_num_steps": 10,
-      ...                                                  "warmup_max_lr": 3e-4}}})
+      ...                                                  "warmup_max_lr": "auto"}}},
+      ...     lr=3e-4)
       >>> cfg.stage, str(cfg.precision.param_dtype), cfg.clip_norm
       (3, 'bfloat16', 1.0)
     """
@@ -101,7 +163,12 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *,
                          f"{unsupported!r}")
     if not isinstance(config, dict):
         config = json.loads(Path(config).read_text())
-    cfg, bad = dict(config), []
+    args = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fp16=fp16, bf16=bf16,
+                warmup_steps=warmup_steps, total_steps=total_steps, clip_norm=clip_norm,
+                micro_batch_size=micro_batch_size,
+                gradient_accumulation_steps=gradient_accumulation_steps)
+    cfg, tuning = _resolve(copy.deepcopy(config), args)
+    bad: list[str] = []
 
     zero = dict(cfg.pop("zero_optimization", {}) or {})
     stage = zero.pop("stage", 0)
@@ -111,33 +178,105 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *,
     for key in _ALWAYS:
         if zero.pop(key, True) is not True:
             bad.append(f"zero_optimization.{key}=false (always on here)")
-    offload = _offload(dict(zero.pop("offload_optimizer", {}) or {}), stage, bad)
+    offload = _offload(dict(zero.pop("offload_optimizer", {}) or {}),
+                       dict(zero.pop("offload_param", {}) or {}), stage, bad)
+    if zero.pop("load_from_fp32_weights", True) is not True:
+        bad.append("zero_optimization.load_from_fp32_weights=false (checkpoints here restore "
+                   "the fp32 masters)")
     bad += [f"zero_optimization.{k}" for k in zero]
 
-    precision, loss_scale = None, None
+    precision, loss_scale = _precision(cfg, bad)
+    clip = cfg.pop("gradient_clipping", 0.0)
+    accumulation = int(cfg.pop("gradient_accumulation_steps", 1))
+    micro = cfg.pop("train_micro_batch_size_per_gpu", None)
+    total = cfg.pop("train_batch_size", None)
+    optimizer = _optimizer(cfg, bad)
+    loggers = _loggers(cfg, bad)
+    bad += list(cfg)
+    if bad:
+        text = (f"from_deepspeed_config: not supported here: {', '.join(bad)}; remove them "
+                "(or pass unsupported='warn' to go on without them)")
+        if unsupported == "error":
+            raise ValueError(text)
+        log.warning(text)
+    if tuning:
+        log.info("from_deepspeed_config: accepted with no effect here (they tune DeepSpeed's "
+                 "own buffers and change no result): %s", ", ".join(tuning))
+    return DeepSpeedConfig(stage=stage, optimizer=optimizer, precision=precision,
+                           loss_scale=loss_scale, clip_norm=float(clip) if clip else None,
+                           gradient_accumulation_steps=accumulation, micro_batch_size=micro,
+                           train_batch_size=total, offload=offload, loggers=loggers)
+
+
+def _resolve(cfg: dict, args: dict) -> tuple[dict, list[str]]:
+    """``cfg`` with its ``"auto"`` values filled from ``args`` and its tuning keys
+    taken out (returned by name); every ``"auto"`` left is named in one error."""
+    missing, tuning = [], []
+
+    def walk(d: dict, prefix: str) -> None:
+        for key in list(d):
+            path = f"{prefix}{key}"
+            if key in _TUNING.get(prefix.rstrip("."), ()):
+                tuning.append(path)
+                del d[key]
+            elif isinstance(d[key], dict):
+                walk(d[key], path + ".")
+            elif d[key] == "auto":
+                if path in _AUTO_FIXED:
+                    d[key] = _AUTO_FIXED[path]
+                elif path == "train_batch_size":
+                    del d[key]  # follows from the others and the world size
+                elif args.get(_AUTO.get(path)) is not None:
+                    d[key] = args[_AUTO[path]]
+                else:
+                    missing.append(f"{path} ({_AUTO[path]}=...)" if path in _AUTO else
+                                   f"{path} (no argument resolves it here; give a value)")
+
+    walk(cfg, "")
+    if missing:
+        raise ValueError("from_deepspeed_config: these \"auto\" values need a value: "
+                         + ", ".join(missing))
+    return cfg, tuning
+
+
+def _precision(cfg: dict, bad: list[str]) -> tuple[Precision | None, LossScale | None]:
+    """``fp16``, ``bf16`` and ``communication_data_type``."""
+    param, reduce, loss_scale = None, None, None
     fp16 = dict(cfg.pop("fp16", {}) or {})
     bf16 = dict(cfg.pop("bf16", {}) or {})
     if fp16.pop("enabled", False):
-        precision = Precision(param_dtype="float16", reduce_dtype="float32")
+        param, reduce = "float16", "float32"
         if fp16.pop("loss_scale", 0):
             bad.append("fp16.loss_scale (a static scale; 0, dynamic, is supported)")
         power = fp16.pop("initial_scale_power", 16)
         window = fp16.pop("loss_scale_window", 1000)
         if fp16.pop("hysteresis", 1) != 1:
             bad.append("fp16.hysteresis (the scale backs off at the first overflow here: 1)")
-        loss_scale = LossScale(initial=2.0**power, growth_interval=int(window))
+        fp16.pop("consecutive_hysteresis", None)  # with hysteresis 1, nothing to keep
+        loss_scale = LossScale(initial=2.0**power, growth_interval=int(window),
+                               minimum=float(fp16.pop("min_loss_scale", 1.0)))
+    else:  # disabled: its settings mean nothing
+        fp16.clear()
     bad += [f"fp16.{k}" for k in fp16]
     if bf16.pop("enabled", False):
-        if precision is not None:
+        if param is not None:
             bad.append("bf16.enabled with fp16.enabled")
-        precision = Precision(param_dtype="bfloat16")
+        param, reduce = "bfloat16", None
+    else:
+        bf16.clear()
     bad += [f"bf16.{k}" for k in bf16]
+    comm_dtype = cfg.pop("communication_data_type", None)
+    if comm_dtype is not None:
+        if str(comm_dtype) not in ("fp32", "fp16", "bf16"):
+            bad.append(f"communication_data_type={comm_dtype!r} (fp32, fp16 or bf16)")
+        else:
+            reduce = comm_dtype
+    if param is None and reduce is None:
+        return None, loss_scale
+    return Precision(param_dtype=param, reduce_dtype=reduce), loss_scale
 
-    clip = cfg.pop("gradient_clipping", 0.0)
-    accumulation = int(cfg.pop("gradient_accumulation_steps", 1))
-    micro = cfg.pop("train_micro_batch_size_per_gpu", None)
-    total = cfg.pop("train_batch_size", None)
 
+def _optimizer(cfg: dict, bad: list[str]) -> FusedAdam:
     opt_cfg = dict(cfg.pop("optimizer", {}) or {})
     kind = opt_cfg.pop("type", "AdamW")
     params = dict(opt_cfg.pop("params", {}) or {})
@@ -151,145 +290,53 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *,
     bad += [f"optimizer.params.{k}" for k in params]
     if str(kind).lower() not in ("adam", "adamw"):
         bad.append(f"optimizer.type={kind!r} (Adam and AdamW are supported)")
-
     sched = dict(cfg.pop("scheduler", {}) or {})
-    schedule: Callable[[int], float] | float = lr
-    if sched:
-        schedule = _schedule(sched, lr, bad)
-    bad += list(cfg)
-    if bad:
-        text = (f"from_deepspeed_config: not supported here: {', '.join(bad)}; remove them "
-                "(or pass unsupported='warn' to go on without them)")
-        if unsupported == "error":
-            raise ValueError(text)
-        log.warning(text)
+    rate = schedule(sched, lr, bad) if sched else lr
     make = adamw if (str(kind).lower() == "adamw" or decoupled) else adam
-    return DeepSpeedConfig(stage=stage, optimizer=make(schedule, b1, b2, eps, wd),
-                           precision=precision, loss_scale=loss_scale,
-                           clip_norm=float(clip) if clip else None,
-                           gradient_accumulation_steps=accumulation, micro_batch_size=micro,
-                           train_batch_size=total, offload=offload)
+    return make(rate, b1, b2, eps, wd)
 
 
-def _offload(cfg: dict, stage: int, bad: list[str]) -> Offload | None:
-    """``zero_optimization.offload_optimizer`` as a :class:`shard.Offload`."""
-    device = cfg.pop("device", "none")
-    cfg.pop("pin_memory", None)  # host buffers are what they are here
-    path = cfg.pop("nvme_path", None)
-    bad += [f"zero_optimization.offload_optimizer.{k}" for k in cfg]
+def _loggers(cfg: dict, bad: list[str]) -> tuple:
+    """``tensorboard`` and ``csv_monitor`` as ``shard.TensorBoardLogger`` and
+    ``shard.CSVLogger`` (under ``output_path/job_name``)."""
+    out: list[Any] = []
+    for key, make in (("tensorboard", TensorBoardLogger), ("csv_monitor", CSVLogger)):
+        section = dict(cfg.pop(key, {}) or {})
+        if not section.pop("enabled", False):
+            continue
+        where = Path(section.pop("output_path", "") or ".") / section.pop("job_name",
+                                                                          "DeepSpeedJobName")
+        bad += [f"{key}.{k}" for k in section]
+        out.append(make(where if make is TensorBoardLogger else where / "metrics.csv"))
+    return tuple(out)
+
+
+def _offload(optimizer: dict, params: dict, stage: int, bad: list[str]) -> Offload | None:
+    """``zero_optimization.offload_optimizer`` and ``offload_param`` as a
+    :class:`shard.Offload`."""
+    device = optimizer.pop("device", "none")
+    path = optimizer.pop("nvme_path", None)
+    bad += [f"zero_optimization.offload_optimizer.{k}" for k in optimizer]
+    on_host = params.pop("device", "none") not in ("none", None)
+    bad += [f"zero_optimization.offload_param.{k}" for k in params]
+    if on_host and stage != 3:
+        bad.append("zero_optimization.offload_param below stage 3 (stages 1-2 keep whole "
+                   "params on the device)")
+        on_host = False
     if device in ("none", None):
+        if on_host:
+            bad.append("zero_optimization.offload_param without offload_optimizer (offload "
+                       "the optimizer too)")
         return None
     if stage == 0:
         bad.append("zero_optimization.offload_optimizer at stage 0 (stages 1-3 offload)")
         return None
     if device == "cpu":
-        return Offload("host")
-    if device == "nvme" and path:
-        return Offload("disk", path=path)
-    bad.append(f"zero_optimization.offload_optimizer.device={device!r} (cpu, or nvme with "
-               "nvme_path)")
-    return None
-
-
-def _schedule(sched: dict, lr: float, bad: list[str]) -> Callable[[int], float]:
-    """DeepSpeed's schedule as ``count -> lr``. DeepSpeed sets the rate for the
-    first update at construction (iteration -1) and steps the scheduler after
-    each update, so update ``count`` uses iteration ``count - 1``."""
-    kind = sched.pop("type", None)
-    p = dict(sched.pop("params", {}) or {})
-    bad += [f"scheduler.{k}" for k in sched]
-    if kind == "OneCycle":
-        return _one_cycle(p, bad)
-    lo = p.pop("warmup_min_lr", 0.0)
-    hi = p.pop("warmup_max_lr", lr if kind == "WarmupLR" else 0.001)
-    warmup = max(2, int(p.pop("warmup_num_steps", 1000)))
-    linear = p.pop("warmup_type", "log") == "linear"
-    total = p.pop("total_num_steps", None)
-    min_ratio, cos_min = p.pop("warmup_min_ratio", 0.0), p.pop("cos_min_ratio", 1e-4)
-    if kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
-        bad.append(f"scheduler.type={kind!r} (WarmupLR, WarmupDecayLR, WarmupCosineLR and "
-                   "OneCycle are supported)")
-    if kind in ("WarmupDecayLR", "WarmupCosineLR") and total is None:
-        bad.append(f"scheduler.params.total_num_steps (required by {kind})")
-        total = warmup
-    bad += [f"scheduler.params.{k}" for k in p]
-
-    def warm(it: int) -> float:
-        return it / warmup if linear else math.log(it + 1) / math.log(warmup)
-
-    def lr_at(count: int) -> float:
-        it = count - 1
-        if kind == "WarmupCosineLR":
-            if it < 0:
-                return 0.0
-            if it < warmup:
-                return lr * (min_ratio + warm(it) * (1.0 - min_ratio))
-            progress = min(1.0, (it - warmup + 1) / max(1, total - warmup))
-            ratio = (1 + math.cos(math.pi * progress)) / 2
-            return lr * max(0.0, cos_min + (1.0 - cos_min) * ratio)
-        if it < 0:
-            return lo
-        if it < warmup:
-            gamma = warm(it)
-        elif kind == "WarmupDecayLR":
-            gamma = max(0.0, (total - it) / max(1.0, total - warmup))
-        else:
-            gamma = 1.0
-        return lo + (hi - lo) * gamma
-
-    return lr_at
-
-
-def _one_cycle(p: dict, bad: list[str]) -> Callable[[int], float]:
-    """DeepSpeed's ``OneCycle`` learning rate: up from ``cycle_min_lr`` to
-    ``cycle_max_lr`` over ``cycle_first_step_size`` iterations, down over the
-    second half cycle (optionally in stairs), then ``cycle_min_lr / (1 +
-    decay_lr_rate * n / decay_step_size)``. Update ``count`` uses iteration
-    ``count - 1``, as in :func:`_schedule`."""
-    if p.pop("cycle_momentum", True):
-        bad.append("scheduler.params.cycle_momentum (OneCycle momentum cycling; Adam's b1 is "
-                   "fixed here: set it false)")
-    for key in ("cycle_min_mom", "cycle_max_mom", "decay_mom_rate"):
-        p.pop(key, None)
-    if "cycle_min_lr" not in p or "cycle_max_lr" not in p:
-        bad.append("scheduler.params.cycle_min_lr and cycle_max_lr (required by OneCycle)")
-    lo, hi = float(p.pop("cycle_min_lr", 0.0)), float(p.pop("cycle_max_lr", 0.0))
-    decay_rate = float(p.pop("decay_lr_rate", 0.0))
-    first = float(p.pop("cycle_first_step_size", 2000))
-    second = p.pop("cycle_second_step_size", None)
-    second = first if second is None else float(second)
-    first_stairs = int(p.pop("cycle_first_stair_count", 0))
-    second_stairs = p.pop("cycle_second_stair_count", None)
-    second_stairs = first_stairs if second_stairs is None else int(second_stairs)
-    decay_size = float(p.pop("decay_step_size", 0))
-    if first <= 0 or second < 0:
-        bad.append("scheduler.params.cycle_first_step_size > 0 and cycle_second_step_size >= 0"
-                   " (OneCycle)")
-        first, second = 1.0, 0.0
-    bad += [f"scheduler.params.{k}" for k in p]
-    total = first + second
-    ratio = first / total
-
-    def scale(batch: int) -> float:
-        x = 1.0 + batch / total - math.floor(1 + batch / total)
-        if x <= ratio:
-            factor, stairs = x / ratio, first_stairs
-        else:
-            factor, stairs = (x - 1) / (ratio - 1), second_stairs
-        if stairs > 0:
-            pos = batch % total
-            pos = pos * stairs / first if pos <= first else (total - pos) * stairs / second
-            factor = math.floor(pos) / stairs
-        return factor
-
-    def lr_at(count: int) -> float:
-        it = count - 1
-        if it < 0:
-            return lo
-        if it < total:
-            return lo + (hi - lo) * scale(it + 1)
-        if math.isclose(decay_size, 0) or math.isclose(decay_rate, 0):
-            return lo
-        return lo / (1 + decay_rate * (it - total + 1) / decay_size)
-
-    return lr_at
+        off = Offload("host")
+    elif device == "nvme" and path:
+        off = Offload("disk", path=path)
+    else:
+        bad.append(f"zero_optimization.offload_optimizer.device={device!r} (cpu, or nvme with "
+                   "nvme_path)")
+        return None
+    return replace(off, params="host") if on_host else off

@@ -18,10 +18,12 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
     def transform(loss_fn: Any = None, /, *, optimizer: FusedAdam, comm: Communicator,
                   specs: Any = None, units: Units = None, precision: Precision | None = None,
                   clip_norm: float | None = None, loss_scale: LossScale | None = None,
-                  prefetch: int = 1, loggers: Any = (), offload: Offload | None = None) -> Any:
+                  prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
+                  gradient_accumulation_steps: int | None = None) -> Any:
         kw = dict(stage=stage, optimizer=optimizer, comm=comm, specs=specs, units=units,
                   precision=precision, clip_norm=clip_norm, loss_scale=loss_scale,
-                  prefetch=prefetch, loggers=loggers, offload=offload)
+                  prefetch=prefetch, loggers=loggers, offload=offload,
+                  gradient_accumulation_steps=gradient_accumulation_steps)
         if loss_fn is None:  # used as a decorator with arguments
             return lambda fn: ZeroStep(fn, **kw)
         return ZeroStep(loss_fn, **kw)
@@ -54,6 +56,9 @@ Args:
     updated there by the same kernel; stages 1-3. ``Offload("host",
     overlap=True)`` updates each unit during the backward (not with
     ``clip_norm``).
+  gradient_accumulation_steps: if given, every step takes
+    ``shard.MicroBatches`` of exactly this many micro-batches (DeepSpeed's
+    key; a refusal names the count otherwise). Default: any number.
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then

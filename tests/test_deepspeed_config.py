@@ -35,7 +35,7 @@ def test_fp16_maps_to_float16_and_a_loss_scale():
     c = cfg(fp16={"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500,
                   "hysteresis": 1})
     assert c.precision.param_dtype == np.float16 and c.precision.reduce_dtype == np.float32
-    assert c.loss_scale == shard.LossScale(initial=2.0**12, growth_interval=500)
+    assert c.loss_scale == shard.LossScale(initial=2.0**12, growth_interval=500, minimum=1.0)
 
 
 def test_bf16_and_clipping():
@@ -157,22 +157,129 @@ def test_offload_optimizer_maps_to_shard_offload(tmp_path):
     assert step.offload.optimizer == "disk"
     with pytest.raises(ValueError, match=r"offload_optimizer\.device='nvme'"):
         cfg(zero_optimization={"stage": 3, "offload_optimizer": {"device": "nvme"}})
-    with pytest.raises(ValueError, match=r"offload_optimizer\.buffer_count"):
+    with pytest.raises(ValueError, match=r"offload_optimizer\.ratio"):
         cfg(zero_optimization={"stage": 3, "offload_optimizer": {"device": "cpu",
-                                                                 "buffer_count": 4}})
+                                                                 "ratio": 0.3}})
 
 
 def test_unsupported_keys_are_named_or_warned(tmp_path, caplog):
     bad = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}},
-           "fp16": {"enabled": True, "hysteresis": 2}, "steps_per_print": 10,
+           "fp16": {"enabled": True, "hysteresis": 2}, "amp": {"enabled": True},
            "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
            "scheduler": {"type": "CyclicLR", "params": {}}}
     with pytest.raises(ValueError) as e:
         shard.from_deepspeed_config(bad)
-    for name in ("zero_optimization.offload_param", "fp16.hysteresis", "steps_per_print",
+    for name in ("zero_optimization.offload_param below stage 3", "fp16.hysteresis", "amp",
                  "optimizer.type='Lamb'", "scheduler.type='CyclicLR'"):
         assert name in str(e.value), name
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(bad))
     c = shard.from_deepspeed_config(path, unsupported="warn")
-    assert c.stage == 2 and "steps_per_print" in caplog.text
+    assert c.stage == 2 and "amp" in caplog.text
+
+
+# Hugging Face's ZeRO-2 and ZeRO-3 templates (transformers' DeepSpeed guide), as written.
+HF_ZERO2 = {
+    "fp16": {"enabled": "auto", "loss_scale": 0, "loss_scale_window": 1000,
+             "initial_scale_power": 16, "hysteresis": 2, "min_loss_scale": 1},
+    "bf16": {"enabled": "auto"},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": "auto", "eps": "auto",
+                                              "weight_decay": "auto"}},
+    "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": "auto",
+                                                 "warmup_max_lr": "auto",
+                                                 "warmup_num_steps": "auto"}},
+    "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+                          "allgather_partitions": True, "allgather_bucket_size": 2e8,
+                          "overlap_comm": True, "reduce_scatter": True,
+                          "reduce_bucket_size": 2e8, "contiguous_gradients": True},
+    "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+    "steps_per_print": 2000, "train_batch_size": "auto",
+    "train_micro_batch_size_per_gpu": "auto", "wall_clock_breakdown": False,
+}
+HF_ZERO3 = {
+    **{k: v for k, v in HF_ZERO2.items() if k != "zero_optimization"},
+    "zero_optimization": {
+        "stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True},
+        "offload_param": {"device": "cpu", "pin_memory": True}, "overlap_comm": True,
+        "contiguous_gradients": True, "sub_group_size": 1e9, "reduce_bucket_size": "auto",
+        "stage3_prefetch_bucket_size": "auto", "stage3_param_persistence_threshold": "auto",
+        "stage3_max_live_parameters": 1e9, "stage3_max_reuse_distance": 1e9,
+        "stage3_gather_16bit_weights_on_model_save": True},
+}
+TRAINER_ARGS = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, warmup_steps=10,
+                    micro_batch_size=4, gradient_accumulation_steps=2, clip_norm=1.0,
+                    fp16=False, bf16=True)
+
+
+def trajectory(opt, steps=4):
+    params = {"w": np.full(4, 2.0, np.float32)}
+    state = opt.init(params)
+    for i in range(steps):
+        params, state = opt.update({"w": np.full(4, 0.5 + i, np.float32)}, state, params)
+    return params["w"]
+
+
+@pytest.mark.parametrize("template", [HF_ZERO2, HF_ZERO3], ids=["zero2", "zero3"])
+def test_hugging_face_templates_import_as_written(template, caplog):
+    caplog.set_level("INFO", logger="shard._deepspeed")
+    c = shard.from_deepspeed_config(template, **TRAINER_ARGS)
+    stage = template["zero_optimization"]["stage"]
+    assert c.stage == stage and c.precision.param_dtype == BF16 and c.loss_scale is None
+    assert c.offload == shard.Offload("host", params="host" if stage == 3 else None)
+    assert (c.clip_norm, c.gradient_accumulation_steps, c.micro_batch_size) == (1.0, 2, 4)
+    assert c.train_batch_size is None  # "auto": micro x accumulation x world
+    assert c.optimizer.learning_rate(0) == 0.0  # warmup_min_lr "auto" is 0, as the Trainer's
+    assert c.optimizer.learning_rate(10) == pytest.approx(3e-4)
+    want = ops.adamw(c.optimizer.learning_rate, 0.9, 0.95, 1e-8, 0.1)
+    np.testing.assert_array_equal(trajectory(c.optimizer), trajectory(want))
+    assert not np.array_equal(trajectory(c.optimizer), trajectory(ops.adamw(
+        c.optimizer.learning_rate, 0.9, 0.999, 1e-8, 0.1)))
+    assert "reduce_bucket_size" in caplog.text and "steps_per_print" in caplog.text
+    assert caplog.text.count("accepted with no effect") == 1
+
+
+def test_auto_values_without_arguments_are_named_together():
+    with pytest.raises(ValueError) as e:
+        shard.from_deepspeed_config(HF_ZERO3, lr=1e-3)
+    text = str(e.value)
+    for name in ("optimizer.params.betas (betas=...)", "gradient_clipping (clip_norm=...)",
+                 "scheduler.params.warmup_num_steps (warmup_steps=...)", "fp16.enabled (fp16",
+                 "bf16.enabled (bf16", "train_micro_batch_size_per_gpu (micro_batch_size"):
+        assert name in text, name
+    assert "optimizer.params.lr" not in text and "reduce_bucket_size" not in text
+    with pytest.raises(ValueError, match=r"optimizer.params.foo \(no argument resolves it"):
+        cfg(optimizer={"type": "AdamW", "params": {"foo": "auto"}})
+
+
+def test_the_step_takes_the_configs_micro_batch_count():
+    import jax.numpy as jnp
+
+    c = cfg(gradient_accumulation_steps=2, optimizer={"params": {"lr": 1e-2}})
+    comm = ops.spawn(lambda x: x, 1)[0]
+    step = c.transform(lambda p, b: jnp.sum((p["w"] * b) ** 2), comm=comm)
+    state = step.init({"w": np.ones(3, np.float32)})
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps is 2.*got 1"):
+        step(state, np.ones(3, np.float32))
+    state, _ = step(state, shard.MicroBatches([np.ones(3, np.float32)] * 2))
+    assert int(state.step) == 1
+
+
+def test_transform_overrides_and_monitors_and_communication_dtype(tmp_path):
+    c = cfg(zero_optimization={"stage": 2}, gradient_clipping=1.0,
+            tensorboard={"enabled": True, "output_path": str(tmp_path), "job_name": "run"},
+            csv_monitor={"enabled": True, "output_path": str(tmp_path), "job_name": "run"},
+            communication_data_type="fp32", bf16={"enabled": True})
+    assert [type(lg).__name__ for lg in c.loggers] == ["TensorBoardLogger", "CSVLogger"]
+    assert c.precision == shard.Precision(param_dtype="bfloat16", reduce_dtype="float32")
+    step = c.transform(lambda p, b: 0.0, comm=ops.spawn(lambda x: x, 1)[0], clip_norm=0.5)
+    assert step.clip_norm == 0.5 and step.stage == 2
+
+
+def test_the_loss_scale_backs_off_no_lower_than_min_loss_scale():
+    c = cfg(fp16={"enabled": True, "initial_scale_power": 2, "min_loss_scale": 2})
+    scale, good = 4.0, 0
+    for _ in range(3):  # three overflows in a row
+        scale, good = c.loss_scale.update(scale, good, False)
+    assert scale == 2.0
+    with pytest.raises(ValueError, match="minimum <= initial"):
+        shard.LossScale(initial=1.0, minimum=2.0)

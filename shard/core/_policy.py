@@ -75,25 +75,27 @@ class LossScale:
     The loss is multiplied by ``scale`` before the backward pass and the
     gradients unscaled inside the fused optimizer. A step whose gradients hold
     an inf or nan is skipped (params, moments and step count unchanged) and the
-    scale is multiplied by ``backoff``; after ``growth_interval`` good steps in a
-    row it is multiplied by ``growth``.
+    scale is multiplied by ``backoff``, down to ``minimum`` (DeepSpeed's
+    ``min_loss_scale``); after ``growth_interval`` good steps in a row it is
+    multiplied by ``growth``.
     """
 
     initial: float = 2.0**16
     growth: float = 2.0
     backoff: float = 0.5
     growth_interval: int = 2000
+    minimum: float = 0.0
 
     def __post_init__(self) -> None:
         if not (self.initial > 0 and self.growth >= 1 and 0 < self.backoff < 1
-                and self.growth_interval >= 1):
+                and self.growth_interval >= 1 and 0 <= self.minimum <= self.initial):
             raise ValueError(f"LossScale: need initial > 0, growth >= 1, 0 < backoff < 1, "
-                             f"growth_interval >= 1; got {self}")
+                             f"growth_interval >= 1, 0 <= minimum <= initial; got {self}")
 
     def update(self, scale: float, good_steps: int, finite: bool) -> tuple[float, int]:
         """The (scale, good_steps) after a step whose grads were finite or not."""
         if not finite:
-            return scale * self.backoff, 0
+            return max(scale * self.backoff, self.minimum), 0
         if good_steps + 1 >= self.growth_interval:
             return scale * self.growth, 0
         return scale, good_steps + 1

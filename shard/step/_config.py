@@ -35,13 +35,14 @@ class StepConfig:
     prefetch: int
     loggers: tuple
     offload: Offload | None
+    gradient_accumulation_steps: int | None
 
     @classmethod
     def make(cls, loss_fn: Any, *, stage: int, optimizer: FusedAdam, comm: Communicator,
              specs: Any = None, units: Any = None, precision: Precision | None = None,
              clip_norm: float | None = None, loss_scale: LossScale | None = None,
-             prefetch: int = 1, loggers: Any = (), offload: Offload | None = None
-             ) -> StepConfig:
+             prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
+             gradient_accumulation_steps: int | None = None) -> StepConfig:
         """The configuration of ``zero{stage}(loss_fn, ...)``; a TypeError or
         ValueError naming the argument for anything it cannot train with."""
         name = f"zero{stage}"
@@ -58,6 +59,9 @@ class StepConfig:
         if prefetch < 0:
             raise ValueError(f"{name}: prefetch must be >= 0; got {prefetch}")
         check_offload(name, stage, offload, clip_norm)
+        n = gradient_accumulation_steps
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            raise ValueError(f"{name}: gradient_accumulation_steps must be an int >= 1; got {n!r}")
         loggers = (loggers,) if callable(loggers) else tuple(loggers or ())
         for lg in loggers:
             if not callable(lg):
@@ -68,4 +72,4 @@ class StepConfig:
             units = getattr(loss_fn, "units", None) if kind == "provider" else None
         return cls(name, stage, JaxLoss(loss_fn) if kind == "jax" else loss_fn, kind,
                    optimizer, comm, specs, units, precision or Precision(), clip_norm,
-                   loss_scale, prefetch, loggers, offload)
+                   loss_scale, prefetch, loggers, offload, gradient_accumulation_steps)

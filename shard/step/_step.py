@@ -220,6 +220,11 @@ class ZeroStep:
         state.check_live()
         micro = list(batch) if isinstance(batch, MicroBatches) else [batch]
         c = self.config
+        n = c.gradient_accumulation_steps
+        if n is not None and len(micro) != n:
+            raise ValueError(f"{c.name}: gradient_accumulation_steps is {n}: give "
+                             f"shard.MicroBatches of {n} micro-batches per step"
+                             f"{' (or one batch)' if n == 1 else ''}; got {len(micro)}")
         for b in micro:
             _checks.check_batch(c.name, c.comm.rank, b)
         lr = _checks.learning_rate(c, int(state.step))
