@@ -4,8 +4,13 @@ object it returns, :class:`TorchLoss`.
 [Note: torch ZeRO-3]
 At stage 3 the loss object drives the module unit by unit. Units are the
 module's top-level children, with containers (``ModuleList``, ``Sequential``,
-``ModuleDict``) opened up, so a transformer's units are its embeddings, each
-block, and its head; or pass ``units=[submodules]``. Parameters that no unit
+``ModuleDict``) opened up, and so is any child that holds the model's
+repeated blocks at some depth (the decoder layers a Hugging Face model names
+in ``_no_split_modules``, else the children of a ``ModuleList`` or
+``Sequential`` that are all of one class). So a transformer's units are its
+embeddings, each block, its final norm and its head, wherever the blocks sit
+(``LlamaForCausalLM.model.layers.0``, ``GPT2LMHeadModel.transformer.h.0``); or
+pass ``units=[submodules]``. Parameters that no unit
 owns alone (the root's own, and weights tied between units, such as an
 embedding shared with the output head) form a root unit that stays gathered
 for the whole step, as FSDP2's root group does. Each unit runs once per
@@ -76,18 +81,45 @@ _CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")
 
 
 def _default_units(module: Any) -> list[tuple[str, Any]]:
+    """The module's units (see [Note: torch ZeRO-3]): its children, with
+    containers opened and every module that holds blocks opened down to them."""
+    blocks = _block_types(module)
     out = []
+
+    def holds_blocks(m: Any) -> bool:
+        return not isinstance(m, blocks) and any(isinstance(d, blocks) for d in m.modules())
 
     def visit(prefix: str, m: Any) -> None:
         for name, child in m.named_children():
             path = f"{prefix}{name}"
-            if type(child).__name__ in _CONTAINERS:
+            if type(child).__name__ in _CONTAINERS or holds_blocks(child):
                 visit(path + ".", child)
             else:
                 out.append((path, child))
 
     visit("", module)
     return out
+
+
+def _block_types(module: Any) -> tuple[type, ...]:
+    """The model's repeated blocks: the classes a Hugging Face model names in
+    ``_no_split_modules`` (its decoder layers), else the class of every
+    ``ModuleList`` or ``Sequential`` whose children, two or more, are all of one
+    class (as accelerate's and FSDP's transformer auto-wrap policies find them)."""
+    named = set(getattr(module, "_no_split_modules", None) or ())
+    found = set()
+    for m in module.modules():
+        if named:
+            if type(m).__name__ in named:
+                found.add(type(m))
+        elif type(m).__name__ in ("ModuleList", "Sequential"):
+            children = list(m.children())
+            kinds = {type(c) for c in children}
+            # blocks are made of modules: a list of Linear layers is not a stack of blocks
+            if (len(children) >= 2 and len(kinds) == 1 and any(True for _ in children[0].children())
+                    and children[0].__class__.__name__ not in _CONTAINERS):
+                found.add(kinds.pop())
+    return tuple(found)
 
 
 def functional(module: Any, *, loss: Callable[[Any, Any], Any],

@@ -10,6 +10,7 @@ takes its plan from the state it is given.
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +30,9 @@ from shard.step._reduce import CopyPlans
 __all__ = ["Plan", "make_plan", "new_state"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+_LARGE = 1 << 20  # params from which a dominant unit is worth a warning
+
+log = logging.getLogger("shard.step")
 
 
 @dataclass(frozen=True, eq=False)
@@ -122,6 +126,8 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     if hasattr(loss_fn, "cast_forward_inputs"):  # the torch adapter casts itself
         loss_fn.cast_forward_inputs = precision.cast_forward_inputs
     full_layout = make_layout(params, config.specs, world_size=1, units=config.units)
+    if config.stage == 3 and w > 1 and config.comm.rank == 0:
+        _warn_if_one_unit_dominates(config.name, full_layout)
     return Plan(config, layout, full_layout, np.dtype(master_dtype), precision,
                 found or device or HOST, config.comm.unchecked(),
                 CopyPlans(layout, full_layout))
@@ -160,3 +166,15 @@ def new_state(plan: Plan, master: list[Any], exp_avg: list[Any], exp_avg_sq: lis
     return TrainState(tuple(master), tuple(exp_avg), tuple(exp_avg_sq), compute,
                       np.asarray(step, np.int64), np.asarray(loss_scale, np.float64),
                       np.asarray(good_steps, np.int64), meta)
+
+
+def _warn_if_one_unit_dominates(name: str, full_layout: Layout) -> None:
+    """ZeRO-3 gathers a whole unit at a time: a unit that holds most of a large
+    model's params bounds what sharding saves, silently otherwise."""
+    total = full_layout.local_size()
+    big = max(full_layout.units, key=lambda u: u.local_size)
+    if total >= _LARGE and big.local_size > total / 2:
+        log.warning("%s: unit %r holds %.0f%% of the %d params: ZeRO-3 gathers a whole unit at "
+                    "a time, so every rank holds it whole in each step; split it with units= "
+                    "(for a torch module, units=[its blocks])", name, big.name,
+                    100 * big.local_size / total, total)
