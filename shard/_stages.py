@@ -19,11 +19,11 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
                   specs: Any = None, units: Units = None, precision: Precision | None = None,
                   clip_norm: float | None = None, loss_scale: LossScale | None = None,
                   prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
-                  gradient_accumulation_steps: int | None = None) -> Any:
+                  gradient_accumulation_steps: int | None = None, has_aux: bool = False) -> Any:
         kw = dict(stage=stage, optimizer=optimizer, comm=comm, specs=specs, units=units,
                   precision=precision, clip_norm=clip_norm, loss_scale=loss_scale,
                   prefetch=prefetch, loggers=loggers, offload=offload,
-                  gradient_accumulation_steps=gradient_accumulation_steps)
+                  gradient_accumulation_steps=gradient_accumulation_steps, has_aux=has_aux)
         if loss_fn is None:  # used as a decorator with arguments
             return lambda fn: ZeroStep(fn, **kw)
         return ZeroStep(loss_fn, **kw)
@@ -59,6 +59,10 @@ Args:
   gradient_accumulation_steps: if given, every step takes
     ``shard.MicroBatches`` of exactly this many micro-batches (DeepSpeed's
     key; a refusal names the count otherwise). Default: any number.
+  has_aux: the loss returns ``(loss, aux)`` (JAX's ``value_and_grad``
+    convention; a JAX function or ``interop.torch.functional``'s loss), and
+    ``metrics["aux"]`` holds aux, its numeric leaves averaged over the
+    micro-batches and the ranks (a small host collective each step).
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then

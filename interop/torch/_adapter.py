@@ -200,6 +200,9 @@ class TorchLoss(UnitHooks, BufferState):
     """The loss object :func:`functional` returns (see [Note: torch ZeRO-3] and
     [Note: torch buffers])."""
 
+    supports_aux = True  # the loss may return (loss, aux): the transforms' has_aux=True
+    has_aux = False  # set by a step built with has_aux=True
+
     def __init__(self, module: Any, loss: Callable[[Any, Any], Any], named: dict[str, Any],
                  unit_of: dict[str, str], unit_modules: list[tuple[str, Any]], *,
                  activation_checkpointing: bool = False, broadcast_buffers: bool = True) -> None:
@@ -263,7 +266,7 @@ class TorchLoss(UnitHooks, BufferState):
         self._set_compute_dtype(next(iter(self.named.values())).dtype)
         try:
             with timed("forward"):
-                out = self.loss(self.module, batch)
+                out, aux = self._call_loss(batch)
             with timed("backward"):
                 (out * loss_scale).backward()
         finally:
@@ -272,7 +275,7 @@ class TorchLoss(UnitHooks, BufferState):
                  for name, p in self.named.items()}
         for p in self.named.values():
             p.grad = None
-        return out.detach(), grads
+        return ((out.detach(), aux) if self.has_aux else out.detach()), grads
 
     def loss_value(self, params: dict[str, Any], batch: Any) -> Any:
         """The loss at ``params`` in eval mode under ``torch.no_grad``, with rank
@@ -289,7 +292,7 @@ class TorchLoss(UnitHooks, BufferState):
                 p.data = torch_view(params[name])
             self.module.eval()
             with torch.no_grad():
-                return self.loss(self.module, batch).detach()
+                return self._call_loss(batch)[0].detach()
         finally:
             self._compute_dtype = None
             self.module.train(training)

@@ -73,7 +73,7 @@ class UnitHooks:
             elif root is not None:
                 self._bind(root, units.flat(root, pinned=True))
             with timed("forward"):
-                out = self.loss(self.module, batch)
+                out, aux = self._call_loss(batch)
             a.phase = "backward"
             a.kept = None
             with timed("backward"):
@@ -90,7 +90,20 @@ class UnitHooks:
             self._active = None
             self._compute_dtype = None
             self._sharded = a.gathering
-        return out.detach()
+        return (out.detach(), aux) if self.has_aux else out.detach()
+
+    def _call_loss(self, batch: Any) -> tuple[Any, Any]:
+        """The user's loss on the module: ``(loss, aux)`` (aux None without
+        ``has_aux``, which a step built with ``has_aux=True`` sets)."""
+        from shard.core._loss import split_aux
+
+        loss, aux = split_aux(self.loss(self.module, batch), self.has_aux)
+        if aux is not None:
+            import torch
+
+            aux = torch.utils._pytree.tree_map(
+                lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+        return loss, aux
 
     def _plan(self, units: Any) -> _Plan:
         """What a step needs to know of the units: worked out once per layout."""

@@ -274,18 +274,41 @@ class _UnitLayer:
 
 
 class JaxLoss:
-    """A monolithic JAX loss with a jitted, loss-scaled value_and_grad."""
+    """A monolithic JAX loss with a jitted, loss-scaled value_and_grad. With
+    ``has_aux`` the function returns ``(loss, aux)``, as for
+    ``jax.value_and_grad(..., has_aux=True)``, and so does ``value_and_grad``'s
+    loss."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], has_aux: bool = False) -> None:
         import jax
 
-        self.fn = fn
-        self._vg = jax.jit(jax.value_and_grad(lambda p, b, s: fn(p, b) * s))
-        self.loss_value = jax.jit(fn)
+        self.fn, self.has_aux = fn, has_aux
+
+        def scaled(p: Any, b: Any, s: Any) -> Any:
+            loss, aux = split_aux(fn(p, b), has_aux)
+            return (loss * s, aux) if has_aux else loss * s
+
+        self._vg = jax.jit(jax.value_and_grad(scaled, has_aux=has_aux))
+        self.loss_value = jax.jit(lambda p, b: split_aux(fn(p, b), has_aux)[0])
 
     def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> tuple[Any, Any]:
-        scaled, grads = self._vg(params, batch, loss_scale)
-        return scaled / loss_scale, grads  # stays a jax array: no host read
+        out, grads = self._vg(params, batch, loss_scale)
+        if self.has_aux:  # stays jax arrays: no host read
+            return (out[0] / loss_scale, out[1]), grads
+        return out / loss_scale, grads
+
+
+def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
+    """A loss function's result as ``(loss, aux)`` (aux None without
+    ``has_aux``); a TypeError that says which was expected otherwise."""
+    pair = isinstance(out, (tuple, list))
+    if has_aux and not (pair and len(out) == 2):
+        raise TypeError(f"has_aux=True: the loss must return (loss, aux); got "
+                        f"{type(out).__name__}")
+    if not has_aux and pair:
+        raise TypeError(f"the loss returned a {type(out).__name__} of {len(out)}; a loss that "
+                        "returns (loss, aux) needs has_aux=True in the transform")
+    return (out[0], out[1]) if has_aux else (out, None)
 
 
 def classify(loss_fn: Any) -> str:

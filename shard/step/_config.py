@@ -36,13 +36,15 @@ class StepConfig:
     loggers: tuple
     offload: Offload | None
     gradient_accumulation_steps: int | None
+    has_aux: bool
 
     @classmethod
     def make(cls, loss_fn: Any, *, stage: int, optimizer: FusedAdam, comm: Communicator,
              specs: Any = None, units: Any = None, precision: Precision | None = None,
              clip_norm: float | None = None, loss_scale: LossScale | None = None,
              prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
-             gradient_accumulation_steps: int | None = None) -> StepConfig:
+             gradient_accumulation_steps: int | None = None,
+             has_aux: bool = False) -> StepConfig:
         """The configuration of ``zero{stage}(loss_fn, ...)``; a TypeError or
         ValueError naming the argument for anything it cannot train with."""
         name = f"zero{stage}"
@@ -68,8 +70,17 @@ class StepConfig:
                 raise TypeError(f"{name}: loggers must be callables (step, metrics), such as "
                                 f"shard.CSVLogger; got {type(lg).__name__}")
         kind = classify(loss_fn)
+        if not isinstance(has_aux, bool):
+            raise TypeError(f"{name}: has_aux must be True or False; got {has_aux!r}")
+        if has_aux and kind != "jax":
+            if not getattr(loss_fn, "supports_aux", False):
+                raise TypeError(f"{name}: has_aux=True is for a JAX loss function or "
+                                "interop.torch.functional's loss; this "
+                                f"{type(loss_fn).__name__} returns its loss alone")
+            loss_fn.has_aux = True
         if units is None:  # a loss object may know its model's units (interop.torch does)
             units = getattr(loss_fn, "units", None) if kind == "provider" else None
-        return cls(name, stage, JaxLoss(loss_fn) if kind == "jax" else loss_fn, kind,
+        return cls(name, stage, JaxLoss(loss_fn, has_aux) if kind == "jax" else loss_fn, kind,
                    optimizer, comm, specs, units, precision or Precision(), clip_norm,
-                   loss_scale, prefetch, loggers, offload, gradient_accumulation_steps)
+                   loss_scale, prefetch, loggers, offload, gradient_accumulation_steps,
+                   has_aux)

@@ -27,6 +27,8 @@ def evaluate(plan: Any, units: Units, batch: Any) -> float:
             value = getattr(c.loss_fn, "loss_value", None)
             loss = value(params, batch) if value is not None else \
                 c.loss_fn.value_and_grad(params, batch)[0]
+            if c.has_aux and isinstance(loss, tuple):  # a provider's (loss, aux)
+                loss = loss[0]
             del params
         total = _grads.on_device(plan, loss, "the loss").astype(np.float64)
     # a pipeline's loss is its last stage's: summed over the whole mesh

@@ -9,6 +9,8 @@ from typing import Any
 
 import numpy as np
 
+from ops.comm._collectives import all_gather_host
+from ops.device._device import device_of_or_none
 from ops.device._dlpack import jax_view
 from shard.core._state import TrainState
 from shard.monitor._profile import timed
@@ -96,3 +98,50 @@ def loss_and_grads(plan: Any, units: Units, reducer: GradReducer, batch: Any,
     for u in reversed(range(len(layout.units))):
         reducer.add(u, [flat[i] for i in layout.units[u].leaves])
     return loss
+
+
+def mean_aux(plan: Any, auxes: list[Any]) -> Any:
+    """The micro-batches' aux (``has_aux``), numeric leaves averaged over the
+    micro-batches and the ranks (one host all-gather); other leaves are this
+    rank's last."""
+    import ops._tree
+
+    c = plan.config
+    tu = ops._tree.tree_util()
+    flat = [tu.tree_flatten(a) for a in auxes]
+    treedef = flat[-1][1]
+    if any(t != treedef for _, t in flat):
+        raise ValueError(f"{c.name}: the micro-batches' aux differ in structure: "
+                         f"{[str(t) for _, t in flat]}")
+    numeric = [i for i, x in enumerate(flat[-1][0]) if _number_like(x)]
+    values = [np.mean([_host(plan, leaves[i]) for leaves, _ in flat], axis=0) for i in numeric]
+    shapes = [v.shape for v in values]
+    if values:
+        vec = np.concatenate([v.reshape(-1) for v in values]).astype(np.float64)
+        vec = all_gather_host(c.comm, vec).reshape(c.comm.world_size, -1).mean(axis=0)
+        values, at = [], 0
+        for shape in shapes:
+            n = int(np.prod(shape))
+            values.append(vec[at:at + n].reshape(shape) if shape else float(vec[at]))
+            at += n
+    leaves = list(flat[-1][0])
+    for i, v in zip(numeric, values, strict=True):
+        leaves[i] = v
+    return tu.tree_unflatten(treedef, leaves)
+
+
+def _number_like(x: Any) -> bool:
+    """Numbers and arrays of them (numpy, JAX, torch, device arrays, bf16 too)."""
+    if isinstance(x, (bool, int, float, np.number)):
+        return True
+    name = str(getattr(x, "dtype", ""))
+    return any(k in name for k in ("float", "int", "bool"))
+
+
+def _host(plan: Any, x: Any) -> np.ndarray:
+    """An aux value on the host, as float64 (an explicit copy from a device)."""
+    if hasattr(x, "detach"):  # torch
+        x = x.detach().cpu().float().numpy()
+    elif device_of_or_none(x) is not None and not device_of_or_none(x).host:
+        x = device_of_or_none(x).to_host(x)
+    return np.asarray(x, np.float64)

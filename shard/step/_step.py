@@ -252,11 +252,15 @@ class ZeroStep:
         grad_scale = 1.0 / (w * k * scale)
         offloader = self._offloader
         overlap = offloader.start_overlap(state, reducer, grad_scale) if offloader else None
+        auxes = []
         try:
             with _grads.placement(plan):
                 for i, b in enumerate(micro):
                     reducer.final = i == len(micro) - 1
                     loss = _grads.loss_and_grads(plan, units, reducer, b, scale)
+                    if c.has_aux:
+                        loss, aux = loss
+                        auxes.append(aux)
                     totals[1:2] += _grads.on_device(plan, loss, "the loss")
             shards = reducer.finish()
             if overlap is not None:  # see [Note: overlapped offload]
@@ -265,12 +269,15 @@ class ZeroStep:
                     overlap.wait_copied()
             with timed("optimizer"):
                 _update.norm_and_loss(plan, shards, totals)
+            aux = _grads.mean_aux(plan, auxes) if c.has_aux else None
         except BaseException:
             units.drain()  # no collective of this step still writes anywhere
             reducer.drain()
             raise
         state.donate()  # from here on the update reuses its buffers
         known = {"lr": lr, "loss_scale": scale, "skipped": False}
+        if c.has_aux:
+            known["aux"] = aux
 
         def finish(host: np.ndarray) -> dict[str, float]:
             sumsq = float(host[0])
