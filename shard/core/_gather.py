@@ -21,8 +21,12 @@ class MicroBatches(tuple):
     ``step(state, shard.MicroBatches([b1, b2, b3]))`` takes the gradients of
     each micro-batch (each this rank's part), sums them, and steps once; the
     loss and gradients are means over micro-batches and ranks, as one batch of
-    their concatenation would give. Any other batch (a list from a torch
-    ``DataLoader`` included) is one micro-batch, handed to the loss as it is.
+    their concatenation would give: micro-batches of unequal rows (the leading
+    dimension of their arrays) weigh by their rows, so parts of 3 and 1 rows
+    give the mean over 4 rows. Ranks weigh equally: give every rank the same
+    number of rows (``shard.split_batch`` does where the batch divides). Any
+    other batch (a list from a torch ``DataLoader`` included) is one
+    micro-batch, handed to the loss as it is.
     DeepSpeed calls this ``gradient_accumulation_steps``.
 
     Example:

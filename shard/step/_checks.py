@@ -17,7 +17,7 @@ from shard.core._layout import Layout
 from shard.core._state import TrainState
 
 __all__ = ["agree_on_layout", "agree_on_values", "cast_inputs", "check_batch", "check_fits",
-           "check_is_state", "learning_rate"]
+           "check_is_state", "learning_rate", "weights"]
 
 
 def agree_on_values(comm: Communicator, device: Device, leaves: list[Any], fn: str) -> None:
@@ -55,6 +55,27 @@ def check_batch(name: str, rank: int, batch: Any) -> None:
             raise ValueError(f"{name}: batch{tu.keystr(path)} has no rows (shape "
                              f"{tuple(shape)}) on rank {rank}; every rank needs a "
                              "non-empty part of the batch")
+
+
+def weights(batches: list[Any]) -> list[float] | None:
+    """Each micro-batch's weight in the step's mean: its rows over the mean rows,
+    so that micro-batches of 3 and 1 rows give the gradient of their 4 rows'
+    mean, as their concatenation would. None where every micro-batch weighs the
+    same (equal rows, or rows that cannot be counted: no array leaves, or
+    leaves that disagree on their leading dimension)."""
+    if len(batches) < 2:
+        return None
+    rows = [_rows(b) for b in batches]
+    if None in rows or len(set(rows)) == 1:
+        return None
+    mean = sum(rows) / len(rows)
+    return [n / mean for n in rows]
+
+
+def _rows(batch: Any) -> int | None:
+    dims = {x.shape[0] for x in ops._tree.tree_util().tree_leaves(batch)
+            if len(getattr(x, "shape", ())) > 0}
+    return dims.pop() if len(dims) == 1 else None
 
 
 def learning_rate(config: Any, count: int) -> float:

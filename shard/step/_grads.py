@@ -90,7 +90,7 @@ def loss_and_grads(plan: Any, units: Units, reducer: GradReducer, batch: Any,
             getattr(loss_fn, "hooks_usable", lambda comm: True)(c.comm)):
         return loss_fn.run_units(units, reducer, batch, scale)
     params = whole_params(plan, units)
-    kwargs = {"loss_scale": scale} if (c.loss_scale or c.kind == "jax") else {}
+    kwargs = {"loss_scale": scale} if (c.loss_scale or c.kind == "jax" or scale != 1.0) else {}
     with timed("compute"):
         loss, grads = loss_fn.value_and_grad(params, batch, **kwargs)
     del params

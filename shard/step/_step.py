@@ -228,15 +228,16 @@ class ZeroStep:
         for b in micro:
             _checks.check_batch(c.name, c.comm.rank, b)
         lr = _checks.learning_rate(c, int(state.step))
+        weights = _checks.weights(micro)
         micro = [_checks.cast_inputs(plan, b) for b in micro]
         try:
-            return self._run(plan, state, micro, lr)
+            return self._run(plan, state, micro, lr, weights)
         finally:
             if self._offloader is not None:  # the overlapped offload's threads, if started
                 self._offloader.end_overlap()
 
-    def _run(self, plan: Plan, state: TrainState, micro: list[Any],
-             lr: float) -> tuple[TrainState, StepMetrics]:
+    def _run(self, plan: Plan, state: TrainState, micro: list[Any], lr: float,
+             weights: list[float] | None) -> tuple[TrainState, StepMetrics]:
         """The step after its checks. Nothing of ``state`` changes until the
         gradients are reduced and their norm is known; an exception before that
         leaves it valid (see [Note: failed steps])."""
@@ -257,11 +258,13 @@ class ZeroStep:
             with _grads.placement(plan):
                 for i, b in enumerate(micro):
                     reducer.final = i == len(micro) - 1
-                    loss = _grads.loss_and_grads(plan, units, reducer, b, scale)
+                    weight = weights[i] if weights else 1.0  # micro-batches of unequal rows
+                    loss = _grads.loss_and_grads(plan, units, reducer, b, scale * weight)
                     if c.has_aux:
                         loss, aux = loss
                         auxes.append(aux)
-                    totals[1:2] += _grads.on_device(plan, loss, "the loss")
+                    loss = _grads.on_device(plan, loss, "the loss")
+                    totals[1:2] += loss if weights is None else loss * weight
             shards = reducer.finish()
             if overlap is not None:  # see [Note: overlapped offload]
                 overlap.submit_rest()
