@@ -373,3 +373,19 @@ def test_tied_weights_on_the_device_stand_in(device):
                 for i, layer in whole.items()}, [m["loss"]]
 
     assert PM.worst_difference(ops.spawn(run, 2), PM.tied_reference()) < 1e-5
+
+
+def test_the_world_communicator_where_pipe_data_belongs_is_named():
+    def run(comm):
+        pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=2, microbatches=2)
+        with pytest.raises(ValueError, match=r"comm=pipe.data \(1 rank\(s\)\); got a "
+                                             r"communicator of 2 ranks"):
+            shard.zero2(pipe, optimizer=ops.adamw(1e-3), comm=comm)
+        step = shard.zero2(pipe, optimizer=ops.adamw(1e-3), comm=pipe.data)
+        state = step.init(pipe.params(PM.init_params()))
+        with pytest.raises(ValueError, match=r"gather: this state is rank 0's of 1 but comm is "
+                                             r"rank \d of 2.*pipe.data"):
+            shard.gather(state, comm)
+        return sorted(shard.gather(state, pipe.data))
+
+    assert all(ops.spawn(run, 2))

@@ -71,6 +71,10 @@ def gather(x: Any, comm: Communicator, *, specs: Any = None, like: Any = None) -
     if isinstance(x, TrainState):
         x.check_live()
         layout, buffers = x.meta.layout, list(x.master)
+        if x.meta.stage and (comm.world_size, comm.rank) != (layout.world_size, x.meta.rank):
+            raise ValueError(f"gather: this state is rank {x.meta.rank}'s of {layout.world_size}"
+                             f" but comm is rank {comm.rank} of {comm.world_size}; gather over "
+                             "the communicator the step ran on (a pipeline stage's: pipe.data)")
         device = device_named(x.meta.device)
         if x.meta.offload:  # host or disk-tier masters: explicit copies to the device
             buffers = [device.asarray(b) for b in buffers]

@@ -61,6 +61,12 @@ class StepConfig:
         if prefetch < 0:
             raise ValueError(f"{name}: prefetch must be >= 0; got {prefetch}")
         check_offload(name, stage, offload, clip_norm)
+        data = getattr(loss_fn, "data", None)  # a pipeline stage: ZeRO runs on its data axis
+        if (isinstance(data, Communicator) and hasattr(loss_fn, "pipe") and comm is not data
+                and comm.world_size != data.world_size):
+            raise ValueError(f"{name}: a pipeline's step runs on its data axis: pass "
+                             f"comm=pipe.data ({data.world_size} rank(s)); got a communicator "
+                             f"of {comm.world_size} ranks")
         n = gradient_accumulation_steps
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"{name}: gradient_accumulation_steps must be an int >= 1; got {n!r}")
