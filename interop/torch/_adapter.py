@@ -70,6 +70,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from interop.torch._buffers import BufferState
+from interop.torch._state_dict import remember_dtypes
 from interop.torch._units import ROOT, UnitHooks, _Step, check_owner
 from ops.device._dlpack import to_native, torch_view
 from shard.monitor._profile import timed
@@ -184,6 +185,7 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
         raise ValueError(f"functional: the module's parameters are on {sorted(map(str, devices))}; "
                          "move it to one device first")
     params = {name: to_native(p.data)[0] for name, p in named.items()}
+    remember_dtypes(module)
     return params, TorchLoss(module, loss, named, unit_of, unit_modules,
                              activation_checkpointing=bool(activation_checkpointing),
                              broadcast_buffers=bool(broadcast_buffers))

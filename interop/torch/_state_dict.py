@@ -3,6 +3,7 @@ ZeRO state: :func:`load_state` and :func:`state_dict`."""
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,20 @@ import numpy as np
 from ops.device._device import device_of_or_none
 from ops.device._dlpack import to_native, torch_view
 
-__all__ = ["load_state", "state_dict"]
+__all__ = ["load_state", "remember_dtypes", "state_dict"]
+
+# Each module's parameter dtypes when functional() took it: mixed precision binds
+# the parameters to the step's compute-dtype buffers, and exports go back to these.
+_DTYPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def remember_dtypes(module: Any) -> None:
+    """Keep ``module``'s parameter dtypes, as :func:`functional` found them."""
+    _DTYPES.setdefault(module, {name: p.dtype for name, p in module.named_parameters()})
+
+
+def _dtype_of(module: Any, name: str, now: Any) -> Any:
+    return _DTYPES.get(module, {}).get(name, now)
 
 
 def load_state(module: Any, state_or_params: Any, *, comm: Any = None) -> Any:
@@ -23,7 +37,9 @@ def load_state(module: Any, state_or_params: Any, *, comm: Any = None) -> Any:
       comm: this rank's communicator, when a TrainState is given.
 
     Returns:
-      The module, its parameters overwritten in place (copies, in their dtype).
+      The module, its parameters overwritten in place (copies, in the dtype
+      each had when :func:`functional` took the module: float32 after bf16
+      training of a float32 model, the masters' values).
     """
     import torch
 
@@ -44,7 +60,7 @@ def load_state(module: Any, state_or_params: Any, *, comm: Any = None) -> Any:
             if tuple(src.shape) != tuple(p.shape) and p.numel() > 0:
                 raise ValueError(f"load_state: {name} has shape {tuple(src.shape)}, the module "
                                  f"{tuple(p.shape)}")
-            p.data = src.to(device=p.device, dtype=p.dtype, copy=True)
+            p.data = src.to(device=p.device, dtype=_dtype_of(module, name, p.dtype), copy=True)
     return module
 
 
@@ -53,7 +69,9 @@ def state_dict(module: Any, state_or_params: Any, *, comm: Any = None) -> dict[s
     ``load_state_dict(..., strict=True)``.
 
     Every parameter appears under each of its names (a head tied to the
-    embedding too), in the module's dtypes; buffers (BatchNorm's running
+    embedding too), in the dtype it had when :func:`functional` took the
+    module (so bf16 training of a float32 model exports the float32 masters,
+    as ``python -m shard.checkpoint consolidate`` does); buffers (BatchNorm's running
     statistics, say) are rank 0's, broadcast, so every rank returns the same
     dict, as DDP's ``broadcast_buffers`` keeps them.
 
@@ -82,8 +100,8 @@ def state_dict(module: Any, state_or_params: Any, *, comm: Any = None) -> dict[s
             name = canonical[id(every_name[key])]
             if name not in params:
                 raise KeyError(f"state_dict: no value for parameter {name}")
-            out[key] = _as_tensor(params[name]).to(device=value.device, dtype=value.dtype,
-                                                   copy=True)
+            out[key] = _as_tensor(params[name]).to(
+                device=value.device, dtype=_dtype_of(module, name, value.dtype), copy=True)
             continue
         buf = value.detach().clone()
         if comm is not None and comm.world_size > 1:
