@@ -100,3 +100,14 @@ def test_torch_losses_return_aux_too(stage):
         for mse, loss_value in out:
             np.testing.assert_allclose(mse, 2 * loss_value, rtol=1e-6)
         assert np.isfinite(evaluated)
+
+
+def test_a_torch_loss_object_takes_the_flag_of_the_step_built_last():
+    comm = ops.spawn(lambda c: c, 1)[0]
+    params, fn = it.functional(copy.deepcopy(T.built(T.MLP)), loss=T.mse)
+    shard.zero1(fn, optimizer=ops.adamw(M.LR), comm=comm, has_aux=True)
+    assert fn.has_aux
+    step = shard.zero1(fn, optimizer=ops.adamw(M.LR), comm=comm)
+    assert not fn.has_aux
+    _, metrics = step(step.init(params), T.data(1)[0])
+    assert "aux" not in metrics and np.isfinite(metrics["loss"])

@@ -78,12 +78,12 @@ class StepConfig:
         kind = classify(loss_fn)
         if not isinstance(has_aux, bool):
             raise TypeError(f"{name}: has_aux must be True or False; got {has_aux!r}")
-        if has_aux and kind != "jax":
-            if not getattr(loss_fn, "supports_aux", False):
-                raise TypeError(f"{name}: has_aux=True is for a JAX loss function or "
-                                "interop.torch.functional's loss; this "
-                                f"{type(loss_fn).__name__} returns its loss alone")
-            loss_fn.has_aux = True
+        if has_aux and kind != "jax" and not getattr(loss_fn, "supports_aux", False):
+            raise TypeError(f"{name}: has_aux=True is for a JAX loss function or "
+                            "interop.torch.functional's loss; this "
+                            f"{type(loss_fn).__name__} returns its loss alone")
+        if getattr(loss_fn, "supports_aux", False):  # the loss object splits (loss, aux)
+            loss_fn.has_aux = has_aux
         if units is None:  # a loss object may know its model's units (interop.torch does)
             units = getattr(loss_fn, "units", None) if kind == "provider" else None
         return cls(name, stage, JaxLoss(loss_fn, has_aux) if kind == "jax" else loss_fn, kind,
