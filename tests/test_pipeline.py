@@ -389,3 +389,17 @@ def test_the_world_communicator_where_pipe_data_belongs_is_named():
         return sorted(shard.gather(state, pipe.data))
 
     assert all(ops.spawn(run, 2))
+
+
+def test_stages_given_different_rows_are_refused():
+    """Every stage of a data rank must see the same batch: the last stage's loss
+    would otherwise broadcast labels of other rows against the activations."""
+    def run(comm):
+        pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=2, microbatches=2)
+        step = shard.zero2(pipe, optimizer=ops.adamw(1e-3), comm=pipe.data)
+        state = step.init(pipe.params(PM.init_params()))
+        step(state, PM.batches(1, rows=8 if pipe.stage == 0 else 4)[0])
+
+    with pytest.raises(ValueError, match=r"stage 1's micro-batches have 2 rows but stage 0's "
+                                         r"have 4: every stage of a data rank must be given"):
+        ops.spawn(run, 2, timeout=60)

@@ -215,7 +215,7 @@ class Pipeline:
         runner = self._runner(units, self.activation_checkpointing)
         m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
         micro = _split(batch, m)
-        self._begin(backward=True)
+        self._begin(backward=True, rows=_rows(micro[0]))
         losses: list[Any] = []
         sends: list[Any] = []
         for kind, k in _order(self.schedule, self.stages, self.stage, m):
@@ -247,7 +247,7 @@ class Pipeline:
 
         m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
         micro = _split(batch, m)
-        self._begin(backward=False)
+        self._begin(backward=False, rows=_rows(micro[0]))
         losses, sends = [], []
         with getattr(self.loss, "evaluating", nullcontext)():
             runner = self._runner(units, True)  # keeps only each micro-batch's input
@@ -274,6 +274,8 @@ class Pipeline:
     # A step's messages to one peer all have one shape (equal micro-batches through
     # the same layers), so only the first of each step carries a header, as
     # torch's pipelining infers shapes once; a later one that differs is refused.
+    # The header also carries the sender's micro-batch rows: every stage of a data
+    # rank must be given the same batch, and the receiver refuses one that is not.
     def _send(self, x: Any, dst: int) -> Any:
         a = _host_array(x)
         if a.ndim > _MAX_DIMS or str(a.dtype) not in _DTYPES:
@@ -284,9 +286,9 @@ class Pipeline:
         works = []
         if dst not in self._sent:
             self._sent[dst] = kind
-            header = np.zeros(2 + _MAX_DIMS, np.int64)
-            header[:2] = a.ndim, _DTYPES.index(str(a.dtype))
-            header[2:2 + a.ndim] = a.shape
+            header = np.zeros(3 + _MAX_DIMS, np.int64)
+            header[:3] = a.ndim, _DTYPES.index(str(a.dtype)), self._rows
+            header[3:3 + a.ndim] = a.shape
             works.append(self.pipe.isend(header, dst, tag=_HEADER))
         elif self._sent[dst] != kind:
             raise ValueError(f"pipeline: stage {self.stage} sends stage {dst} a "
@@ -301,9 +303,13 @@ class Pipeline:
 
         with timed("pipeline_wait"):  # the bubble: waiting on a neighbour
             if src not in self._received:
-                header = self.pipe.recv_(np.empty(2 + _MAX_DIMS, np.int64), src, tag=_HEADER)
-                ndim, code = int(header[0]), int(header[1])
-                self._received[src] = (tuple(int(d) for d in header[2:2 + ndim]),
+                header = self.pipe.recv_(np.empty(3 + _MAX_DIMS, np.int64), src, tag=_HEADER)
+                ndim, code, rows = (int(v) for v in header[:3])
+                if rows != self._rows:
+                    raise ValueError(f"pipeline: stage {self.stage}'s micro-batches have "
+                                     f"{self._rows} rows but stage {src}'s have {rows}: every "
+                                     "stage of a data rank must be given the same batch")
+                self._received[src] = (tuple(int(d) for d in header[3:3 + ndim]),
                                        np.dtype(jnp.dtype(_DTYPES[code])))
             shape, dtype = self._received[src]
             posted = self._posted.pop(src, None)
@@ -315,10 +321,12 @@ class Pipeline:
                     np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src, _DATA)
         return out.reshape(shape)
 
-    def _begin(self, backward: bool) -> None:
-        """A step's (or an evaluation's) message state: the shapes seen so far and
-        how many messages each neighbour will send."""
+    def _begin(self, backward: bool, rows: int) -> None:
+        """A step's (or an evaluation's) message state: the shapes seen so far,
+        how many messages each neighbour will send, and this stage's micro-batch
+        rows."""
         m = self.microbatches
+        self._rows = rows
         self._sent: dict[int, Any] = {}
         self._received: dict[int, Any] = {}
         self._posted: dict[int, Any] = {}
@@ -353,6 +361,12 @@ def _order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
     for i in range(m - warm):
         out += [("F", warm + i), ("B", i)]
     return out + [("B", k) for k in range(m - warm, m)]
+
+
+def _rows(batch: Any) -> int:
+    import jax
+
+    return int(np.shape(jax.tree_util.tree_leaves(batch)[0])[0])
 
 
 def _split(batch: Any, m: int) -> list[Any]:
