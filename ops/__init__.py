@@ -20,7 +20,8 @@ from ops.comm._base import (
     aligned_empty,
 )
 from ops.comm._collectives import all_gather, all_reduce, broadcast, reduce_scatter
-from ops.comm._threads import ThreadCommunicator, ThreadGroup, spawn
+from ops.comm._spawn import spawn
+from ops.comm._threads import ThreadCommunicator, ThreadGroup
 from ops.comm._world import init_from_env
 from ops.device._arrays import BF16
 from ops.device._device import HOST, Device, device_of
