@@ -10,7 +10,9 @@ metadata (the layout, stage, policies) is aux data. ``params`` and ``opt``
 present the buffers as pytrees shaped like the model's params (views).
 
 A step reuses the buffers of the state it is given: that state is donated, and
-using it again raises :class:`DonatedStateError`.
+using it again raises :class:`DonatedStateError`. A step that fails before its
+update leaves the state valid (see [Note: failed steps] in
+``shard/step/_step.py``).
 """
 
 from __future__ import annotations
