@@ -333,3 +333,37 @@ def test_evaluate_on_device_matches_the_host(device, stage):
     on_host = ops.spawn(lambda c: run(c, HOST), 3)
     assert on_device == pytest.approx(on_host, rel=1e-6)
     assert len(set(on_device)) == 1
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_aux_unequal_micro_batches_and_a_failed_step_on_device(device, stage):
+    """The step's newer paths on device state: ``has_aux`` (aux read to the host
+    explicitly), micro-batches weighted by their rows (the loss total scaled on the
+    device), and a failed step that waits out its collectives; the same numbers
+    as host state."""
+    def with_aux(p, b):
+        loss = M.loss(p, b)
+        return loss, {"mse": loss}
+
+    bad = {"x": np.ones((3, 4), np.float32), "y": np.ones((3, 3), np.float32)}
+
+    def run(comm, where):
+        step = ZERO[stage](with_aux, optimizer=ops.adamw(M.LR), comm=comm, has_aux=True)
+        state = step.init(to_device(M.init_params(), where))
+        out = []
+        for i, b in enumerate(M.batches(2)):
+            mine = shard.split_batch(b, rank=comm.rank, world_size=comm.world_size)
+            if i == 1:
+                with pytest.raises(TypeError):
+                    step(state, bad)
+            parts = [tree_map(lambda x: x[:9], mine), tree_map(lambda x: x[9:], mine)]
+            state, metrics = step(state, shard.MicroBatches(parts))
+            out.append((float(metrics["loss"]), float(metrics["aux"]["mse"])))
+        return [host(x) for x in state.master], out
+
+    for (want, want_out), (got, got_out) in zip(ops.spawn(lambda c: run(c, HOST), 2),
+                                                ops.spawn(lambda c: run(c, device), 2),
+                                                strict=True):
+        np.testing.assert_allclose(got_out, want_out, rtol=1e-6)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

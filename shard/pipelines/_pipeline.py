@@ -214,8 +214,8 @@ class Pipeline:
         0 elsewhere)."""
         runner = self._runner(units, self.activation_checkpointing)
         m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
-        micro = _split(batch, m)
-        self._begin(backward=True, rows=_rows(micro[0]))
+        micro, rows = _split(batch, m)
+        self._begin(backward=True, rows=rows)
         losses: list[Any] = []
         sends: list[Any] = []
         for kind, k in _order(self.schedule, self.stages, self.stage, m):
@@ -246,8 +246,8 @@ class Pipeline:
         from contextlib import nullcontext
 
         m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
-        micro = _split(batch, m)
-        self._begin(backward=False, rows=_rows(micro[0]))
+        micro, rows = _split(batch, m)
+        self._begin(backward=False, rows=rows)
         losses, sends = [], []
         with getattr(self.loss, "evaluating", nullcontext)():
             runner = self._runner(units, True)  # keeps only each micro-batch's input
@@ -363,13 +363,8 @@ def _order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
     return out + [("B", k) for k in range(m - warm, m)]
 
 
-def _rows(batch: Any) -> int:
-    import jax
-
-    return int(np.shape(jax.tree_util.tree_leaves(batch)[0])[0])
-
-
-def _split(batch: Any, m: int) -> list[Any]:
+def _split(batch: Any, m: int) -> tuple[list[Any], int]:
+    """The batch cut into ``m`` micro-batches by rows, and their rows."""
     import jax
 
     def rows(x: Any) -> int:
@@ -382,4 +377,4 @@ def _split(batch: Any, m: int) -> list[Any]:
                          f"and divide into {m} micro-batches")
     k = next(iter(n)) // m
     return [jax.tree_util.tree_map(lambda x, i=i: x[i * k:(i + 1) * k], batch)
-            for i in range(m)]
+            for i in range(m)], k

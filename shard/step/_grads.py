@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+import ops._tree
 from ops.comm._collectives import all_gather_host
 from ops.device._device import device_of_or_none
 from ops.device._dlpack import jax_view
@@ -104,8 +105,6 @@ def mean_aux(plan: Any, auxes: list[Any]) -> Any:
     """The micro-batches' aux (``has_aux``), numeric leaves averaged over the
     micro-batches and the ranks (one host all-gather); other leaves are this
     rank's last."""
-    import ops._tree
-
     c = plan.config
     tu = ops._tree.tree_util()
     flat = [tu.tree_flatten(a) for a in auxes]
