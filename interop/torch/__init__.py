@@ -5,7 +5,9 @@ a module into a params pytree (arrays over the module's own parameter memory:
 numpy for a CPU module, CuPy for a CUDA one; named by their state_dict keys) and a loss object whose
 ``value_and_grad`` runs the module with torch autograd. Hand both to a ZeRO
 transform: ``step = shard.zero3(loss, optimizer=..., comm=comm)``,
-``state = step.init(params)``. :func:`layered` makes a chain of modules a
+``state = step.init(params)``. A model too large for one rank is built
+under ``torch.device("meta")``: ``init`` then materialises and initialises it
+one unit at a time, each rank keeping only its shards. :func:`layered` makes a chain of modules a
 pipeline's layers; :func:`load_state` and :func:`state_dict` bring the trained
 params back to the module.
 
@@ -17,7 +19,9 @@ The package, a file per concept (it may import :mod:`shard` and :mod:`ops`):
   pipeline stage's run over micro-batches ([Note: torch layers]);
 - ``_buffers.py``: the module's buffers and tied names beside its state
   ([Note: torch buffers]);
-- ``_state_dict.py``: :func:`load_state` and :func:`state_dict`.
+- ``_state_dict.py``: :func:`load_state` and :func:`state_dict`;
+- ``_meta.py``: a module built on the meta device, materialised one unit at a
+  time by the step's ``init`` ([Note: meta-device init]).
 """
 
 from interop.torch._adapter import TorchLoss, functional

@@ -70,9 +70,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from interop.torch._buffers import BufferState
+from interop.torch._meta import MetaParams
 from interop.torch._state_dict import remember_dtypes
 from interop.torch._units import ROOT, UnitHooks, _Step, check_owner
-from ops.device._dlpack import to_native, torch_view
+from ops.device._dlpack import _torch_device, to_native, torch_view
 from shard.monitor._profile import timed
 
 __all__ = ["TorchLoss", "functional"]
@@ -126,7 +127,9 @@ def _block_types(module: Any) -> tuple[type, ...]:
 def functional(module: Any, *, loss: Callable[[Any, Any], Any],
                units: Sequence[Any] | None = None,
                activation_checkpointing: bool = False,
-               broadcast_buffers: bool = True) -> tuple[dict[str, Any], TorchLoss]:
+               broadcast_buffers: bool = True,
+               param_init_fn: Callable[[Any], None] | None = None, seed: int = 0,
+               device: Any = None) -> tuple[dict[str, Any], TorchLoss]:
     """A module's parameters as a pytree, and a loss the ZeRO transforms train.
 
     Args:
@@ -143,11 +146,22 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
       broadcast_buffers: give every rank rank 0's buffers (BatchNorm's running
         statistics) before each forward, as DDP does (see [Note: torch
         buffers]); checkpoints keep rank 0's either way.
+      param_init_fn: for a module built on the meta device (too large for one
+        rank; see [Note: meta-device init]): ``fn(module)`` initialises one
+        module's own parameters (and buffers) in place. Default: the model's
+        ``_init_weights`` (Hugging Face), else each module's
+        ``reset_parameters()``, as FSDP2's meta-device init calls.
+      seed: for a meta module, the seed of each unit's initialisation (the
+        values depend on it and the units, not on the world size).
+      device: for a meta module, the torch device its units are materialised
+        on (default ``"cpu"``).
 
     Returns:
       ``(params, loss_object)``: params is ``{state_dict key: array}`` (numpy
       for a CPU module, CuPy for a CUDA one) sharing memory with the
-      parameters (tied parameters appear once, under their first name);
+      parameters (tied parameters appear once, under their first name), or
+      for a meta module its meta tensors (shapes, which the step's ``init``
+      materialises one unit at a time);
       loss_object has ``value_and_grad(params, batch)`` and
       a ``units`` function that groups the params into units.
 
@@ -174,6 +188,13 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
         raise ValueError("functional: the module has no parameters")
     unit_modules = ([(_name_of(module, m), m) for m in units] if units is not None
                     else _default_units(module))
+    meta = None
+    if {p.device.type for p in named.values()} == {"meta"}:
+        meta = MetaParams(module, unit_modules, param_init_fn, seed, device)
+        named = dict(module.named_parameters())
+    elif param_init_fn is not None or device is not None:
+        raise ValueError("functional: param_init_fn= and device= are for a module built on "
+                         "the meta device; this one's parameters have memory already")
     owners: dict[int, list[str]] = {}
     for key, m in unit_modules:
         for p in m.parameters():
@@ -184,11 +205,14 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
     if len(devices) > 1:
         raise ValueError(f"functional: the module's parameters are on {sorted(map(str, devices))}; "
                          "move it to one device first")
-    params = {name: to_native(p.data)[0] for name, p in named.items()}
+    params = (dict(meta.meta) if meta is not None
+              else {name: to_native(p.data)[0] for name, p in named.items()})
     remember_dtypes(module)
-    return params, TorchLoss(module, loss, named, unit_of, unit_modules,
-                             activation_checkpointing=bool(activation_checkpointing),
-                             broadcast_buffers=bool(broadcast_buffers))
+    fn = TorchLoss(module, loss, named, unit_of, unit_modules,
+                   activation_checkpointing=bool(activation_checkpointing),
+                   broadcast_buffers=bool(broadcast_buffers))
+    fn._meta, fn._sharded = meta, meta is not None
+    return params, fn
 
 
 def _name_of(root: Any, sub: Any) -> str:
@@ -252,6 +276,26 @@ class TorchLoss(UnitHooks, BufferState):
     def units(self, path: tuple) -> str:
         """The unit key of a params leaf (by its key path in the params dict)."""
         return self.unit_of[path[0].key]
+
+    # -- a module built on the meta device ----------------------------------------
+    _meta: MetaParams | None = None
+
+    def materialize(self, paths: list[tuple]) -> list[Any]:
+        """The whole, freshly initialised values of the params at ``paths`` (one
+        unit's, for the step's ``init``; see [Note: meta-device init])."""
+        if self._meta is None:
+            raise TypeError("materialize: this module was not built on the meta device")
+        names = [path[0].key for path in paths]
+        return self._meta.materialize(names, {self.unit_of[n] for n in names}, self.named)
+
+    @property
+    def materialize_device(self) -> Any:
+        """Where a meta module's units are materialised, as an ``ops.Device``."""
+        if self._meta is None:
+            return None
+        import torch
+
+        return _torch_device(torch.empty(0, device=self._meta.device))
 
     # -- stages 0-2 (and anything with whole params) ------------------------------
     def value_and_grad(self, params: dict[str, Any], batch: Any,

@@ -59,15 +59,16 @@ class Offloader:
         self.spare: Spare | None = None
         self.overlap: OverlappedUpdate | None = None
 
-    def init_buffers(self, leaves: list[Any], rank: int) -> tuple[list, list, list, list]:
+    def init_buffers(self, values: Any, rank: int) -> tuple[list, list, list, list]:
         """``init``'s masters (scattered straight into host memory or the disk tier,
-        one unit at a time), zero moments, and the masters' compute-dtype copies."""
+        one unit at a time: ``values(u)`` gives unit ``u``'s whole leaves), zero
+        moments, and the masters' compute-dtype copies."""
         def fill(u: int, kind: str, buf: Any) -> None:
             if kind != "master":
                 return
-            for i in self.layout.units[u].leaves:
+            for i, x in zip(self.layout.units[u].leaves, values(u), strict=True):
                 leaf = self.layout.leaves[i]
-                x = leaves[i] if self.device.host else self.device.to_host(leaves[i])
+                x = x if self.device.host else self.device.to_host(x)
                 self.layout.scatter_leaf(leaf, x, rank, buf[
                     leaf.offset:leaf.offset + leaf.local_size].reshape(leaf.local_shape))
 

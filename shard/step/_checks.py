@@ -17,22 +17,27 @@ from shard.core._layout import Layout
 from shard.core._state import TrainState
 
 __all__ = ["agree_on_layout", "agree_on_values", "cast_inputs", "check_batch", "check_fits",
-           "check_is_state", "learning_rate", "weights"]
+           "check_is_state", "digest", "learning_rate", "weights"]
 
 
-def agree_on_values(comm: Communicator, device: Device, leaves: list[Any], fn: str) -> None:
-    """Every rank's params equal rank 0's (a checksum is compared; a collective)."""
-    digest = 1
-    for x in leaves:  # on a GPU, an explicit copy to the host, once, at init
+def digest(device: Device, arrays: list[Any], start: int = 1) -> int:
+    """A checksum of ``arrays``' bytes, continued from ``start`` (on a GPU, an
+    explicit copy of each to the host: ``init`` runs once)."""
+    for x in arrays:
         host = np.ascontiguousarray(x if device.host else device.to_host(x))
-        digest = zlib.adler32(host.view(np.uint8).reshape(-1), digest)
-    every = all_gather_host(comm, np.array([digest], np.int64))
+        start = zlib.adler32(host.view(np.uint8).reshape(-1), start)
+    return start
+
+
+def agree_on_values(comm: Communicator, checksum: int, fn: str, remedy: str = "seed the "
+                    "model's initialisation identically on every rank (thread ranks share "
+                    "torch's global RNG: build the model once and deepcopy it)") -> None:
+    """Every rank's params equal rank 0's: their :func:`digest` s are compared (a
+    collective)."""
+    every = all_gather_host(comm, np.array([checksum], np.int64))
     if np.any(every != every[0]):
         bad = [r for r, d in enumerate(every.tolist()) if d != int(every[0])]
-        raise ValueError(f"{fn}: the params on rank(s) {bad} differ from rank "
-                         "0's; seed the model's initialisation identically on every rank "
-                         "(thread ranks share torch's global RNG: build the model once and "
-                         "deepcopy it)")
+        raise ValueError(f"{fn}: the params on rank(s) {bad} differ from rank 0's; {remedy}")
 
 
 def agree_on_layout(comm: Communicator, layout: Layout, fn: str) -> None:

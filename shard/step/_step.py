@@ -74,9 +74,10 @@ from typing import Any
 
 import numpy as np
 
+import ops._tree
 from ops import HOST, Device
 from shard.core._gather import MicroBatches
-from shard.core._layout import Layout, alloc_units, native_leaves
+from shard.core._layout import Layout, alloc_units, is_shape, native_leaves
 from shard.core._policy import Precision
 from shard.core._state import TrainState
 from shard.monitor._metrics import StepMetrics
@@ -145,32 +146,122 @@ class ZeroStep:
         return self._plan.precision if self._plan else self.config.precision
 
     # -- init -----------------------------------------------------------------
-    def init(self, params: Any) -> TrainState:
+    def init(self, params: Any, *, device: Device | None = None) -> TrainState:
         """Partition full ``params`` (the same on every rank) into this rank's state.
+
+        ``params`` may also be shapes only: those of a torch module built on the
+        meta device (``interop.torch.functional`` materialises it one unit at a
+        time, see [Note: meta-device init]); ``device`` is then where the state
+        lives (default: the module's, else the host).
 
         Raises ValueError if the ranks' params differ (a checksum is compared):
         seed the model's initialisation identically on every rank.
         """
         c = self.config
-        plan = make_plan(c, params, device=self.device)
-        layout, device = plan.layout, plan.device
-        _, leaves = native_leaves(layout.treedef.flatten_up_to(params), f"{c.name}.init")
-        leaves = [device.asarray(x) for x in leaves]
-        _checks.agree_on_values(c.comm, device, leaves, f"{c.name}.init")
+        fn = f"{c.name}.init"
+        tu = ops._tree.tree_util()
+        raw, treedef = tu.tree_flatten(params)
+        _, leaves = native_leaves(raw, fn)
+        if not any(is_shape(x) for x in leaves):
+            if device is not None:
+                raise ValueError(f"{fn}: device= is for params given as shapes; these are "
+                                 "arrays, and the state lives where they do")
+            plan = make_plan(c, params, device=self.device)
+            leaves = [plan.device.asarray(x) for x in native_leaves(
+                plan.layout.treedef.flatten_up_to(params), fn)[1]]
+            _checks.agree_on_values(c.comm, _checks.digest(plan.device, leaves), fn)
+            return self._init_units(plan, lambda u, i: [leaves[j] for j in i], check=False)
+        materialize = getattr(c.loss_fn, "materialize", None)
+        if materialize is None:
+            raise TypeError(f"{fn}: the params are shapes only (no values); give arrays, or "
+                            f"let each rank build them one unit at a time with "
+                            f"{c.name}.init_from(init_fn, key)")
+        paths = [p for p, _ in tu.tree_flatten_with_path(params)[0]]
+        shapes = tu.tree_unflatten(treedef, leaves)  # meta tensors read as Shapes
+        plan = make_plan(c, shapes, device=device or getattr(c.loss_fn, "materialize_device",
+                                                             None))
+        return self._init_units(plan, lambda u, i: materialize([paths[j] for j in i]))
+
+    def init_from(self, init_fn: Any, *args: Any, device: Device | None = None) -> TrainState:
+        """This rank's state from ``init_fn(*args)``, a JAX function returning the
+        params (``model.init`` with its key and inputs, say), without holding
+        them whole: each rank computes one unit's leaves at a time (``jax.jit``
+        of ``init_fn`` keeping only that unit's outputs) and keeps its shards,
+        so the peak is its state plus one unit, as ``zero.Init`` and FSDP2's
+        meta-device init give. Every rank must pass the same ``args`` (the same
+        key); the values do not depend on the world size.
+
+        Example:
+          >>> import jax, jax.numpy as jnp, ops, shard
+          >>> def init_fn(key):
+          ...     k1, k2 = jax.random.split(key)
+          ...     return {"w": jax.random.normal(k1, (8, 4)), "b": jnp.zeros(4)}
+          >>> def loss(p, x):
+          ...     return jnp.mean((x @ p["w"] + p["b"]) ** 2)
+          >>> def run(comm):
+          ...     step = shard.zero3(loss, optimizer=ops.adam(1e-2), comm=comm)
+          ...     state = step.init_from(init_fn, jax.random.key(0))
+          ...     return [m.size for m in state.master]  # b's and w's units: half each
+          >>> ops.spawn(run, 2)
+          [[2, 16], [2, 16]]
+        """
+        import jax
+
+        tu = ops._tree.tree_util()
+        shapes = jax.eval_shape(init_fn, *args)
+        plan = make_plan(self.config, shapes, device=device)
+
+        def unit(u: int, idx: list[int]) -> list[Any]:
+            part = jax.jit(lambda *a: [tu.tree_leaves(init_fn(*a))[j] for j in idx])
+            return part(*args)
+
+        return self._init_units(plan, unit, remedy="pass every rank the same arguments "
+                                "(the same key) to init_from")
+
+    def _init_units(self, plan: Plan, values: Any, *, check: bool = True,
+                    remedy: str | None = None) -> TrainState:
+        """The state over ``plan``, unit by unit: ``values(u, leaf_indices)`` gives
+        unit ``u``'s whole leaves, of which this rank keeps its part; with
+        ``check``, the ranks' values are compared afterwards (a collective)."""
+        c, layout, device = self.config, plan.layout, plan.device
+        fn = f"{c.name}.init"
         rank = c.comm.rank if c.stage > 0 else 0
+        whole: list[Any] = [None] * len(layout.leaves)  # stages 0-2 keep the params whole
+        checksum = 1
+
+        def unit_values(u: int) -> list[Any]:
+            nonlocal checksum
+            idx = list(layout.units[u].leaves)
+            got = values(u, idx)
+            got = [device.asarray(x) for x in native_leaves(list(got), fn)[1]]
+            for j, x in zip(idx, got, strict=True):
+                leaf = layout.leaves[j]
+                if tuple(x.shape) != leaf.shape or str(x.dtype) != leaf.dtype:
+                    raise ValueError(f"{fn}: params{leaf.path} was materialised as "
+                                     f"{x.dtype}{list(x.shape)}; its shape says "
+                                     f"{leaf.dtype}{list(leaf.shape)}")
+                if c.stage < 3:
+                    whole[j] = x
+            if check:
+                checksum = _checks.digest(device, got, checksum)
+            return got
+
         offloader = plan.offloader()
         if offloader is not None:  # masters and moments in host memory or on disk
-            *bufs, copies = offloader.init_buffers(leaves, rank)
-            state = new_state(plan, *bufs, full_leaves=leaves, copies=copies)
+            *bufs, copies = offloader.init_buffers(unit_values, rank)
         else:
             master = alloc_units(layout, plan.master_dtype, device)
-            for leaf, x, dst in zip(layout.leaves, leaves, layout.local_views(master),
-                                    strict=True):
-                layout.scatter_leaf(leaf, x, rank, dst)
-            zeros = [alloc_units(layout, plan.master_dtype, device) for _ in range(2)]
-            state = new_state(plan, master, *zeros, full_leaves=leaves)
-            log.info("%s: %d units, %d of %d elements on rank %d", c.name, len(layout.units),
-                     layout.local_size(), plan.full_layout.local_size(), c.comm.rank)
+            views = layout.local_views(master)
+            for u in range(len(layout.units)):
+                for j, x in zip(layout.units[u].leaves, unit_values(u), strict=True):
+                    layout.scatter_leaf(layout.leaves[j], x, rank, views[j])
+            bufs, copies = [master] + [alloc_units(layout, plan.master_dtype, device)
+                                       for _ in range(2)], None
+        if check:
+            _checks.agree_on_values(c.comm, checksum, fn, *(remedy,) if remedy else ())
+        state = new_state(plan, *bufs, full_leaves=whole, copies=copies)
+        log.info("%s: %d units, %d of %d elements on rank %d", c.name, len(layout.units),
+                 layout.local_size(), plan.full_layout.local_size(), c.comm.rank)
         self._use(plan, offloader)
         return state
 
