@@ -13,7 +13,10 @@ The package (it may import :mod:`shard.core` and :mod:`ops`):
 - ``_checkpoint.py``: the format, :func:`shard.save` and :func:`shard.load`;
 - ``_files.py``: what every part shares, its error and the file checksum;
 - ``_module.py``: a torch module's buffers and tied names in a checkpoint;
-- ``_tools.py``: :func:`consolidate`, :func:`inspect` and the command line.
+- ``_tools.py``: :func:`consolidate`, :func:`inspect` and the command line;
+- ``_validate.py``: a checkpoint as untrusted input, checked field by field and
+  against its files' headers before anything is read or allocated ([Note:
+  untrusted checkpoints]).
 """
 
 from shard.checkpoint._tools import consolidate, inspect, run

@@ -42,6 +42,7 @@ from ops.comm._collectives import all_gather_host
 from ops.device._device import device_named
 from shard.checkpoint._files import CheckpointError, _sha256
 from shard.checkpoint._module import _load_module, _write_module_file, read_module_file
+from shard.checkpoint._validate import check_manifest, check_part_names
 from shard.core._layout import Layout, LeafLayout, alloc_units
 from shard.core._paths import shapes_from_manifest
 from shard.core._state import TrainState
@@ -193,13 +194,15 @@ def read_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
         raise CheckpointError(f"{manifest_path}: no checkpoint here (no manifest.json)")
     try:
         manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{manifest_path}: not valid JSON ({e})") from None
-    if manifest.get("format") != FORMAT:
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{manifest_path}: not a zeroshard checkpoint")
-    if manifest.get("version", 0) > VERSION:
-        raise CheckpointError(f"{manifest_path}: format version {manifest['version']} is newer "
+    version = manifest.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+        raise CheckpointError(f"{manifest_path}: format version {version} is newer "
                               f"than this zeroshard reads ({VERSION}); upgrade zeroshard")
+    check_manifest(path, manifest)  # see [Note: untrusted checkpoints]
     return path, manifest
 
 
@@ -211,9 +214,12 @@ def read_any_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
     index = path / "pipeline.json"
     if not index.exists():
         return read_manifest(path)
-    info = json.loads(index.read_text())
+    try:
+        info = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index}: not valid JSON ({e})") from None
     parts = {}
-    for d in info["parts"]:
+    for d in check_part_names(index, info):
         _, parts[d] = read_manifest(path / d)
         if parts[d]["step"] != info["step"]:
             raise CheckpointError(f"{path / d}: step {parts[d]['step']}, but the pipeline's "
@@ -305,7 +311,10 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
 
     config, plan = step.config, step.plan  # the plan of the step's init, if any
     if like is None and plan is None:
-        like = shapes_from_manifest(manifest, f"{path}/manifest.json")
+        try:
+            like = shapes_from_manifest(manifest, f"{path}/manifest.json")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
     if like is not None:
         plan = make_plan(config, like, device=plan.device if plan else None)
     if device is not None:
