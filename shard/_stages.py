@@ -19,11 +19,13 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
                   specs: Any = None, units: Units = None, precision: Precision | None = None,
                   clip_norm: float | None = None, loss_scale: LossScale | None = None,
                   prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
-                  gradient_accumulation_steps: int | None = None, has_aux: bool = False) -> Any:
+                  gradient_accumulation_steps: int | None = None, has_aux: bool = False,
+                  weight_by_rows: bool = False) -> Any:
         kw = dict(stage=stage, optimizer=optimizer, comm=comm, specs=specs, units=units,
                   precision=precision, clip_norm=clip_norm, loss_scale=loss_scale,
                   prefetch=prefetch, loggers=loggers, offload=offload,
-                  gradient_accumulation_steps=gradient_accumulation_steps, has_aux=has_aux)
+                  gradient_accumulation_steps=gradient_accumulation_steps, has_aux=has_aux,
+                  weight_by_rows=weight_by_rows)
         if loss_fn is None:  # used as a decorator with arguments
             return lambda fn: ZeroStep(fn, **kw)
         return ZeroStep(loss_fn, **kw)
@@ -63,6 +65,12 @@ Args:
     convention; a JAX function or ``interop.torch.functional``'s loss), and
     ``metrics["aux"]`` holds aux, its numeric leaves averaged over the
     micro-batches and the ranks (a small host collective each step).
+  weight_by_rows: ranks whose batches hold different numbers of rows (the
+    leading dimension) weigh by their rows, so the step's update and loss are
+    those of the ranks' batches concatenated, as micro-batches of unequal rows
+    always are (see [Note: rows across ranks]); costs one pass over the
+    gradient shards. Without it each rank's mean weighs the same, and a step
+    whose ranks' rows differ says so in a warning.
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then

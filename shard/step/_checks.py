@@ -17,7 +17,7 @@ from shard.core._layout import Layout
 from shard.core._state import TrainState
 
 __all__ = ["agree_on_layout", "agree_on_values", "cast_inputs", "check_batch", "check_fits",
-           "check_is_state", "digest", "learning_rate", "weights"]
+           "check_is_state", "counted_rows", "digest", "learning_rate", "total_rows", "weights"]
 
 
 def digest(device: Device, arrays: list[Any], start: int = 1) -> int:
@@ -75,6 +75,34 @@ def weights(batches: list[Any]) -> list[float] | None:
         return None
     mean = sum(rows) / len(rows)
     return [n / mean for n in rows]
+
+
+def counted_rows(name: str, rank: int, batch: Any) -> int:
+    """A batch's rows, the leading dimension its array leaves share, for
+    ``weight_by_rows``; a ValueError names the leaves that disagree."""
+    tu = ops._tree.tree_util()
+    seen: tuple[str, int] | None = None
+    for path, x in tu.tree_flatten_with_path(batch)[0]:
+        shape = getattr(x, "shape", ())
+        if len(shape) == 0:
+            continue
+        if seen is None:
+            seen = (tu.keystr(path), int(shape[0]))
+        elif int(shape[0]) != seen[1]:
+            raise ValueError(f"{name}: weight_by_rows weighs each batch by its rows, but on rank "
+                             f"{rank} batch{seen[0]} has {seen[1]} rows but "
+                             f"batch{tu.keystr(path)} {int(shape[0])}; give array leaves that "
+                             "share their leading dimension")
+    if seen is None:
+        raise ValueError(f"{name}: weight_by_rows weighs each batch by its rows, but rank "
+                         f"{rank}'s batch has no array leaves to count")
+    return seen[1]
+
+
+def total_rows(batches: list[Any]) -> int:
+    """The rows of all ``batches`` together, or 0 where some cannot be counted."""
+    rows = [_rows(b) for b in batches]
+    return 0 if None in rows else sum(rows)  # type: ignore[arg-type]
 
 
 def _rows(batch: Any) -> int | None:

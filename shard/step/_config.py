@@ -37,6 +37,7 @@ class StepConfig:
     offload: Offload | None
     gradient_accumulation_steps: int | None
     has_aux: bool
+    weight_by_rows: bool
 
     @classmethod
     def make(cls, loss_fn: Any, *, stage: int, optimizer: FusedAdam, comm: Communicator,
@@ -44,7 +45,7 @@ class StepConfig:
              clip_norm: float | None = None, loss_scale: LossScale | None = None,
              prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
              gradient_accumulation_steps: int | None = None,
-             has_aux: bool = False) -> StepConfig:
+             has_aux: bool = False, weight_by_rows: bool = False) -> StepConfig:
         """The configuration of ``zero{stage}(loss_fn, ...)``; a TypeError or
         ValueError naming the argument for anything it cannot train with."""
         name = f"zero{stage}"
@@ -76,6 +77,17 @@ class StepConfig:
                 raise TypeError(f"{name}: loggers must be callables (step, metrics), such as "
                                 f"shard.CSVLogger; got {type(lg).__name__}")
         kind = classify(loss_fn)
+        if not isinstance(weight_by_rows, bool):
+            raise TypeError(f"{name}: weight_by_rows must be True or False; got "
+                            f"{weight_by_rows!r}")
+        if weight_by_rows and hasattr(loss_fn, "norm_comm"):
+            raise ValueError(f"{name}: weight_by_rows is for data-parallel ranks; a pipeline's "
+                             "stages see the same micro-batches (give its data ranks equal "
+                             "rows)")
+        if weight_by_rows and offload is not None and offload.overlap:
+            raise ValueError(f"{name}: weight_by_rows needs every rank's rows before any update, "
+                             "and Offload(overlap=True) updates during the backward; drop one "
+                             "of them")
         if not isinstance(has_aux, bool):
             raise TypeError(f"{name}: has_aux must be True or False; got {has_aux!r}")
         if has_aux and kind != "jax" and not getattr(loss_fn, "supports_aux", False):
@@ -89,4 +101,4 @@ class StepConfig:
         return cls(name, stage, JaxLoss(loss_fn, has_aux) if kind == "jax" else loss_fn, kind,
                    optimizer, comm, specs, units, precision or Precision(), clip_norm,
                    loss_scale, prefetch, loggers, offload, gradient_accumulation_steps,
-                   has_aux)
+                   has_aux, weight_by_rows)

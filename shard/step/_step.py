@@ -63,6 +63,23 @@ in flight and leaves the state valid: step it again, and the run goes on as
 one that never saw the failure. From the update on, the state is donated (its
 buffers are reused), and a failure there leaves it refused
 (``DonatedStateError``) rather than half updated.
+
+[Note: rows across ranks]
+Micro-batches of unequal rows always weigh by their rows (``_checks.weights``).
+Ranks do by default not: each rank's mean loss counts the same, as in DDP
+and DeepSpeed, since only the ranks together know their rows. The step's one
+all-reduce carries each rank's rows, their square and a 1 (the rank could
+count them) beside the sum of squares and the loss, so whenever its numbers
+are read the step can tell that rows differed (W * sum(r^2) != sum(r)^2)
+and warns once (not for a pipeline, whose all-reduce spans its stages). With
+``weight_by_rows=True`` each micro-batch's loss is scaled by its rows
+instead, and after the all-reduce the gradient shards, the sum of squares
+and the loss sum are multiplied on the device by ``W * k / rows`` (k
+micro-batches, ``rows`` over every rank), so that the usual ``1 / (W * k)``
+scale of the update gives the mean over every row: the update and the loss of
+the ranks' batches concatenated (``_update.weigh_by_rows``; one pass over the
+gradient shards, no host read). The batch's rows are the leading dimension
+its array leaves share.
 """
 
 from __future__ import annotations
@@ -319,16 +336,21 @@ class ZeroStep:
         for b in micro:
             _checks.check_batch(c.name, c.comm.rank, b)
         lr = _checks.learning_rate(c, int(state.step))
-        weights = _checks.weights(micro)
+        if c.weight_by_rows:  # see [Note: rows across ranks]
+            counts = [_checks.counted_rows(c.name, c.comm.rank, b) for b in micro]
+            weights: list[float] | None = [float(n) for n in counts]
+            rows = sum(counts)
+        else:
+            weights, rows = _checks.weights(micro), _checks.total_rows(micro)
         micro = [_checks.cast_inputs(plan, b) for b in micro]
         try:
-            return self._run(plan, state, micro, lr, weights)
+            return self._run(plan, state, micro, lr, weights, rows)
         finally:
             if self._offloader is not None:  # the overlapped offload's threads, if started
                 self._offloader.end_overlap()
 
     def _run(self, plan: Plan, state: TrainState, micro: list[Any], lr: float,
-             weights: list[float] | None) -> tuple[TrainState, StepMetrics]:
+             weights: list[float] | None, rows: int) -> tuple[TrainState, StepMetrics]:
         """The step after its checks. Nothing of ``state`` changes until the
         gradients are reduced and their norm is known; an exception before that
         leaves it valid (see [Note: failed steps])."""
@@ -339,7 +361,10 @@ class ZeroStep:
                               dtype=_grads.reduce_dtype(plan), device=device,
                               buffers=self._grad_buffers, plans=plan.copy_plans)
         units = _grads.unit_params(plan, state, self.tracker)
-        totals = device.zeros(2, np.float64)  # [sum of squares, sum of losses]
+        # [sum of squares, sum of losses, rows, rows squared, ranks that counted
+        # rows]: summed over the ranks (see [Note: rows across ranks])
+        totals = (device.asarray(np.array([0.0, 0.0, rows, rows * rows, 1.0])) if rows
+                  else device.zeros(5, np.float64))
         w, k = c.comm.world_size, len(micro)
         grad_scale = 1.0 / (w * k * scale)
         offloader = self._offloader
@@ -363,6 +388,8 @@ class ZeroStep:
                     overlap.wait_copied()
             with timed("optimizer"):
                 _update.norm_and_loss(plan, shards, totals)
+                if c.weight_by_rows:
+                    _update.weigh_by_rows(shards, totals, w * k)
             aux = _grads.mean_aux(plan, auxes) if c.has_aux else None
         except BaseException:
             units.drain()  # no collective of this step still writes anywhere
@@ -374,6 +401,8 @@ class ZeroStep:
             known["aux"] = aux
 
         def finish(host: np.ndarray) -> dict[str, float]:
+            if not c.weight_by_rows and host[2] > 0:
+                self._check_rows(host)
             sumsq = float(host[0])
             norm = math.sqrt(sumsq) * grad_scale if math.isfinite(sumsq) else sumsq
             return {"loss": float(host[1]) / (w * k), "grad_norm": norm}
@@ -413,6 +442,21 @@ class ZeroStep:
         return state.replace(step=np.asarray(int(state.step) + finite, np.int64),
                              loss_scale=np.asarray(new_scale, np.float64),
                              good_steps=np.asarray(good, np.int64)), StepMetrics(known)
+
+    def _check_rows(self, host: np.ndarray) -> None:
+        """Warn, once, that the ranks' rows differed in a step that weighs each
+        rank's mean the same (see [Note: rows across ranks])."""
+        c = self.config
+        n, total = c.comm.world_size, float(host[2])
+        if (float(host[4]) != n or n * float(host[3]) == total * total
+                or hasattr(c.loss_fn, "norm_comm") or self.__dict__.get("_rows_warned")):
+            return  # some rank could not count, rows agreed, a pipeline, or said already
+        self._rows_warned = True
+        if c.comm.rank == 0:
+            log.warning("%s: the ranks' batches hold different numbers of rows (%d rows over %d "
+                        "ranks, not %d equal parts): each rank's mean loss weighs the same, so "
+                        "the update is not the mean over all %d rows; pass weight_by_rows=True "
+                        "for that, or give every rank the same rows", c.name, total, n, n, total)
 
     def _apply(self, plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
                grad_sumsq: Any) -> TrainState:

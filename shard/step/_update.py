@@ -6,13 +6,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 import ops
 from ops import AdamState
 from ops.device._runs import copy_runs
 from shard.core._state import TrainState
 from shard.monitor._profile import timed
 
-__all__ = ["apply", "norm_and_loss", "refresh"]
+__all__ = ["apply", "norm_and_loss", "refresh", "weigh_by_rows"]
 
 
 def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
@@ -39,6 +41,24 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
     plan.fast.all_reduce_(totals, "sum")
     if replicated:
         totals[0:1] += ops.sum_of_squares(replicated)
+
+
+def weigh_by_rows(shards: list[Any], totals: Any, parts: int) -> None:
+    """``weight_by_rows``'s correction (see [Note: rows across ranks]): each
+    micro-batch's loss was scaled by its rows, so the summed gradients become
+    the mean over all rows under the step's usual ``1 / parts`` scale once
+    multiplied by ``parts / rows`` (``totals[2]``, summed over the ranks), and
+    so do the sum of squares and the losses. On the device: no host read."""
+    f = parts / totals[2:3]
+    for g in shards:
+        if g.dtype.itemsize >= 4:
+            g *= f
+        else:  # 16-bit gradients: the product in float32, rounded once
+            wide = ops.cast(g, np.float32)
+            wide *= f
+            ops.cast(wide, g.dtype, out=g)
+    totals[0:1] *= f * f
+    totals[1:2] *= f
 
 
 def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
