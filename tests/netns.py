@@ -1,0 +1,79 @@
+"""Two hosts with their own addresses on one machine, for the multi-node tests:
+two network namespaces joined by a veth link.
+
+Each host has its loopback and one end of the link, addressed in a private
+/24 that exists only between the two namespaces. They have no other route, so
+their traffic can only go to each other's address or to their own loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+__all__ = ["Host", "two_hosts", "unavailable"]
+
+
+@dataclass(frozen=True)
+class Host:
+    ns: str  # the namespace's name
+    addr: str  # its address on the link
+    ifname: str  # its end of the link (for GLOO_SOCKET_IFNAME)
+
+    def tx_bytes(self) -> int:
+        """Bytes this host has sent over the link."""
+        out = subprocess.run(self.command(["cat", f"/sys/class/net/{self.ifname}/statistics/"
+                                                  "tx_bytes"]),
+                             capture_output=True, text=True, check=True)
+        return int(out.stdout)
+
+    def command(self, argv: list[str]) -> list[str]:
+        """``argv`` run inside this host."""
+        return ["ip", "netns", "exec", self.ns, *argv]
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here, or None."""
+    if shutil.which("ip") is None:
+        return "no `ip` (iproute2) to make network namespaces with"
+    if os.geteuid() != 0:
+        return "making network namespaces needs root (CAP_NET_ADMIN)"
+    name = f"zs-probe-{os.getpid()}"
+    try:
+        _ip("netns", "add", name)
+    except subprocess.CalledProcessError as e:
+        return f"`ip netns add` failed: {e.stderr.strip()}"
+    _ip("netns", "del", name)
+    return None
+
+
+@contextlib.contextmanager
+def two_hosts() -> Iterator[list[Host]]:
+    """Two linked hosts, removed afterwards (their processes must have ended)."""
+    tag, subnet = f"zs{os.getpid() % 100000}", f"10.213.{os.getpid() % 250}"
+    names = [f"{tag}-h0", f"{tag}-h1"]
+    links = [f"{tag}h0", f"{tag}h1"]
+    made: list[str] = []
+    try:
+        for ns in names:
+            _ip("netns", "add", ns)
+            made.append(ns)
+            _ip("-n", ns, "link", "set", "lo", "up")
+        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        for i, (ns, link) in enumerate(zip(names, links, strict=True)):
+            _ip("link", "set", link, "netns", ns)
+            _ip("-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", link)
+            _ip("-n", ns, "link", "set", link, "up")
+        yield [Host(ns, f"{subnet}.{i + 1}", link)
+               for i, (ns, link) in enumerate(zip(names, links, strict=True))]
+    finally:
+        for ns in made:  # deleting a namespace deletes its end of the link, and the pair
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)

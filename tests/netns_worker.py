@@ -1,0 +1,35 @@
+"""One rank of the multi-node test: ``examples/gpt.py``'s GPT, small, trained
+with ZeRO-3 under torchrun; rank 0 writes the losses and the trained params'
+checksums to ZS_OUT as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def main() -> None:
+    import numpy as np
+
+    import ops
+    import shard
+    from examples import gpt
+
+    comm = ops.init_from_env()
+    cfg = gpt.GPTConfig(seq=16, d=32, layers=2, heads=2)
+    out = gpt.train(comm, stage=3, steps=int(os.environ.get("ZS_STEPS", "4")), batch=8,
+                    cfg=cfg, progress=False)
+    params = shard.gather(out["state"], comm)
+    if comm.rank == 0:
+        report = {"world": comm.world_size, "losses": [float(x) for x in out["losses"]],
+                  "param_bytes": sum(int(v.nbytes) for v in params.values()),
+                  "params": {k: [float(np.sum(v, dtype=np.float64)),
+                                 float(np.sum(np.abs(v), dtype=np.float64))]
+                             for k, v in params.items()}}
+        Path(os.environ["ZS_OUT"]).write_text(json.dumps(report))
+    comm.barrier()
+
+
+if __name__ == "__main__":
+    main()
