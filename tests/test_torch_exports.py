@@ -34,10 +34,15 @@ def test_bf16_training_exports_the_float32_masters(stage, tmp_path):
         n = batches[0][0].shape[0] // comm.world_size
         for b in batches:
             state, _ = step(state, tuple(t[comm.rank * n:(comm.rank + 1) * n] for t in b))
+        assert all(p.dtype == torch.float32 for p in m.parameters())  # its own dtype
+        with pytest.raises(RuntimeError, match=r"in the step's compute dtype.*load_state"):
+            m(batches[0][0])
         masters = shard.gather(state, comm)
         exported = it.state_dict(m, state, comm=comm)
         shard.save(state, tmp_path / "ckpt", comm=comm)
         fresh = it.load_state(copy.deepcopy(model), state, comm=comm)
+        it.load_state(m, state, comm=comm)  # the module itself, usable again
+        assert torch.equal(m(batches[0][0]), fresh(batches[0][0]))
         return masters, exported, dict(fresh.named_parameters())
 
     masters, exported, fresh = ops.spawn(run, 2)[0]

@@ -61,6 +61,18 @@ Gathered leaves are bound as torch tensors over the step's device memory
 (DLPack, no copy), and a unit's gradients enter the reduce-scatter's layout
 in one launch that reads each where autograd left it (``ops/device/_runs.py``), so
 a CUDA module trains on CuPy state with no host copy (see [Note: devices]).
+
+[Note: torch dtypes]
+A module keeps its parameters' dtype outside a step, as under FSDP2's
+``MixedPrecisionPolicy``, which casts for the forward only. Within a step
+the parameters are bound to the step's compute params; where mixed precision
+made those another dtype (bf16 compute for a float32 module), the step leaves
+each parameter an empty tensor of its own dtype afterwards, as stage 3 leaves
+its sharded ones: the module then refuses to run outside a step and says
+how to get its trained params back (``load_state``, in its own dtype, with
+the masters' values), instead of computing in bf16 or exporting bf16
+weights. Without mixed precision, stages 0-2 (and stage 3 on one rank) leave
+the module bound to the state's own buffers, usable as it is.
 """
 
 from __future__ import annotations
@@ -310,6 +322,7 @@ class TorchLoss(UnitHooks, BufferState):
         self.sync_buffers()
         self._install()
         self._set_compute_dtype(next(iter(self.named.values())).dtype)
+        cast = self._compute_dtype is not None
         try:
             with timed("forward"):
                 out, aux = self._call_loss(batch)
@@ -321,6 +334,9 @@ class TorchLoss(UnitHooks, BufferState):
                  for name, p in self.named.items()}
         for p in self.named.values():
             p.grad = None
+            if cast:  # see [Note: torch dtypes]
+                p.data = self._placeholder(p)
+        self._sharded = self._sharded or cast
         return ((out.detach(), aux) if self.has_aux else out.detach()), grads
 
     def loss_value(self, params: dict[str, Any], batch: Any) -> Any:
@@ -371,14 +387,26 @@ class TorchLoss(UnitHooks, BufferState):
 
         return cast(args), cast(kwargs)
 
+    def _placeholder(self, p: Any) -> Any:
+        """An empty tensor of the module's own dtype on ``p``'s device (see
+        [Note: torch dtypes])."""
+        key = (self._dtype, p.device)  # the key of UnitHooks._empty's cache
+        empty = self._empties.get(key)
+        if empty is None:
+            import torch
+
+            empty = self._empties[key] = torch.empty(0, dtype=self._dtype, device=p.device)
+        return empty
+
     def _check_usable(self) -> None:
         if self._sharded and any(
                 p.numel() == 0 for p in self.named.values()):
             raise RuntimeError(
-                "this module's parameters are sharded by a ZeRO-3 step (each rank holds only "
-                "its shards): evaluate with step.evaluate(state, batch), write the trained "
-                "params back with interop.torch.load_state(module, state, comm=comm), or train "
-                "a copy.deepcopy(model)")
+                "this module's parameters live in a ZeRO step's state (sharded over the "
+                "ranks at stage 3, or in the step's compute dtype under mixed precision): "
+                "evaluate with step.evaluate(state, batch), write the trained params back "
+                "with interop.torch.load_state(module, state, comm=comm), or train a "
+                "copy.deepcopy(model)")
 
 
 def _torch_dtype_of(params: dict[str, Any]) -> Any:

@@ -82,14 +82,17 @@ class UnitHooks:
                 if missing:  # parameters the loss did not use: their gradient is zero
                     self._reduce(u)
         finally:
+            cast = self._compute_dtype is not None  # bound to another dtype than its own
             for pairs in a.empties.values():
                 for p, empty in pairs:
                     if a.gathering:  # the module keeps the state's buffers otherwise
                         p.data = empty
+                    elif cast:  # see [Note: torch dtypes]
+                        p.data = self._placeholder(p)
                     p.grad = None
             self._active = None
             self._compute_dtype = None
-            self._sharded = a.gathering
+            self._sharded = a.gathering or cast
         return (out.detach(), aux) if self.has_aux else out.detach()
 
     def _call_loss(self, batch: Any) -> tuple[Any, Any]:
