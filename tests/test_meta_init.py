@@ -197,6 +197,22 @@ def test_meta_init_onto_device_state(device):
     ops.spawn(run, 2)
 
 
+def test_init_from_onto_device_state(device):
+    key = jax.random.key(7)
+    whole = jax.tree_util.tree_map(np.asarray, jax_init(key))
+
+    def run(comm):
+        step = shard.zero3(jax_loss, optimizer=ops.adam(LR), comm=comm, units=jax_units)
+        state = step.init_from(jax_init, key, device=device)
+        assert state.meta.device == device.name
+        want = shard.partition(whole, rank=comm.rank, world_size=comm.world_size)
+        jax.tree_util.tree_map(
+            lambda g, w: np.testing.assert_allclose(device.to_host(g), w, rtol=1e-6),
+            state.params, want)
+
+    ops.spawn(run, 2)
+
+
 def test_thread_ranks_seed_their_units_without_racing():
     """Thread ranks share torch's global RNG; each unit is drawn under a lock,
     so eight ranks all draw the world-1 values."""

@@ -101,7 +101,7 @@ class MetaParams:
                                             device=self.device) if b.is_floating_point()
                                  else torch.zeros(b.shape, dtype=b.dtype, device=self.device))
             if metas and not any(True for _ in m.parameters(recurse=False)):
-                with _RNG, torch.random.fork_rng(devices=[]), torch.no_grad():
+                with _RNG, torch.random.fork_rng(devices=self._rng_devices()), torch.no_grad():
                     torch.manual_seed(self._seed_for(f"buffers:{name}"))
                     self._init(m)
                 self._check_buffers(m)
@@ -117,6 +117,16 @@ class MetaParams:
                                  f"built on the meta device and not initialised by "
                                  f"{self._init_name()}; pass param_init_fn=fn(module) that "
                                  "initialises it")
+
+    def _rng_devices(self) -> list[int]:
+        """The CUDA devices whose RNG the initialisation draws from (and whose
+        state is restored afterwards)."""
+        if self.device.type != "cuda":
+            return []
+        import torch
+
+        return [self.device.index if self.device.index is not None
+                else torch.cuda.current_device()]
 
     def _seed_for(self, what: str) -> int:
         return (self.seed * 1_000_003 + zlib.crc32(what.encode())) % (1 << 63)
@@ -162,7 +172,7 @@ class MetaParams:
                 params.setdefault(id(p), p)
         for n in names:
             params.setdefault(id(named[n]), named[n])
-        with _RNG, torch.random.fork_rng(devices=[]), torch.no_grad():
+        with _RNG, torch.random.fork_rng(devices=self._rng_devices()), torch.no_grad():
             torch.manual_seed(self._seed_for(",".join(sorted(keys))))
             for p in params.values():
                 shape, dtype = self.shapes[id(p)]

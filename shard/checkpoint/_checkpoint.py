@@ -19,6 +19,8 @@ directory into place (a previous ``<path>`` is moved to ``<path>.old`` for the
 instant between two renames, and :func:`load` falls back to it). A crash at
 any point leaves the previous checkpoint loadable.
 
+Before anything is read, the manifest is checked field by field and against
+the rank files' headers ([Note: untrusted checkpoints] in ``_validate.py``).
 Loading re-shards: each rank reads, for every leaf, only the rows its new
 shard needs, from whichever old rank files hold them (safetensors slices,
 memory-mapped), so N ranks' checkpoints load on any M ranks and any stage.
@@ -297,8 +299,10 @@ def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
 
     Raises:
       CheckpointError: a missing or truncated shard file, a checksum mismatch,
-        a manifest from a newer format, or shapes that do not fit the model;
-        nothing is loaded in that case, and the step is left as it was.
+        a manifest from a newer format, shapes that do not fit the model, or
+        any field or file header that does not hold together (a checkpoint is
+        untrusted input: see [Note: untrusted checkpoints]); nothing is loaded
+        in that case, and the step is left as it was.
     """
     path, manifest = read_any_manifest(path)
     with _every_rank("load", comm):

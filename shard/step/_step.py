@@ -230,7 +230,12 @@ class ZeroStep:
 
         def unit(u: int, idx: list[int]) -> list[Any]:
             part = jax.jit(lambda *a: [tu.tree_leaves(init_fn(*a))[j] for j in idx])
-            return part(*args)
+            out = part(*args)
+            if plan.device.host:
+                return out
+            # JAX on the CPU and the state on a GPU: an explicit copy through the host
+            return [np.asarray(x) if all(d.platform == "cpu" for d in x.devices()) else x
+                    for x in out]
 
         return self._init_units(plan, unit, remedy="pass every rank the same arguments "
                                 "(the same key) to init_from")
@@ -361,10 +366,7 @@ class ZeroStep:
                               dtype=_grads.reduce_dtype(plan), device=device,
                               buffers=self._grad_buffers, plans=plan.copy_plans)
         units = _grads.unit_params(plan, state, self.tracker)
-        # [sum of squares, sum of losses, rows, rows squared, ranks that counted
-        # rows]: summed over the ranks (see [Note: rows across ranks])
-        totals = (device.asarray(np.array([0.0, 0.0, rows, rows * rows, 1.0])) if rows
-                  else device.zeros(5, np.float64))
+        totals = self._totals(device, rows)
         w, k = c.comm.world_size, len(micro)
         grad_scale = 1.0 / (w * k * scale)
         offloader = self._offloader
@@ -442,6 +444,20 @@ class ZeroStep:
         return state.replace(step=np.asarray(int(state.step) + finite, np.int64),
                              loss_scale=np.asarray(new_scale, np.float64),
                              good_steps=np.asarray(good, np.int64)), StepMetrics(known)
+
+    def _totals(self, device: Device, rows: int) -> Any:
+        """A fresh ``[sum of squares, sum of losses, rows, rows squared, ranks that
+        counted rows]`` for a step with ``rows`` rows (0: not counted), summed
+        over the ranks by the step's all-reduce (see [Note: rows across ranks]).
+        A copy of a kept device array: one device operation, no host copy."""
+        cache = self.__dict__.setdefault("_totals_cache", {})
+        kept = cache.get((device.name, rows))
+        if kept is None:
+            if len(cache) >= 64:  # rows that change every step: keep the latest few
+                cache.clear()
+            kept = cache[device.name, rows] = device.asarray(
+                np.array([0.0, 0.0, rows, rows * rows, 1.0 if rows else 0.0]))
+        return kept.copy()
 
     def _check_rows(self, host: np.ndarray) -> None:
         """Warn, once, that the ranks' rows differed in a step that weighs each
