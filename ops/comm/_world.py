@@ -52,6 +52,12 @@ def init_from_env(backend: str | None = None, *, timeout: float = 300.0) -> Comm
                          f"{backend!r}")
     import torch.distributed as dist
 
+    if (os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"):
+        log.warning("init_from_env: a restarted worker on the store torchrun's agent shares with "
+                    "its workers may read the previous attempt's addresses and fail to connect "
+                    "(pytorch/pytorch#135712); for runs with --max-restarts, launch torchrun "
+                    "with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1")
     if not dist.is_initialized():
         # gloo carries the store and the CPU-side synchronisation for NCCL too.
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout))

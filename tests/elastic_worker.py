@@ -1,0 +1,56 @@
+"""One rank of the elastic-recovery test: ``examples/gpt.py``'s GPT trained with
+ZeRO-3 under ``torchrun --max-restarts 1``, a checkpoint every ZS_EVERY steps
+(with the data position), resuming from the latest one when it exists. On the
+first attempt, rank ZS_KILL_RANK SIGKILLs itself before step ZS_KILL_STEP
+(ZS_KILL_STEP < 0: never). Rank 0 of the attempt that finishes writes the
+trained params' checksums and the steps it ran to ZS_OUT."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+
+def main() -> None:
+    import numpy as np
+
+    import interop.torch as it
+    import ops
+    import shard
+    from examples import gpt
+
+    comm = ops.init_from_env()
+    steps, every = int(os.environ["ZS_STEPS"]), int(os.environ["ZS_EVERY"])
+    kill_rank, kill_step = int(os.environ["ZS_KILL_RANK"]), int(os.environ["ZS_KILL_STEP"])
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    ckpt = Path(os.environ["ZS_CKPT"])
+    cfg = gpt.GPTConfig(seq=16, d=32, layers=2, heads=2)
+    params, loss = it.functional(gpt.build(cfg), loss=gpt.lm_loss)
+    step = shard.zero3(loss, optimizer=ops.adamw(3e-3, weight_decay=0.01), comm=comm,
+                       clip_norm=1.0)
+    state, first = step.init(params), 0
+    if (ckpt / "manifest.json").exists():
+        state, extra = shard.load(ckpt, step, comm=comm)
+        first = int(extra["next_batch"])
+    data, ran = gpt.corpus(), []
+    for i in range(first, steps):
+        if attempt == 0 and comm.rank == kill_rank and i == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        batch = gpt.local_part(gpt.sample_batch(data, i, 8, cfg.seq), comm)
+        state, _ = step(state, batch)
+        ran.append(i)
+        if (i + 1) % every == 0:
+            shard.save(state, ckpt, comm=comm, extra={"next_batch": i + 1})
+    whole = shard.gather(state, comm)
+    if comm.rank == 0:
+        Path(os.environ["ZS_OUT"]).write_text(json.dumps({
+            "attempt": attempt, "first": first, "ran": ran,
+            "params": {k: v.tobytes().hex() for k, v in whole.items()},
+            "sum": float(sum(np.abs(v).sum(dtype=np.float64) for v in whole.values()))}))
+    comm.barrier()
+
+
+if __name__ == "__main__":
+    main()
