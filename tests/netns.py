@@ -51,7 +51,12 @@ def unavailable() -> str | None:
         _ip("netns", "add", name)
     except subprocess.CalledProcessError as e:
         return f"`ip netns add` failed: {e.stderr.strip()}"
-    _ip("netns", "del", name)
+    try:  # a veth pair inside the probe namespace, gone with it
+        _ip("-n", name, "link", "add", "zsa", "type", "veth", "peer", "name", "zsb")
+    except subprocess.CalledProcessError as e:
+        return f"no veth links here: {e.stderr.strip()}"
+    finally:
+        subprocess.run(["ip", "netns", "del", name], capture_output=True)
     return None
 
 
