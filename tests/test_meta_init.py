@@ -152,6 +152,34 @@ def test_a_buffer_nothing_initialises_is_named():
         ops.spawn(lambda c: shard.zero3(fn, optimizer=ops.adam(LR), comm=c).init(params), 1)
 
 
+def test_integer_and_boolean_buffers_built_on_meta_are_not_left_unset():
+    class Positions(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(4, 4)
+            self.register_buffer("position_ids", torch.arange(4))
+
+    params, fn = it.functional(on_meta(Positions), loss=mse)
+    with pytest.raises(ValueError, match=r"buffer 'position_ids' was built on the meta device"):
+        ops.spawn(lambda c: shard.zero3(fn, optimizer=ops.adam(LR), comm=c).init(params), 1)
+
+    def positions(m):  # sets what the meta device dropped
+        m.reset_parameters()
+        m.position_ids.copy_(torch.arange(4))
+
+    model = on_meta(Positions)
+    params, fn = it.functional(model, loss=mse, param_init_fn=positions)
+    ops.spawn(lambda c: shard.zero3(fn, optimizer=ops.adam(LR), comm=c).init(params), 1)
+    assert model.position_ids.tolist() == [0, 1, 2, 3]
+
+    class Mask(torch.nn.Linear):
+        def __init__(self):
+            super().__init__(4, 4)
+            self.register_buffer("mask", torch.ones(4, dtype=torch.bool))
+
+    with pytest.raises(TypeError, match=r"boolean buffer 'mask' was built on the meta device"):
+        it.functional(on_meta(Mask), loss=mse)
+
+
 def test_meta_options_are_refused_for_a_module_with_memory_and_shapes_for_a_jax_loss():
     with pytest.raises(ValueError, match="param_init_fn= and device= are for a module built"):
         it.functional(mlp(), loss=mse, param_init_fn=lambda m: None)

@@ -34,7 +34,23 @@ _RNG = threading.Lock()
 # state plus one unit, and the values depend on the seed and the units, never
 # on the world size. A unit's modules are those under its submodule; the root
 # unit's are those under no unit, and the owners of the parameters shared
-# between units.
+# between units. Buffers start as NaN (an integer type's minimum for integer
+# buffers) and are checked the same way once their module is initialised; a
+# boolean buffer has no such marker, so one built on meta needs param_init_fn.
+
+
+def _unset(dtype: Any) -> Any:
+    """The marker a materialised buffer holds until something initialises it:
+    NaN, or an integer type's minimum (no index, count or position is that)."""
+    import torch
+
+    return float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
+
+
+def _is_unset(b: Any) -> Any:
+    import torch
+
+    return torch.isnan(b) if b.is_floating_point() else b == torch.iinfo(b.dtype).min
 
 
 class MetaParams:
@@ -97,9 +113,14 @@ class MetaParams:
             metas = [k for k, b in m._buffers.items() if b is not None and b.is_meta]
             for k in metas:
                 b = m._buffers[k]
-                m._buffers[k] = (torch.full(b.shape, float("nan"), dtype=b.dtype,
-                                            device=self.device) if b.is_floating_point()
-                                 else torch.zeros(b.shape, dtype=b.dtype, device=self.device))
+                if b.dtype == torch.bool and self.param_init_fn is None:
+                    where = (name + "." if name else "") + k
+                    raise TypeError(f"functional: boolean buffer {where!r} was built on the meta "
+                                    "device, and nothing can tell whether an initialisation set "
+                                    "it; build it outside the meta device context, or pass "
+                                    "param_init_fn=fn(module) that sets it")
+                m._buffers[k] = torch.full(b.shape, _unset(b.dtype), dtype=b.dtype,
+                                           device=self.device)
             if metas and not any(True for _ in m.parameters(recurse=False)):
                 with _RNG, torch.random.fork_rng(devices=self._rng_devices()), torch.no_grad():
                     torch.manual_seed(self._seed_for(f"buffers:{name}"))
@@ -107,11 +128,11 @@ class MetaParams:
                 self._check_buffers(m)
 
     def _check_buffers(self, m: Any) -> None:
-        """None of ``m``'s own floating buffers is still unset (NaN)."""
+        """None of ``m``'s own buffers still holds the unset marker."""
         import torch
 
         for k, b in m.named_buffers(recurse=False):
-            if b.is_floating_point() and bool(torch.isnan(b).any()):
+            if b.dtype != torch.bool and bool(_is_unset(b).any()):
                 where = next(n for n, x in self.module.named_modules() if x is m)
                 raise ValueError(f"functional: buffer {(where + '.' if where else '') + k!r} was "
                                  f"built on the meta device and not initialised by "
