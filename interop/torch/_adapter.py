@@ -62,17 +62,6 @@ Gathered leaves are bound as torch tensors over the step's device memory
 in one launch that reads each where autograd left it (``ops/device/_runs.py``), so
 a CUDA module trains on CuPy state with no host copy (see [Note: devices]).
 
-[Note: torch dtypes]
-A module keeps its parameters' dtype outside a step, as under FSDP2's
-``MixedPrecisionPolicy``, which casts for the forward only. Within a step
-the parameters are bound to the step's compute params; where mixed precision
-made those another dtype (bf16 compute for a float32 module), the step leaves
-each parameter an empty tensor of its own dtype afterwards, as stage 3 leaves
-its sharded ones: the module then refuses to run outside a step and says
-how to get its trained params back (``load_state``, in its own dtype, with
-the masters' values), instead of computing in bf16 or exporting bf16
-weights. Without mixed precision, stages 0-2 (and stage 3 on one rank) leave
-the module bound to the state's own buffers, usable as it is.
 """
 
 from __future__ import annotations
@@ -335,7 +324,7 @@ class TorchLoss(UnitHooks, BufferState):
         for p in self.named.values():
             p.grad = None
             if cast:  # see [Note: torch dtypes]
-                p.data = self._placeholder(p)
+                p.data = self._empty(p, self._dtype)
         self._sharded = self._sharded or cast
         return ((out.detach(), aux) if self.has_aux else out.detach()), grads
 
@@ -386,17 +375,6 @@ class TorchLoss(UnitHooks, BufferState):
             return x
 
         return cast(args), cast(kwargs)
-
-    def _placeholder(self, p: Any) -> Any:
-        """An empty tensor of the module's own dtype on ``p``'s device (see
-        [Note: torch dtypes])."""
-        key = (self._dtype, p.device)  # the key of UnitHooks._empty's cache
-        empty = self._empties.get(key)
-        if empty is None:
-            import torch
-
-            empty = self._empties[key] = torch.empty(0, dtype=self._dtype, device=p.device)
-        return empty
 
     def _check_usable(self) -> None:
         if self._sharded and any(

@@ -1,5 +1,18 @@
 """Whole parameters back into a torch module, and its whole ``state_dict``, from a
-ZeRO state: :func:`load_state` and :func:`state_dict`."""
+ZeRO state: :func:`load_state` and :func:`state_dict`.
+
+[Note: torch dtypes]
+A module keeps its parameters' dtype outside a step, as under FSDP2's
+``MixedPrecisionPolicy``, which casts for the forward only. Within a step
+the parameters are bound to the step's compute params; where mixed precision
+made those another dtype (bf16 compute for a float32 module), the step leaves
+each parameter an empty tensor of its own dtype afterwards, as stage 3 leaves
+its sharded ones: the module then refuses to run outside a step and says
+how to get its trained params back (``load_state``, in its own dtype, with
+the masters' values), instead of computing in bf16 or exporting bf16
+weights. Without mixed precision, stages 0-2 (and stage 3 on one rank) leave
+the module bound to the state's own buffers, usable as it is.
+"""
 
 from __future__ import annotations
 

@@ -45,6 +45,7 @@ class UnitHooks:
     _sharded: bool
     _compute_dtype: Any
     _empties: dict[Any, Any]
+    _dtype: Any
     _kept: dict[int, Any]
     _grad_hooks: list[Any]
     _set_compute_dtype: Any
@@ -88,7 +89,7 @@ class UnitHooks:
                     if a.gathering:  # the module keeps the state's buffers otherwise
                         p.data = empty
                     elif cast:  # see [Note: torch dtypes]
-                        p.data = self._placeholder(p)
+                        p.data = self._empty(p, self._dtype)
                     p.grad = None
             self._active = None
             self._compute_dtype = None
@@ -268,13 +269,14 @@ class UnitHooks:
             for p, empty in self._active.empties[u]:
                 p.data = empty
 
-    def _empty(self, p: Any) -> Any:
-        """A 0-size tensor of ``p``'s dtype and device (one per kind, shared)."""
+    def _empty(self, p: Any, dtype: Any = None) -> Any:
+        """A 0-size tensor of ``p``'s dtype (or ``dtype``) and device (one per
+        kind, shared)."""
         import torch
 
-        key = (p.dtype, p.device)
+        key = (dtype or p.dtype, p.device)
         if key not in self._empties:
-            self._empties[key] = torch.empty(0, dtype=p.dtype, device=p.device)
+            self._empties[key] = torch.empty(0, dtype=key[0], device=p.device)
         return self._empties[key]
 
     def _grad_hook(self, name: str) -> Any:

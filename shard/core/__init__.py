@@ -9,7 +9,8 @@
 - ``_policy.py``: :class:`~shard.Precision` and :class:`~shard.LossScale`;
 - ``_loss.py``: the losses the transforms accept and :class:`~shard.Layered`;
 - ``_gather.py``: whole params from shards, and batches cut into parts;
-- ``_paths.py``: params shapes from a checkpoint's leaf paths.
+- ``_paths.py``: params known by their shapes (from a checkpoint's leaf paths, or
+  meta-device tensors).
 
 It may import :mod:`shard.monitor` and :mod:`ops`.
 """

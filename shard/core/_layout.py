@@ -33,10 +33,10 @@ import numpy as np
 from ops import HOST, Device, device_of
 from ops._tree import tree_util
 from ops.device._runs import Runs
+from shard.core._paths import meta_shape
 from shard.core._specs import Shard, resolve_specs
 
-__all__ = ["Layout", "LeafLayout", "Shape", "UnitLayout", "is_shape", "make_layout", "partition",
-           "unpartition"]
+__all__ = ["Layout", "LeafLayout", "UnitLayout", "make_layout", "partition", "unpartition"]
 
 Units = None | int | Callable[[tuple], Any]
 
@@ -297,7 +297,7 @@ def native_leaves(leaves: Sequence[Any], fn: str) -> tuple[Device | None, list[A
     out = []
     for i, x in enumerate(leaves):
         if getattr(x, "is_meta", False) is True:  # a torch tensor on the meta device
-            out.append(Shape(tuple(x.shape), _numpy_dtype(x.dtype)))
+            out.append(meta_shape(x))
             continue
         if device_of_or_none(x) is None and hasattr(x, "__dlpack__"):
             x = to_native(x)[0]
@@ -313,32 +313,6 @@ def native_leaves(leaves: Sequence[Any], fn: str) -> tuple[Device | None, list[A
                             f"{found[0].name} array; put every leaf on one device")
         out.append(x)
     return (None if found is None else found[0]), out
-
-
-@dataclass(frozen=True)
-class Shape:
-    """A leaf known only by its shape and dtype (``jax.ShapeDtypeStruct``'s
-    two fields): what a torch tensor on the meta device reads as."""
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-
-def is_shape(x: Any) -> bool:
-    """Whether a native leaf is a shape with no values (a :class:`Shape` or a
-    ``jax.ShapeDtypeStruct``)."""
-    from ops.device._device import device_of_or_none
-
-    return (device_of_or_none(x) is None and hasattr(x, "shape") and hasattr(x, "dtype")
-            and not hasattr(x, "__array__") and not hasattr(x, "__dlpack__"))
-
-
-def _numpy_dtype(dtype: Any) -> np.dtype:
-    """A torch dtype as numpy's (bfloat16 as ml_dtypes')."""
-    from ops.kernels._dtypes import BF16
-
-    name = str(dtype).removeprefix("torch.")
-    return BF16 if name == "bfloat16" else np.dtype(name)
 
 
 def partition(tree: Any, specs: Any = None, *, rank: int, world_size: int,

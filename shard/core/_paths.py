@@ -1,14 +1,16 @@
-"""Params shapes rebuilt from the leaf paths a checkpoint manifest records."""
+"""Params known by their shapes: rebuilt from the leaf paths a checkpoint manifest
+records, or read from torch tensors on the meta device."""
 
 from __future__ import annotations
 
 import ast
 import re
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-__all__ = ["shapes_from_manifest"]
+__all__ = ["Shape", "is_shape", "meta_shape", "shapes_from_manifest"]
 
 _KEY = re.compile(r"\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\d+)\]")
 
@@ -60,3 +62,30 @@ def _lists(node: Any, where: str) -> Any:
             raise ValueError(f"load: {where}: list indices {sorted(node)} have gaps")
         return [_lists(node[i], where) for i in range(len(node))]
     return {k: _lists(v, where) for k, v in node.items()}
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A leaf known only by its shape and dtype (``jax.ShapeDtypeStruct``'s
+    two fields): what a torch tensor on the meta device reads as."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+
+def is_shape(x: Any) -> bool:
+    """Whether a native leaf is a shape with no values (a :class:`Shape` or a
+    ``jax.ShapeDtypeStruct``)."""
+    from ops.device._device import device_of_or_none
+
+    return (device_of_or_none(x) is None and hasattr(x, "shape") and hasattr(x, "dtype")
+            and not hasattr(x, "__array__") and not hasattr(x, "__dlpack__"))
+
+
+def meta_shape(t: Any) -> Shape:
+    """A torch tensor on the meta device as a :class:`Shape` (bfloat16 as
+    ml_dtypes')."""
+    from ops.kernels._dtypes import BF16
+
+    name = str(t.dtype).removeprefix("torch.")
+    return Shape(tuple(t.shape), BF16 if name == "bfloat16" else np.dtype(name))

@@ -5,6 +5,8 @@
 - ``_config.py``: :class:`StepConfig`, the step's arguments, checked and frozen;
 - ``_plan.py``: the :class:`Plan` that ``init`` and ``shard.load`` derive from
   the params (layouts, dtypes, device), carried by every state;
+- ``_init.py``: ``init`` and ``init_from``, unit by unit (whole params, a
+  meta-device module's shapes, or a JAX init function);
 - ``_checks.py``: what a step checks before it changes anything;
 - ``_grads.py``: the gradient phase, each micro-batch's loss and gradients;
 - ``_runtime.py``: units' full params gathered and their gradients reduced

@@ -64,22 +64,6 @@ one that never saw the failure. From the update on, the state is donated (its
 buffers are reused), and a failure there leaves it refused
 (``DonatedStateError``) rather than half updated.
 
-[Note: rows across ranks]
-Micro-batches of unequal rows always weigh by their rows (``_checks.weights``).
-Ranks do by default not: each rank's mean loss counts the same, as in DDP
-and DeepSpeed, since only the ranks together know their rows. The step's one
-all-reduce carries each rank's rows, their square and a 1 (the rank could
-count them) beside the sum of squares and the loss, so whenever its numbers
-are read the step can tell that rows differed (W * sum(r^2) != sum(r)^2)
-and warns once (not for a pipeline, whose all-reduce spans its stages). With
-``weight_by_rows=True`` each micro-batch's loss is scaled by its rows
-instead, and after the all-reduce the gradient shards, the sum of squares
-and the loss sum are multiplied on the device by ``W * k / rows`` (k
-micro-batches, ``rows`` over every rank), so that the usual ``1 / (W * k)``
-scale of the update gives the mean over every row: the update and the loss of
-the ranks' batches concatenated (``_update.weigh_by_rows``; one pass over the
-gradient shards, no host read). The batch's rows are the leading dimension
-its array leaves share.
 """
 
 from __future__ import annotations
@@ -91,18 +75,17 @@ from typing import Any
 
 import numpy as np
 
-import ops._tree
 from ops import HOST, Device
 from shard.core._gather import MicroBatches
-from shard.core._layout import Layout, alloc_units, is_shape, native_leaves
+from shard.core._layout import Layout
 from shard.core._policy import Precision
 from shard.core._state import TrainState
 from shard.monitor._metrics import StepMetrics
 from shard.monitor._profile import step_breakdown, timed
 from shard.offload._step import Offloader
-from shard.step import _checks, _eval, _grads, _update
+from shard.step import _checks, _eval, _grads, _init, _update
 from shard.step._config import StepConfig
-from shard.step._plan import Plan, make_plan, new_state
+from shard.step._plan import Plan
 from shard.step._reduce import GradBuffers, GradReducer
 from shard.step._runtime import LiveBytes
 
@@ -174,30 +157,9 @@ class ZeroStep:
         Raises ValueError if the ranks' params differ (a checksum is compared):
         seed the model's initialisation identically on every rank.
         """
-        c = self.config
-        fn = f"{c.name}.init"
-        tu = ops._tree.tree_util()
-        raw, treedef = tu.tree_flatten(params)
-        _, leaves = native_leaves(raw, fn)
-        if not any(is_shape(x) for x in leaves):
-            if device is not None:
-                raise ValueError(f"{fn}: device= is for params given as shapes; these are "
-                                 "arrays, and the state lives where they do")
-            plan = make_plan(c, params, device=self.device)
-            leaves = [plan.device.asarray(x) for x in native_leaves(
-                plan.layout.treedef.flatten_up_to(params), fn)[1]]
-            _checks.agree_on_values(c.comm, _checks.digest(plan.device, leaves), fn)
-            return self._init_units(plan, lambda u, i: [leaves[j] for j in i], check=False)
-        materialize = getattr(c.loss_fn, "materialize", None)
-        if materialize is None:
-            raise TypeError(f"{fn}: the params are shapes only (no values); give arrays, or "
-                            f"let each rank build them one unit at a time with "
-                            f"{c.name}.init_from(init_fn, key)")
-        paths = [p for p, _ in tu.tree_flatten_with_path(params)[0]]
-        shapes = tu.tree_unflatten(treedef, leaves)  # meta tensors read as Shapes
-        plan = make_plan(c, shapes, device=device or getattr(c.loss_fn, "materialize_device",
-                                                             None))
-        return self._init_units(plan, lambda u, i: materialize([paths[j] for j in i]))
+        state, plan, offloader = _init.from_params(self.config, params, device, self.device)
+        self._use(plan, offloader)
+        return state
 
     def init_from(self, init_fn: Any, *args: Any, device: Device | None = None) -> TrainState:
         """This rank's state from ``init_fn(*args)``, a JAX function returning the
@@ -222,68 +184,7 @@ class ZeroStep:
           >>> ops.spawn(run, 2)
           [[2, 16], [2, 16]]
         """
-        import jax
-
-        tu = ops._tree.tree_util()
-        shapes = jax.eval_shape(init_fn, *args)
-        plan = make_plan(self.config, shapes, device=device)
-
-        def unit(u: int, idx: list[int]) -> list[Any]:
-            part = jax.jit(lambda *a: [tu.tree_leaves(init_fn(*a))[j] for j in idx])
-            out = part(*args)
-            if plan.device.host:
-                return out
-            # JAX on the CPU and the state on a GPU: an explicit copy through the host
-            return [np.asarray(x) if all(d.platform == "cpu" for d in x.devices()) else x
-                    for x in out]
-
-        return self._init_units(plan, unit, remedy="pass every rank the same arguments "
-                                "(the same key) to init_from")
-
-    def _init_units(self, plan: Plan, values: Any, *, check: bool = True,
-                    remedy: str | None = None) -> TrainState:
-        """The state over ``plan``, unit by unit: ``values(u, leaf_indices)`` gives
-        unit ``u``'s whole leaves, of which this rank keeps its part; with
-        ``check``, the ranks' values are compared afterwards (a collective)."""
-        c, layout, device = self.config, plan.layout, plan.device
-        fn = f"{c.name}.init"
-        rank = c.comm.rank if c.stage > 0 else 0
-        whole: list[Any] = [None] * len(layout.leaves)  # stages 0-2 keep the params whole
-        checksum = 1
-
-        def unit_values(u: int) -> list[Any]:
-            nonlocal checksum
-            idx = list(layout.units[u].leaves)
-            got = values(u, idx)
-            got = [device.asarray(x) for x in native_leaves(list(got), fn)[1]]
-            for j, x in zip(idx, got, strict=True):
-                leaf = layout.leaves[j]
-                if tuple(x.shape) != leaf.shape or str(x.dtype) != leaf.dtype:
-                    raise ValueError(f"{fn}: params{leaf.path} was materialised as "
-                                     f"{x.dtype}{list(x.shape)}; its shape says "
-                                     f"{leaf.dtype}{list(leaf.shape)}")
-                if c.stage < 3:
-                    whole[j] = x
-            if check:
-                checksum = _checks.digest(device, got, checksum)
-            return got
-
-        offloader = plan.offloader()
-        if offloader is not None:  # masters and moments in host memory or on disk
-            *bufs, copies = offloader.init_buffers(unit_values, rank)
-        else:
-            master = alloc_units(layout, plan.master_dtype, device)
-            views = layout.local_views(master)
-            for u in range(len(layout.units)):
-                for j, x in zip(layout.units[u].leaves, unit_values(u), strict=True):
-                    layout.scatter_leaf(layout.leaves[j], x, rank, views[j])
-            bufs, copies = [master] + [alloc_units(layout, plan.master_dtype, device)
-                                       for _ in range(2)], None
-        if check:
-            _checks.agree_on_values(c.comm, checksum, fn, *(remedy,) if remedy else ())
-        state = new_state(plan, *bufs, full_leaves=whole, copies=copies)
-        log.info("%s: %d units, %d of %d elements on rank %d", c.name, len(layout.units),
-                 layout.local_size(), plan.full_layout.local_size(), c.comm.rank)
+        state, plan, offloader = _init.from_function(self.config, init_fn, args, device)
         self._use(plan, offloader)
         return state
 
@@ -366,7 +267,8 @@ class ZeroStep:
                               dtype=_grads.reduce_dtype(plan), device=device,
                               buffers=self._grad_buffers, plans=plan.copy_plans)
         units = _grads.unit_params(plan, state, self.tracker)
-        totals = self._totals(device, rows)
+        totals = _update.fresh_totals(self.__dict__.setdefault("_totals_cache", {}), device,
+                                      rows)
         w, k = c.comm.world_size, len(micro)
         grad_scale = 1.0 / (w * k * scale)
         offloader = self._offloader
@@ -444,20 +346,6 @@ class ZeroStep:
         return state.replace(step=np.asarray(int(state.step) + finite, np.int64),
                              loss_scale=np.asarray(new_scale, np.float64),
                              good_steps=np.asarray(good, np.int64)), StepMetrics(known)
-
-    def _totals(self, device: Device, rows: int) -> Any:
-        """A fresh ``[sum of squares, sum of losses, rows, rows squared, ranks that
-        counted rows]`` for a step with ``rows`` rows (0: not counted), summed
-        over the ranks by the step's all-reduce (see [Note: rows across ranks]).
-        A copy of a kept device array: one device operation, no host copy."""
-        cache = self.__dict__.setdefault("_totals_cache", {})
-        kept = cache.get((device.name, rows))
-        if kept is None:
-            if len(cache) >= 64:  # rows that change every step: keep the latest few
-                cache.clear()
-            kept = cache[device.name, rows] = device.asarray(
-                np.array([0.0, 0.0, rows, rows * rows, 1.0 if rows else 0.0]))
-        return kept.copy()
 
     def _check_rows(self, host: np.ndarray) -> None:
         """Warn, once, that the ranks' rows differed in a step that weighs each

@@ -1,6 +1,24 @@
 """A step's update phase: the gradients' norm, the fused optimizer, and stages
 1-2's all-gather of the new compute params (steps 2, 4 and 5 of the step in
-``shard/step/_step.py``)."""
+``shard/step/_step.py``).
+
+[Note: rows across ranks]
+Micro-batches of unequal rows always weigh by their rows (``_checks.weights``).
+Ranks do by default not: each rank's mean loss counts the same, as in DDP
+and DeepSpeed, since only the ranks together know their rows. The step's one
+all-reduce carries each rank's rows, their square and a 1 (the rank could
+count them) beside the sum of squares and the loss, so whenever its numbers
+are read the step can tell that rows differed (W * sum(r^2) != sum(r)^2)
+and warns once (not for a pipeline, whose all-reduce spans its stages). With
+``weight_by_rows=True`` each micro-batch's loss is scaled by its rows
+instead, and after the all-reduce the gradient shards, the sum of squares
+and the loss sum are multiplied on the device by ``W * k / rows`` (k
+micro-batches, ``rows`` over every rank), so that the usual ``1 / (W * k)``
+scale of the update gives the mean over every row: the update and the loss of
+the ranks' batches concatenated (:func:`weigh_by_rows`; one pass over the
+gradient shards, no host read). The batch's rows are the leading dimension
+its array leaves share.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +32,7 @@ from ops.device._runs import copy_runs
 from shard.core._state import TrainState
 from shard.monitor._profile import timed
 
-__all__ = ["apply", "norm_and_loss", "refresh", "weigh_by_rows"]
+__all__ = ["apply", "fresh_totals", "norm_and_loss", "refresh", "weigh_by_rows"]
 
 
 def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
@@ -41,6 +59,20 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
     plan.fast.all_reduce_(totals, "sum")
     if replicated:
         totals[0:1] += ops.sum_of_squares(replicated)
+
+
+def fresh_totals(kept: dict, device: Any, rows: int) -> Any:
+    """A step's ``[sum of squares, sum of losses, rows, rows squared, ranks that
+    counted rows]`` for ``rows`` rows (0: not counted), summed over the ranks
+    by its all-reduce: a copy of a device array kept in ``kept`` (one device
+    operation, no host copy)."""
+    base = kept.get((device.name, rows))
+    if base is None:
+        if len(kept) >= 64:  # rows that change every step: keep the latest few
+            kept.clear()
+        base = kept[device.name, rows] = device.asarray(
+            np.array([0.0, 0.0, rows, rows * rows, 1.0 if rows else 0.0]))
+    return base.copy()
 
 
 def weigh_by_rows(shards: list[Any], totals: Any, parts: int) -> None:

@@ -1,0 +1,121 @@
+"""A step's ``init``: this rank's state from whole params, from the shapes of a
+torch module built on the meta device (materialised one unit at a time, see
+[Note: meta-device init]), or from a JAX init function, unit by unit."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+
+import ops._tree
+from ops import Device
+from shard.core._layout import alloc_units, native_leaves
+from shard.core._paths import is_shape
+from shard.core._state import TrainState
+from shard.offload._step import Offloader
+from shard.step import _checks
+from shard.step._config import StepConfig
+from shard.step._plan import Plan, make_plan, new_state
+
+__all__ = ["from_function", "from_params"]
+
+log = logging.getLogger("shard.step")
+
+Made = tuple[TrainState, Plan, Offloader | None]
+
+
+def from_params(c: StepConfig, params: Any, device: Device | None, current: Device) -> Made:
+    """``step.init(params)``: arrays (on ``current``'s device unless they say
+    otherwise), or shapes a loss object can materialise."""
+    fn = f"{c.name}.init"
+    tu = ops._tree.tree_util()
+    raw, treedef = tu.tree_flatten(params)
+    _, leaves = native_leaves(raw, fn)
+    if not any(is_shape(x) for x in leaves):
+        if device is not None:
+            raise ValueError(f"{fn}: device= is for params given as shapes; these are "
+                             "arrays, and the state lives where they do")
+        plan = make_plan(c, params, device=current)
+        leaves = [plan.device.asarray(x) for x in native_leaves(
+            plan.layout.treedef.flatten_up_to(params), fn)[1]]
+        _checks.agree_on_values(c.comm, _checks.digest(plan.device, leaves), fn)
+        return by_units(c, plan, lambda u, i: [leaves[j] for j in i], check=False)
+    materialize = getattr(c.loss_fn, "materialize", None)
+    if materialize is None:
+        raise TypeError(f"{fn}: the params are shapes only (no values); give arrays, or "
+                        f"let each rank build them one unit at a time with "
+                        f"{c.name}.init_from(init_fn, key)")
+    paths = [p for p, _ in tu.tree_flatten_with_path(params)[0]]
+    shapes = tu.tree_unflatten(treedef, leaves)  # meta tensors read as Shapes
+    plan = make_plan(c, shapes, device=device or getattr(c.loss_fn, "materialize_device", None))
+    return by_units(c, plan, lambda u, i: materialize([paths[j] for j in i]))
+
+
+def from_function(c: StepConfig, init_fn: Any, args: tuple, device: Device | None) -> Made:
+    """``step.init_from(init_fn, *args)``: one ``jax.jit`` per unit, keeping only
+    that unit's outputs."""
+    import jax
+
+    tu = ops._tree.tree_util()
+    plan = make_plan(c, jax.eval_shape(init_fn, *args), device=device)
+
+    def unit(u: int, idx: list[int]) -> list[Any]:
+        part = jax.jit(lambda *a: [tu.tree_leaves(init_fn(*a))[j] for j in idx])
+        out = part(*args)
+        if plan.device.host:
+            return out
+        # JAX on the CPU and the state on a GPU: an explicit copy through the host
+        return [np.asarray(x) if all(d.platform == "cpu" for d in x.devices()) else x
+                for x in out]
+
+    return by_units(c, plan, unit, remedy="pass every rank the same arguments (the same key) "
+                    "to init_from")
+
+
+def by_units(c: StepConfig, plan: Plan, values: Any, *, check: bool = True,
+             remedy: str | None = None) -> Made:
+    """The state over ``plan``, unit by unit: ``values(u, leaf_indices)`` gives
+    unit ``u``'s whole leaves, of which this rank keeps its part; with
+    ``check``, the ranks' values are compared afterwards (a collective)."""
+    layout, device = plan.layout, plan.device
+    fn = f"{c.name}.init"
+    rank = c.comm.rank if c.stage > 0 else 0
+    whole: list[Any] = [None] * len(layout.leaves)  # stages 0-2 keep the params whole
+    checksum = 1
+
+    def unit_values(u: int) -> list[Any]:
+        nonlocal checksum
+        idx = list(layout.units[u].leaves)
+        got = values(u, idx)
+        got = [device.asarray(x) for x in native_leaves(list(got), fn)[1]]
+        for j, x in zip(idx, got, strict=True):
+            leaf = layout.leaves[j]
+            if tuple(x.shape) != leaf.shape or str(x.dtype) != leaf.dtype:
+                raise ValueError(f"{fn}: params{leaf.path} was materialised as "
+                                 f"{x.dtype}{list(x.shape)}; its shape says "
+                                 f"{leaf.dtype}{list(leaf.shape)}")
+            if c.stage < 3:
+                whole[j] = x
+        if check:
+            checksum = _checks.digest(device, got, checksum)
+        return got
+
+    offloader = plan.offloader()
+    if offloader is not None:  # masters and moments in host memory or on disk
+        *bufs, copies = offloader.init_buffers(unit_values, rank)
+    else:
+        master = alloc_units(layout, plan.master_dtype, device)
+        views = layout.local_views(master)
+        for u in range(len(layout.units)):
+            for j, x in zip(layout.units[u].leaves, unit_values(u), strict=True):
+                layout.scatter_leaf(layout.leaves[j], x, rank, views[j])
+        bufs, copies = [master] + [alloc_units(layout, plan.master_dtype, device)
+                                   for _ in range(2)], None
+    if check:
+        _checks.agree_on_values(c.comm, checksum, fn, *(remedy,) if remedy else ())
+    state = new_state(plan, *bufs, full_leaves=whole, copies=copies)
+    log.info("%s: %d units, %d of %d elements on rank %d", c.name, len(layout.units),
+             layout.local_size(), plan.full_layout.local_size(), c.comm.rank)
+    return state, plan, offloader
