@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from shard.core._layout import Units, make_layout, master_dtype_of
+from shard.core._optim import moment_names
 from shard.core._policy import Precision
 from shard.offload._offload import Offload
 
@@ -15,7 +16,8 @@ __all__ = ["estimate_memory"]
 
 def estimate_memory(params: Any, *, stage: int, world_size: int,
                     policy: Precision | None = None, specs: Any = None,
-                    units: Units = None, offload: Offload | None = None) -> dict[str, int]:
+                    units: Units = None, offload: Offload | None = None,
+                    optimizer: Any = None) -> dict[str, int]:
     """Bytes per rank, by kind, that a ZeRO stage keeps for ``params``.
 
     The ZeRO paper's accounting, with this library's padding (each Shard(0)
@@ -23,7 +25,10 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
 
     - params: fp32 masters (fp64 when every param is fp64), whole at stage 0,
       this rank's shard from stage 1;
-    - optimizer: Adam's two moments, in the masters' dtype and layout;
+    - optimizer: the optimizer's moments, in the masters' dtype and layout:
+      Adam's two by default, or those of ``optimizer`` (an optax
+      transformation's param-shaped state, e.g. one for Lion or SGD with
+      momentum, none for plain SGD);
     - compute_params: the params the loss sees, kept between steps: whole at
       stages 1-2 (and at stage 0 when they differ in dtype from the masters);
       the compute-dtype shard at stage 3 (none when it is fp32: the masters
@@ -45,6 +50,7 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
       world_size: the number of data-parallel ranks.
       policy: the :class:`Precision` the step will use.
       specs, units: as given to the ZeRO transform.
+      optimizer: the transform's ``optimizer=`` (default: Adam's two moments).
 
     Example:
       >>> import jax, jax.numpy as jnp, shard
@@ -72,7 +78,8 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     else:
         compute_n = local if separate or offload is not None else 0
     grads_n = full if stage <= 1 else local
-    out = {"params": master.itemsize * local, "optimizer": 2 * master.itemsize * local,
+    moments = 2 if optimizer is None else len(moment_names(optimizer, layout))
+    out = {"params": master.itemsize * local, "optimizer": moments * master.itemsize * local,
            "compute_params": compute_n * compute.itemsize, "grads": grads_n * reduce.itemsize}
     out["total"] = sum(out.values())
     if offload is not None:

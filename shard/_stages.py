@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ops import Communicator, FusedAdam
+from ops import Communicator
 from shard.core._layout import Units
 from shard.core._policy import LossScale, Precision
 from shard.offload._offload import Offload
@@ -15,7 +15,7 @@ __all__ = ["zero0", "zero1", "zero2", "zero3"]
 
 
 def _make(stage: int) -> Callable[..., ZeroStep]:
-    def transform(loss_fn: Any = None, /, *, optimizer: FusedAdam, comm: Communicator,
+    def transform(loss_fn: Any = None, /, *, optimizer: Any, comm: Communicator,
                   specs: Any = None, units: Units = None, precision: Precision | None = None,
                   clip_norm: float | None = None, loss_scale: LossScale | None = None,
                   prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
@@ -39,7 +39,13 @@ Args:
   loss_fn: a JAX function ``(params, batch) -> scalar loss``, a
     :class:`shard.Layered` chain of per-unit layers, or an object with
     ``value_and_grad(params, batch) -> (loss, grads)`` (e.g. the torch adapter).
-  optimizer: ``ops.adamw(...)`` or ``ops.adam(...)``.
+  optimizer: ``ops.adamw(...)`` or ``ops.adam(...)`` (fused kernels, host or
+    device state), or any optax ``GradientTransformation`` on host state
+    (``optax.sgd(1e-2, momentum=0.9)``, ``optax.lion(1e-4)``,
+    ``optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))``): its
+    state is sharded like the masters, and one that does not act element by
+    element (LAMB's trust ratio, Adafactor) is refused at ``init`` from stage
+    1 on several ranks (see [Note: optax on shards]).
   comm: this rank's communicator (``ops.spawn`` or ``ops.init_from_env``).
   specs: a spec per leaf, a prefix of the params tree, or one spec
     (default ``Shard(0)`` everywhere; scalars are replicated).

@@ -7,9 +7,13 @@ A checkpoint is a directory:
                              world size, every leaf's name, shape, dtype, spec,
                              unit and place in the unit buffers, and each rank
                              file's size and SHA-256
-    rank-00000.safetensors   that rank's unit buffers: master/<u>, exp_avg/<u>,
-    ...                      exp_avg_sq/<u> (flat float32; see [Note: unit
-                             buffers]); stage 0 writes rank 0's only
+    rank-00000.safetensors   that rank's unit buffers: master/<u> and each of
+    ...                      the optimizer's moments, exp_avg/<u>,
+                             exp_avg_sq/<u> for Adam (flat float32; see [Note:
+                             unit buffers]), and an optax state's other leaves
+                             (opt_rest/<i>, which the manifest's "optimizer"
+                             lists with the moments' names); stage 0 writes
+                             rank 0's only
     module.safetensors       a torch module's buffers (rank 0's) and, in the
                              manifest, its tied names ([Note: torch buffers])
 
@@ -44,7 +48,7 @@ from ops.comm._collectives import all_gather_host
 from ops.device._device import device_named
 from shard.checkpoint._files import CheckpointError, _sha256
 from shard.checkpoint._module import _load_module, _write_module_file, read_module_file
-from shard.checkpoint._validate import check_manifest, check_part_names
+from shard.checkpoint._validate import REST_DTYPES, check_manifest, check_part_names, optimizer_of
 from shard.core._layout import Layout, LeafLayout, alloc_units
 from shard.core._paths import shapes_from_manifest
 from shard.core._state import TrainState
@@ -54,7 +58,13 @@ __all__ = ["CheckpointError", "leaf_names", "load", "read_manifest", "read_modul
 
 log = logging.getLogger(__name__)
 FORMAT, VERSION = "zeroshard-checkpoint", 1
-KINDS = ("master", "exp_avg", "exp_avg_sq")
+KINDS = ("master", "exp_avg", "exp_avg_sq")  # Adam's state (an optax state's: kinds(state))
+
+
+def kinds(state: TrainState) -> dict[str, tuple]:
+    """The unit buffers a rank file holds, by name: the masters and each moment."""
+    return {"master": state.master, **dict(zip(state.meta.moment_names, state.moments,
+                                                strict=True))}
 
 
 def leaf_names(layout: Layout) -> list[str]:
@@ -89,7 +99,8 @@ def _write_rank_file(state: TrainState, path: Path) -> tuple[str, int]:
     device = device_named(state.meta.device)  # device state: explicit copies to the host
     tensors = {f"{kind}/{u}": np.ascontiguousarray(
         buf if device.host or isinstance(buf, np.ndarray) else device.to_host(buf))
-        for kind in KINDS for u, buf in enumerate(getattr(state, kind))}
+        for kind, bufs in kinds(state).items() for u, buf in enumerate(bufs)}
+    tensors.update({f"opt_rest/{i}": np.array(x) for i, x in enumerate(state.opt_rest)})
     part = path.with_suffix(".part")
     save_file(tensors, str(part))
     with open(part, "rb+") as f:
@@ -113,6 +124,9 @@ def _manifest(state: TrainState, files: list[dict], extra: Any,
                    for n, leaf in zip(names, m.layout.leaves, strict=True)],
         "units": [{"name": u.name, "sharded_size": u.sharded_size,
                    "replicated_size": u.replicated_size} for u in m.layout.units],
+        "optimizer": {"moments": list(m.moment_names),
+                      "rest": [{"shape": list(np.shape(x)), "dtype": str(np.asarray(x).dtype)}
+                               for x in state.opt_rest]},
         "files": files, "extra": extra, **({"module": module} if module else {}),
     }
 
@@ -145,6 +159,11 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
         raise TypeError(f"save: state must be a TrainState (save(state, path, comm=comm)); got "
                         f"{type(state).__name__}")
     state.check_live()
+    for i, x in enumerate(state.opt_rest):
+        if str(np.asarray(x).dtype) not in REST_DTYPES.values():
+            raise TypeError(f"save: the optimizer's state leaf opt_rest[{i}] is "
+                            f"{np.asarray(x).dtype}; checkpoints keep "
+                            f"{sorted(REST_DTYPES.values())}")
     path = Path(path)
     tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
     if extra is not None:
@@ -351,7 +370,19 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
         handles.update({(where, r): safe_open(str(where / (files[r] if m["stage"] else
                                                              files[0])["file"]),
                                               framework="numpy") for r in ranks})
-    buffers = {kind: alloc_units(layout, plan.master_dtype) for kind in KINDS}  # host
+    moments = plan.optimizer.moments
+    saved_moments, saved_rest = optimizer_of(manifest, f"{path}/manifest.json")
+    if tuple(saved_moments) != moments:
+        raise CheckpointError(f"{path}: saved with an optimizer whose moments are "
+                              f"{list(saved_moments)}; this step's optimizer keeps "
+                              f"{list(moments)}: load with the optimizer it was saved with")
+    if [tuple(r) for r in saved_rest] != list(plan.optimizer.rest):
+        raise CheckpointError(f"{path}: the optimizer's other state leaves are "
+                              f"{saved_rest} in the checkpoint and {list(plan.optimizer.rest)} "
+                              "in this step's optimizer: load with the optimizer it was saved "
+                              "with")
+    buffers = {kind: alloc_units(layout, plan.master_dtype)
+               for kind in ("master", *moments)}  # host
     for kind, bufs in buffers.items():
         for leaf, src, (lo, hi), dst in zip(layout.leaves, sources, wanted,
                                             layout.local_views(bufs), strict=True):
@@ -370,8 +401,11 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
         buffers = dict(zip(KINDS, bufs, strict=True))
     else:
         buffers = {kind: [on_device(b) for b in bufs] for kind, bufs in buffers.items()}
-    state = new_state(plan, buffers["master"], buffers["exp_avg"], buffers["exp_avg_sq"],
-                      full_leaves=full_leaves, step=manifest["step"],
+    any_file = next(iter(handles.values()))  # every rank file holds the other leaves
+    rest = tuple(np.array(any_file.get_tensor(f"opt_rest/{i}"))
+                 for i in range(len(saved_rest)))
+    state = new_state(plan, buffers["master"], [buffers[k] for k in moments],
+                      opt_rest=rest, full_leaves=full_leaves, step=manifest["step"],
                       loss_scale=manifest["loss_scale"], good_steps=manifest["good_steps"],
                       copies=copies)
     _load_module(path, manifest, step)

@@ -4,8 +4,8 @@
     python -m shard.checkpoint consolidate CKPT OUT.safetensors [--optimizer]
 
 ``consolidate`` writes the full fp32 parameters (and with ``--optimizer`` the
-Adam moments, as ``<name>.exp_avg`` / ``<name>.exp_avg_sq``) into one
-safetensors file, named by the leaves' dotted names. For a torch module's
+optimizer's moments, as ``<name>.exp_avg`` / ``<name>.exp_avg_sq`` for Adam) into
+one safetensors file, named by the leaves' dotted names. For a torch module's
 params these are its state_dict keys, and the file also holds its buffers and
 every tied name (see [Note: torch buffers]), so
 ``module.load_state_dict(safetensors.torch.load_file(OUT), strict=True)``
@@ -21,7 +21,6 @@ from pathlib import Path
 import numpy as np
 
 from shard.checkpoint._checkpoint import (
-    KINDS,
     CheckpointError,
     _Source,
     _verify_files,
@@ -29,6 +28,7 @@ from shard.checkpoint._checkpoint import (
     read_manifest,
     read_module_file,
 )
+from shard.checkpoint._validate import optimizer_of
 
 __all__ = ["consolidate", "inspect", "run"]
 
@@ -55,7 +55,8 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, *,
         part = entry.get("part")
         src = (_Source(path / part, manifest["parts"][part], entry) if part else
                _Source(path, manifest, entry))
-        for kind in KINDS if optimizer else KINDS[:1]:
+        moments = optimizer_of(manifest, str(path))[0] if optimizer else ()
+        for kind in ("master", *moments):
             name = entry["name"] if kind == "master" else f"{entry['name']}.{kind}"
             tensors[name] = src.read(handles, kind, 0, src.rows).reshape(entry["shape"])
     buffers, aliases = read_module_file(path, manifest)

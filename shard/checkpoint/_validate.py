@@ -11,9 +11,11 @@ import struct
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from shard.checkpoint._files import CheckpointError
 
-__all__ = ["check_manifest", "check_part_names", "plain_file"]
+__all__ = ["check_manifest", "check_part_names", "optimizer_of", "plain_file"]
 
 # [Note: untrusted checkpoints]
 # ~~~~~~~~~~~~~~~~~~~~~~~~~~~~~
@@ -40,6 +42,10 @@ __all__ = ["check_manifest", "check_part_names", "plain_file"]
 # file a load reads is compared as well, so a changed byte is refused too.
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")  # a manifest without "optimizer" (format 1's first)
+REST_DTYPES = {"F32": "float32", "F64": "float64", "I32": "int32", "I64": "int64",
+               "U32": "uint32", "BOOL": "bool"}
+_MOMENT = re.compile(r"[A-Za-z0-9_]{1,64}(\.[A-Za-z0-9_]{1,64}){0,15}")
 SPECS = ("Shard(0)", "Replicate()")
 _ST_DTYPES = {"F32": "float32", "F64": "float64"}
 _HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -110,6 +116,7 @@ def check_manifest(directory: Path, manifest: dict) -> None:
         _str(unit, "name", at)
         sizes.append((_int(unit, "sharded_size", at), _int(unit, "replicated_size", at)))
     _check_leaves(where, _list(manifest, "leaves", where), sizes, world)
+    moments, rest = optimizer_of(manifest, where)
     files = _list(manifest, "files", where)
     if len(files) != (1 if stage == 0 else world):
         raise CheckpointError(f"{where}: files lists {len(files)} rank files; a stage-{stage} "
@@ -122,7 +129,7 @@ def check_manifest(directory: Path, manifest: dict) -> None:
             raise CheckpointError(f"{at}.file: {name!r} is listed twice")
         seen.add(name)
         _file_entry(directory, entry, at)
-        _check_header(directory / name, sizes, master)
+        _check_header(directory / name, sizes, master, moments, rest)
     module = manifest.get("module")
     if module is not None:
         at = f"{where}: module"
@@ -136,6 +143,33 @@ def check_manifest(directory: Path, manifest: dict) -> None:
         if not isinstance(aliases, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
             raise CheckpointError(f"{at}.aliases must map names to names")
+
+
+def optimizer_of(manifest: dict, where: str) -> tuple[tuple[str, ...], list[tuple]]:
+    """The optimizer state a checkpoint holds: its moments' names, and the shape
+    and dtype of each other leaf (``opt_rest/<i>``); Adam's where not said."""
+    opt = manifest.get("optimizer")
+    if opt is None:
+        return ADAM_MOMENTS, []
+    at = f"{where}: optimizer"
+    if not isinstance(opt, dict):
+        raise CheckpointError(f"{at} must be an object; got {type(opt).__name__}")
+    moments = _list(opt, "moments", at)
+    if len(moments) > 64 or not all(isinstance(m, str) and _MOMENT.fullmatch(m)
+                                    and m != "master" for m in moments) \
+            or len(set(moments)) != len(moments):
+        raise CheckpointError(f"{at}.moments must be distinct dotted names; got {moments!r}")
+    rest = []
+    for i, entry in enumerate(_list(opt, "rest", at)):
+        shape = entry.get("shape") if isinstance(entry, dict) else None
+        if not isinstance(shape, list) or len(shape) > 8 or not all(
+                isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 1 << 31
+                for d in shape):
+            raise CheckpointError(f"{at}.rest[{i}].shape must be a list of integers >= 0; "
+                                  f"got {shape!r}")
+        rest.append((tuple(shape), _str(entry, "dtype", f"{at}.rest[{i}]",
+                                        tuple(REST_DTYPES.values()))))
+    return tuple(moments), rest
 
 
 def _file_entry(directory: Path, entry: dict, at: str) -> None:
@@ -203,9 +237,11 @@ def _check_leaves(where: str, leaves: list, sizes: list[tuple[int, int]], world:
                                       f"{at - (section_sizes[0] if section else 0)}")
 
 
-def _check_header(f: Path, sizes: list[tuple[int, int]], master: str) -> None:
+def _check_header(f: Path, sizes: list[tuple[int, int]], master: str,
+                  moments: tuple[str, ...], rest: list[tuple]) -> None:
     """The rank file's safetensors header holds each unit buffer the manifest
-    implies (``master/<u>``, ``exp_avg/<u>``, ``exp_avg_sq/<u>``), in bounds."""
+    implies (``master/<u>`` and each moment's, ``exp_avg/<u>``...) and the
+    optimizer's other leaves (``opt_rest/<i>``), in bounds."""
     total = f.stat().st_size
     try:
         with open(f, "rb") as fh:
@@ -220,20 +256,21 @@ def _check_header(f: Path, sizes: list[tuple[int, int]], master: str) -> None:
         raise CheckpointError(f"{f}: not a safetensors file (its header is not an object)")
     data = total - 8 - n
     itemsize = 4 if master == "float32" else 8
-    for kind in ("master", "exp_avg", "exp_avg_sq"):
-        for u, (a, b) in enumerate(sizes):
-            key = f"{kind}/{u}"
-            t = header.get(key)
-            if not isinstance(t, dict):
-                raise CheckpointError(f"{f}: no tensor {key!r}, which the manifest's unit {u} "
-                                      "needs")
-            offsets = t.get("data_offsets")
-            ok = (_ST_DTYPES.get(t.get("dtype")) == master and t.get("shape") == [a + b]
-                  and isinstance(offsets, list) and len(offsets) == 2
-                  and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
-                  and 0 <= offsets[0] and offsets[1] - offsets[0] == (a + b) * itemsize
-                  and offsets[1] <= data)
-            if not ok:
-                raise CheckpointError(f"{f}: tensor {key!r} is {t.get('dtype')} "
-                                      f"{t.get('shape')} at {offsets}; the manifest says "
-                                      f"{master} [{a + b}] within the file's {data} data bytes")
+    wanted = [(f"{kind}/{u}", master, [a + b], (a + b) * itemsize, f"unit {u}")
+              for kind in ("master", *moments) for u, (a, b) in enumerate(sizes)]
+    wanted += [(f"opt_rest/{i}", dtype, list(shape),
+                math.prod(shape) * np.dtype(dtype).itemsize,
+                "optimizer state") for i, (shape, dtype) in enumerate(rest)]
+    for key, dtype, shape, nbytes, what in wanted:
+        t = header.get(key)
+        if not isinstance(t, dict):
+            raise CheckpointError(f"{f}: no tensor {key!r}, which the manifest's {what} needs")
+        offsets = t.get("data_offsets")
+        ok = ({**_ST_DTYPES, **REST_DTYPES}.get(t.get("dtype")) == dtype
+              and t.get("shape") == shape and isinstance(offsets, list) and len(offsets) == 2
+              and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+              and 0 <= offsets[0] and offsets[1] - offsets[0] == nbytes and offsets[1] <= data)
+        if not ok:
+            raise CheckpointError(f"{f}: tensor {key!r} is {t.get('dtype')} {t.get('shape')} "
+                                  f"at {offsets}; the manifest says {dtype} {shape} within the "
+                                  f"file's {data} data bytes")

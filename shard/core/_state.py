@@ -2,7 +2,9 @@
 
 [Note: TrainState]
 The leaves are the flat unit buffers of [Note: unit buffers]: fp32 master
-shards, Adam's two moments (same layout), the compute-dtype copy the next
+shards, the optimizer's moments (same layout: Adam's two, or an optax
+state's, see [Note: optax on shards]) and its other state leaves, the
+compute-dtype copy the next
 all-gather sends (stage 3 with mixed precision; otherwise the masters serve),
 the full compute params of stages 0-2 (what plain data parallelism and ZeRO-1/2
 keep whole on every rank), and scalars (step, loss scale, good steps). Static
@@ -26,6 +28,7 @@ import numpy as np
 from ops import AdamState
 from ops._tree import tree_util
 from shard.core._layout import Layout
+from shard.core._optim import ADAM_MOMENTS
 
 __all__ = ["DonatedStateError", "StateMeta", "TrainState"]
 
@@ -48,6 +51,7 @@ class StateMeta:
     offload: str | None = None  # "host" or "disk": masters and moments there (the rest
     #                             on ``device``; see [Note: offload])
     compute_on_host: bool = False  # Offload(params="host"): stage 3's compute shards too
+    moment_names: tuple[str, ...] = ADAM_MOMENTS  # TrainState.moments' names
     # () -> (buffers, tied names) of the torch module the state trains, which
     # checkpoints keep beside the params (see [Note: torch buffers]); None for
     # other losses. Not part of the state's identity.
@@ -64,7 +68,11 @@ class TrainState:
 
     Attributes:
       master: per unit, this rank's master shard (fp32; the whole unit at stage 0).
-      exp_avg, exp_avg_sq: Adam's moments, laid out like ``master``.
+      moments: per moment the optimizer keeps (``meta.moment_names`` names them:
+        ``exp_avg`` and ``exp_avg_sq`` for Adam), its unit buffers, laid out
+        like ``master``.
+      opt_rest: an optax state's other leaves (counts, hyper-parameters), the
+        same on every rank; empty for Adam.
       compute: per unit, the params as the loss sees them: whole at stages 0-2,
         this rank's shard at stage 3 (empty tuple where ``master`` serves).
       step: int64 scalar array, optimizer updates applied.
@@ -74,8 +82,8 @@ class TrainState:
     """
 
     master: tuple[np.ndarray, ...]
-    exp_avg: tuple[np.ndarray, ...]
-    exp_avg_sq: tuple[np.ndarray, ...]
+    moments: tuple[tuple[np.ndarray, ...], ...]
+    opt_rest: tuple[np.ndarray, ...]
     compute: tuple[np.ndarray, ...]
     step: np.ndarray
     loss_scale: np.ndarray
@@ -83,7 +91,7 @@ class TrainState:
     meta: StateMeta
     _live: list = field(default_factory=lambda: [True], compare=False, repr=False)
 
-    _FIELDS = ("master", "exp_avg", "exp_avg_sq", "compute", "step", "loss_scale", "good_steps")
+    _FIELDS = ("master", "moments", "opt_rest", "compute", "step", "loss_scale", "good_steps")
 
     # -- views ----------------------------------------------------------------
     @property
@@ -94,19 +102,43 @@ class TrainState:
         return layout.treedef.unflatten(layout.local_views(self.master))
 
     @property
-    def opt(self) -> AdamState:
-        """Adam's state as pytrees shaped like the params (views)."""
+    def opt(self) -> Any:
+        """The optimizer's state with its moments as pytrees shaped like the
+        params (views): an ``AdamState``, or the optax transformation's state."""
         self.check_live()
+        plan = self.meta.plan
+        if plan is not None and plan.optimizer.fused is None:
+            return plan.optimizer.tree(self.meta.layout, self.step, self.moments,
+                                       self.opt_rest)
         layout = self.meta.layout
-        return AdamState(self.step, layout.treedef.unflatten(layout.local_views(self.exp_avg)),
-                         layout.treedef.unflatten(layout.local_views(self.exp_avg_sq)))
+        return AdamState(self.step, *(layout.treedef.unflatten(layout.local_views(m))
+                                      for m in self.moments))
+
+    def moment(self, name: str) -> tuple[np.ndarray, ...]:
+        """The unit buffers of the optimizer's moment ``name`` (see ``meta.moment_names``)."""
+        try:
+            return self.moments[self.meta.moment_names.index(name)]
+        except ValueError:
+            raise AttributeError(f"this state's optimizer keeps no {name!r}; its moments are "
+                                 f"{list(self.meta.moment_names)}") from None
+
+    @property
+    def exp_avg(self) -> tuple[np.ndarray, ...]:
+        """Adam's first moment's unit buffers."""
+        return self.moment("exp_avg")
+
+    @property
+    def exp_avg_sq(self) -> tuple[np.ndarray, ...]:
+        """Adam's second moment's unit buffers."""
+        return self.moment("exp_avg_sq")
 
     def nbytes(self) -> dict[str, int]:
         """Bytes this rank holds, by kind."""
         def size(bufs: tuple) -> int:
             return int(sum(b.nbytes for b in bufs))
 
-        return {"params": size(self.master), "optimizer": size(self.exp_avg + self.exp_avg_sq),
+        return {"params": size(self.master),
+                "optimizer": sum(size(m) for m in self.moments) + size(self.opt_rest),
                 "compute_params": size(self.compute)}
 
     def tiers(self) -> dict[str, int]:

@@ -184,8 +184,8 @@ class Offloader:
             grads[u][lo:hi], p, m, v, out[u][lo:hi]))
         maps = self.tier.maps(new)
         self.tier.retire(src)
-        return state.replace(master=tuple(maps["master"]), exp_avg=tuple(maps["exp_avg"]),
-                             exp_avg_sq=tuple(maps["exp_avg_sq"]))
+        return state.replace(master=tuple(maps["master"]),
+                             moments=(tuple(maps["exp_avg"]), tuple(maps["exp_avg_sq"])))
 
     # -- overlap (see [Note: overlapped offload]) -----------------------------------
     def start_overlap(self, state: Any, reducer: Any, grad_scale: float) -> Any:
@@ -218,8 +218,8 @@ class Offloader:
         """The spare set becomes the state's; the old set the next step's spare."""
         old = Spare(list(state.master), list(state.exp_avg), list(state.exp_avg_sq),
                     list(state.compute) if resident else None)
-        changes = {"master": tuple(spare.master), "exp_avg": tuple(spare.exp_avg),
-                   "exp_avg_sq": tuple(spare.exp_avg_sq)}
+        changes = {"master": tuple(spare.master),
+                   "moments": (tuple(spare.exp_avg), tuple(spare.exp_avg_sq))}
         if resident:
             changes["compute"] = tuple(spare.compute)
         self.spare = old

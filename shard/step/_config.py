@@ -7,6 +7,7 @@ from typing import Any
 
 from ops import Communicator, FusedAdam
 from shard.core._loss import JaxLoss, classify
+from shard.core._optim import is_transformation
 from shard.core._policy import LossScale, Precision
 from shard.offload._offload import Offload
 from shard.offload._step import check_offload
@@ -25,7 +26,7 @@ class StepConfig:
     stage: int
     loss_fn: Any  # a JAX loss wrapped in JaxLoss; Layered and loss objects as given
     kind: str  # "jax", "layered" or "provider" (see classify)
-    optimizer: FusedAdam
+    optimizer: Any  # FusedAdam, or an optax GradientTransformation
     comm: Communicator
     specs: Any
     units: Any
@@ -40,7 +41,7 @@ class StepConfig:
     weight_by_rows: bool
 
     @classmethod
-    def make(cls, loss_fn: Any, *, stage: int, optimizer: FusedAdam, comm: Communicator,
+    def make(cls, loss_fn: Any, *, stage: int, optimizer: Any, comm: Communicator,
              specs: Any = None, units: Any = None, precision: Precision | None = None,
              clip_norm: float | None = None, loss_scale: LossScale | None = None,
              prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
@@ -51,9 +52,9 @@ class StepConfig:
         name = f"zero{stage}"
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3; got {stage!r}")
-        if not isinstance(optimizer, FusedAdam):
-            raise TypeError(f"{name}: optimizer must be an ops.adamw(...) or ops.adam(...); got "
-                            f"{type(optimizer).__name__}")
+        if not (isinstance(optimizer, FusedAdam) or is_transformation(optimizer)):
+            raise TypeError(f"{name}: optimizer must be an ops.adamw(...) or ops.adam(...), or an "
+                            f"optax GradientTransformation; got {type(optimizer).__name__}")
         if not isinstance(comm, Communicator):
             raise TypeError(f"{name}: comm must be an ops.Communicator (from ops.spawn or "
                             f"ops.init_from_env); got {type(comm).__name__}")

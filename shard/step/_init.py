@@ -103,19 +103,24 @@ def by_units(c: StepConfig, plan: Plan, values: Any, *, check: bool = True,
         return got
 
     offloader = plan.offloader()
+    rest: tuple = ()
     if offloader is not None:  # masters and moments in host memory or on disk
-        *bufs, copies = offloader.init_buffers(unit_values, rank)
+        master, *moments, copies = offloader.init_buffers(unit_values, rank)
     else:
         master = alloc_units(layout, plan.master_dtype, device)
         views = layout.local_views(master)
         for u in range(len(layout.units)):
             for j, x in zip(layout.units[u].leaves, unit_values(u), strict=True):
                 layout.scatter_leaf(layout.leaves[j], x, rank, views[j])
-        bufs, copies = [master] + [alloc_units(layout, plan.master_dtype, device)
-                                   for _ in range(2)], None
+        copies = None
+        if plan.optimizer.fused is None:  # an optax state: tx.init of the local views
+            moments, rest = plan.optimizer.init(layout, master)
+        else:
+            moments = [alloc_units(layout, plan.master_dtype, device)
+                       for _ in plan.optimizer.moments]
     if check:
         _checks.agree_on_values(c.comm, checksum, fn, *(remedy,) if remedy else ())
-    state = new_state(plan, *bufs, full_leaves=whole, copies=copies)
+    state = new_state(plan, master, moments, opt_rest=rest, full_leaves=whole, copies=copies)
     log.info("%s: %d units, %d of %d elements on rank %d", c.name, len(layout.units),
              layout.local_size(), plan.full_layout.local_size(), c.comm.rank)
     return state, plan, offloader

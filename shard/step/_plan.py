@@ -20,6 +20,7 @@ import ops
 import ops._tree
 from ops import HOST, Communicator, Device
 from shard.core._layout import Layout, alloc_units, make_layout, master_dtype_of, native_leaves
+from shard.core._optim import ShardOptimizer, on_shards
 from shard.core._policy import Precision
 from shard.core._state import StateMeta, TrainState
 from shard.offload._step import Offloader
@@ -52,6 +53,8 @@ class Plan:
       fast: the communicator without per-call argument checks (every rank's
         layout was found equal when the plan was made).
       copy_plans: the layout's run tables (see ``ops/device/_runs.py``).
+      optimizer: the step's optimizer on this layout (its moments, and for an
+        optax transformation the checked update; see [Note: optax on shards]).
     """
 
     config: StepConfig
@@ -62,6 +65,7 @@ class Plan:
     device: Device
     fast: Communicator
     copy_plans: CopyPlans
+    optimizer: ShardOptimizer
 
     @property
     def compute_dtype(self) -> np.dtype:
@@ -75,6 +79,10 @@ class Plan:
 
     def on(self, device: Device) -> Plan:
         """This plan with its buffers on ``device``."""
+        if self.optimizer.fused is None and not device.host:
+            on_shards(self.optimizer.tx, self.layout, stage=self.config.stage,
+                      master_dtype=self.master_dtype, device_host=False, offload=False,
+                      fn=self.config.name)  # raises: optax runs on host state
         return dataclasses.replace(self, device=device)
 
     def offloader(self) -> Offloader | None:
@@ -128,15 +136,20 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     full_layout = make_layout(params, config.specs, world_size=1, units=config.units)
     if config.stage == 3 and w > 1 and config.comm.rank == 0:
         _warn_if_one_unit_dominates(config.name, full_layout)
-    return Plan(config, layout, full_layout, np.dtype(master_dtype), precision,
-                found or device or HOST, config.comm.unchecked(),
-                CopyPlans(layout, full_layout))
+    where = found or device or HOST
+    optimizer = on_shards(config.optimizer, layout, stage=config.stage, master_dtype=master_dtype,
+                          device_host=where.host, offload=config.offload is not None, fn=fn)
+    return Plan(config, layout, full_layout, np.dtype(master_dtype), precision, where,
+                config.comm.unchecked(), CopyPlans(layout, full_layout), optimizer)
 
 
-def new_state(plan: Plan, master: list[Any], exp_avg: list[Any], exp_avg_sq: list[Any], *,
-              full_leaves: list[Any], step: int = 0, loss_scale: float | None = None,
-              good_steps: int = 0, copies: list[Any] | None = None) -> TrainState:
-    """A TrainState over the given master and moment buffers (``plan``'s layout).
+def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,
+              full_leaves: list[Any], opt_rest: tuple = (), step: int = 0,
+              loss_scale: float | None = None, good_steps: int = 0,
+              copies: list[Any] | None = None) -> TrainState:
+    """A TrainState over the given master and moment buffers (``plan``'s layout;
+    one list of unit buffers per ``plan.optimizer.moments``), and an optax
+    state's other leaves ``opt_rest``.
 
     ``full_leaves`` are the whole params in leaf order (arrays of the plan's
     device), for the compute params stages 0-2 keep whole. ``copies``: an
@@ -160,10 +173,10 @@ def new_state(plan: Plan, master: list[Any], exp_avg: list[Any], exp_avg_sq: lis
     meta = StateMeta(plan.layout, c.stage, c.comm.rank, plan.precision, str(master_dtype),
                      str(compute_dtype), device.name,
                      c.offload.optimizer if c.offload else None, plan.compute_on_host,
-                     getattr(c.loss_fn, "module_state", None), plan)
+                     plan.optimizer.moments, getattr(c.loss_fn, "module_state", None), plan)
     if loss_scale is None:
         loss_scale = c.loss_scale.initial if c.loss_scale else 1.0
-    return TrainState(tuple(master), tuple(exp_avg), tuple(exp_avg_sq), compute,
+    return TrainState(tuple(master), tuple(tuple(m) for m in moments), tuple(opt_rest), compute,
                       np.asarray(step, np.int64), np.asarray(loss_scale, np.float64),
                       np.asarray(good_steps, np.int64), meta)
 

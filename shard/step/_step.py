@@ -255,7 +255,7 @@ class ZeroStep:
             if self._offloader is not None:  # the overlapped offload's threads, if started
                 self._offloader.end_overlap()
 
-    def _run(self, plan: Plan, state: TrainState, micro: list[Any], lr: float,
+    def _run(self, plan: Plan, state: TrainState, micro: list[Any], lr: float | None,
              weights: list[float] | None, rows: int) -> tuple[TrainState, StepMetrics]:
         """The step after its checks. Nothing of ``state`` changes until the
         gradients are reduced and their norm is known; an exception before that
@@ -301,6 +301,8 @@ class ZeroStep:
             raise
         state.donate()  # from here on the update reuses its buffers
         known = {"lr": lr, "loss_scale": scale, "skipped": False}
+        if lr is None:  # an optax transformation's rate is its own
+            del known["lr"]
         if c.has_aux:
             known["aux"] = aux
 
@@ -337,8 +339,9 @@ class ZeroStep:
         if c.loss_scale is not None:
             new_scale, good = c.loss_scale.update(scale, good, finite)
         if finite:
+            needs_norm = c.clip_norm is not None or plan.optimizer.fused is None
             state = self._apply(plan, state, shards, grad_scale,
-                                totals[0:1] if c.clip_norm is not None else None)
+                                totals[0:1] if needs_norm else None)
         elif c.loss_scale is None:
             log.warning("%s: non-finite gradients (inf or nan) at step %d: the update was "
                         "skipped", c.name, int(state.step))

@@ -101,7 +101,18 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
     reading it on the device (see [Note: non-finite gradients])."""
     c = plan.config
     copies = _copies(plan, state)
-    opt = AdamState(state.step, state.exp_avg, state.exp_avg_sq)
+    if plan.optimizer.fused is None:  # an optax transformation (see [Note: optax on shards])
+        with timed("optimizer"):
+            rest = plan.optimizer.apply_optax(plan.layout, state.master, state.moments,
+                                              state.opt_rest, shards, grad_scale, grad_sumsq,
+                                              c.clip_norm)
+            if rest is not None:
+                state = state.replace(opt_rest=rest)
+            for dst, m in zip(copies, state.master, strict=True) if copies else ():
+                ops.cast(m, dst.dtype, out=dst)
+        refresh(plan, state, copies)
+        return state
+    opt = AdamState(state.step, *state.moments)
     with timed("optimizer"):
         c.optimizer.apply(tuple(shards), opt, state.master, grad_scale=grad_scale,
                           grad_sumsq=grad_sumsq, max_norm=c.clip_norm, param_copies=copies,

@@ -1,0 +1,258 @@
+"""The step's optimizer on this rank's shards: ``ops.adamw`` / ``ops.adam``
+(fused kernels) or any optax ``GradientTransformation``.
+
+[Note: optax on shards]
+An optax transformation sees pytrees shaped like the params, and ZeRO gives a
+rank only some rows of each sharded leaf. The step hands it exactly that: the
+rank's local views of the masters and of the reduced gradients (each sharded
+leaf ``(rows_per_rank, *rest)``, the replicated ones whole), so masks and
+per-leaf choices see the params' structure, and its state is
+``tx.init(local views)``. That state splits into *moments*, subtrees shaped
+like the params (Adam's ``mu`` and ``nu``, a momentum trace), which live in
+flat unit buffers laid out like the masters and are checkpointed, resharded
+and counted like Adam's moments, and *the rest* (counts, injected
+hyper-parameters), small leaves every rank keeps alike.
+
+That is the single-process update only if the transformation acts element by
+element. Whether it does is not written anywhere, so it is tried before any
+state exists (:func:`_probe`): a probe tree with the params' structure and
+each leaf's rank, a few rows per sharded leaf, is updated over five steps as a
+whole and as two ranks' row blocks, with gradients from 1e-6 to 1e12 (never
+NaN: the step skips non-finite gradients before any transformation sees
+them); any update or rest leaf that differs refuses the optimizer, naming the
+reducing transformations found in it. Those known by name (LAMB's
+``scale_by_trust_ratio``, Adafactor's ``scale_by_factored_rms``, a
+``clip_by_global_norm`` after another transformation, whose bound a small
+probe may never reach...) are refused without a probe. A whole-tree
+``clip_by_global_norm`` at the head of a chain is the exception: the step
+knows the global norm (its one all-reduce, replicated leaves counted once),
+so it clips the gradients by it first, and the chain's own clip then sees a
+norm within its bound on every rank. At
+stage 0, or on one rank, every leaf is whole and any transformation runs.
+
+``_probe.py`` holds the probe and what is read from a transformation's
+closures. The update runs under one ``jax.jit`` on the host's masters; device (GPU)
+states and offload keep the fused kernels (``ops.adamw``).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ops import AdamState, FusedAdam
+from ops._tree import tree_util
+from shard.core._probe import clip_first, describe, probe, refuse_known
+
+__all__ = ["ADAM_MOMENTS", "ShardOptimizer", "is_transformation", "moment_names", "on_shards"]
+
+ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
+_REST_DTYPES = ("float32", "float64", "int32", "int64", "uint32", "bool")
+
+
+def is_transformation(x: Any) -> bool:
+    """An optax ``GradientTransformation`` (or anything shaped like one)."""
+    return (not isinstance(x, FusedAdam) and callable(getattr(x, "init", None))
+            and callable(getattr(x, "update", None)))
+
+
+@dataclass(frozen=True, eq=False)
+class ShardOptimizer:
+    """How the step's optimizer keeps and updates its state on one layout.
+
+    Attributes:
+      moments: the names of the per-element moments (unit buffers laid out
+        like the masters): ``exp_avg``/``exp_avg_sq`` for the fused Adam, the
+        optax state's paths (``0.mu``) otherwise.
+      fused: the fused Adam, or None for an optax transformation.
+      tx: the optax transformation.
+      clip_first: the max norm of a ``clip_by_global_norm`` heading ``tx``.
+      rest: the shape and dtype of each of the optax state's other leaves.
+    """
+
+    moments: tuple[str, ...]
+    fused: FusedAdam | None = None
+    tx: Any = None
+    clip_first: float | None = None
+    rest: tuple[tuple[tuple[int, ...], str], ...] = ()  # the other leaves' shapes, dtypes
+    _treedef: Any = None  # the optax state's top level: moments and rest leaves
+    _is_moment: tuple[bool, ...] = ()
+    _jitted: list = field(default_factory=list)
+
+    # -- state ------------------------------------------------------------------
+    def init(self, layout: Any, master: list[Any]) -> tuple[list[list[Any]], tuple]:
+        """An optax transformation's fresh moment buffers (one list of unit
+        buffers per moment, host arrays) and rest leaves for ``master``'s
+        params."""
+        tu = tree_util()
+        state = self.tx.init(layout.treedef.unflatten(layout.local_views(master)))
+        tops = self._treedef.flatten_up_to(state)
+        moments, rest = [], []
+        for top, moment in zip(tops, self._is_moment, strict=True):
+            if not moment:
+                rest.append(np.array(top))
+                continue
+            bufs = [np.zeros_like(b) for b in master]
+            for dst, x in zip(layout.local_views(bufs), tu.tree_leaves(top), strict=True):
+                dst[...] = np.asarray(x)
+            moments.append(bufs)
+        return moments, tuple(rest)
+
+    def tree(self, layout: Any, step: Any, moments: tuple, rest: tuple) -> Any:
+        """The optimizer's state as pytrees of views: ``AdamState`` or optax's."""
+        views = [layout.treedef.unflatten(layout.local_views(m)) for m in moments]
+        if self.fused is not None:
+            return AdamState(step, *views)
+        it, rest_it = iter(views), iter(rest)
+        return self._treedef.unflatten([next(it) if m else next(rest_it)
+                                        for m in self._is_moment])
+
+    # -- update -------------------------------------------------------------------
+    def apply_optax(self, layout: Any, master: tuple, moments: tuple, rest: tuple,
+                    grads: list[Any], grad_scale: float, grad_sumsq: Any,
+                    max_norm: float | None) -> tuple | None:
+        """One optax update of host buffers, in place; returns the new rest
+        leaves, or None where the gradients are not finite (nothing changed)."""
+        sumsq = float(grad_sumsq[0])
+        if not math.isfinite(sumsq):
+            return None
+        factor, norm = grad_scale, math.sqrt(sumsq) * grad_scale
+        if max_norm is not None:  # the fused kernel's (torch's) clip
+            factor *= min(1.0, max_norm / (norm + 1e-6))
+            norm = math.sqrt(sumsq) * factor
+        if self.clip_first is not None and norm >= self.clip_first:  # optax's clip
+            factor *= self.clip_first / norm
+        with _lock:  # thread ranks share this object and its compiled update
+            if not self._jitted:
+                self._jitted.append(_jit_update(self.tx))
+        tu, td = tree_util(), layout.treedef
+        state = self.tree(layout, None, moments, rest)
+        new_params, new_state = self._jitted[0](
+            td.unflatten(layout.local_views(list(grads))), state,
+            td.unflatten(layout.local_views(list(master))), np.float32(factor))
+        for dst, x in zip(layout.local_views(list(master)), tu.tree_leaves(new_params),
+                          strict=True):
+            dst[...] = np.asarray(x)
+        new_rest = []
+        it = iter(moments)
+        for top, moment in zip(self._treedef.flatten_up_to(new_state), self._is_moment,
+                               strict=True):
+            if moment:
+                for dst, x in zip(layout.local_views(list(next(it))), tu.tree_leaves(top),
+                                  strict=True):
+                    dst[...] = np.asarray(x)
+            else:
+                new_rest.append(np.array(top))
+        return tuple(new_rest)
+
+
+_cache: dict = {}  # (update, layout) -> (optimizer, ShardOptimizer): ranks share one probe
+_lock = threading.Lock()
+
+
+def on_shards(optimizer: Any, layout: Any, *, stage: int, master_dtype: Any,
+              device_host: bool, offload: bool, fn: str) -> ShardOptimizer:
+    """The :class:`ShardOptimizer` for ``optimizer`` on ``layout``, or a
+    TypeError / ValueError naming what cannot run on these shards (before
+    any state exists; see [Note: optax on shards])."""
+    if isinstance(optimizer, FusedAdam):
+        return ShardOptimizer(ADAM_MOMENTS, fused=optimizer)
+    what = describe(optimizer)
+    if not device_host:
+        raise TypeError(f"{fn}: optimizer= {what} runs on host (numpy) state; this state lives "
+                        "on a device: use the fused ops.adamw(...) or ops.adam(...)")
+    if offload:
+        raise TypeError(f"{fn}: offload= keeps Adam's moments in its tiers; with optimizer= "
+                        f"{what} drop offload=, or use ops.adamw(...)")
+    if np.dtype(master_dtype) != np.float32:
+        raise TypeError(f"{fn}: optimizer= {what} runs in float32; these params keep "
+                        f"{master_dtype} masters (use ops.adamw(...) for them)")
+    sharded = stage > 0 and any(leaf.sharded and leaf.rows_per_rank < leaf.rows
+                                for leaf in layout.leaves)
+    key = (id(optimizer.update), layout.treedef, sharded,
+           tuple((leaf.shape, leaf.local_shape, leaf.sharded) for leaf in layout.leaves))
+    with _lock:
+        hit = _cache.get(key)
+        if hit is None or hit[0] is not optimizer:
+            if len(_cache) >= 64:
+                _cache.clear()
+            hit = _cache[key] = (optimizer, _make(optimizer, layout, sharded, what, fn))
+    return hit[1]
+
+
+def moment_names(optimizer: Any, layout: Any) -> tuple[str, ...]:
+    """The moments ``optimizer`` keeps for ``layout``'s params (no probe)."""
+    if isinstance(optimizer, FusedAdam):
+        return ADAM_MOMENTS
+    if not is_transformation(optimizer):
+        raise TypeError("optimizer must be an ops.adamw(...) or ops.adam(...), or an optax "
+                        f"GradientTransformation; got {type(optimizer).__name__}")
+    return _make(optimizer, layout, False, describe(optimizer), "estimate_memory").moments
+
+
+def _make(tx: Any, layout: Any, sharded: bool, what: str, fn: str) -> ShardOptimizer:
+    import jax
+
+    first = clip_first(tx)
+    if sharded:  # the reductions known by name, wherever the probe could miss them
+        refuse_known(tx, layout, what, fn)
+    tu = tree_util()
+    td = layout.treedef
+    shapes = td.unflatten([jax.ShapeDtypeStruct(leaf.local_shape, np.float32)
+                           for leaf in layout.leaves])
+    try:
+        abstract = jax.eval_shape(tx.init, shapes)
+    except Exception as e:  # any failure of the user's init is reported
+        raise TypeError(f"{fn}: optimizer= {what}: its init(params) failed: "
+                        f"{type(e).__name__}: {e}") from None
+    local = [leaf.local_shape for leaf in layout.leaves]
+
+    def params_like(x: Any) -> bool:
+        if tu.tree_structure(x) != td:
+            return False
+        leaves = tu.tree_leaves(x)
+        return len(leaves) == len(local) and all(
+            tuple(a.shape) == s and jax.numpy.issubdtype(a.dtype, jax.numpy.floating)
+            for a, s in zip(leaves, local, strict=True))
+
+    tops, treedef = tu.tree_flatten(abstract, is_leaf=params_like)
+    paths = [p for p, _ in tu.tree_flatten_with_path(abstract, is_leaf=params_like)[0]]
+    is_moment = tuple(params_like(t) for t in tops)
+    names = tuple(_name(p) for p, m in zip(paths, is_moment, strict=True) if m)
+    for top, m, p in zip(tops, is_moment, paths, strict=True):
+        if m and any(np.dtype(a.dtype) != np.float32 for a in tu.tree_leaves(top)):
+            raise TypeError(f"{fn}: optimizer= {what} keeps its state {_name(p)} in "
+                            f"{tu.tree_leaves(top)[0].dtype}; ZeRO keeps moments in float32 "
+                            "(drop the optimizer's state dtype option, such as mu_dtype=)")
+    for t, m, p in zip(tops, is_moment, paths, strict=True):
+        if not m and str(getattr(t, "dtype", None)) not in _REST_DTYPES:
+            raise TypeError(f"{fn}: optimizer= {what} keeps {_name(p)} as "
+                            f"{getattr(t, 'dtype', type(t).__name__)}; ZeRO keeps an optax "
+                            f"state's leaves of {sorted(_REST_DTYPES)}")
+    rest = tuple((tuple(t.shape), str(t.dtype))
+                 for t, m in zip(tops, is_moment, strict=True) if not m)
+    so = ShardOptimizer(names, tx=tx, clip_first=first, rest=rest, _treedef=treedef,
+                        _is_moment=is_moment)
+    if sharded:
+        probe(tx, layout, first, what, fn)
+    return so
+
+def _name(path: tuple) -> str:
+    parts = [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path]
+    return ".".join(parts) or "state"
+
+
+def _jit_update(tx: Any) -> Any:
+    import jax
+
+    def update(g: Any, state: Any, p: Any, factor: Any) -> tuple:
+        tu = tree_util()
+        g = tu.tree_map(lambda x: x.astype(np.float32) * factor, g)
+        updates, state = tx.update(g, state, p)
+        return tu.tree_map(lambda a, u: a + u.astype(a.dtype), p, updates), state
+
+    return jax.jit(update)
