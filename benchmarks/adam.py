@@ -1,4 +1,5 @@
-"""Adam step benchmark: ops.fused_adam_step against torch, optax and DeepSpeed.
+"""Optimizer step benchmark: ops.fused_adam_step against torch, optax and
+DeepSpeed, and ops.fused_lion against optax.
 
 Every implementation runs in this one process, one after another on freshly
 allocated buffers of the same sizes, and the table reports the median step time
@@ -19,8 +20,13 @@ Rows:
   torch phase    the same phase as torch runs it: GradScaler's
                  unscale (_amp_foreach_non_finite_check_and_unscale_),
                  clip_grad_norm_, fused AdamW, and a bf16 copy of the params.
+  lion floor     Lion's traffic (read p, g, m; write p, m: 20 bytes/param).
+  ours lion      ops.fused_lion (ops/kernels/lion.cu), fp32 grads, all tensors
+                 in one call; its "x floor" is against the lion floor.
+  optax lion     optax.lion under jax.jit with donated params and state (torch
+                 ships no Lion).
 
-Usage: python benchmarks/adam.py [--sizes 10e6 50e6 200e6] [--steps 10]
+Usage: python benchmarks/adam.py [--sizes 10e6 50e6 200e6] [--steps 10] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -65,6 +71,21 @@ def tensor_sizes(n: int, layout: str, k: int = 100, seed: int = 0) -> list[int]:
     return [int(s) for s in sizes]
 
 
+STREAM20_SRC = r"""
+#include <cstdint>
+extern "C" void stream20(float* __restrict__ p, const float* __restrict__ g,
+                         float* __restrict__ m, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) {
+    float gi = g[i], mi = m[i] + gi;
+    m[i] = mi; p[i] += mi;
+  }
+}
+"""
+BYTES = {"lion floor": 20, "ours lion": 20, "optax lion": 20}  # per param; Adam's rows: 28
+FLOOR = {"lion floor": "lion floor", "ours lion": "lion floor", "optax lion": "lion floor"}
+
+
 def _numpy_state(sizes: list[int], grad_dtype=np.float32):
     rng = np.random.default_rng(0)
     p = [rng.standard_normal(s, dtype=np.float32) for s in sizes]
@@ -82,6 +103,25 @@ def setup_floor(sizes):
     def step(_: int) -> None:
         for a, b, c, d in zip(p, g, m, v, strict=True):
             fn(a.ctypes.data, b.ctypes.data, c.ctypes.data, d.ctypes.data, a.size)
+    return step
+
+
+def setup_lion_floor(sizes):
+    fn = load_cpu_source(STREAM20_SRC, "bench-stream20").stream20
+    fn.argtypes = [ctypes_ptr] * 3 + [ctypes_i64]
+    p, g, m, _ = _numpy_state(sizes)
+
+    def step(_: int) -> None:
+        for a, b, c in zip(p, g, m, strict=True):
+            fn(a.ctypes.data, b.ctypes.data, c.ctypes.data, a.size)
+    return step
+
+
+def setup_ours_lion(sizes):
+    p, g, m, _ = _numpy_state(sizes)
+
+    def step(_: int) -> None:
+        ops.fused_lion(p, g, m, lr=LR, weight_decay=WD)
     return step
 
 
@@ -144,14 +184,14 @@ def setup_torch_phase(sizes):
     return step
 
 
-def setup_optax(sizes):
+def setup_optax(sizes, make=None):
     import jax
     import optax
 
     rng = np.random.default_rng(0)
     params = [jax.device_put(rng.standard_normal(s, dtype=np.float32)) for s in sizes]
     grads = [jax.device_put(rng.standard_normal(s, dtype=np.float32) * 1e-2) for s in sizes]
-    tx = optax.adamw(LR, weight_decay=WD)
+    tx = (make or optax.adamw)(LR, weight_decay=WD)
     box = {"p": params, "s": tx.init(params)}
 
     def update(p, g, s):
@@ -187,6 +227,9 @@ IMPLS: dict[str, Callable] = {
     "deepspeed": setup_deepspeed,
     "ours phase": setup_ours_phase,
     "torch phase": setup_torch_phase,
+    "lion floor": setup_lion_floor,
+    "ours lion": setup_ours_lion,
+    "optax lion": lambda sizes: setup_optax(sizes, __import__("optax").lion),
 }
 
 
@@ -220,12 +263,13 @@ def table(results: dict[tuple[int, str], dict[str, float]]) -> str:
     lines = ["| params | layout | implementation | median ms | x torch fused | x floor | GB/s |",
              "|---|---|---|---|---|---|---|"]
     for (n, layout), med in results.items():
-        ref, floor = med.get("torch fused"), med.get("floor")
         for name, t in med.items():
+            ref = None if name in FLOOR else med.get("torch fused")
+            floor = med.get(FLOOR.get(name, "floor"))
             vs_torch = f"{t / ref:.2f}" if ref else "-"
             vs_floor = f"{t / floor:.2f}" if floor else "-"
             lines.append(f"| {n / 1e6:.0f}M | {layout} | {name} | {t * 1e3:.1f} | {vs_torch} | "
-                         f"{vs_floor} | {28 * n / t / 1e9:.1f} |")
+                         f"{vs_floor} | {BYTES.get(name, 28) * n / t / 1e9:.1f} |")
         if "ours phase" in med and "torch phase" in med:
             lines.append(f"| {n / 1e6:.0f}M | {layout} | **phase speed-up (torch/ours)** | | | | "
                          f"**{med['torch phase'] / med['ours phase']:.2f}x** |")
@@ -240,6 +284,9 @@ def main() -> None:
     ap.add_argument("--impls", nargs="+", default=list(IMPLS), choices=list(IMPLS))
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every implementation this many times in turn; report the "
+                         "median of the rounds' medians")
     ap.add_argument("--json", type=Path, default=None, help="also write the medians here")
     args = ap.parse_args()
     import torch
@@ -249,7 +296,10 @@ def main() -> None:
     results = {}
     for n in (int(s) for s in args.sizes):
         for layout in args.layouts:
-            results[(n, layout)] = run(n, layout, args.impls, args.steps, args.warmup)
+            rounds = [run(n, layout, args.impls, args.steps, args.warmup)
+                      for _ in range(args.rounds)]  # interleaved: drift hits every row
+            results[(n, layout)] = {k: statistics.median(r[k] for r in rounds)
+                                    for k in rounds[0]}
     print()
     print(table(results))
     if args.json:

@@ -1,7 +1,7 @@
 """ops: kernels, communicators and functional collectives for zeroshard.
 
 Arrays and the metal: single-source CUDA/CPU kernels (fused Adam/AdamW, sums of
-squares, casts) and the optimizers built on them; communicators (threads, gloo,
+squares, casts, fused Lion) and the optimizers built on them; communicators (threads, gloo,
 NCCL) and the functional collectives over them. numpy arrays run the CPU
 build of each kernel, device arrays (cupy, or the strict stand-in of
 :mod:`ops.testing`) its CUDA build: see [Note: devices] in ``ops/device/_device.py``.
@@ -9,8 +9,9 @@ build of each kernel, device arrays (cupy, or the strict stand-in of
 
 from ops._adam import fused_adam_multi, fused_adam_step
 from ops._cast import cast
+from ops._lion import fused_lion
 from ops._norm import global_norm, sum_of_squares
-from ops._optim import AdamState, FusedAdam, adam, adamw
+from ops._optim import AdamState, FusedAdam, FusedOptimizer, LionState, adam, adamw, lion
 from ops.comm._base import (
     CollectiveError,
     CollectiveTimeout,
@@ -36,7 +37,9 @@ __all__ = [
     "Communicator",
     "Device",
     "FusedAdam",
+    "FusedOptimizer",
     "KernelBuildError",
+    "LionState",
     "PeerFailed",
     "ThreadCommunicator",
     "ThreadGroup",
@@ -51,8 +54,10 @@ __all__ = [
     "device_of",
     "fused_adam_multi",
     "fused_adam_step",
+    "fused_lion",
     "global_norm",
     "init_from_env",
+    "lion",
     "reduce_scatter",
     "spawn",
     "sum_of_squares",

@@ -1,10 +1,11 @@
-"""Adam and AdamW shaped like optax's ``GradientTransformation``.
+"""Adam, AdamW and Lion shaped like optax's ``GradientTransformation``.
 
 ``init(params) -> state`` and ``update(grads, state, params) -> (updates, state)``
-are pure, as in optax, so an ``FusedAdam`` can stand where an optax optimizer
-does. ``apply(grads, state, params) -> (params, state)`` is the fast path the
-ZeRO transforms use: it donates params and moments and updates them in place,
-one fused kernel launch per leaf (per flat unit buffer, in ``shard``).
+are pure, as in optax, so a ``FusedOptimizer`` can stand where an optax
+optimizer does. ``apply(grads, state, params) -> (params, state)`` is the fast
+path the ZeRO transforms use: it donates params and moments and updates them in
+place, one fused kernel call over every leaf (every flat unit buffer, in
+``shard``).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ops._adam import fused_adam_multi, fused_adam_step
+from ops._lion import fused_lion
 from ops._tree import tree_util
 from ops.device._arrays import xp_of
 
-__all__ = ["AdamState", "FusedAdam", "adam", "adamw"]
+__all__ = ["AdamState", "FusedAdam", "FusedOptimizer", "LionState", "adam", "adamw", "lion"]
 
 Schedule = Callable[[int], float]
 
@@ -32,16 +34,31 @@ class AdamState(NamedTuple):
     nu: Any
 
 
-class FusedAdam(NamedTuple):
+class LionState(NamedTuple):
+    """Lion's state: ``count`` updates applied so far and its moment ``mu``."""
+
+    count: np.ndarray  # int64 scalar
+    mu: Any
+
+
+class FusedOptimizer(NamedTuple):
     """An optax-shaped optimizer with a donating fused ``apply``.
 
-    ``learning_rate(count)`` is the rate the update after ``count`` updates uses.
+    ``learning_rate(count)`` is the rate the update after ``count`` updates
+    uses; ``moments`` names the param-shaped parts of its state (the ZeRO
+    transforms keep each in flat unit buffers laid out like the masters), and
+    ``state(count, *moments)`` builds its state from them.
     """
 
-    init: Callable[[Any], AdamState]
-    update: Callable[..., tuple[Any, AdamState]]
-    apply: Callable[..., tuple[Any, AdamState]]
+    init: Callable[[Any], Any]
+    update: Callable[..., tuple[Any, Any]]
+    apply: Callable[..., tuple[Any, Any]]
     learning_rate: Callable[[int], float]
+    moments: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
+    state: Callable[..., Any] = AdamState
+
+
+FusedAdam = FusedOptimizer  # what ops.adam and ops.adamw return, by its first name
 
 
 def _number(fn: str, name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False,
@@ -62,25 +79,37 @@ def _number(fn: str, name: str, value: Any, lo: float, hi: float, *, lo_open: bo
     return x
 
 
-def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
-          weight_decay: float, decoupled: bool) -> FusedAdam:
-    fn = "adamw" if decoupled else "adam"
+def _rate(fn: str, learning_rate: float | Schedule) -> Callable[[int], float]:
+    """``count -> lr`` for a float or a schedule, the float checked here."""
     if not callable(learning_rate):
         learning_rate = _number(fn, "learning_rate", learning_rate, 0.0, math.inf,
                                 hi_open=True)
+
+    def lr_at(count: int) -> float:
+        return float(learning_rate(count) if callable(learning_rate) else learning_rate)
+
+    return lr_at
+
+
+def _zeros(params: Any) -> Any:
+    """A float32 (float64 for float64 params) zero moment shaped like ``params``."""
+    return tree_util().tree_map(lambda p: xp_of(p).zeros(
+        p.shape, dtype=np.float64 if p.dtype == np.float64 else np.float32), params)
+
+
+def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
+          weight_decay: float, decoupled: bool) -> FusedOptimizer:
+    fn = "adamw" if decoupled else "adam"
+    lr_at = _rate(fn, learning_rate)
     b1 = _number(fn, "b1", b1, 0.0, 1.0, hi_open=True)
     b2 = _number(fn, "b2", b2, 0.0, 1.0, hi_open=True)
     eps = _number(fn, "eps", eps, 0.0, math.inf, hi_open=True)
     weight_decay = _number(fn, "weight_decay", weight_decay, 0.0, math.inf, hi_open=True)
 
-    def lr_at(count: int) -> float:
-        return float(learning_rate(count) if callable(learning_rate) else learning_rate)
-
     def init(params: Any) -> AdamState:
-        tu = tree_util()
-        zeros = tu.tree_map(lambda p: xp_of(p).zeros(
-            p.shape, dtype=np.float64 if p.dtype == np.float64 else np.float32), params)
-        return AdamState(np.zeros((), np.int64), zeros, tu.tree_map(lambda z: z.copy(), zeros))
+        zeros = _zeros(params)
+        return AdamState(np.zeros((), np.int64), zeros,
+                         tree_util().tree_map(lambda z: z.copy(), zeros))
 
     def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
             grad_sumsq: Any, max_norm: Any, copies: Any,
@@ -135,11 +164,11 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
         return run(grads, state, params, True, grad_scale, grad_sumsq, max_norm, param_copies,
                    finite, read_from)
 
-    return FusedAdam(init, update, apply, lr_at)
+    return FusedOptimizer(init, update, apply, lr_at)
 
 
 def adamw(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999,
-          eps: float = 1e-8, weight_decay: float = 1e-2) -> FusedAdam:
+          eps: float = 1e-8, weight_decay: float = 1e-2) -> FusedOptimizer:
     """AdamW (decoupled weight decay), as ``torch.optim.AdamW`` / ``optax.adamw``.
 
     Args:
@@ -162,8 +191,78 @@ def adamw(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999,
 
 
 def adam(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999,
-         eps: float = 1e-8, weight_decay: float = 0.0) -> FusedAdam:
+         eps: float = 1e-8, weight_decay: float = 0.0) -> FusedOptimizer:
     """Adam with torch.optim.Adam's L2 weight decay (added to the gradient)."""
     return _make(learning_rate, b1, b2, eps, weight_decay, decoupled=False)
 
 
+
+
+def lion(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.99,
+         weight_decay: float = 1e-3) -> FusedOptimizer:
+    """Lion (Chen et al., 2023), as ``optax.lion``: the sign of an interpolated
+    momentum, with decoupled weight decay, in one fused pass per call
+    (:func:`ops.fused_lion`): one moment, 20 bytes per fp32 param against
+    Adam's 28.
+
+    Args:
+      learning_rate: a float >= 0 or a schedule ``count -> lr``; Lion wants a
+        rate 3-10x smaller than AdamW's.
+      b1: the interpolation of the update's sign, b2: the moment's decay, both
+        in [0, 1]; weight_decay >= 0 (multiplied by the rate, as optax's).
+
+    Example:
+      >>> import numpy as np, ops
+      >>> opt = ops.lion(0.1, weight_decay=0.0)
+      >>> params = {"w": np.ones(2, np.float32)}
+      >>> state = opt.init(params)
+      >>> params, state = opt.apply({"w": np.array([2.0, -3.0], np.float32)}, state, params)
+      >>> [round(float(x), 4) for x in params["w"]], int(state.count)
+      ([0.9, 1.1], 1)
+    """
+    fn = "lion"
+    lr_at = _rate(fn, learning_rate)
+    b1 = _number(fn, "b1", b1, 0.0, 1.0)
+    b2 = _number(fn, "b2", b2, 0.0, 1.0)
+    weight_decay = _number(fn, "weight_decay", weight_decay, 0.0, math.inf, hi_open=True)
+
+    def init(params: Any) -> LionState:
+        return LionState(np.zeros((), np.int64), _zeros(params))
+
+    def run(grads: Any, state: LionState, params: Any, donate: bool, grad_scale: Any,
+            grad_sumsq: Any, max_norm: Any, copies: Any, finite: bool | None = None,
+            read_from: Any = None) -> tuple[Any, LionState]:
+        if read_from is not None:
+            raise NotImplementedError("lion: read_from (the host tier's out-of-place "
+                                      "update) is Adam's only")
+        count = int(state.count)
+        if grad_sumsq is not None and finite is None:  # a host read of the device value
+            finite = math.isfinite(float(grad_sumsq[0]))
+        if finite is False:
+            return params, state
+        leaves, treedef = tree_util().tree_flatten(params)
+        g, m = treedef.flatten_up_to(grads), treedef.flatten_up_to(state.mu)
+        if not donate:
+            leaves, m = [x.copy() for x in leaves], [x.copy() for x in m]
+        fused_lion(leaves, g, m, lr=lr_at(count), betas=(b1, b2), weight_decay=weight_decay,
+                   grad_scale=grad_scale, grad_sumsq=grad_sumsq, max_norm=max_norm,
+                   param_copies=treedef.flatten_up_to(copies) if copies is not None else None)
+        return treedef.unflatten(leaves), LionState(np.asarray(count + 1, np.int64),
+                                                    treedef.unflatten(m))
+
+    def update(grads: Any, state: LionState, params: Any = None) -> tuple[Any, LionState]:
+        if params is None:
+            raise ValueError("lion's update needs params (for weight decay and the fused "
+                             "update): update(grads, state, params)")
+        new_params, new_state = run(grads, state, params, False, None, None, None, None)
+        return tree_util().tree_map(lambda new, old: new - old, new_params, params), new_state
+
+    def apply(grads: Any, state: LionState, params: Any, *, grad_scale: float | None = None,
+              grad_sumsq: Any = None, max_norm: float | None = None,
+              param_copies: Any = None, finite: bool | None = None,
+              read_from: Any = None) -> tuple[Any, LionState]:
+        """Update params and the moment in place (donated), as Adam's ``apply``."""
+        return run(grads, state, params, True, grad_scale, grad_sumsq, max_norm, param_copies,
+                   finite, read_from)
+
+    return FusedOptimizer(init, update, apply, lr_at, ("exp_avg",), LionState)

@@ -23,7 +23,8 @@ silently ignored.
   ``train_micro_batch_size_per_gpu`` and ``train_batch_size``, checked against
   each other and the world size;
 - ``optimizer``: ``Adam`` (``adam_w_mode``, default true, as DeepSpeed's) and
-  ``AdamW``: ``ops.adamw`` or ``ops.adam``;
+  ``AdamW``: ``ops.adamw`` or ``ops.adam``; ``Lion`` (``lr``, ``betas``,
+  ``weight_decay``): ``ops.lion``;
 - ``scheduler``: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR`` and
   ``OneCycle`` (with ``cycle_momentum: false``: Adam's ``b1`` is fixed here):
   the same schedule, as the optimizer's ``count -> lr``;
@@ -50,7 +51,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ops import FusedAdam, adam, adamw
+from ops import FusedOptimizer, adam, adamw, lion
 from shard._deepspeed_lr import schedule
 from shard.core._policy import LossScale, Precision
 from shard.monitor._loggers import CSVLogger, TensorBoardLogger
@@ -95,7 +96,7 @@ class DeepSpeedConfig:
     """A DeepSpeed config's meaning here; ``transform`` builds the ZeRO step."""
 
     stage: int
-    optimizer: FusedAdam
+    optimizer: FusedOptimizer
     precision: Precision | None
     loss_scale: LossScale | None
     clip_norm: float | None
@@ -276,22 +277,26 @@ def _precision(cfg: dict, bad: list[str]) -> tuple[Precision | None, LossScale |
     return Precision(param_dtype=param, reduce_dtype=reduce), loss_scale
 
 
-def _optimizer(cfg: dict, bad: list[str]) -> FusedAdam:
+def _optimizer(cfg: dict, bad: list[str]) -> FusedOptimizer:
     opt_cfg = dict(cfg.pop("optimizer", {}) or {})
     kind = opt_cfg.pop("type", "AdamW")
     params = dict(opt_cfg.pop("params", {}) or {})
     bad += [f"optimizer.{k}" for k in opt_cfg]
-    lr = params.pop("lr", 1e-3)
-    b1, b2 = params.pop("betas", (0.9, 0.999))
-    eps = params.pop("eps", 1e-8)
+    is_lion = str(kind).lower() == "lion"
+    lr = params.pop("lr", 1e-4 if is_lion else 1e-3)
+    b1, b2 = params.pop("betas", (0.9, 0.99) if is_lion else (0.9, 0.999))
     wd = params.pop("weight_decay", 0.0)
-    decoupled = params.pop("adam_w_mode", True)
-    params.pop("torch_adam", None)  # which implementation: the fused kernel either way
+    if not is_lion:
+        eps = params.pop("eps", 1e-8)
+        decoupled = params.pop("adam_w_mode", True)
+        params.pop("torch_adam", None)  # which implementation: the fused kernel either way
     bad += [f"optimizer.params.{k}" for k in params]
-    if str(kind).lower() not in ("adam", "adamw"):
-        bad.append(f"optimizer.type={kind!r} (Adam and AdamW are supported)")
+    if str(kind).lower() not in ("adam", "adamw", "lion"):
+        bad.append(f"optimizer.type={kind!r} (Adam, AdamW and Lion are supported)")
     sched = dict(cfg.pop("scheduler", {}) or {})
     rate = schedule(sched, lr, bad) if sched else lr
+    if is_lion:
+        return lion(rate, b1, b2, wd)
     make = adamw if (str(kind).lower() == "adamw" or decoupled) else adam
     return make(rate, b1, b2, eps, wd)
 

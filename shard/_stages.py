@@ -39,8 +39,9 @@ Args:
   loss_fn: a JAX function ``(params, batch) -> scalar loss``, a
     :class:`shard.Layered` chain of per-unit layers, or an object with
     ``value_and_grad(params, batch) -> (loss, grads)`` (e.g. the torch adapter).
-  optimizer: ``ops.adamw(...)`` or ``ops.adam(...)`` (fused kernels, host or
-    device state), or any optax ``GradientTransformation`` on host state
+  optimizer: ``ops.adamw(...)``, ``ops.adam(...)`` or ``ops.lion(...)`` (fused
+    kernels, host or device state), or any optax ``GradientTransformation`` on
+    host state
     (``optax.sgd(1e-2, momentum=0.9)``, ``optax.lion(1e-4)``,
     ``optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))``): its
     state is sharded like the masters, and one that does not act element by

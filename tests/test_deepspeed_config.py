@@ -63,6 +63,15 @@ def test_optimizer_types_and_params(kind, mode, want):
                                   one_step(want(0.1, 0.8, 0.99, 1e-6, 0.2)))
 
 
+def test_lion_type_maps_to_ops_lion():
+    c = cfg(optimizer={"type": "Lion", "params": {"lr": 0.1, "betas": [0.8, 0.9],
+                                                  "weight_decay": 0.2}})
+    assert c.optimizer.moments == ("exp_avg",)
+    np.testing.assert_array_equal(one_step(c.optimizer), one_step(ops.lion(0.1, 0.8, 0.9, 0.2)))
+    with pytest.raises(ValueError, match=r"optimizer\.params\.eps"):
+        cfg(optimizer={"type": "Lion", "params": {"lr": 0.1, "eps": 1e-8}})
+
+
 def ds_warmup(it, lo, hi, warmup, linear):
     if it < 0:
         return lo

@@ -142,7 +142,7 @@ def test_bad_input_names_the_path_and_the_fix():
                         specs=[shard.Shard(0), {"missing": shard.Shard(0)}]).init(params)
         with pytest.raises(ValueError, match=r"batch\['x'\] has leading dimension 5"):
             shard.split_batch({"x": np.ones((5, 2))}, rank=0, world_size=2)
-        with pytest.raises(TypeError, match=r"optimizer must be an ops\.adamw"):
+        with pytest.raises(TypeError, match=r"optimizer must be ops\.adamw"):
             shard.zero1(M.loss, optimizer=object(), comm=comm)
         with pytest.raises(ValueError, match="Layered has 1 layers but the params form 2 units"):
             shard.zero3(shard.Layered([M.layer0]), optimizer=opt, comm=comm).init(params)

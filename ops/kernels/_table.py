@@ -15,8 +15,8 @@ import numpy as np
 
 from ops.kernels._dtypes import BF16
 
-__all__ = ["ADAM_MULTI_PARAMS", "TABLE", "Kernel", "adam_kernel", "cast_kernel", "runs_kernel",
-           "sumsq_kernels"]
+__all__ = ["ADAM_MULTI_PARAMS", "TABLE", "Kernel", "adam_kernel", "cast_kernel", "lion_kernel",
+           "runs_kernel", "sumsq_kernels"]
 
 # Parameter kinds: "ptr" (an array, or None for a null pointer), "f4", "f8", "i8".
 _ADAM_PARAMS = (
@@ -90,6 +90,11 @@ def _entries() -> dict[str, Kernel]:
             table[name] = Kernel(name, "adam", _ADAM_PARAMS, host=name + "_host",
                                  multi_host=name + "_multi_host", multi=multi)
             table[multi] = Kernel(multi, "adam", _ADAM_TABLE_PARAMS)
+            # Lion (lion.cu) takes Adam's parameters (see ops/kernels/optim.cuh)
+            name, multi = f"zs_lion_{g}_{c}", f"zs_lion_multi_{g}_{c}"
+            table[name] = Kernel(name, "lion", _ADAM_PARAMS, host=name + "_host",
+                                 multi_host=name + "_multi_host", multi=multi)
+            table[multi] = Kernel(multi, "lion", _ADAM_TABLE_PARAMS)
     for x, y in (("f32", "bf16"), ("f32", "f16"), ("bf16", "f32"), ("f16", "f32")):
         name = f"zs_cast_{x}_{y}"
         table[name] = Kernel(name, "cast", _CAST_PARAMS, host=name + "_host")
@@ -111,6 +116,10 @@ TABLE: dict[str, Kernel] = _entries()
 
 def adam_kernel(grad_code: str, copy_code: str) -> Kernel:
     return TABLE[f"zs_adam_{grad_code}_{copy_code}"]
+
+
+def lion_kernel(grad_code: str, copy_code: str) -> Kernel:
+    return TABLE[f"zs_lion_{grad_code}_{copy_code}"]
 
 
 def cast_kernel(src_code: str, dst_code: str) -> Kernel:

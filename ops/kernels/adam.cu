@@ -6,32 +6,13 @@
 //   omb1 = 1 - beta1, omb2 = 1 - beta2, step_size = lr / (1 - beta1^t),
 //   bc2_sqrt = sqrt(1 - beta2^t), decay = 1 - lr * wd (AdamW) or 1 (Adam),
 //   l2 = wd (Adam's L2 form) or 0 (AdamW).
-// sumsq (nullable) points at the global sum of squares of the grads as given:
-// non-finite means an inf/nan somewhere, and the whole update is skipped; with
-// max_norm > 0 the grads are also scaled so their norm after grad_scale is at
-// most max_norm (torch's clip_grad_norm_: coef = max_norm / (norm + 1e-6)).
-// Reading it on the device keeps a GPU step free of host synchronisation.
-#include "common.cuh"
+// sumsq, grad_scale and max_norm: unscale, clip and skip (see optim.cuh).
+#include "optim.cuh"
 
 struct AdamScalars {
   float beta1, beta2, omb1, omb2, step_size, bc2_sqrt, eps, decay, l2, gmul;
   bool lerp_low;  // torch.lerp's formula switches at weight 0.5
 };
-
-__device__ __forceinline__ bool adam_prologue(const double* sumsq, float grad_scale,
-                                              float max_norm, float* gmul) {
-  float mul = grad_scale;
-  if (sumsq != 0) {
-    double s = *sumsq;
-    if (!zs_isfinite(s)) return false;
-    if (max_norm > 0.0f) {
-      double coef = (double)max_norm / (sqrt(s) * (double)grad_scale + 1e-6);
-      if (coef < 1.0) mul = (float)((double)grad_scale * coef);
-    }
-  }
-  *gmul = mul;
-  return true;
-}
 
 template <typename G, typename H>
 __device__ __forceinline__ void adam_elem(float* __restrict__ p, const G* __restrict__ g,
@@ -144,31 +125,10 @@ __device__ __forceinline__ void adam_table(const zs_i64* __restrict__ ptrs,
   }
 }
 
-#define ZS_ADAM_PARAMS(G, H)                                                     \
-  float *__restrict__ p, const G *__restrict__ g, float *__restrict__ m,         \
-      float *__restrict__ v, H *__restrict__ copy, zs_i64 n,                    \
-      const double *__restrict__ sumsq, float beta1, float beta2, float omb1,    \
-      float omb2, float step_size, float bc2_sqrt, float eps, float decay,       \
-      float l2, float grad_scale, float max_norm
-
-// The multi-tensor host driver's parameters: n counts tensors here.
-#define ZS_ADAM_MULTI_PARAMS                                                     \
-  const zs_i64 *__restrict__ ptrs, const zs_i64 *__restrict__ sizes, zs_i64 n,   \
-      const double *__restrict__ sumsq, float beta1, float beta2, float omb1,    \
-      float omb2, float step_size, float bc2_sqrt, float eps, float decay,       \
-      float l2, float grad_scale, float max_norm
-
-// The multi-tensor kernel's parameters: n counts tensors, starts has n + 1.
-#define ZS_ADAM_TABLE_PARAMS                                                     \
-  const zs_i64 *__restrict__ ptrs, const zs_i64 *__restrict__ starts, zs_i64 n, \
-      const double *__restrict__ sumsq, float beta1, float beta2, float omb1,    \
-      float omb2, float step_size, float bc2_sqrt, float eps, float decay,       \
-      float l2, float grad_scale, float max_norm
-
 #define ZS_ADAM_PROLOGUE                                                         \
   AdamScalars a = {beta1, beta2, omb1, omb2, step_size, bc2_sqrt, eps,           \
                    decay, l2, 1.0f, omb1 < 0.5f};                                \
-  if (!adam_prologue(sumsq, grad_scale, max_norm, &a.gmul)) return;
+  if (!zs_grad_prologue(sumsq, grad_scale, max_norm, &a.gmul)) return;
 
 #define ZS_ADAM_ENTRY(SUFFIX, G, H)                                              \
   extern "C" __global__ void __launch_bounds__(256)                             \

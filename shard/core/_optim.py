@@ -1,5 +1,5 @@
-"""The step's optimizer on this rank's shards: ``ops.adamw`` / ``ops.adam``
-(fused kernels) or any optax ``GradientTransformation``.
+"""The step's optimizer on this rank's shards: ``ops.adamw``, ``ops.adam`` or
+``ops.lion`` (fused kernels) or any optax ``GradientTransformation``.
 
 [Note: optax on shards]
 An optax transformation sees pytrees shaped like the params, and ZeRO gives a
@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from ops import AdamState, FusedAdam
+from ops import FusedOptimizer
 from ops._tree import tree_util
 from shard.core._probe import clip_first, describe, probe, refuse_known
 
@@ -55,8 +55,9 @@ _REST_DTYPES = ("float32", "float64", "int32", "int64", "uint32", "bool")
 
 
 def is_transformation(x: Any) -> bool:
-    """An optax ``GradientTransformation`` (or anything shaped like one)."""
-    return (not isinstance(x, FusedAdam) and callable(getattr(x, "init", None))
+    """An optax ``GradientTransformation`` (or anything shaped like one), not
+    one of the fused optimizers."""
+    return (not isinstance(x, FusedOptimizer) and callable(getattr(x, "init", None))
             and callable(getattr(x, "update", None)))
 
 
@@ -66,16 +67,17 @@ class ShardOptimizer:
 
     Attributes:
       moments: the names of the per-element moments (unit buffers laid out
-        like the masters): ``exp_avg``/``exp_avg_sq`` for the fused Adam, the
-        optax state's paths (``0.mu``) otherwise.
-      fused: the fused Adam, or None for an optax transformation.
+        like the masters): ``exp_avg``/``exp_avg_sq`` for the fused Adam,
+        ``exp_avg`` for Lion, the optax state's paths (``0.mu``) otherwise.
+      fused: the fused optimizer (``ops.adamw``, ``ops.lion``...), or None for
+        an optax transformation.
       tx: the optax transformation.
       clip_first: the max norm of a ``clip_by_global_norm`` heading ``tx``.
       rest: the shape and dtype of each of the optax state's other leaves.
     """
 
     moments: tuple[str, ...]
-    fused: FusedAdam | None = None
+    fused: FusedOptimizer | None = None
     tx: Any = None
     clip_first: float | None = None
     rest: tuple[tuple[tuple[int, ...], str], ...] = ()  # the other leaves' shapes, dtypes
@@ -106,7 +108,7 @@ class ShardOptimizer:
         """The optimizer's state as pytrees of views: ``AdamState`` or optax's."""
         views = [layout.treedef.unflatten(layout.local_views(m)) for m in moments]
         if self.fused is not None:
-            return AdamState(step, *views)
+            return self.fused.state(step, *views)
         it, rest_it = iter(views), iter(rest)
         return self._treedef.unflatten([next(it) if m else next(rest_it)
                                         for m in self._is_moment])
@@ -159,8 +161,12 @@ def on_shards(optimizer: Any, layout: Any, *, stage: int, master_dtype: Any,
     """The :class:`ShardOptimizer` for ``optimizer`` on ``layout``, or a
     TypeError / ValueError naming what cannot run on these shards (before
     any state exists; see [Note: optax on shards])."""
-    if isinstance(optimizer, FusedAdam):
-        return ShardOptimizer(ADAM_MOMENTS, fused=optimizer)
+    if isinstance(optimizer, FusedOptimizer):
+        if offload and optimizer.moments != ADAM_MOMENTS:
+            raise TypeError(f"{fn}: offload= keeps Adam's moments in its tiers; this fused "
+                            f"optimizer keeps {list(optimizer.moments)}: drop offload=, or "
+                            "use ops.adamw(...)")
+        return ShardOptimizer(optimizer.moments, fused=optimizer)
     what = describe(optimizer)
     if not device_host:
         raise TypeError(f"{fn}: optimizer= {what} runs on host (numpy) state; this state lives "
@@ -186,8 +192,8 @@ def on_shards(optimizer: Any, layout: Any, *, stage: int, master_dtype: Any,
 
 def moment_names(optimizer: Any, layout: Any) -> tuple[str, ...]:
     """The moments ``optimizer`` keeps for ``layout``'s params (no probe)."""
-    if isinstance(optimizer, FusedAdam):
-        return ADAM_MOMENTS
+    if isinstance(optimizer, FusedOptimizer):
+        return optimizer.moments
     if not is_transformation(optimizer):
         raise TypeError("optimizer must be an ops.adamw(...) or ops.adam(...), or an optax "
                         f"GradientTransformation; got {type(optimizer).__name__}")

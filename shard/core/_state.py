@@ -104,10 +104,11 @@ class TrainState:
     @property
     def opt(self) -> Any:
         """The optimizer's state with its moments as pytrees shaped like the
-        params (views): an ``AdamState``, or the optax transformation's state."""
+        params (views): an ``AdamState`` (``LionState``...), or the optax
+        transformation's state."""
         self.check_live()
         plan = self.meta.plan
-        if plan is not None and plan.optimizer.fused is None:
+        if plan is not None:
             return plan.optimizer.tree(self.meta.layout, self.step, self.moments,
                                        self.opt_rest)
         layout = self.meta.layout

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 import ops._tree
-from ops import Communicator, Device, FusedAdam
+from ops import Communicator, Device, FusedOptimizer
 from ops.comm._collectives import all_gather_host
 from shard.core._layout import Layout
 from shard.core._state import TrainState
@@ -114,7 +114,7 @@ def _rows(batch: Any) -> int | None:
 def learning_rate(config: Any, count: int) -> float | None:
     """The rate of the update after ``count`` updates: a finite number >= 0, or a
     ValueError before the step changes anything (see [Note: failed steps])."""
-    if not isinstance(config.optimizer, FusedAdam):
+    if not isinstance(config.optimizer, FusedOptimizer):
         return None  # an optax transformation keeps its rate inside
     lr = config.optimizer.learning_rate(count)
     try:

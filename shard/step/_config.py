@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ops import Communicator, FusedAdam
+from ops import Communicator, FusedOptimizer
 from shard.core._loss import JaxLoss, classify
 from shard.core._optim import is_transformation
 from shard.core._policy import LossScale, Precision
@@ -26,7 +26,7 @@ class StepConfig:
     stage: int
     loss_fn: Any  # a JAX loss wrapped in JaxLoss; Layered and loss objects as given
     kind: str  # "jax", "layered" or "provider" (see classify)
-    optimizer: Any  # FusedAdam, or an optax GradientTransformation
+    optimizer: Any  # a FusedOptimizer, or an optax GradientTransformation
     comm: Communicator
     specs: Any
     units: Any
@@ -52,9 +52,10 @@ class StepConfig:
         name = f"zero{stage}"
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3; got {stage!r}")
-        if not (isinstance(optimizer, FusedAdam) or is_transformation(optimizer)):
-            raise TypeError(f"{name}: optimizer must be an ops.adamw(...) or ops.adam(...), or an "
-                            f"optax GradientTransformation; got {type(optimizer).__name__}")
+        if not (isinstance(optimizer, FusedOptimizer) or is_transformation(optimizer)):
+            raise TypeError(f"{name}: optimizer must be ops.adamw(...), ops.adam(...) or "
+                            "ops.lion(...), or an optax GradientTransformation; got "
+                            f"{type(optimizer).__name__}")
         if not isinstance(comm, Communicator):
             raise TypeError(f"{name}: comm must be an ops.Communicator (from ops.spawn or "
                             f"ops.init_from_env); got {type(comm).__name__}")

@@ -27,7 +27,6 @@ from typing import Any
 import numpy as np
 
 import ops
-from ops import AdamState
 from ops.device._runs import copy_runs
 from shard.core._state import TrainState
 from shard.monitor._profile import timed
@@ -112,7 +111,7 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
                 ops.cast(m, dst.dtype, out=dst)
         refresh(plan, state, copies)
         return state
-    opt = AdamState(state.step, *state.moments)
+    opt = plan.optimizer.fused.state(state.step, *state.moments)
     with timed("optimizer"):
         c.optimizer.apply(tuple(shards), opt, state.master, grad_scale=grad_scale,
                           grad_sumsq=grad_sumsq, max_norm=c.clip_norm, param_copies=copies,
