@@ -43,10 +43,10 @@ Args:
     kernels, host or device state), or any optax ``GradientTransformation`` on
     host state
     (``optax.sgd(1e-2, momentum=0.9)``, ``optax.lion(1e-4)``,
-    ``optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))``): its
-    state is sharded like the masters, and one that does not act element by
-    element (LAMB's trust ratio, Adafactor) is refused at ``init`` from stage
-    1 on several ranks (see [Note: optax on shards]).
+    ``optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))``,
+    ``optax.lamb``): its state is sharded like the masters, and one that
+    reduces over whole leaves in a way the step cannot compute on shards is
+    refused at ``init``, by name (see [Note: optax on shards]).
   comm: this rank's communicator (``ops.spawn`` or ``ops.init_from_env``).
   specs: a spec per leaf, a prefix of the params tree, or one spec
     (default ``Shard(0)`` everywhere; scalars are replicated).

@@ -2,8 +2,9 @@
 
 Every rank's master shard and optimizer-state shard equals the slice of
 single-process optax's over five steps, at stages 1-3 on 1-3 thread ranks with
-leaves whose rows do not divide; what cannot act on shards is refused by name
-before any state exists; the state checkpoints and reshards like Adam's.
+leaves whose rows do not divide (LAMB's and Adafactor's per-leaf norms summed
+over the ranks); what cannot act on shards is refused by name before any
+state exists; the state checkpoints and reshards like Adam's.
 """
 
 from __future__ import annotations
@@ -53,6 +54,10 @@ ELEMENTWISE = {
     "rmsprop-masked-decay": lambda: optax.chain(
         optax.add_decayed_weights(1e-2, mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)),
         optax.rmsprop(1e-2, momentum=0.5)),
+    # per-leaf norms and RMS over every rank's rows (see shard/core/_parts.py)
+    "lamb": lambda: optax.lamb(1e-2, weight_decay=1e-2),
+    "clip-lamb": lambda: optax.chain(optax.clip_by_global_norm(0.05), optax.lamb(1e-2)),
+    "adafactor": lambda: optax.adafactor(1e-2),  # no leaf big enough to factor
 }
 
 
@@ -89,7 +94,8 @@ def train(comm, tx, stage, data, **kw):
 
 CASES = [(name, stage, world) for name in sorted(ELEMENTWISE)
          for stage, world in ((1, 3), (2, 2), (3, 3))]
-CASES += [("lion", 3, 1), ("clip-adamw", 1, 1), ("sgd-momentum", 3, 2), ("clip-adamw", 2, 3)]
+CASES += [("lion", 3, 1), ("clip-adamw", 1, 1), ("sgd-momentum", 3, 2), ("clip-adamw", 2, 3),
+          ("lamb", 3, 1), ("lamb", 3, 2), ("adafactor", 1, 1)]
 
 
 @pytest.mark.parametrize("name,stage,world", CASES)
@@ -128,10 +134,15 @@ def test_moments_are_named_and_counted_like_adams():
     assert est["optimizer"] == 4 * local and est["params"] == 4 * local  # Lion: one moment
 
 
+def _factored():
+    return optax.adafactor(1e-2, min_dim_size_to_factor=4)  # w1 and w2 keep row/col stats
+
+
 @pytest.mark.parametrize("make,world,stage", [
-    (lambda: optax.lamb(1e-2), 1, 3), (lambda: optax.lamb(1e-2), 2, 0),
-    (lambda: optax.adafactor(1e-2), 1, 2), (lambda: optax.adafactor(1e-2), 3, 0),
-], ids=["lamb-one-rank", "lamb-stage0", "adafactor-one-rank", "adafactor-stage0"])
+    (lambda: optax.lars(1e-2), 1, 3), (lambda: optax.lars(1e-2), 2, 0),
+    (_factored, 1, 2), (_factored, 3, 0),
+], ids=["lars-one-rank", "lars-stage0", "factored-adafactor-one-rank",
+        "factored-adafactor-stage0"])
 def test_whole_leaf_reductions_run_where_every_leaf_is_whole(make, world, stage):
     data = batches()
     want_p, _ = reference(make(), init_params(), data)
@@ -153,19 +164,21 @@ def _leaf_normalize():
 
 
 @pytest.mark.parametrize("make,named", [
-    (lambda: optax.lamb(1e-3), "scale_by_trust_ratio needs each whole leaf's norm"),
-    (lambda: optax.adafactor(1e-3), "scale_by_factored_rms"),
+    (lambda: optax.lars(1e-3), "scale_by_trust_ratio needs each whole leaf's norm"),
+    (_factored, "scale_by_factored_rms needs each whole leaf's row and column means"),
     (lambda: optax.chain(optax.adam(1e-3), optax.clip_by_global_norm(1.0)),
      "clip_by_global_norm needs the whole tree's norm"),
     (lambda: optax.chain(optax.add_noise(0.1, 0.5, 0), optax.sgd(1e-3)), "add_noise"),
     (lambda: optax.chain(_leaf_normalize(), optax.sgd(1e-3)), "on a probe of the params"),
-], ids=["lamb", "adafactor", "clip-after-adam", "noise", "unknown-leaf-reduction"])
+], ids=["lars-masked-trust-ratio", "factored-adafactor", "clip-after-adam", "noise",
+        "unknown-leaf-reduction"])
 def test_what_cannot_act_on_shards_is_refused_by_name_at_init(make, named):
     def run(comm):
         step = shard.zero2(loss, optimizer=make(), comm=comm)
         with pytest.raises(ValueError, match=named) as e:
             step.init(init_params())
         assert "does not act element by element" in str(e.value)
+        assert "unknown" not in named or "_leaf_normalize" in str(e.value)
         assert step.plan is None  # nothing was made
 
     ops.spawn(run, 2)

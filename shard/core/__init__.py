@@ -6,9 +6,10 @@
   ([Note: unit buffers]);
 - ``_state.py``: :class:`~shard.TrainState`, one rank's state as a pytree
   ([Note: TrainState]);
-- ``_optim.py``: the step's optimizer on a rank's shards, the fused Adam or an
-  optax transformation ([Note: optax on shards]); ``_probe.py``: whether an
-  optax transformation acts element by element;
+- ``_optim.py``: the step's optimizer on a rank's shards, a fused optimizer or
+  an optax transformation ([Note: optax on shards]); ``_parts.py``: an optax
+  transformation's parts, and LAMB's and Adafactor's per-leaf reductions over
+  the ranks; ``_probe.py``: whether the other parts act element by element;
 - ``_policy.py``: :class:`~shard.Precision` and :class:`~shard.LossScale`;
 - ``_loss.py``: the losses the transforms accept and :class:`~shard.Layered`;
 - ``_gather.py``: whole params from shards, and batches cut into parts;

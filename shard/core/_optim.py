@@ -13,32 +13,38 @@ flat unit buffers laid out like the masters and are checkpointed, resharded
 and counted like Adam's moments, and *the rest* (counts, injected
 hyper-parameters), small leaves every rank keeps alike.
 
-That is the single-process update only if the transformation acts element by
-element. Whether it does is not written anywhere, so it is tried before any
-state exists (:func:`_probe`): a probe tree with the params' structure and
-each leaf's rank, a few rows per sharded leaf, is updated over five steps as a
-whole and as two ranks' row blocks, with gradients from 1e-6 to 1e12 (never
-NaN: the step skips non-finite gradients before any transformation sees
-them); any update or rest leaf that differs refuses the optimizer, naming the
-reducing transformations found in it. Those known by name (LAMB's
-``scale_by_trust_ratio``, Adafactor's ``scale_by_factored_rms``, a
-``clip_by_global_norm`` after another transformation, whose bound a small
-probe may never reach...) are refused without a probe. A whole-tree
-``clip_by_global_norm`` at the head of a chain is the exception: the step
-knows the global norm (its one all-reduce, replicated leaves counted once),
-so it clips the gradients by it first, and the chain's own clip then sees a
-norm within its bound on every rank. At
-stage 0, or on one rank, every leaf is whole and any transformation runs.
+That is the single-process update where each part of the transformation
+(nested ``optax.chain`` s flattened, ``_parts.py``) acts element by element,
+or reduces over whole leaves in a way the step computes on shards. Three
+per-leaf reductions are computed over the ranks (LAMB's
+``scale_by_trust_ratio``, Adafactor's ``clip_by_block_rms`` and
+``scale_by_param_block_rms``: per-leaf sums of squares of this rank's rows,
+one all-reduce each, between jitted runs of the other parts); a whole-tree
+``clip_by_global_norm`` at the head of a chain is the step's own (its one
+all-reduce already has the global norm, replicated leaves counted once, so it
+clips the gradients first and the chain's clip then sees a norm within its
+bound on every rank). Every other part is refused if it holds a reduction
+known by name (Adafactor's factored statistics on a split leaf, a
+``clip_by_global_norm`` later in the chain, whose bound a small probe may
+never reach, a trust ratio hidden inside ``masked``...), and is otherwise
+tried before any state exists (``_probe.py``): a probe tree with the params'
+structure and each leaf's rank, a few rows per split leaf, is updated over
+five steps as a whole and as two ranks' row blocks, with gradients from 1e-6
+to 1e12 (never NaN: the step skips non-finite gradients before any
+transformation sees them); an update or a rest leaf that differs refuses the
+optimizer, naming the part. At stage 0, or on one rank, every leaf is whole
+and any transformation runs as it is.
 
-``_probe.py`` holds the probe and what is read from a transformation's
-closures. The update runs under one ``jax.jit`` on the host's masters; device (GPU)
-states and offload keep the fused kernels (``ops.adamw``).
+The update runs under ``jax.jit`` on the host's masters; on device (GPU)
+state the fused kernels (``ops.adamw``, ``ops.lion``) run, and offload keeps
+Adam's.
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,7 +52,8 @@ import numpy as np
 
 from ops import FusedOptimizer
 from ops._tree import tree_util
-from shard.core._probe import clip_first, describe, probe, refuse_known
+from shard.core._parts import PER_LEAF, Segments, parts_of
+from shard.core._probe import check_parts, clip_first, describe
 
 __all__ = ["ADAM_MOMENTS", "ShardOptimizer", "is_transformation", "moment_names", "on_shards"]
 
@@ -83,7 +90,9 @@ class ShardOptimizer:
     rest: tuple[tuple[tuple[int, ...], str], ...] = ()  # the other leaves' shapes, dtypes
     _treedef: Any = None  # the optax state's top level: moments and rest leaves
     _is_moment: tuple[bool, ...] = ()
+    _parts: tuple = ()  # the transformation's parts, where some reduce over whole leaves
     _jitted: list = field(default_factory=list)
+    _segments: dict = field(default_factory=dict)  # rank -> Segments
 
     # -- state ------------------------------------------------------------------
     def init(self, layout: Any, master: list[Any]) -> tuple[list[list[Any]], tuple]:
@@ -116,9 +125,12 @@ class ShardOptimizer:
     # -- update -------------------------------------------------------------------
     def apply_optax(self, layout: Any, master: tuple, moments: tuple, rest: tuple,
                     grads: list[Any], grad_scale: float, grad_sumsq: Any,
-                    max_norm: float | None) -> tuple | None:
+                    max_norm: float | None, rank: int = 0,
+                    reduce: Callable[[np.ndarray], np.ndarray] | None = None) -> tuple | None:
         """One optax update of host buffers, in place; returns the new rest
-        leaves, or None where the gradients are not finite (nothing changed)."""
+        leaves, or None where the gradients are not finite (nothing changed).
+        ``reduce`` sums a vector over the data ranks, for the parts that reduce
+        over whole leaves (``rank`` is this rank's index among them)."""
         sumsq = float(grad_sumsq[0])
         if not math.isfinite(sumsq):
             return None
@@ -128,17 +140,28 @@ class ShardOptimizer:
             norm = math.sqrt(sumsq) * factor
         if self.clip_first is not None and norm >= self.clip_first:  # optax's clip
             factor *= self.clip_first / norm
-        with _lock:  # thread ranks share this object and its compiled update
-            if not self._jitted:
-                self._jitted.append(_jit_update(self.tx))
         tu, td = tree_util(), layout.treedef
         state = self.tree(layout, None, moments, rest)
-        new_params, new_state = self._jitted[0](
-            td.unflatten(layout.local_views(list(grads))), state,
-            td.unflatten(layout.local_views(list(master))), np.float32(factor))
-        for dst, x in zip(layout.local_views(list(master)), tu.tree_leaves(new_params),
-                          strict=True):
-            dst[...] = np.asarray(x)
+        views = layout.local_views(list(master))
+        if self._parts:  # per-leaf reductions over the ranks between jitted runs
+            with _lock:
+                segments = self._segments.get(rank)
+                if segments is None:
+                    segments = self._segments[rank] = _segments_for(self._parts, layout, rank)
+            grads_tree = td.unflatten([np.asarray(g, np.float32) * np.float32(factor)
+                                       for g in layout.local_views(list(grads))])
+            updates, new_state = segments(grads_tree, state, td.unflatten(views), reduce)
+            for dst, u in zip(views, updates, strict=True):
+                dst += u.astype(dst.dtype)
+        else:
+            with _lock:  # thread ranks share this object and its compiled update
+                if not self._jitted:
+                    self._jitted.append(_jit_update(self.tx))
+            new_params, new_state = self._jitted[0](
+                td.unflatten(layout.local_views(list(grads))), state, td.unflatten(views),
+                np.float32(factor))
+            for dst, x in zip(views, tu.tree_leaves(new_params), strict=True):
+                dst[...] = np.asarray(x)
         new_rest = []
         it = iter(moments)
         for top, moment in zip(self._treedef.flatten_up_to(new_state), self._is_moment,
@@ -203,9 +226,9 @@ def moment_names(optimizer: Any, layout: Any) -> tuple[str, ...]:
 def _make(tx: Any, layout: Any, sharded: bool, what: str, fn: str) -> ShardOptimizer:
     import jax
 
-    first = clip_first(tx)
-    if sharded:  # the reductions known by name, wherever the probe could miss them
-        refuse_known(tx, layout, what, fn)
+    first, parts = clip_first(tx), parts_of(tx)
+    if sharded:
+        check_parts(tx, parts, layout, what, fn)
     tu = tree_util()
     td = layout.treedef
     shapes = td.unflatten([jax.ShapeDtypeStruct(leaf.local_shape, np.float32)
@@ -241,11 +264,9 @@ def _make(tx: Any, layout: Any, sharded: bool, what: str, fn: str) -> ShardOptim
                             f"state's leaves of {sorted(_REST_DTYPES)}")
     rest = tuple((tuple(t.shape), str(t.dtype))
                  for t, m in zip(tops, is_moment, strict=True) if not m)
-    so = ShardOptimizer(names, tx=tx, clip_first=first, rest=rest, _treedef=treedef,
-                        _is_moment=is_moment)
-    if sharded:
-        probe(tx, layout, first, what, fn)
-    return so
+    per_leaf = sharded and any(p.name in PER_LEAF for p in parts)
+    return ShardOptimizer(names, tx=tx, clip_first=first, rest=rest, _treedef=treedef,
+                          _is_moment=is_moment, _parts=tuple(parts) if per_leaf else ())
 
 def _name(path: tuple) -> str:
     parts = [str(getattr(k, "name", getattr(k, "key", getattr(k, "idx", k)))) for k in path]
@@ -262,3 +283,13 @@ def _jit_update(tx: Any) -> Any:
         return tu.tree_map(lambda a, u: a + u.astype(a.dtype), p, updates), state
 
     return jax.jit(update)
+
+
+def _segments_for(parts: tuple, layout: Any, rank: int) -> Segments:
+    """The :class:`Segments` of rank ``rank``: which leading rows of each local
+    view are its own, which leaves are split."""
+    valid = [max(0, min(leaf.rows_per_rank, leaf.rows - rank * leaf.rows_per_rank))
+             if leaf.sharded else leaf.rows for leaf in layout.leaves]
+    return Segments(list(parts), layout.treedef, valid,
+                    [leaf.sharded for leaf in layout.leaves],
+                    [leaf.size for leaf in layout.leaves])

@@ -4,14 +4,15 @@ on shards] in ``_optim.py``)."""
 
 from __future__ import annotations
 
-import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ops._tree import tree_util
+from shard.core._parts import PER_LEAF, Part, free_var
+from shard.core._parts import outer_name as _outer
 
-__all__ = ["clip_first", "describe", "probe", "refuse_known"]
+__all__ = ["check_parts", "clip_first", "describe", "probe"]
 
 # optax transformations whose update reduces over a whole leaf or tree
 _REDUCERS = {
@@ -38,24 +39,51 @@ def describe(tx: Any) -> str:
     return f"optax transformation ({', '.join(names)})" if names else type(tx).__name__
 
 
-def refuse_known(tx: Any, layout: Any, what: str, fn: str) -> None:
-    """Refuse ``tx`` if it holds a transformation known to reduce over a leaf or
-    the tree (a ``clip_by_global_norm`` first in it excepted)."""
-    skip = 1 if clip_first(tx) is not None else 0
-    if any(n in _REDUCERS for n in _parts(tx.update)[skip:]):
-        _refuse(tx, layout, None, what, fn)
+def check_parts(tx: Any, parts: list[Part], layout: Any, what: str, fn: str) -> None:
+    """Refuse ``tx`` unless each of its parts is a per-leaf reduction computed on
+    shards (``PER_LEAF``), a ``clip_by_global_norm`` first in it, or acts
+    element by element: by the names of the reductions it holds, then by the
+    probe (see [Note: optax on shards])."""
+    for k, part in enumerate(parts):
+        if part.name in PER_LEAF or (k == 0 and clip_first(tx) is not None):
+            continue
+        found = [n for n in _parts(part.update) if n in _REDUCERS]
+        if found == ["scale_by_factored_rms"] and not _factors_a_split_leaf(part, layout):
+            found = []  # no split leaf is big enough to factor: Adafactor is element-wise
+        if found:
+            _refuse(tx, layout, None, what, fn, found)
+        probe(_Tx(part.init, part.update), layout, what, fn, tx)
+
+
+class _Tx(NamedTuple):
+    init: Any
+    update: Any
+
+
+def _factors_a_split_leaf(part: Part, layout: Any) -> bool:
+    """Whether Adafactor's ``scale_by_factored_rms`` keeps row and column
+    statistics (optax's ``_factored_dims``) for a leaf ZeRO splits."""
+    update = next((f for f in _functions(part.update)
+                   if f.__qualname__.startswith("scale_by_factored_rms.<locals>.")), None)
+    factored = free_var(update, "factored") if update is not None else None
+    least = free_var(update, "min_dim_size_to_factor") if update is not None else None
+    if factored is None or least is None:
+        return True  # cannot tell: assume it does
+    return bool(factored) and any(
+        leaf.sharded and len(leaf.shape) >= 2 and sorted(leaf.shape)[-2] >= least
+        for leaf in layout.leaves)
 
 
 # -- the element-wise probe ------------------------------------------------------
-def probe(tx: Any, layout: Any, first: float | None, what: str, fn: str) -> None:
-    """Refuse ``tx`` unless its update on two ranks' row blocks equals its update
-    on the whole leaves (see [Note: optax on shards])."""
+def probe(tx: Any, layout: Any, what: str, fn: str, whole: Any = None) -> None:
+    """Refuse ``tx`` (a part of ``whole``) unless its update on two ranks' row
+    blocks equals its update on the whole leaves (see [Note: optax on shards])."""
     tu = tree_util()
     td, rng = layout.treedef, np.random.default_rng(0)
     shapes = [(7, *(min(d, 3) for d in leaf.shape[1:])) if leaf.sharded else
               tuple(min(d, 3) for d in leaf.shape) for leaf in layout.leaves]
-    params = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    grads = [[(scale * rng.standard_normal(s)).astype(np.float32) for s in shapes]
+    params = [np.asarray(rng.standard_normal(s), np.float32) for s in shapes]
+    grads = [[np.asarray(scale * rng.standard_normal(s), np.float32) for s in shapes]
              for scale in _PROBE_SCALES]
 
     def part(xs: list[np.ndarray], r: int) -> list[np.ndarray]:
@@ -70,12 +98,7 @@ def probe(tx: Any, layout: Any, first: float | None, what: str, fn: str) -> None
             step = _probe_step(tx, td)  # eager: tiny arrays, no compile
             for g_all in grads:
                 g = g_all if r is None else part(g_all, r)
-                factor = np.float32(1.0)
-                if first is not None:  # the step clips by the global norm first
-                    norm = math.sqrt(sum(float(np.sum(np.square(x, dtype=np.float64)))
-                                         for x in g_all))
-                    factor = np.float32(first / norm if norm >= first else 1.0)
-                updates, state, p = step(td.unflatten(g), state, td.unflatten(p), factor)
+                updates, state, p = step(td.unflatten(g), state, td.unflatten(p))
                 p = [np.asarray(x) for x in tu.tree_leaves(p)]
                 rest = [np.asarray(x) for x in tu.tree_leaves(state) if np.ndim(x) == 0]
                 out.append(([np.asarray(x) for x in tu.tree_leaves(updates)], rest))
@@ -84,19 +107,19 @@ def probe(tx: Any, layout: Any, first: float | None, what: str, fn: str) -> None
                             f"structure: {type(e).__name__}: {e}") from None
         return out
 
+    whole_tx = tx if whole is None else whole
     whole, ranks = run(None), [run(0), run(1)]
     for k, (updates, rest) in enumerate(whole):
         for r, got in enumerate(ranks):
             same = all(_close(a, b) for a, b in zip(part(updates, r), got[k][0], strict=True))
             same = same and all(_close(a, b) for a, b in zip(rest, got[k][1], strict=True))
             if not same:
-                _refuse(tx, layout, k, what, fn)
+                _refuse(whole_tx, layout, k, what, fn, part=_outer(tx.update))
 
 
 def _probe_step(tx: Any, td: Any) -> Any:
-    def step(g: Any, state: Any, p: Any, factor: Any) -> tuple:
+    def step(g: Any, state: Any, p: Any) -> tuple:
         tu = tree_util()
-        g = tu.tree_map(lambda x: x * factor, g)
         updates, state = tx.update(g, state, p)
         return updates, state, tu.tree_map(lambda a, u: a + u.astype(a.dtype), p, updates)
 
@@ -110,20 +133,20 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.allclose(a, b, rtol=1e-4, atol=1e-6 * scale + 1e-30, equal_nan=True))
 
 
-def _refuse(tx: Any, layout: Any, k: int | None, what: str, fn: str) -> None:
-    """A ValueError naming the reducing transformations in ``tx`` (found by
-    name, or by the probe at its step ``k``)."""
-    parts = _parts(tx.update)
-    found = [n for n in parts[1 if clip_first(tx) is not None else 0:] if n in _REDUCERS]
+def _refuse(tx: Any, layout: Any, k: int | None, what: str, fn: str,
+            found: list[str] = (), part: str = "") -> None:
+    """A ValueError naming the reductions ``found`` in ``tx``, or its ``part``
+    whose update differed on the probe's step ``k``."""
     why = "; ".join(f"{n} needs {_REDUCERS[n]}" for n in found) or (
-        "its update of a row depends on other rows, leaves or ranks")
+        f"{part or 'its update'} updates a row by other rows, leaves or ranks")
     seen = ("" if k is None else f": on a probe of the params' structure, its update of a "
             f"rank's rows (step {k + 1}) differs from its update of the whole leaves")
     raise ValueError(
         f"{fn}: optimizer= {what} does not act element by element, so it cannot run on "
-        f"ZeRO's shards over {layout.world_size} ranks{seen}. {why}. Use clip_norm= or a "
-        "clip_by_global_norm first in the chain for global clipping, ops.adamw(...) for "
-        "Adam, or stage 0 (whole leaves on every rank)")
+        f"ZeRO's shards over {layout.world_size} ranks{seen}. {why}. Inside a chain, "
+        f"ZeRO computes {', '.join(sorted(PER_LEAF))} over the ranks, and a "
+        "clip_by_global_norm first (or clip_norm=); otherwise use stage 0 (whole leaves on "
+        "every rank)")
 
 
 # -- reading a GradientTransformation's parts -------------------------------------
@@ -158,16 +181,6 @@ def _parts(update: Any) -> list[str]:
     return names
 
 
-def _free(update: Any, outer: str, var: str) -> Any:
-    """The value of free variable ``var`` of the first ``outer`` update in ``update``."""
-    for f in _functions(update):
-        if getattr(f, "__qualname__", "").startswith(outer + ".<locals>."):
-            code = f.__code__
-            if var in code.co_freevars:
-                return f.__closure__[code.co_freevars.index(var)].cell_contents
-    return None
-
-
 def clip_first(tx: Any) -> float | None:
     """The max norm of a ``clip_by_global_norm`` that comes first in ``tx``."""
     fs = [f for f in _functions(tx.update)
@@ -175,7 +188,7 @@ def clip_first(tx: Any) -> float | None:
           and f.__qualname__.split(".<locals>.")[0] not in ("chain", "with_extra_args_support")]
     if not fs or not fs[0].__qualname__.startswith("clip_by_global_norm.<locals>."):
         return None
-    m = _free(fs[0], "clip_by_global_norm", "max_norm")
+    m = free_var(fs[0], "max_norm")
     try:
         return float(m)
     except (TypeError, ValueError):

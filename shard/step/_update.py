@@ -102,9 +102,10 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
     copies = _copies(plan, state)
     if plan.optimizer.fused is None:  # an optax transformation (see [Note: optax on shards])
         with timed("optimizer"):
-            rest = plan.optimizer.apply_optax(plan.layout, state.master, state.moments,
-                                              state.opt_rest, shards, grad_scale, grad_sumsq,
-                                              c.clip_norm)
+            rest = plan.optimizer.apply_optax(
+                plan.layout, state.master, state.moments, state.opt_rest, shards, grad_scale,
+                grad_sumsq, c.clip_norm, rank=c.comm.rank if c.stage else 0,
+                reduce=lambda x: _summed(plan, x))
             if rest is not None:
                 state = state.replace(opt_rest=rest)
             for dst, m in zip(copies, state.master, strict=True) if copies else ():
@@ -118,6 +119,12 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
                           finite=True)
     refresh(plan, state, copies)
     return state
+
+
+def _summed(plan: Any, x: np.ndarray) -> np.ndarray:
+    """``x`` summed over the data ranks (host arrays)."""
+    plan.fast.all_reduce_(x, "sum")
+    return x
 
 
 def _copies(plan: Any, state: TrainState) -> tuple | None:
