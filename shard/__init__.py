@@ -13,6 +13,7 @@ from shard.checkpoint._checkpoint import CheckpointError, load, save
 from shard.core._gather import MicroBatches, gather, split_batch
 from shard.core._layout import Layout, make_layout, partition, unpartition
 from shard.core._loss import Layered
+from shard.core._mesh import Mesh
 from shard.core._policy import LossScale, Precision
 from shard.core._specs import Replicate, Shard, from_partition_spec, to_partition_spec
 from shard.core._state import DonatedStateError, TrainState
@@ -31,6 +32,7 @@ __all__ = [
     "Layered",
     "Layout",
     "LossScale",
+    "Mesh",
     "MicroBatches",
     "Offload",
     "Pipeline",

@@ -159,6 +159,11 @@ def main() -> None:
             data, pipe = comm.split(r // 2), comm.split(r % 2)  # data: {0,1},{2,3}
             report["data"] = ops.all_gather(data, np.array([r])).tolist()
             report["pipe"] = ops.all_gather(pipe, np.array([r])).tolist()
+            import shard
+
+            mesh = shard.Mesh(comm, {"pipe": 2, "data": 2})  # the same groups, by name
+            report["mesh"] = [ops.all_gather(mesh[a], np.array([r])).tolist()
+                              for a in ("data", "pipe")]
             if pipe.rank == 0:  # pipeline neighbours on their own group
                 pipe.send(np.arange(5, dtype=np.float64), 1)
             else:

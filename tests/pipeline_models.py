@@ -88,11 +88,12 @@ def tied_reference(steps=4, clip_norm=None):
 
 
 def run(comm, *, stages, microbatches, schedule="1f1b", zero=shard.zero2, steps=4, tied=None,
-        **kw):
-    """Train the pipelined model; returns this stage's {layer index: whole params} and
-    the losses."""
-    pipe = shard.pipeline(LAYERED, comm=comm, stages=stages, microbatches=microbatches,
-                          schedule=schedule, tied=tied)
+        mesh=None, **kw):
+    """Train the pipelined model (over ``shard.Mesh(comm, mesh)`` when ``mesh`` gives
+    its axes); returns this stage's {layer index: whole params} and the losses."""
+    where = dict(mesh=shard.Mesh(comm, mesh)) if mesh else dict(comm=comm, stages=stages)
+    pipe = shard.pipeline(LAYERED, microbatches=microbatches, schedule=schedule, tied=tied,
+                          **where)
     step = zero(pipe, optimizer=ops.adamw(LR, weight_decay=WD), comm=pipe.data, **kw)
     state = step.init(pipe.params(tied_params() if tied else init_params()))
     losses = []

@@ -47,6 +47,7 @@ def test_point_to_point_and_split_across_four_processes(tmp_path):
         assert rep["ring"] == (r - 1) % 4
         assert rep["data"] == ([0, 1] if r < 2 else [2, 3])
         assert rep["pipe"] == ([0, 2] if r % 2 == 0 else [1, 3])
+        assert rep["mesh"] == [rep["data"], rep["pipe"]]  # shard.Mesh's axes on gloo
     assert reports[2]["pipe_recv"] == reports[3]["pipe_recv"] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert reports[3]["preposted"] == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     assert "rank 0 sent 7 elements of float32 with tag 9" in reports[1]["mismatch"]

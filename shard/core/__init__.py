@@ -10,6 +10,8 @@
   an optax transformation ([Note: optax on shards]); ``_parts.py``: an optax
   transformation's parts, and LAMB's and Adafactor's per-leaf reductions over
   the ranks; ``_probe.py``: whether the other parts act element by element;
+- ``_mesh.py``: :class:`~shard.Mesh`, a named grid of ranks with a communicator
+  per axis ([Note: named mesh]);
 - ``_policy.py``: :class:`~shard.Precision` and :class:`~shard.LossScale`;
 - ``_loss.py``: the losses the transforms accept and :class:`~shard.Layered`;
 - ``_gather.py``: whole params from shards, and batches cut into parts;

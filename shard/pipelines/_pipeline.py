@@ -52,6 +52,7 @@ from ops import Communicator
 from ops.device._device import device_of
 from ops.device._dlpack import to_native
 from shard.core._loss import Layered
+from shard.core._mesh import Mesh
 from shard.monitor._profile import timed
 from shard.pipelines._balance import _balanced, _size, balance_by_time
 from shard.pipelines._jax import JaxStage
@@ -64,9 +65,10 @@ _HEADER, _DATA = 0, 1  # tags: a message's header, then its payload
 _MAX_DIMS = 8
 
 
-def pipeline(loss: Any, *, comm: Communicator, stages: int, microbatches: int = 1,
-             schedule: str = "1f1b", balance: list[int] | None = None,
-             activation_checkpointing: bool = False, tied: Any = None) -> Pipeline:
+def pipeline(loss: Any, *, comm: Communicator | None = None, stages: int | None = None,
+             microbatches: int = 1, schedule: str = "1f1b", balance: list[int] | None = None,
+             activation_checkpointing: bool = False, tied: Any = None,
+             mesh: Mesh | None = None) -> Pipeline:
     """Split a :class:`shard.Layered` loss into ``stages`` pipeline stages over
     ``comm``'s ranks (see [Note: pipeline]).
 
@@ -76,6 +78,9 @@ def pipeline(loss: Any, *, comm: Communicator, stages: int, microbatches: int = 
         [Note: torch layers] in ``interop/torch/_layers.py``).
       comm: the world's communicator (every rank calls this: it splits it).
       stages: P, which must divide the world size.
+      mesh: instead of ``comm`` and ``stages``, a :class:`shard.Mesh` with axes
+        ``pipe`` (the stages) and ``data`` (each stage's ZeRO ranks), in either
+        order: its communicators are the pipeline's.
       microbatches: M; every stage's batch rows must divide by it.
       schedule: ``"1f1b"`` or ``"gpipe"``.
       balance: layers per stage (summing to the number of layers), e.g. from
@@ -88,6 +93,17 @@ def pipeline(loss: Any, *, comm: Communicator, stages: int, microbatches: int = 
         layers, e.g. ``[[(0, "wte"), (11, "w_out")]]`` (see [Note: tied
         weights] in ``shard/pipelines/_ties.py``).
     """
+    if mesh is not None:
+        if comm is not None or stages is not None:
+            raise ValueError("pipeline: give mesh=, or comm= and stages=, not both")
+        if sorted(mesh.axis_names) != ["data", "pipe"]:
+            raise ValueError(f"pipeline: mesh must have the axes 'pipe' and 'data' (tensor "
+                             f"parallelism does not compose with pipelines yet); got "
+                             f"{list(mesh.axis_names)}")
+        comm, stages = mesh.comm, mesh.shape["pipe"]
+    elif comm is None or stages is None:
+        raise TypeError("pipeline: give comm= and stages=, or mesh=shard.Mesh(comm, "
+                        "{'pipe': P, 'data': D})")
     if not isinstance(loss, Layered) and not hasattr(loss, "stage"):
         raise TypeError(f"pipeline: loss must be a shard.Layered or the loss of "
                         f"interop.torch.layered(...); got {type(loss).__name__}")
@@ -105,10 +121,13 @@ def pipeline(loss: Any, *, comm: Communicator, stages: int, microbatches: int = 
                                 or min(balance) < 1):
         raise ValueError(f"pipeline: balance must give each of the {stages} stages at least "
                          f"one layer, {n} in all; got {balance}")
-    width = comm.world_size // stages
-    stage = comm.rank // width
-    data = comm.split(stage)  # the ranks of this stage
-    pipe = comm.split(comm.rank % width)  # this data index's stages, in stage order
+    if mesh is not None:
+        stage, data, pipe = mesh.coords["pipe"], mesh["data"], mesh["pipe"]
+    else:
+        width = comm.world_size // stages
+        stage = comm.rank // width
+        data = comm.split(stage)  # the ranks of this stage
+        pipe = comm.split(comm.rank % width)  # this data index's stages, in stage order
     return Pipeline(loss, stage, stages, microbatches, schedule, balance, data, pipe, comm,
                     bool(activation_checkpointing), check_ties(tied, n))
 
