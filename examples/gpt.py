@@ -193,7 +193,7 @@ def build(cfg: GPTConfig, seed: int = 0) -> GPT:
 def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: int = 16,
           cfg: GPTConfig = GPTConfig(), lr: float = 3e-3, model: GPT | None = None,
           progress: bool = True, save: str | Path | None = None, save_every: int = 500,
-          resume: bool = False) -> dict:
+          resume: bool = False, replicas: int = 1) -> dict:
     """Train a GPT with ZeRO ``stage`` up to step ``steps``; returns losses,
     timings and memory.
 
@@ -202,17 +202,23 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     ``save``: a directory; the checkpoint ``<save>/checkpoint`` is written every
     ``save_every`` steps and at the end, and ``<save>/metrics.csv`` logs every
     10th step. ``resume``: continue from that checkpoint (any world size or
-    stage), with the data stream where it stopped.
+    stage), with the data stream where it stopped. ``replicas``: hierarchical
+    ZeRO (HSDP) over ``shard.Mesh(comm, {"replicate": replicas, "shard": ...})``;
+    with one replica per node, ZeRO's gathers stay inside each node.
     """
     model = copy.deepcopy(model) if model is not None else build(cfg)
     params, loss = it.functional(model, loss=lm_loss)
     loggers = [shard.CSVLogger(Path(save) / "metrics.csv", every=10)] if save else []
-    step = ZERO[stage](loss, optimizer=ops.adamw(lr, weight_decay=0.01), comm=comm,
-                       clip_norm=1.0, loggers=loggers)
+    zero_comm, hsdp = comm, {}
+    if replicas > 1:
+        mesh = shard.Mesh(comm, {"replicate": replicas, "shard": comm.world_size // replicas})
+        zero_comm, hsdp = mesh["shard"], {"replicate": mesh["replicate"]}
+    step = ZERO[stage](loss, optimizer=ops.adamw(lr, weight_decay=0.01), comm=zero_comm,
+                       clip_norm=1.0, loggers=loggers, **hsdp)
     state, first = step.init(params), 0
     ckpt = Path(save) / "checkpoint" if save else None
     if resume and ckpt is not None and (ckpt / "manifest.json").exists():
-        state, extra = shard.load(ckpt, step, comm=comm)
+        state, extra = shard.load(ckpt, step, comm=zero_comm)
         first = int(extra["next_batch"])
         if comm.rank == 0:
             print(f"resumed from {ckpt} at step {first}")
@@ -234,7 +240,7 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
                             tok_s=f"{metrics['tokens_per_s'] * comm.world_size:,.0f}")
             bar.update()
         if ckpt is not None and ((i + 1) % save_every == 0 or i + 1 == steps):
-            shard.save(state, ckpt, comm=comm, extra={"next_batch": i + 1})
+            shard.save(state, ckpt, comm=zero_comm, extra={"next_batch": i + 1})
     if bar is not None:
         bar.close()
     for logger in loggers:
@@ -266,7 +272,8 @@ def memory_table(comm: ops.Communicator, result: dict, cfg: GPTConfig) -> str:
     params, fn = it.functional(GPT(cfg), loss=lm_loss)
     ddp = shard.estimate_memory(params, stage=0, world_size=comm.world_size, units=fn.units)
     ours = result["state_bytes"]
-    ours_grads = shard.estimate_memory(params, stage=result["stage"], world_size=comm.world_size,
+    shards = result["step"].config.comm.world_size  # with replicas, each node's ranks
+    ours_grads = shard.estimate_memory(params, stage=result["stage"], world_size=shards,
                                        units=fn.units)["grads"]
     rows = [(kind, ours[kind], ddp[kind]) for kind in ours]
     rows.append(("grads (in a step)", ours_grads, ddp["grads"]))
@@ -294,6 +301,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--save-every", type=int, default=500)
     ap.add_argument("--resume", action="store_true",
                     help="continue from <save>/checkpoint when it exists")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="hierarchical ZeRO: ZeRO inside groups of world/replicas ranks "
+                         "(a node each), replicated across them")
     ap.add_argument("--sample", type=int, default=200,
                     help="bytes of text to generate at the end (0: none)")
     args = ap.parse_args(argv)
@@ -305,10 +315,10 @@ def main(argv: list[str] | None = None) -> None:
     def run(comm: ops.Communicator) -> None:
         result = train(comm, stage=args.stage, steps=args.steps, batch=args.batch, cfg=cfg,
                        lr=args.lr, model=model, save=args.save, save_every=args.save_every,
-                       resume=args.resume)
+                       resume=args.resume, replicas=args.replicas)
         table = memory_table(comm, result, cfg)
         if args.sample:  # every rank gathers (a collective); rank 0 samples
-            it.load_state(result["module"], result["state"], comm=comm)
+            it.load_state(result["module"], result["state"], comm=result["step"].config.comm)
         if comm.rank == 0 and result["losses"]:
             first = float(np.mean(result["losses"][:10]))
             last = float(np.mean(result["losses"][-10:]))

@@ -9,7 +9,8 @@ from ops import init_from_env, spawn
 from shard._deepspeed import DeepSpeedConfig, from_deepspeed_config
 from shard._memory import estimate_memory
 from shard._stages import zero0, zero1, zero2, zero3
-from shard.checkpoint._checkpoint import CheckpointError, load, save
+from shard.checkpoint._checkpoint import CheckpointError, save
+from shard.checkpoint._load import load
 from shard.core._gather import MicroBatches, gather, split_batch
 from shard.core._layout import Layout, make_layout, partition, unpartition
 from shard.core._loss import Layered

@@ -20,12 +20,12 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
                   clip_norm: float | None = None, loss_scale: LossScale | None = None,
                   prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
                   gradient_accumulation_steps: int | None = None, has_aux: bool = False,
-                  weight_by_rows: bool = False) -> Any:
+                  weight_by_rows: bool = False, replicate: Communicator | None = None) -> Any:
         kw = dict(stage=stage, optimizer=optimizer, comm=comm, specs=specs, units=units,
                   precision=precision, clip_norm=clip_norm, loss_scale=loss_scale,
                   prefetch=prefetch, loggers=loggers, offload=offload,
                   gradient_accumulation_steps=gradient_accumulation_steps, has_aux=has_aux,
-                  weight_by_rows=weight_by_rows)
+                  weight_by_rows=weight_by_rows, replicate=replicate)
         if loss_fn is None:  # used as a decorator with arguments
             return lambda fn: ZeroStep(fn, **kw)
         return ZeroStep(loss_fn, **kw)
@@ -78,6 +78,13 @@ Args:
     always are (see [Note: rows across ranks]); costs one pass over the
     gradient shards. Without it each rank's mean weighs the same, and a step
     whose ranks' rows differ says so in a warning.
+  replicate: hierarchical ZeRO (FSDP2's HSDP): the communicator of the ranks
+    that hold the same shards as this one, typically one per node, while
+    ``comm`` shards within a node: ``mesh = shard.Mesh(comm, {{"replicate": R,
+    "shard": S}})``, then ``comm=mesh["shard"], replicate=mesh["replicate"]``.
+    Gathers and reduce-scatters stay inside ``comm``; the reduced gradient
+    shards are summed over the replicas, and the update is that of ZeRO over
+    all R x S ranks (see [Note: replicas]). Stages 1-3.
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then

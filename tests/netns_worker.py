@@ -19,8 +19,8 @@ def main() -> None:
     comm = ops.init_from_env()
     cfg = gpt.GPTConfig(seq=16, d=32, layers=2, heads=2)
     out = gpt.train(comm, stage=3, steps=int(os.environ.get("ZS_STEPS", "4")), batch=8,
-                    cfg=cfg, progress=False)
-    params = shard.gather(out["state"], comm)
+                    cfg=cfg, progress=False, replicas=int(os.environ.get("ZS_REPLICAS", "1")))
+    params = shard.gather(out["state"], out["step"].config.comm)
     if comm.rank == 0:
         report = {"world": comm.world_size, "losses": [float(x) for x in out["losses"]],
                   "param_bytes": sum(int(v.nbytes) for v in params.values()),

@@ -36,13 +36,9 @@ def finish(procs: list[subprocess.Popen], timeout: float = 400) -> None:
         assert p.returncode == 0, log[-4000:]
 
 
-@pytest.mark.skipif(WHY is not None, reason=WHY or "")
-def test_two_hosts_of_two_processes_train_as_four_processes_on_one_host(tmp_path):
-    one = tmp_path / "one-host.json"
-    finish([subprocess.Popen(torchrun(["--standalone", "--nproc-per-node", "4"]),
-                             env=environ(one), cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)])
-    two = tmp_path / "two-hosts.json"
+def two_hosts(out: Path, **more: str) -> list[int]:
+    """``examples/gpt.py``'s GPT on 2 namespaces x 2 processes; the bytes each host
+    sent over its link."""
     with netns.two_hosts() as hosts:
         port = free_port()
         procs = []
@@ -53,11 +49,31 @@ def test_two_hosts_of_two_processes_train_as_four_processes_on_one_host(tmp_path
                     "--local-addr", h.addr]
             procs.append(subprocess.Popen(
                 h.command(torchrun(args)), cwd=ROOT, text=True,
-                env=environ(two, GLOO_SOCKET_IFNAME=h.ifname), stdout=subprocess.PIPE,
+                env=environ(out, GLOO_SOCKET_IFNAME=h.ifname, **more), stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT))
         finish(procs)
-        sent = [h.tx_bytes() for h in hosts]
-    want, got = json.loads(one.read_text()), json.loads(two.read_text())
+        return [h.tx_bytes() for h in hosts]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The same training on one host (4 processes), on two hosts, and on two hosts
+    with hierarchical ZeRO (ZeRO-3 inside each host, replicas across)."""
+    tmp = tmp_path_factory.mktemp("multinode")
+    one = tmp / "one-host.json"
+    finish([subprocess.Popen(torchrun(["--standalone", "--nproc-per-node", "4"]),
+                             env=environ(one), cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)])
+    sent = {"flat": two_hosts(tmp / "two-hosts.json"),
+            "hsdp": two_hosts(tmp / "hsdp.json", ZS_REPLICAS="2")}
+    return {k: json.loads((tmp / f"{k}.json").read_text())
+            for k in ("one-host", "two-hosts", "hsdp")}, sent
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_two_hosts_of_two_processes_train_as_four_processes_on_one_host(runs):
+    reports, sent = runs
+    want, got = reports["one-host"], reports["two-hosts"]
     assert got["world"] == want["world"] == 4
     assert len(got["losses"]) == STEPS
     assert got["losses"] == want["losses"]  # the same trajectory, bit for bit
@@ -65,4 +81,25 @@ def test_two_hosts_of_two_processes_train_as_four_processes_on_one_host(tmp_path
         np.testing.assert_allclose(got["params"][k], v, rtol=1e-6, err_msg=k)
     # each host holds half the shards, and a ZeRO-3 step gathers every unit twice
     # (forward, backward): each host receives at least the params' bytes per step
-    assert min(sent) >= STEPS * want["param_bytes"], (sent, want["param_bytes"])
+    assert min(sent["flat"]) >= STEPS * want["param_bytes"], (sent, want["param_bytes"])
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_hierarchical_zero_sends_only_gradient_shards_between_hosts(runs):
+    """ZeRO-3 inside each host and replicas across (``replicate=``): the same
+    training, and the link carries each host's gradient shards once per step
+    (a 2-rank all-reduce of half the params per host), not the gathers."""
+    reports, sent = runs
+    want, got = reports["one-host"], reports["hsdp"]
+    np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
+    for k, v in want["params"].items():
+        np.testing.assert_allclose(got["params"][k], v, rtol=1e-4, err_msg=k)
+    # analytic: each host's two ranks each all-reduce a shard of half the params with
+    # their replica, sending about that shard's bytes: the params' bytes per host and
+    # step, plus the step's small collectives and the rendezvous
+    for n in sent["hsdp"]:
+        assert STEPS * want["param_bytes"] <= n <= 1.25 * STEPS * want["param_bytes"] + 2**18
+    assert max(sent["hsdp"]) < 0.75 * min(sent["flat"]), sent
+    per_step = {k: [round(n / STEPS / 2**20, 3) for n in v] for k, v in sent.items()}
+    print(f"MiB sent per host and step: {per_step}; the params: "
+          f"{want['param_bytes'] / 2**20:.3f} MiB")

@@ -5,12 +5,14 @@
 
 :func:`shard.save` and :func:`shard.load` write and read a training state
 ([Note: checkpoint format]); :func:`consolidate` writes its full params (and
-optionally the Adam moments) to one safetensors file, and :func:`inspect`
+optionally the optimizer's moments) to one safetensors file, and :func:`inspect`
 says what a checkpoint holds without loading it.
 
 The package (it may import :mod:`shard.core` and :mod:`ops`):
 
-- ``_checkpoint.py``: the format, :func:`shard.save` and :func:`shard.load`;
+- ``_checkpoint.py``: the format and :func:`shard.save`;
+- ``_load.py``: manifests read and checked, and :func:`shard.load`, which
+  re-shards;
 - ``_files.py``: what every part shares, its error and the file checksum;
 - ``_module.py``: a torch module's buffers and tied names in a checkpoint;
 - ``_tools.py``: :func:`consolidate`, :func:`inspect` and the command line;

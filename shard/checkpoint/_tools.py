@@ -20,14 +20,9 @@ from pathlib import Path
 
 import numpy as np
 
-from shard.checkpoint._checkpoint import (
-    CheckpointError,
-    _Source,
-    _verify_files,
-    read_any_manifest,
-    read_manifest,
-    read_module_file,
-)
+from shard.checkpoint._files import CheckpointError
+from shard.checkpoint._load import _Source, _verify_files, read_any_manifest, read_manifest
+from shard.checkpoint._module import read_module_file
 from shard.checkpoint._validate import optimizer_of
 
 __all__ = ["consolidate", "inspect", "run"]

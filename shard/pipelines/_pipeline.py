@@ -191,7 +191,7 @@ class Pipeline:
     def load(self, path: str | os.PathLike, step: Any) -> tuple[Any, Any]:
         """This stage's state from a checkpoint of the whole model, plain or
         pipelined (a collective over the stage's data ranks)."""
-        from shard.checkpoint._checkpoint import load
+        from shard.checkpoint._load import load
 
         return load(path, step, comm=self.data)
 

@@ -39,6 +39,12 @@ class StepConfig:
     gradient_accumulation_steps: int | None
     has_aux: bool
     weight_by_rows: bool
+    replicate: Communicator | None = None  # HSDP: the ranks that hold this rank's shard too
+
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks in all: ``comm``'s, times the replicas'."""
+        return self.comm.world_size * (self.replicate.world_size if self.replicate else 1)
 
     @classmethod
     def make(cls, loss_fn: Any, *, stage: int, optimizer: Any, comm: Communicator,
@@ -46,7 +52,8 @@ class StepConfig:
              clip_norm: float | None = None, loss_scale: LossScale | None = None,
              prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
              gradient_accumulation_steps: int | None = None,
-             has_aux: bool = False, weight_by_rows: bool = False) -> StepConfig:
+             has_aux: bool = False, weight_by_rows: bool = False,
+             replicate: Communicator | None = None) -> StepConfig:
         """The configuration of ``zero{stage}(loss_fn, ...)``; a TypeError or
         ValueError naming the argument for anything it cannot train with."""
         name = f"zero{stage}"
@@ -64,6 +71,21 @@ class StepConfig:
         if prefetch < 0:
             raise ValueError(f"{name}: prefetch must be >= 0; got {prefetch}")
         check_offload(name, stage, offload, clip_norm)
+        if replicate is not None:  # see [Note: replicas]
+            if not isinstance(replicate, Communicator):
+                raise TypeError(f"{name}: replicate must be an ops.Communicator (such as "
+                                f"shard.Mesh(comm, {{'replicate': R, 'shard': S}})['replicate']); "
+                                f"got {type(replicate).__name__}")
+            if stage == 0:
+                raise ValueError(f"{name}: zero0 keeps everything whole on every rank: give "
+                                 "it the whole communicator instead of replicate=")
+            if hasattr(loss_fn, "norm_comm"):
+                raise ValueError(f"{name}: a pipeline's stages have their own data axis; "
+                                 "replicate= is for a step over one communicator")
+            if offload is not None and offload.overlap:
+                raise ValueError(f"{name}: Offload(overlap=True) updates each unit during "
+                                 "the backward, before the replicas' gradients are summed; "
+                                 "drop one of them")
         data = getattr(loss_fn, "data", None)  # a pipeline stage: ZeRO runs on its data axis
         if (isinstance(data, Communicator) and hasattr(loss_fn, "pipe") and comm is not data
                 and comm.world_size != data.world_size):
@@ -103,4 +125,4 @@ class StepConfig:
         return cls(name, stage, JaxLoss(loss_fn, has_aux) if kind == "jax" else loss_fn, kind,
                    optimizer, comm, specs, units, precision or Precision(), clip_norm,
                    loss_scale, prefetch, loggers, offload, gradient_accumulation_steps,
-                   has_aux, weight_by_rows)
+                   has_aux, weight_by_rows, replicate)

@@ -33,4 +33,6 @@ def evaluate(plan: Any, units: Units, batch: Any) -> float:
         total = _grads.on_device(plan, loss, "the loss").astype(np.float64)
     # a pipeline's loss is its last stage's: summed over the whole mesh
     total = ops.all_reduce(getattr(c.loss_fn, "norm_comm", c.comm), total)
-    return float(plan.device.to_host(total)[0]) / c.comm.world_size
+    if c.replicate is not None:
+        total = ops.all_reduce(c.replicate, total)
+    return float(plan.device.to_host(total)[0]) / c.ranks

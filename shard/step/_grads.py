@@ -118,6 +118,8 @@ def mean_aux(plan: Any, auxes: list[Any]) -> Any:
     if values:
         vec = np.concatenate([v.reshape(-1) for v in values]).astype(np.float64)
         vec = all_gather_host(c.comm, vec).reshape(c.comm.world_size, -1).mean(axis=0)
+        if c.replicate is not None:  # every replica's mean counts the same (equal ranks)
+            vec = all_gather_host(c.replicate, vec).reshape(-1, vec.size).mean(axis=0)
         values, at = [], 0
         for shape in shapes:
             n = int(np.prod(shape))

@@ -40,7 +40,9 @@ def from_params(c: StepConfig, params: Any, device: Device | None, current: Devi
         plan = make_plan(c, params, device=current)
         leaves = [plan.device.asarray(x) for x in native_leaves(
             plan.layout.treedef.flatten_up_to(params), fn)[1]]
-        _checks.agree_on_values(c.comm, _checks.digest(plan.device, leaves), fn)
+        digest = _checks.digest(plan.device, leaves)
+        for comm in (c.comm, c.replicate) if c.replicate is not None else (c.comm,):
+            _checks.agree_on_values(comm, digest, fn)
         return by_units(c, plan, lambda u, i: [leaves[j] for j in i], check=False)
     materialize = getattr(c.loss_fn, "materialize", None)
     if materialize is None:
@@ -119,7 +121,8 @@ def by_units(c: StepConfig, plan: Plan, values: Any, *, check: bool = True,
             moments = [alloc_units(layout, plan.master_dtype, device)
                        for _ in plan.optimizer.moments]
     if check:
-        _checks.agree_on_values(c.comm, checksum, fn, *(remedy,) if remedy else ())
+        for comm in (c.comm, c.replicate) if c.replicate is not None else (c.comm,):
+            _checks.agree_on_values(comm, checksum, fn, *(remedy,) if remedy else ())
     state = new_state(plan, master, moments, opt_rest=rest, full_leaves=whole, copies=copies)
     log.info("%s: %d units, %d of %d elements on rank %d", c.name, len(layout.units),
              layout.local_size(), plan.full_layout.local_size(), c.comm.rank)

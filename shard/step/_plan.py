@@ -55,6 +55,8 @@ class Plan:
       copy_plans: the layout's run tables (see ``ops/device/_runs.py``).
       optimizer: the step's optimizer on this layout (its moments, and for an
         optax transformation the checked update; see [Note: optax on shards]).
+      replica: the replicas' communicator without per-call checks, or None
+        (see [Note: replicas]).
     """
 
     config: StepConfig
@@ -66,6 +68,7 @@ class Plan:
     fast: Communicator
     copy_plans: CopyPlans
     optimizer: ShardOptimizer
+    replica: Communicator | None = None
 
     @property
     def compute_dtype(self) -> np.dtype:
@@ -131,6 +134,8 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
                          f"params form {len(layout.units)} units "
                          f"({[u.name for u in layout.units]}); give one layer per unit")
     agree_on_layout(config.comm, layout, fn)
+    if config.replicate is not None:  # every replica holds the same shards
+        agree_on_layout(config.replicate, layout, fn)
     if hasattr(loss_fn, "cast_forward_inputs"):  # the torch adapter casts itself
         loss_fn.cast_forward_inputs = precision.cast_forward_inputs
     full_layout = make_layout(params, config.specs, world_size=1, units=config.units)
@@ -140,7 +145,8 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     optimizer = on_shards(config.optimizer, layout, stage=config.stage, master_dtype=master_dtype,
                           device_host=where.host, offload=config.offload is not None, fn=fn)
     return Plan(config, layout, full_layout, np.dtype(master_dtype), precision, where,
-                config.comm.unchecked(), CopyPlans(layout, full_layout), optimizer)
+                config.comm.unchecked(), CopyPlans(layout, full_layout), optimizer,
+                config.replicate.unchecked() if config.replicate is not None else None)
 
 
 def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,

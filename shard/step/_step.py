@@ -225,7 +225,8 @@ class ZeroStep:
             metrics.add(tokens_per_s=1e3 * int(tokens) / max(split["step"], 1e-9))
         c = self.config
         world = getattr(c.loss_fn, "norm_comm", c.comm)  # a pipeline's whole mesh
-        for logger in c.loggers if world.rank == 0 else ():
+        first = world.rank == 0 and (c.replicate is None or c.replicate.rank == 0)
+        for logger in c.loggers if first else ():
             logger(int(state.step), metrics)
         return state, metrics
 
@@ -269,7 +270,7 @@ class ZeroStep:
         units = _grads.unit_params(plan, state, self.tracker)
         totals = _update.fresh_totals(self.__dict__.setdefault("_totals_cache", {}), device,
                                       rows)
-        w, k = c.comm.world_size, len(micro)
+        w, k = c.ranks, len(micro)
         grad_scale = 1.0 / (w * k * scale)
         offloader = self._offloader
         overlap = offloader.start_overlap(state, reducer, grad_scale) if offloader else None
@@ -354,7 +355,7 @@ class ZeroStep:
         """Warn, once, that the ranks' rows differed in a step that weighs each
         rank's mean the same (see [Note: rows across ranks])."""
         c = self.config
-        n, total = c.comm.world_size, float(host[2])
+        n, total = c.ranks, float(host[2])
         if (float(host[4]) != n or n * float(host[3]) == total * total
                 or hasattr(c.loss_fn, "norm_comm") or self.__dict__.get("_rows_warned")):
             return  # some rank could not count, rows agreed, a pipeline, or said already

@@ -18,6 +18,18 @@ scale of the update gives the mean over every row: the update and the loss of
 the ranks' batches concatenated (:func:`weigh_by_rows`; one pass over the
 gradient shards, no host read). The batch's rows are the leading dimension
 its array leaves share.
+
+[Note: replicas]
+With ``replicate=`` (hierarchical ZeRO, FSDP2's HSDP) the step's ``comm``
+shards the state among the ranks of a node and ``replicate`` joins the ranks
+of other nodes that hold the same shards. Everything that gathers or
+reduce-scatters stays inside ``comm``. After the reduce-scatter, each rank's
+gradient shards are summed over the replicas (one all-reduce per unit, the
+only traffic between nodes), so every replica holds the sum over all R x S
+ranks and the update is flat ZeRO's over R x S ranks; the losses and rows of
+the step's one all-reduce are summed over the replicas too, while the norm,
+already the same on every replica, is not. ``init`` checks that the replicas
+hold the same params and layout; a checkpoint is written by replica 0 alone.
 """
 
 from __future__ import annotations
@@ -38,6 +50,10 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
     """``totals`` (on the device) becomes [global sum of squares of the summed
     gradients, sum of the micro-batch losses over ranks]: one all-reduce."""
     c, layout = plan.config, plan.layout
+    if plan.replica is not None:  # see [Note: replicas]
+        with timed("reduce_wait"):
+            for g in shards:
+                plan.replica.all_reduce_(g, "sum")
     sharded, replicated = [], []
     skip = set(getattr(c.loss_fn, "norm_skip", ()))  # copies of a tied weight
     for unit, g in zip(layout.units, shards, strict=True):
@@ -56,6 +72,8 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
         mesh.all_reduce_(totals, "sum")
         return
     plan.fast.all_reduce_(totals, "sum")
+    if plan.replica is not None:  # the losses and rows of every replica; the norm is theirs
+        plan.replica.all_reduce_(totals[1:], "sum")
     if replicated:
         totals[0:1] += ops.sum_of_squares(replicated)
 

@@ -1,0 +1,250 @@
+"""Reading checkpoints: manifests (checked as untrusted input), and ``load``,
+which re-shards (see [Note: checkpoint format] in ``_checkpoint.py``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ops import Communicator, Device
+from ops.device._device import device_named
+from shard.checkpoint._checkpoint import FORMAT, KINDS, VERSION, _every_rank
+from shard.checkpoint._files import CheckpointError, _sha256
+from shard.checkpoint._module import _load_module
+from shard.checkpoint._validate import check_manifest, check_part_names, optimizer_of
+from shard.core._layout import LeafLayout, alloc_units
+from shard.core._paths import shapes_from_manifest
+from shard.core._state import TrainState
+from shard.step._plan import make_plan, new_state
+
+__all__ = ["load", "read_any_manifest", "read_manifest"]
+
+log = logging.getLogger("shard.checkpoint._checkpoint")
+
+
+def read_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
+    """The checkpoint directory actually to read (see the Note) and its manifest."""
+    path = Path(path)
+    old = path.with_name(path.name + ".old")
+    if not (path / "manifest.json").exists() and (old / "manifest.json").exists():
+        log.warning("%s is incomplete; reading the previous checkpoint %s", path, old)
+        path = old
+    manifest_path = path / "manifest.json"
+    if not manifest_path.exists():
+        raise CheckpointError(f"{manifest_path}: no checkpoint here (no manifest.json)")
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{manifest_path}: not valid JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise CheckpointError(f"{manifest_path}: not a zeroshard checkpoint")
+    version = manifest.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+        raise CheckpointError(f"{manifest_path}: format version {version} is newer "
+                              f"than this zeroshard reads ({VERSION}); upgrade zeroshard")
+    check_manifest(path, manifest)  # see [Note: untrusted checkpoints]
+    return path, manifest
+
+
+def read_any_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
+    """A checkpoint's manifest; for a pipeline's checkpoint (one directory per
+    stage, see ``shard.Pipeline.save``) one manifest of every stage's leaves,
+    each naming its stage directory (``part``)."""
+    path = Path(path)
+    index = path / "pipeline.json"
+    if not index.exists():
+        return read_manifest(path)
+    try:
+        info = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+    parts = {}
+    for d in check_part_names(index, info):
+        _, parts[d] = read_manifest(path / d)
+        if parts[d]["step"] != info["step"]:
+            raise CheckpointError(f"{path / d}: step {parts[d]['step']}, but the pipeline's "
+                                  f"checkpoint is of step {info['step']} (a save that did not "
+                                  "finish on every stage)")
+    merged = dict(parts[info["parts"][0]], parts=parts)
+    merged["leaves"] = [dict(e, part=d) for d, m in parts.items() for e in m["leaves"]]
+    return path, merged
+
+
+def _verify_files(path: Path, manifest: dict, needed: set[int]) -> None:
+    for r in sorted(needed):
+        entry = manifest["files"][r] if manifest["stage"] else manifest["files"][0]
+        f = path / entry["file"]
+        if not f.exists():
+            raise CheckpointError(f"{f}: missing shard file")
+        if f.stat().st_size != entry["bytes"]:
+            raise CheckpointError(f"{f}: truncated or altered ({f.stat().st_size} bytes, the "
+                                  f"manifest says {entry['bytes']})")
+        if _sha256(f) != entry["sha256"]:
+            raise CheckpointError(f"{f}: checksum mismatch (SHA-256 differs from the manifest)")
+
+
+class _Source:
+    """Rows of one saved leaf, read from whichever old rank files hold them."""
+
+    def __init__(self, path: Path, manifest: dict, entry: dict) -> None:
+        self.path, self.manifest, self.entry = path, manifest, entry
+        self.world = manifest["world_size"]
+        shape = entry["shape"]
+        self.rows = shape[0] if shape else 1
+        self.row_size = int(np.prod(shape[1:], dtype=np.int64)) if shape else 1
+        self.sharded = entry["spec"] == "Shard(0)"
+        self.rpr = entry["rows_per_rank"]
+
+    def ranks_for(self, lo: int, hi: int) -> list[int]:
+        if not self.sharded or hi <= lo:
+            return [0]
+        return list(range(lo // self.rpr, (hi - 1) // self.rpr + 1))
+
+    def read(self, handles: dict, kind: str, lo: int, hi: int) -> np.ndarray:
+        """Rows [lo, hi) of this leaf, as a (hi - lo, row_size) float32 array."""
+        out = np.zeros((max(hi - lo, 0), self.row_size), self.manifest["master_dtype"])
+        unit, off = self.entry["unit"], self.entry["offset"]
+        for r in self.ranks_for(lo, hi):
+            first = r * self.rpr if self.sharded else 0
+            a, b = max(lo, first), min(hi, first + self.rpr if self.sharded else self.rows)
+            if b <= a:
+                continue
+            start = off + (a - first) * self.row_size
+            sl = handles[self.path, r].get_slice(f"{kind}/{unit}")[
+                start:start + (b - a) * self.row_size]
+            out[a - lo:b - lo] = np.asarray(sl).reshape(b - a, self.row_size)
+        return out
+
+
+def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
+         like: Any = None, device: str | Device | None = None) -> tuple[TrainState, Any]:
+    """Load a checkpoint into ``step``'s stage and world size (a collective).
+
+    Args:
+      path: a checkpoint directory written by :func:`save`, by any number of
+        ranks at any stage.
+      step: the ZeRO transform to load into (``shard.zero3(...)`` etc.).
+      comm: this rank's communicator.
+      like: the params tree or its shapes (``jax.ShapeDtypeStruct``). Without
+        it: the layout of the step's ``init``, or, on a fresh step, the shapes
+        the manifest records (for params that are dicts and lists).
+      device: where the state goes (``"numpy"``, ``"cupy"`` or a
+        :class:`ops.Device`); default: the device of ``like``'s arrays, else
+        the step's (that of the params ``step.init`` was given).
+
+    Returns:
+      ``(state, extra)``.
+
+    Raises:
+      CheckpointError: a missing or truncated shard file, a checksum mismatch,
+        a manifest from a newer format, shapes that do not fit the model, or
+        any field or file header that does not hold together (a checkpoint is
+        untrusted input: see [Note: untrusted checkpoints]); nothing is loaded
+        in that case, and the step is left as it was.
+    """
+    path, manifest = read_any_manifest(path)
+    with _every_rank("load", comm):
+        return _load(path, manifest, step, comm, like, device)
+
+
+def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
+          device: Any) -> tuple[TrainState, Any]:
+    from safetensors import safe_open
+
+    config, plan = step.config, step.plan  # the plan of the step's init, if any
+    if like is None and plan is None:
+        try:
+            like = shapes_from_manifest(manifest, f"{path}/manifest.json")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    if like is not None:
+        plan = make_plan(config, like, device=plan.device if plan else None)
+    if device is not None:
+        plan = plan.on(device_named(device) if isinstance(device, str) else device)
+    layout, rank = plan.layout, (comm.rank if config.stage > 0 else 0)
+    saved = {e["path"]: e for e in manifest["leaves"]}
+    sources = []
+    for leaf in layout.leaves:
+        entry = saved.get(leaf.path)
+        if entry is None:
+            raise CheckpointError(f"{path}/manifest.json: no leaf {leaf.path} (the model has it; "
+                                  f"the checkpoint has {sorted(saved)[:5]}...)")
+        if tuple(entry["shape"]) != leaf.shape:
+            raise CheckpointError(f"{path}/manifest.json: leaf {leaf.path} has shape "
+                                  f"{tuple(entry['shape'])} in the checkpoint but {leaf.shape} "
+                                  "in the model")
+        part = entry.get("part")  # a pipelined checkpoint's stage directory
+        sources.append(_Source(path / part, manifest["parts"][part], entry) if part else
+                       _Source(path, manifest, entry))
+    wanted = [_rows_of(leaf, rank) for leaf in layout.leaves]
+    needed = {(s.path, r) for s, (lo, hi) in zip(sources, wanted, strict=True)
+              for r in s.ranks_for(lo, hi)}
+    needed |= {(s.path, r) for s in sources for r in s.ranks_for(0, s.rows)} \
+        if config.stage in (0, 1, 2) else set()
+    handles = {}
+    for where, m in {s.path: s.manifest for s in sources}.items():
+        ranks = {r for p, r in needed if p == where}
+        _verify_files(where, m, ranks)
+        files = m["files"]
+        handles.update({(where, r): safe_open(str(where / (files[r] if m["stage"] else
+                                                             files[0])["file"]),
+                                              framework="numpy") for r in ranks})
+    moments = plan.optimizer.moments
+    saved_moments, saved_rest = optimizer_of(manifest, f"{path}/manifest.json")
+    if tuple(saved_moments) != moments:
+        raise CheckpointError(f"{path}: saved with an optimizer whose moments are "
+                              f"{list(saved_moments)}; this step's optimizer keeps "
+                              f"{list(moments)}: load with the optimizer it was saved with")
+    if [tuple(r) for r in saved_rest] != list(plan.optimizer.rest):
+        raise CheckpointError(f"{path}: the optimizer's other state leaves are "
+                              f"{saved_rest} in the checkpoint and {list(plan.optimizer.rest)} "
+                              "in this step's optimizer: load with the optimizer it was saved "
+                              "with")
+    buffers = {kind: alloc_units(layout, plan.master_dtype)
+               for kind in ("master", *moments)}  # host
+    for kind, bufs in buffers.items():
+        for leaf, src, (lo, hi), dst in zip(layout.leaves, sources, wanted,
+                                            layout.local_views(bufs), strict=True):
+            _fill(leaf, dst, src.read(handles, kind, lo, hi))
+    on_device = plan.device.asarray  # host buffers: an explicit copy to a GPU
+    full_leaves = [on_device(src.read(handles, "master", 0, src.rows).reshape(leaf.shape))
+                   if config.stage in (0, 1, 2) else None
+                   for leaf, src in zip(layout.leaves, sources, strict=True)]
+    copies = None
+    offloader = plan.offloader()
+    if offloader is not None:  # into host memory or the disk tier, unit by unit
+        def fill(u: int, kind: str, buf: np.ndarray) -> None:
+            buf[...] = buffers[kind][u]
+
+        *bufs, copies = offloader.buffers(fill)
+        buffers = dict(zip(KINDS, bufs, strict=True))
+    else:
+        buffers = {kind: [on_device(b) for b in bufs] for kind, bufs in buffers.items()}
+    any_file = next(iter(handles.values()))  # every rank file holds the other leaves
+    rest = tuple(np.array(any_file.get_tensor(f"opt_rest/{i}"))
+                 for i in range(len(saved_rest)))
+    state = new_state(plan, buffers["master"], [buffers[k] for k in moments],
+                      opt_rest=rest, full_leaves=full_leaves, step=manifest["step"],
+                      loss_scale=manifest["loss_scale"], good_steps=manifest["good_steps"],
+                      copies=copies)
+    _load_module(path, manifest, step)
+    comm.barrier()
+    return state, manifest.get("extra")
+
+
+def _rows_of(leaf: LeafLayout, rank: int) -> tuple[int, int]:
+    if not leaf.sharded:
+        return 0, leaf.rows
+    lo = min(rank * leaf.rows_per_rank, leaf.rows)
+    return lo, min(lo + leaf.rows_per_rank, leaf.rows)
+
+
+def _fill(leaf: LeafLayout, dst: np.ndarray, rows: np.ndarray) -> None:
+    flat = dst.reshape(-1, leaf.row_size) if leaf.sharded else dst.reshape(leaf.rows, -1)
+    flat[:rows.shape[0]] = rows
+    flat[rows.shape[0]:] = 0
