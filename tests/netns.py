@@ -61,8 +61,9 @@ def unavailable() -> str | None:
 
 
 @contextlib.contextmanager
-def two_hosts() -> Iterator[list[Host]]:
-    """Two linked hosts, removed afterwards (their processes must have ended)."""
+def two_hosts(rate: str | None = None) -> Iterator[list[Host]]:
+    """Two linked hosts, removed afterwards (their processes must have ended);
+    ``rate`` (``"1gbit"``) shapes each end of the link with a token bucket."""
     tag, subnet = f"zs{os.getpid() % 100000}", f"10.213.{os.getpid() % 250}"
     names = [f"{tag}-h0", f"{tag}-h1"]
     links = [f"{tag}h0", f"{tag}h1"]
@@ -77,6 +78,10 @@ def two_hosts() -> Iterator[list[Host]]:
             _ip("link", "set", link, "netns", ns)
             _ip("-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", link)
             _ip("-n", ns, "link", "set", link, "up")
+            if rate is not None:
+                subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", link,
+                                "root", "tbf", "rate", rate, "burst", "256kb", "latency",
+                                "50ms"], check=True, capture_output=True, text=True)
         yield [Host(ns, f"{subnet}.{i + 1}", link)
                for i, (ns, link) in enumerate(zip(names, links, strict=True))]
     finally:

@@ -17,12 +17,14 @@ def main() -> None:
     from examples import gpt
 
     comm = ops.init_from_env()
-    cfg = gpt.GPTConfig(seq=16, d=32, layers=2, heads=2)
+    cfg = gpt.GPTConfig(seq=16, d=int(os.environ.get("ZS_D", "32")),
+                        layers=int(os.environ.get("ZS_LAYERS", "2")), heads=2)
     out = gpt.train(comm, stage=3, steps=int(os.environ.get("ZS_STEPS", "4")), batch=8,
                     cfg=cfg, progress=False, replicas=int(os.environ.get("ZS_REPLICAS", "1")))
     params = shard.gather(out["state"], out["step"].config.comm)
     if comm.rank == 0:
         report = {"world": comm.world_size, "losses": [float(x) for x in out["losses"]],
+                  "seconds": out["seconds"],
                   "param_bytes": sum(int(v.nbytes) for v in params.values()),
                   "params": {k: [float(np.sum(v, dtype=np.float64)),
                                  float(np.sum(np.abs(v), dtype=np.float64))]

@@ -103,3 +103,17 @@ def test_hierarchical_zero_sends_only_gradient_shards_between_hosts(runs):
     per_step = {k: [round(n / STEPS / 2**20, 3) for n in v] for k, v in sent.items()}
     print(f"MiB sent per host and step: {per_step}; the params: "
           f"{want['param_bytes'] / 2**20:.3f} MiB")
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_multinode_benchmark_prints_its_table():
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multinode.py"), "--rounds",
+                          "1", "--steps", "2", "--d", "32", "--layers", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    rows = {line.split("|")[1].strip(): line for line in out.stdout.splitlines()
+            if line.startswith("| flat") or line.startswith("| hsdp")}
+    assert set(rows) == {"flat", "hsdp"}, out.stdout
+    ratio = {k: float(v.split("|")[5]) for k, v in rows.items()}  # bytes / params' bytes
+    assert ratio["hsdp"] < ratio["flat"], out.stdout

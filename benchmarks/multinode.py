@@ -1,0 +1,97 @@
+"""Two hosts over a shaped link: flat ZeRO-3 against hierarchical ZeRO (HSDP).
+
+Two network namespaces of this machine, joined by a veth link whose ends a
+token bucket limits to ``--rate`` (1 Gbit/s by default), run ``examples/gpt.py``'s
+GPT under torchrun, 2 processes each (``tests/netns_worker.py``): once as flat
+ZeRO-3 over the 4 ranks, once with ZeRO-3 inside each host and the replicas
+across (``replicate=``, see [Note: replicas]). The modes alternate over
+``--rounds``; the table gives the median seconds per step (the run's wall time
+over its steps, the first included) and the bytes each host sent over its link
+per step, against the analytic figures: flat ZeRO-3 sends about 3x the
+params' bytes per host and step (each of a host's two ranks receives the
+other host's half of every unit twice, 2x, and sends its gradients for the
+other host's shards, 1x), HSDP about 1x (each rank all-reduces its
+half-model gradient shard with its replica; no gather crosses the link).
+Needs root and network namespaces (``ip netns``), as the tests do.
+
+Usage: sudo python benchmarks/multinode.py [--rate 1gbit] [--steps 12] [--rounds 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests import netns  # noqa: E402
+from tests.multiproc import free_port  # noqa: E402
+
+
+def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]]:
+    env = dict(os.environ, ZS_OUT=str(out), ZS_STEPS=str(args.steps), PYTHONPATH=str(ROOT),
+               OMP_NUM_THREADS="1", ZS_D=str(args.d), ZS_LAYERS=str(args.layers),
+               ZS_REPLICAS="2" if mode == "hsdp" else "1")
+    with netns.two_hosts(rate=args.rate) as hosts:
+        port, procs = free_port(), []
+        for i, h in enumerate(hosts):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+                   "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+                   f"{hosts[0].addr}:{port}", "--rdzv-id", f"zs-bench-{mode}", "--rdzv-conf",
+                   f"is_host={int(i == 0)},join_timeout=120", "--local-addr", h.addr,
+                   "--max-restarts", "0", str(ROOT / "tests" / "netns_worker.py")]
+            procs.append(subprocess.Popen(h.command(cmd), cwd=ROOT, text=True,
+                                          env=dict(env, GLOO_SOCKET_IFNAME=h.ifname),
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+        for p in procs:
+            log = p.communicate(timeout=900)[0]
+            if p.returncode:
+                raise SystemExit(f"{mode} failed:\n{log[-3000:]}")
+        sent = [h.tx_bytes() for h in hosts]
+    return json.loads(out.read_text()), sent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rate", default="1gbit", help="the link's rate, as tc writes it")
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--d", type=int, default=128, help="the GPT's width")
+    ap.add_argument("--layers", type=int, default=4)
+    args = ap.parse_args()
+    why = netns.unavailable()
+    if why is not None:
+        raise SystemExit(f"multinode: {why}")
+    times: dict[str, list[float]] = {"flat": [], "hsdp": []}
+    sent: dict[str, list[float]] = {"flat": [], "hsdp": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(args.rounds):
+            for mode in ("flat", "hsdp"):
+                report, nbytes = run(mode, args, Path(tmp) / f"{mode}{r}.json")
+                times[mode].append(report["seconds"] / args.steps)
+                sent[mode].append(max(nbytes) / args.steps)
+                param_bytes = report["param_bytes"]
+                print(f"round {r + 1}/{args.rounds} {mode}: {times[mode][-1] * 1e3:.0f} ms/step, "
+                      f"{sent[mode][-1] / 2**20:.2f} MiB sent per host and step", flush=True)
+    print(f"\nGPT d={args.d} layers={args.layers}, {param_bytes / 2**20:.2f} MiB of params, "
+          f"2 hosts x 2 processes, link {args.rate}; medians over {args.rounds} rounds of "
+          f"{args.steps} steps\n")
+    print("| mode | ms/step | vs flat | MiB sent per host and step | x params' bytes |")
+    print("|---|---|---|---|---|")
+    flat = statistics.median(times["flat"])
+    for mode in ("flat", "hsdp"):
+        t, b = statistics.median(times[mode]), statistics.median(sent[mode])
+        print(f"| {mode} | {t * 1e3:.0f} | {t / flat:.2f} | {b / 2**20:.2f} | "
+              f"{b / param_bytes:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
