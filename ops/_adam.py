@@ -11,7 +11,7 @@ import numpy as np
 from ops.device._arrays import array_kind, check_array, driver_for, xp_of
 from ops.kernels._table import adam_kernel
 
-__all__ = ["adam_scalars", "fused_adam_multi", "fused_adam_step"]
+__all__ = ["adam_scalars", "fused_adam_multi", "fused_adam_step", "grad_multiplier"]
 
 _FN = "fused_adam_step"
 
@@ -229,19 +229,30 @@ def _check_tensor(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_co
     return (gcode, ccode), (param, grad, exp_avg, exp_avg_sq, param_copy)
 
 
+def grad_multiplier(sumsq: Any, grad_scale: float, max_norm: float) -> float | None:
+    """What the fused kernels multiply the grads by (``optim.cuh``'s prologue, on
+    the host): ``grad_scale``, times torch's clip coefficient when ``max_norm``
+    > 0; None where ``sumsq`` (a number, a one-element array or None) is not
+    finite, and the update is skipped."""
+    if sumsq is None:
+        return grad_scale
+    s = float(np.asarray(sumsq).reshape(-1)[0])
+    if not math.isfinite(s):
+        return None
+    if max_norm > 0:
+        return grad_scale * min(1.0, max_norm / (math.sqrt(s) * grad_scale + 1e-6))
+    return grad_scale
+
+
 def _adam_float64(p: Any, g: Any, m: Any, v: Any, scalars: tuple) -> None:
     """The kernel's arithmetic in float64 with numpy, for float64 params (exact
     references and tight tests; the CUDA/CPU kernels are float32)."""
     (sumsq, beta1, beta2, omb1, omb2, step_size, bc2_sqrt, eps, decay, l2, grad_scale,
      max_norm) = scalars
     xp = xp_of(p)
-    mul = grad_scale
-    if sumsq is not None:
-        s = float(sumsq[0])
-        if not math.isfinite(s):
-            return
-        if max_norm > 0:
-            mul = grad_scale * min(1.0, max_norm / (math.sqrt(s) * grad_scale + 1e-6))
+    mul = grad_multiplier(sumsq, grad_scale, max_norm)
+    if mul is None:
+        return
     gi = g * mul + l2 * p
     p *= decay
     d = gi - m

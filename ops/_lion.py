@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
-from ops._adam import _check_global, _check_tensor
+from ops._adam import _check_global, _check_tensor, grad_multiplier
 from ops.device._arrays import array_kind, driver_for
 from ops.kernels._table import lion_kernel
 
@@ -84,13 +83,9 @@ def fused_lion(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequence[A
 def _lion_float64(p: Any, g: Any, m: Any, scalars: tuple) -> None:
     """The kernel's arithmetic in float64 with numpy, for float64 params."""
     sumsq, b1, b2, omb1, omb2, lr, _, _, wd, _, grad_scale, max_norm = scalars
-    mul = grad_scale
-    if sumsq is not None:
-        s = float(sumsq[0])
-        if not math.isfinite(s):
-            return
-        if max_norm > 0:
-            mul = grad_scale * min(1.0, max_norm / (math.sqrt(s) * grad_scale + 1e-6))
+    mul = grad_multiplier(sumsq, grad_scale, max_norm)
+    if mul is None:
+        return
     gi = g * mul
     c = b1 * m + omb1 * gi
     p += -lr * (np.sign(c) + wd * p)

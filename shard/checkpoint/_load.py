@@ -24,7 +24,7 @@ from shard.step._plan import make_plan, new_state
 
 __all__ = ["load", "read_any_manifest", "read_manifest"]
 
-log = logging.getLogger("shard.checkpoint._checkpoint")
+log = logging.getLogger(__name__)
 
 
 def read_manifest(path: str | os.PathLike) -> tuple[Path, dict]:

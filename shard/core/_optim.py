@@ -51,6 +51,7 @@ from typing import Any
 import numpy as np
 
 from ops import FusedOptimizer
+from ops._adam import grad_multiplier
 from ops._tree import tree_util
 from shard.core._parts import PER_LEAF, Segments, parts_of
 from shard.core._probe import check_parts, clip_first, describe
@@ -131,13 +132,10 @@ class ShardOptimizer:
         leaves, or None where the gradients are not finite (nothing changed).
         ``reduce`` sums a vector over the data ranks, for the parts that reduce
         over whole leaves (``rank`` is this rank's index among them)."""
-        sumsq = float(grad_sumsq[0])
-        if not math.isfinite(sumsq):
+        factor = grad_multiplier(grad_sumsq, grad_scale, max_norm or 0.0)  # the kernels' clip
+        if factor is None:
             return None
-        factor, norm = grad_scale, math.sqrt(sumsq) * grad_scale
-        if max_norm is not None:  # the fused kernel's (torch's) clip
-            factor *= min(1.0, max_norm / (norm + 1e-6))
-            norm = math.sqrt(sumsq) * factor
+        norm = math.sqrt(float(grad_sumsq[0])) * factor
         if self.clip_first is not None and norm >= self.clip_first:  # optax's clip
             factor *= self.clip_first / norm
         tu, td = tree_util(), layout.treedef
