@@ -1,5 +1,5 @@
 """Optimizer step benchmark: ops.fused_adam_step against torch, optax and
-DeepSpeed, and ops.fused_lion against optax.
+DeepSpeed, and ops.fused_lion and ops.fused_lamb against optax.
 
 Every implementation runs in this one process, one after another on freshly
 allocated buffers of the same sizes, and the table reports the median step time
@@ -25,6 +25,15 @@ Rows:
                  in one call; its "x floor" is against the lion floor.
   optax lion     optax.lion under jax.jit with donated params and state (torch
                  ships no Lion).
+  lamb floor     LAMB's traffic in its two passes, every tensor's first pass
+                 before any second one, as a step must when the per-tensor norms
+                 are summed over ranks in between (read p, g, m, v, write m, v;
+                 then read p, m, v, write p: 40 bytes/param; one pass would
+                 need the norms before they exist).
+  ours lamb      ops.fused_lamb (ops/kernels/lamb.cu), fp32 grads, all tensors in
+                 one call per pass; its "x floor" is against the lamb floor.
+  optax lamb     optax.lamb under jax.jit with donated params and state (torch
+                 ships no LAMB).
 
 Usage: python benchmarks/adam.py [--sizes 10e6 50e6 200e6] [--steps 10] [--rounds 3]
 """
@@ -82,8 +91,29 @@ extern "C" void stream20(float* __restrict__ p, const float* __restrict__ g,
   }
 }
 """
-BYTES = {"lion floor": 20, "ours lion": 20, "optax lion": 20}  # per param; Adam's rows: 28
-FLOOR = {"lion floor": "lion floor", "ours lion": "lion floor", "optax lion": "lion floor"}
+STREAM40_SRC = r"""
+#include <cstdint>
+extern "C" double stream40_first(const float* __restrict__ p, const float* __restrict__ g,
+                                 float* __restrict__ m, float* __restrict__ v, int64_t n) {
+  double acc = 0.0;
+#pragma omp parallel for simd schedule(static) reduction(+ : acc)
+  for (int64_t i = 0; i < n; ++i) {
+    float gi = g[i];
+    m[i] += gi; v[i] += gi; acc += p[i];
+  }
+  return acc;
+}
+extern "C" void stream40_second(float* __restrict__ p, const float* __restrict__ m,
+                                const float* __restrict__ v, int64_t n) {
+#pragma omp parallel for simd schedule(static)
+  for (int64_t i = 0; i < n; ++i) p[i] += m[i] + v[i];
+}
+"""
+# per param; Adam's rows: 28
+BYTES = {"lion floor": 20, "ours lion": 20, "optax lion": 20,
+         "lamb floor": 40, "ours lamb": 40, "optax lamb": 40}
+FLOOR = {"lion floor": "lion floor", "ours lion": "lion floor", "optax lion": "lion floor",
+         "lamb floor": "lamb floor", "ours lamb": "lamb floor", "optax lamb": "lamb floor"}
 
 
 def _numpy_state(sizes: list[int], grad_dtype=np.float32):
@@ -122,6 +152,30 @@ def setup_ours_lion(sizes):
 
     def step(_: int) -> None:
         ops.fused_lion(p, g, m, lr=LR, weight_decay=WD)
+    return step
+
+
+def setup_lamb_floor(sizes):
+    lib = load_cpu_source(STREAM40_SRC, "bench-stream40")
+    first, second = lib.stream40_first, lib.stream40_second
+    first.argtypes = [ctypes_ptr] * 4 + [ctypes_i64]
+    first.restype = ctypes.c_double
+    second.argtypes = [ctypes_ptr] * 3 + [ctypes_i64]
+    p, g, m, v = _numpy_state(sizes)
+
+    def step(_: int) -> None:
+        for a, b, c, d in zip(p, g, m, v, strict=True):
+            first(a.ctypes.data, b.ctypes.data, c.ctypes.data, d.ctypes.data, a.size)
+        for a, c, d in zip(p, m, v, strict=True):
+            second(a.ctypes.data, c.ctypes.data, d.ctypes.data, a.size)
+    return step
+
+
+def setup_ours_lamb(sizes):
+    p, g, m, v = _numpy_state(sizes)
+
+    def step(t: int) -> None:
+        ops.fused_lamb(p, g, m, v, step=t, lr=LR, weight_decay=WD)
     return step
 
 
@@ -230,6 +284,9 @@ IMPLS: dict[str, Callable] = {
     "lion floor": setup_lion_floor,
     "ours lion": setup_ours_lion,
     "optax lion": lambda sizes: setup_optax(sizes, __import__("optax").lion),
+    "lamb floor": setup_lamb_floor,
+    "ours lamb": setup_ours_lamb,
+    "optax lamb": lambda sizes: setup_optax(sizes, __import__("optax").lamb),
 }
 
 

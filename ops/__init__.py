@@ -1,7 +1,7 @@
 """ops: kernels, communicators and functional collectives for zeroshard.
 
 Arrays and the metal: single-source CUDA/CPU kernels (fused Adam/AdamW, sums of
-squares, casts, fused Lion) and the optimizers built on them; communicators (threads, gloo,
+squares, casts, fused Lion and LAMB) and the optimizers built on them; communicators (threads, gloo,
 NCCL) and the functional collectives over them. numpy arrays run the CPU
 build of each kernel, device arrays (cupy, or the strict stand-in of
 :mod:`ops.testing`) its CUDA build: see [Note: devices] in ``ops/device/_device.py``.
@@ -9,9 +9,19 @@ build of each kernel, device arrays (cupy, or the strict stand-in of
 
 from ops._adam import fused_adam_multi, fused_adam_step
 from ops._cast import cast
+from ops._lamb import fused_lamb
 from ops._lion import fused_lion
 from ops._norm import global_norm, sum_of_squares
-from ops._optim import AdamState, FusedAdam, FusedOptimizer, LionState, adam, adamw, lion
+from ops._optim import (
+    AdamState,
+    FusedAdam,
+    FusedOptimizer,
+    LionState,
+    adam,
+    adamw,
+    lamb,
+    lion,
+)
 from ops.comm._base import (
     CollectiveError,
     CollectiveTimeout,
@@ -54,9 +64,11 @@ __all__ = [
     "device_of",
     "fused_adam_multi",
     "fused_adam_step",
+    "fused_lamb",
     "fused_lion",
     "global_norm",
     "init_from_env",
+    "lamb",
     "lion",
     "reduce_scatter",
     "spawn",

@@ -196,35 +196,36 @@ def _check_sources(read_from: Any, param: Any, pcode: str) -> tuple[Any, Any, An
     return tuple(read_from)
 
 
-def _check_global(param: Any, grad_sumsq: Any, max_norm: float | None) -> None:
+def _check_global(param: Any, grad_sumsq: Any, max_norm: float | None, fn: str = _FN) -> None:
     kind = array_kind(param)
     if grad_sumsq is not None:
         if grad_sumsq.dtype != np.float64 or grad_sumsq.size != 1:
-            raise TypeError(f"{_FN}: grad_sumsq must be a one-element float64 array (from "
+            raise TypeError(f"{fn}: grad_sumsq must be a one-element float64 array (from "
                             f"ops.sum_of_squares); got {grad_sumsq.dtype} of shape "
                             f"{tuple(grad_sumsq.shape)}")
         if array_kind(grad_sumsq) != kind:
-            raise TypeError(f"{_FN}: grad_sumsq must be a {kind} array like param")
+            raise TypeError(f"{fn}: grad_sumsq must be a {kind} array like param")
     if max_norm is not None and (grad_sumsq is None or not max_norm > 0):
-        raise ValueError(f"{_FN}: max_norm={max_norm!r} needs max_norm > 0 and grad_sumsq, "
+        raise ValueError(f"{fn}: max_norm={max_norm!r} needs max_norm > 0 and grad_sumsq, "
                          "the global sum of squares of the grads")
 
 
 def _check_tensor(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_copy: Any,
-                  donate: bool, kind: str | None = None) -> tuple[tuple[str, str], tuple]:
+                  donate: bool, kind: str | None = None, fn: str = _FN
+                  ) -> tuple[tuple[str, str], tuple]:
     kind = kind or array_kind(param)
     shape = tuple(param.shape)
-    pcode = check_array(_FN, "param", param, dtypes=("f32", "f64"), writeable=donate, kind=kind)
+    pcode = check_array(fn, "param", param, dtypes=("f32", "f64"), writeable=donate, kind=kind)
     gdtypes = ("f64",) if pcode == "f64" else ("f32", "bf16", "f16")
-    gcode = check_array(_FN, "grad", grad, dtypes=gdtypes, shape=shape, kind=kind)
+    gcode = check_array(fn, "grad", grad, dtypes=gdtypes, shape=shape, kind=kind)
     for name, x in (("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
-        check_array(_FN, name, x, dtypes=(pcode,), shape=shape, writeable=donate, kind=kind)
+        check_array(fn, name, x, dtypes=(pcode,), shape=shape, writeable=donate, kind=kind)
     ccode = "none"
     if param_copy is not None and pcode == "f64":
-        raise NotImplementedError(f"{_FN}: param_copy needs float32 params (a 16-bit copy of "
+        raise NotImplementedError(f"{fn}: param_copy needs float32 params (a 16-bit copy of "
                                   "float64 masters is not supported)")
     if param_copy is not None:
-        ccode = check_array(_FN, "param_copy", param_copy, dtypes=("bf16", "f16"), shape=shape,
+        ccode = check_array(fn, "param_copy", param_copy, dtypes=("bf16", "f16"), shape=shape,
                             writeable=True, kind=kind)
     return (gcode, ccode), (param, grad, exp_avg, exp_avg_sq, param_copy)
 

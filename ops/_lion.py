@@ -62,10 +62,11 @@ def fused_lion(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequence[A
                          f"{n}, {len(grads)}, {len(exp_avgs)}, {len(copies)}")
     if n == 0:
         return [], []
-    _check_global(params[0], grad_sumsq, max_norm)
+    _check_global(params[0], grad_sumsq, max_norm, _FN)
     groups: dict[tuple[str, str], list[tuple]] = {}
     for p, g, m, c in zip(params, grads, exp_avgs, copies, strict=True):
-        codes, (p, g, m, _, c) = _check_tensor(p, g, m, m, c, True, kind=array_kind(params[0]))
+        codes, (p, g, m, _, c) = _check_tensor(p, g, m, m, c, True, kind=array_kind(params[0]),
+                                               fn=_FN)
         groups.setdefault(codes, []).append((p, g, m, None, c))
     b1, b2 = betas
     scalars = (grad_sumsq, b1, b2, 1.0 - b1, 1.0 - b2, lr, 0.0, 0.0, weight_decay, 0.0,

@@ -1,4 +1,4 @@
-"""Adam, AdamW and Lion shaped like optax's ``GradientTransformation``.
+"""Adam, AdamW, Lion and LAMB shaped like optax's ``GradientTransformation``.
 
 ``init(params) -> state`` and ``update(grads, state, params) -> (updates, state)``
 are pure, as in optax, so a ``FusedOptimizer`` can stand where an optax
@@ -17,11 +17,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ops._adam import fused_adam_multi, fused_adam_step
+from ops._lamb import fused_lamb
 from ops._lion import fused_lion
 from ops._tree import tree_util
 from ops.device._arrays import xp_of
 
-__all__ = ["AdamState", "FusedAdam", "FusedOptimizer", "LionState", "adam", "adamw", "lion"]
+__all__ = ["AdamState", "FusedAdam", "FusedOptimizer", "LionState", "adam", "adamw", "lamb", "lion"]
 
 Schedule = Callable[[int], float]
 
@@ -47,7 +48,10 @@ class FusedOptimizer(NamedTuple):
     ``learning_rate(count)`` is the rate the update after ``count`` updates
     uses; ``moments`` names the param-shaped parts of its state (the ZeRO
     transforms keep each in flat unit buffers laid out like the masters), and
-    ``state(count, *moments)`` builds its state from them.
+    ``state(count, *moments)`` builds its state from them. ``per_tensor``:
+    the update reduces over each whole leaf (LAMB's trust ratio), so its
+    ``apply`` takes each leaf as a tensor and a ``reduce=`` that sums the
+    per-leaf sums of a leaf split over ranks.
     """
 
     init: Callable[[Any], Any]
@@ -56,6 +60,7 @@ class FusedOptimizer(NamedTuple):
     learning_rate: Callable[[int], float]
     moments: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     state: Callable[..., Any] = AdamState
+    per_tensor: bool = False
 
 
 FusedAdam = FusedOptimizer  # what ops.adam and ops.adamw return, by its first name
@@ -266,3 +271,89 @@ def lion(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.99,
                    finite, read_from)
 
     return FusedOptimizer(init, update, apply, lr_at, ("exp_avg",), LionState)
+
+
+def lamb(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+         eps_root: float = 0.0, weight_decay: float = 0.0, *,
+         trust_clip: tuple[float, float] | None = None,
+         bias_correction: bool = True) -> FusedOptimizer:
+    """LAMB (You et al., 2020), as ``optax.lamb``: Adam's direction plus
+    decoupled weight decay, scaled per leaf by the trust ratio ``|p| / |u|``,
+    in two fused passes per call (:func:`ops.fused_lamb`). Under ZeRO each
+    leaf's norms are summed over the ranks that hold its rows, so the update
+    is the single-process one.
+
+    Args:
+      learning_rate: a float >= 0 or a schedule ``count -> lr``.
+      b1, b2: in [0, 1); eps, eps_root, weight_decay: >= 0; optax's defaults.
+      trust_clip: ``(min, max)`` bounds of the trust ratio (DeepSpeed's
+        ``min_coeff`` / ``max_coeff``), or None for optax's unbounded ratio.
+      bias_correction: False drops Adam's bias correction (DeepSpeed's flag).
+
+    Example:
+      >>> import numpy as np, ops
+      >>> opt = ops.lamb(0.1)
+      >>> params = {"w": np.full(4, 2.0, np.float32)}
+      >>> params, state = opt.apply({"w": np.ones(4, np.float32)}, opt.init(params), params)
+      >>> [round(float(x), 4) for x in params["w"]], int(state.count)
+      ([1.8, 1.8, 1.8, 1.8], 1)
+    """
+    fn = "lamb"
+    lr_at = _rate(fn, learning_rate)
+    b1 = _number(fn, "b1", b1, 0.0, 1.0, hi_open=True)
+    b2 = _number(fn, "b2", b2, 0.0, 1.0, hi_open=True)
+    eps = _number(fn, "eps", eps, 0.0, math.inf, hi_open=True)
+    eps_root = _number(fn, "eps_root", eps_root, 0.0, math.inf, hi_open=True)
+    weight_decay = _number(fn, "weight_decay", weight_decay, 0.0, math.inf, hi_open=True)
+    if trust_clip is not None:
+        lo = _number(fn, "trust_clip's min", trust_clip[0], 0.0, math.inf, hi_open=True)
+        trust_clip = (lo, _number(fn, "trust_clip's max", trust_clip[1], lo, math.inf,
+                                  lo_open=lo == 0.0, hi_open=True))
+
+    def init(params: Any) -> AdamState:
+        zeros = _zeros(params)
+        return AdamState(np.zeros((), np.int64), zeros,
+                         tree_util().tree_map(lambda z: z.copy(), zeros))
+
+    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
+            grad_sumsq: Any, max_norm: Any, copies: Any, finite: bool | None = None,
+            read_from: Any = None, reduce: Any = None) -> tuple[Any, AdamState]:
+        if read_from is not None:
+            raise NotImplementedError("lamb: read_from (the host tier's out-of-place update) "
+                                      "is Adam's only")
+        count = int(state.count)
+        if grad_sumsq is not None and finite is None:  # a host read of the device value
+            finite = math.isfinite(float(grad_sumsq[0]))
+        if finite is False:
+            return params, state
+        leaves, treedef = tree_util().tree_flatten(params)
+        g, m, v = (treedef.flatten_up_to(t) for t in (grads, state.mu, state.nu))
+        if not donate:
+            leaves, m, v = ([x.copy() for x in xs] for xs in (leaves, m, v))
+        fused_lamb(leaves, g, m, v, step=count + 1, lr=lr_at(count), betas=(b1, b2), eps=eps,
+                   eps_root=eps_root, weight_decay=weight_decay, trust_clip=trust_clip,
+                   bias_correction=bias_correction, grad_scale=grad_scale, grad_sumsq=grad_sumsq,
+                   max_norm=max_norm, reduce=reduce,
+                   param_copies=treedef.flatten_up_to(copies) if copies is not None else None)
+        return treedef.unflatten(leaves), AdamState(np.asarray(count + 1, np.int64),
+                                                    treedef.unflatten(m), treedef.unflatten(v))
+
+    def update(grads: Any, state: AdamState, params: Any = None) -> tuple[Any, AdamState]:
+        if params is None:
+            raise ValueError("lamb's update needs params (for the trust ratio and the fused "
+                             "update): update(grads, state, params)")
+        new_params, new_state = run(grads, state, params, False, None, None, None, None)
+        return tree_util().tree_map(lambda new, old: new - old, new_params, params), new_state
+
+    def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
+              grad_sumsq: Any = None, max_norm: float | None = None,
+              param_copies: Any = None, finite: bool | None = None, read_from: Any = None,
+              reduce: Any = None) -> tuple[Any, AdamState]:
+        """Update params and moments in place (donated), as Adam's ``apply``; each
+        leaf is one tensor for the trust ratio, ``reduce`` as
+        :func:`ops.fused_lamb`'s."""
+        return run(grads, state, params, True, grad_scale, grad_sumsq, max_norm, param_copies,
+                   finite, read_from, reduce)
+
+    return FusedOptimizer(init, update, apply, lr_at, ("exp_avg", "exp_avg_sq"), AdamState,
+                          per_tensor=True)

@@ -24,7 +24,9 @@ silently ignored.
   each other and the world size;
 - ``optimizer``: ``Adam`` (``adam_w_mode``, default true, as DeepSpeed's) and
   ``AdamW``: ``ops.adamw`` or ``ops.adam``; ``Lion`` (``lr``, ``betas``,
-  ``weight_decay``): ``ops.lion``;
+  ``weight_decay``): ``ops.lion``; ``Lamb`` (``lr``, ``betas``, ``eps``,
+  ``weight_decay``, ``bias_correction``, ``min_coeff``/``max_coeff``, as
+  DeepSpeed's FusedLamb with its defaults 0.01 and 10): ``ops.lamb``;
 - ``scheduler``: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR`` and
   ``OneCycle`` (with ``cycle_momentum: false``: Adam's ``b1`` is fixed here):
   the same schedule, as the optimizer's ``count -> lr``;
@@ -51,7 +53,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ops import FusedOptimizer, adam, adamw, lion
+from ops import FusedOptimizer, adam, adamw, lamb, lion
 from shard._deepspeed_lr import schedule
 from shard.core._policy import LossScale, Precision
 from shard.monitor._loggers import CSVLogger, TensorBoardLogger
@@ -279,25 +281,35 @@ def _precision(cfg: dict, bad: list[str]) -> tuple[Precision | None, LossScale |
 
 def _optimizer(cfg: dict, bad: list[str]) -> FusedOptimizer:
     opt_cfg = dict(cfg.pop("optimizer", {}) or {})
-    kind = opt_cfg.pop("type", "AdamW")
+    raw = opt_cfg.pop("type", "AdamW")
+    kind = str(raw).lower()
     params = dict(opt_cfg.pop("params", {}) or {})
     bad += [f"optimizer.{k}" for k in opt_cfg]
-    is_lion = str(kind).lower() == "lion"
-    lr = params.pop("lr", 1e-4 if is_lion else 1e-3)
-    b1, b2 = params.pop("betas", (0.9, 0.99) if is_lion else (0.9, 0.999))
+    lr = params.pop("lr", 1e-4 if kind == "lion" else 1e-3)
+    b1, b2 = params.pop("betas", (0.9, 0.99) if kind == "lion" else (0.9, 0.999))
     wd = params.pop("weight_decay", 0.0)
-    if not is_lion:
+    if kind != "lion":
         eps = params.pop("eps", 1e-8)
+    if kind == "lamb":  # DeepSpeed's FusedLamb defaults
+        trust = (params.pop("min_coeff", 0.01), params.pop("max_coeff", 10.0))
+        bias_correction = params.pop("bias_correction", True)
+        if params.get("max_grad_norm", 0.0) in (0, 0.0):
+            params.pop("max_grad_norm", None)
+    elif kind != "lion":
         decoupled = params.pop("adam_w_mode", True)
         params.pop("torch_adam", None)  # which implementation: the fused kernel either way
-    bad += [f"optimizer.params.{k}" for k in params]
-    if str(kind).lower() not in ("adam", "adamw", "lion"):
-        bad.append(f"optimizer.type={kind!r} (Adam, AdamW and Lion are supported)")
+    bad += [f"optimizer.params.{k}" + (" (use gradient_clipping)" if k == "max_grad_norm" else "")
+            for k in params]
+    if kind not in ("adam", "adamw", "lion", "lamb"):
+        bad.append(f"optimizer.type={raw!r} (Adam, AdamW, Lion and Lamb are supported)")
     sched = dict(cfg.pop("scheduler", {}) or {})
     rate = schedule(sched, lr, bad) if sched else lr
-    if is_lion:
+    if kind == "lion":
         return lion(rate, b1, b2, wd)
-    make = adamw if (str(kind).lower() == "adamw" or decoupled) else adam
+    if kind == "lamb":
+        return lamb(rate, b1, b2, eps, weight_decay=wd, trust_clip=trust,
+                    bias_correction=bool(bias_correction))
+    make = adamw if (kind == "adamw" or decoupled) else adam
     return make(rate, b1, b2, eps, wd)
 
 

@@ -72,6 +72,18 @@ def test_lion_type_maps_to_ops_lion():
         cfg(optimizer={"type": "Lion", "params": {"lr": 0.1, "eps": 1e-8}})
 
 
+def test_lamb_type_maps_to_ops_lamb_with_deepspeeds_trust_bounds():
+    c = cfg(optimizer={"type": "Lamb", "params": {"lr": 0.1, "betas": [0.8, 0.9], "eps": 1e-6,
+                                                  "weight_decay": 0.2, "max_coeff": 0.5}})
+    assert c.optimizer.per_tensor and c.optimizer.moments == ("exp_avg", "exp_avg_sq")
+    want = ops.lamb(0.1, 0.8, 0.9, 1e-6, weight_decay=0.2, trust_clip=(0.01, 0.5))
+    np.testing.assert_array_equal(one_step(c.optimizer), one_step(want))
+    assert not np.array_equal(one_step(want), one_step(ops.lamb(0.1, 0.8, 0.9, 1e-6,
+                                                                weight_decay=0.2)))
+    with pytest.raises(ValueError, match=r"optimizer\.params\.max_grad_norm \(use gradient_"):
+        cfg(optimizer={"type": "Lamb", "params": {"max_grad_norm": 1.0}})
+
+
 def ds_warmup(it, lo, hi, warmup, linear):
     if it < 0:
         return lo
@@ -174,12 +186,12 @@ def test_offload_optimizer_maps_to_shard_offload(tmp_path):
 def test_unsupported_keys_are_named_or_warned(tmp_path, caplog):
     bad = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}},
            "fp16": {"enabled": True, "hysteresis": 2}, "amp": {"enabled": True},
-           "optimizer": {"type": "Lamb", "params": {"lr": 1e-3}},
+           "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}},
            "scheduler": {"type": "CyclicLR", "params": {}}}
     with pytest.raises(ValueError) as e:
         shard.from_deepspeed_config(bad)
     for name in ("zero_optimization.offload_param below stage 3", "fp16.hysteresis", "amp",
-                 "optimizer.type='Lamb'", "scheduler.type='CyclicLR'"):
+                 "optimizer.type='OneBitAdam'", "scheduler.type='CyclicLR'"):
         assert name in str(e.value), name
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(bad))

@@ -1,4 +1,5 @@
-"""ThreadSanitizer on the CPU emulation of the GPU reduction kernels.
+"""ThreadSanitizer on the CPU emulation of the GPU reduction kernels (the sum
+of squares, LAMB's per-chunk sums).
 
 The emulation runs every CUDA thread of a block as an OS thread, so a missing
 ``__syncthreads()`` is a real data race that ThreadSanitizer can see even when
@@ -37,9 +38,9 @@ int main() {
 """
 
 
-def _run(tmp_path, src: str, name: str) -> subprocess.CompletedProcess:
+def _run(tmp_path, src: str, name: str, driver: str = DRIVER) -> subprocess.CompletedProcess:
     cpp = tmp_path / f"{name}.cpp"
-    cpp.write_text(src + DRIVER)
+    cpp.write_text(src + driver)
     exe = tmp_path / name
     build = subprocess.run(["g++", "-std=c++20", "-O1", "-g", "-fsanitize=thread", "-fopenmp",
                             "-pthread", str(cpp), "-o", str(exe)], capture_output=True, text=True)
@@ -61,3 +62,58 @@ def test_reduction_kernels_are_race_free_and_a_missing_barrier_is_caught(tmp_pat
     assert broken_src != src
     broken = _run(tmp_path, broken_src, "broken")
     assert "ThreadSanitizer: data race" in broken.stderr
+
+
+LAMB_DRIVER = r"""
+#include <cstdio>
+#include <vector>
+int main() {
+  // one tensor of four chunks and one block: the block reduces four times,
+  // reusing its shared memory
+  const long long size = 3 * 4096 + 5, nchunks = 4, n = 1;
+  std::vector<float> p(size), g(size), m(size, 0.0f), v(size, 0.0f);
+  for (long long i = 0; i < size; ++i) { p[i] = (float)((i % 5) - 2); g[i] = (float)((i % 3) - 1); }
+  std::vector<long long> ptrs = {(long long)p.data(), (long long)g.data(), (long long)m.data(),
+                                 (long long)v.data(), 0};
+  std::vector<long long> starts = {0, size}, chunks = {0, nchunks};
+  std::vector<double> partials(2 * nchunks);
+  const long long *pp = ptrs.data(), *ps = starts.data(), *pc = chunks.data();
+  const double* sumsq = nullptr;
+  double* out = partials.data();
+  float b1 = 0.9f, b2 = 0.999f, omb1 = 0.1f, omb2 = 0.001f, bc1 = 10.0f, bc2 = 1000.0f,
+        eps = 1e-6f, eps_root = 0.0f, wd = 0.0f, lr = 0.01f, lo = 0.0f, hi = 0.0f,
+        scale = 1.0f, max_norm = 0.0f;
+  void* args[] = {&pp, &ps, &pc, (void*)&n, &sumsq, &b1, &b2, &omb1, &omb2, &bc1, &bc2, &eps,
+                  &eps_root, &wd, &lr, &lo, &hi, &scale, &max_norm, &out};
+  unsigned grid[3] = {1, 1, 1}, block[3] = {256, 1, 1};
+  zs_emu_zs_lamb_stats_f32(grid, block, args);
+  double sp = 0;
+  for (long long c = 0; c < nchunks; ++c) sp += partials[2 * c + 1];
+  double want = 0;
+  for (long long i = 0; i < size; ++i) want += (double)p[i] * p[i];
+  std::printf("%.1f %.1f\n", sp, want);
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
+@pytest.mark.parametrize("removed", [None, 0, 1])
+def test_lamb_stats_kernel_is_race_free_and_each_missing_barrier_is_caught(tmp_path, removed):
+    """LAMB's two-value block reduction runs once per chunk in the same block:
+    its first barrier keeps a chunk's writes to shared memory from racing the
+    previous chunk's reads, its second orders the writes before the reads."""
+    src = source("lamb", "cpu")
+    assert src.count("__syncthreads();") == 2
+    if removed is not None:
+        at = -1
+        for _ in range(removed + 1):
+            at = src.index("__syncthreads();", at + 1)
+        src = src[:at] + src[at + len("__syncthreads();"):]
+    run = _run(tmp_path, src, f"lamb{removed}", driver=LAMB_DRIVER)
+    if removed is None:
+        assert run.returncode == 0 and "ThreadSanitizer" not in run.stderr, run.stderr[-2000:]
+        got, want = (float(x) for x in run.stdout.split())
+        assert got == want > 0
+    else:
+        assert "ThreadSanitizer: data race" in run.stderr

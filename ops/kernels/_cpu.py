@@ -70,6 +70,28 @@ class CpuDriver:
         args = (ptrs, sizes, len(tensors), *scalars)
         fn(*(_arg(a, kind) for a, (_, kind) in zip(args, ADAM_MULTI_PARAMS, strict=True)))
 
+    def lamb_stats(self, stats: Kernel, finish: Kernel, tensors: list[tuple], scalars: tuple,
+                   sums: np.ndarray) -> None:
+        """LAMB's first pass over (p, g, m, v, copy) tuples: moments updated, each
+        tensor's sums of squares of the update and the param into ``sums``
+        ((n, 2) float64); ``finish`` is the GPU's second launch, done here in
+        the same call."""
+        self._lamb(stats, tensors, scalars, sums)
+
+    def lamb_apply(self, apply: Kernel, tensors: list[tuple], scalars: tuple,
+                   sums: np.ndarray) -> None:
+        """LAMB's second pass: params (and copies) from the moments and ``sums``."""
+        self._lamb(apply, tensors, scalars, sums)
+
+    def _lamb(self, kernel: Kernel, tensors: list[tuple], scalars: tuple, sums: np.ndarray) -> None:
+        ptrs = np.array([0 if a is None else a.ctypes.data for t in tensors for a in t],
+                        np.int64)
+        sizes = np.array([t[0].size for t in tensors], np.int64)
+        sig = kernel.host_signature
+        fn = self._function(kernel.family, kernel.host, sig)
+        args = (ptrs, sizes, len(tensors), *scalars, sums)
+        fn(*(_arg(a, kind) for a, (_, kind) in zip(args, sig, strict=True)))
+
     def sum_of_squares(self, xs: list[np.ndarray], code: str, out: np.ndarray) -> None:
         """Write the float64 sum of squares of all of ``xs`` into ``out[0]``."""
         partial, _ = sumsq_kernels(code)

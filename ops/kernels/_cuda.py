@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ops.kernels._build import source
-from ops.kernels._table import TABLE, Kernel, sumsq_kernels
+from ops.kernels._table import LAMB_CHUNK, TABLE, Kernel, sumsq_kernels
 
 __all__ = ["NVRTC_OPTIONS", "CudaDriver", "cuda_driver"]
 
@@ -50,6 +50,7 @@ class CudaDriver:
         self.sm_count = sm_count
         self._modules: dict[str, Any] = {}
         self._tables: dict[tuple, tuple[Any, Any]] = {}
+        self._chunks: dict[tuple, tuple[Any, int]] = {}
 
     def _module(self, family: str) -> Any:
         if family not in self._modules:
@@ -109,6 +110,38 @@ class CudaDriver:
         ptrs, starts, total = self.table(tensors, [t[0].size for t in tensors])
         if total:
             self.launch(multi, self.grid(multi, total), (ptrs, starts, len(tensors), *scalars))
+
+    def lamb_stats(self, stats: Kernel, finish: Kernel, tensors: list[tuple], scalars: tuple,
+                   sums: Any) -> None:
+        """LAMB's first pass over (p, g, m, v, copy) tuples: one launch updating the
+        moments and writing per-chunk partial sums, one adding each tensor's
+        partials in order into ``sums`` ((n, 2) float64); see [Note: LAMB's
+        sums, bit for bit] in ``lamb.cu``."""
+        sizes = [t[0].size for t in tensors]
+        ptrs, starts, _ = self.table(tensors, sizes)
+        key = tuple(sizes)
+        hit = self._chunks.get(key)
+        if hit is None:
+            if len(self._chunks) >= TABLE_CACHE:
+                self._chunks.pop(next(iter(self._chunks)))
+            counts = [-(-n // LAMB_CHUNK) for n in sizes]
+            hit = self._chunks[key] = (self.xp.asarray(np.cumsum([0, *counts], dtype=np.int64)),
+                                       sum(counts))
+        chunks, nchunks = hit
+        if nchunks == 0:
+            sums[...] = 0.0
+            return
+        partials = self.xp.empty(2 * nchunks, dtype=np.float64)
+        grid = max(1, min(nchunks, self.sm_count * WAVES))
+        self.launch(stats, grid, (ptrs, starts, chunks, len(tensors), *scalars, partials))
+        self.launch(finish, self.grid(finish, len(tensors)), (chunks, len(tensors), partials, sums))
+
+    def lamb_apply(self, apply: Kernel, tensors: list[tuple], scalars: tuple, sums: Any) -> None:
+        """LAMB's second pass: params (and copies) from the moments and ``sums``."""
+        ptrs, starts, total = self.table(tensors, [t[0].size for t in tensors])
+        if total:
+            self.launch(apply, self.grid(apply, total), (ptrs, starts, len(tensors), *scalars,
+                                                         sums))
 
     def sum_of_squares(self, xs: list[Any], code: str, out: Any) -> None:
         """Write the float64 sum of squares of all of ``xs`` into ``out[0]``: one

@@ -15,8 +15,8 @@ import numpy as np
 
 from ops.kernels._dtypes import BF16
 
-__all__ = ["ADAM_MULTI_PARAMS", "TABLE", "Kernel", "adam_kernel", "cast_kernel", "lion_kernel",
-           "runs_kernel", "sumsq_kernels"]
+__all__ = ["ADAM_MULTI_PARAMS", "LAMB_CHUNK", "TABLE", "Kernel", "adam_kernel", "cast_kernel",
+           "lamb_kernels", "lion_kernel", "runs_kernel", "sumsq_kernels"]
 
 # Parameter kinds: "ptr" (an array, or None for a null pointer), "f4", "f8", "i8".
 _ADAM_PARAMS = (
@@ -37,6 +37,19 @@ _RUNS_PARAMS = (("src", "ptr"), ("dst", "ptr"), ("runs", "ptr"), ("starts", "ptr
 # Multi-tensor launches: a device table of pointers and the tensors' starts.
 _ADAM_TABLE_PARAMS = (("ptrs", "ptr"), ("starts", "ptr"), ("n", "i8"), *_ADAM_PARAMS[6:])
 _SUMSQ_TABLE_PARAMS = (("ptrs", "ptr"), ("starts", "ptr"), ("n", "i8"), ("partials", "ptr"))
+# LAMB's two passes (ops/kernels/lamb.cu) over a table of (p, g, m, v, copy)
+# per tensor; the stats pass also takes each tensor's first chunk (``chunks``).
+_LAMB_SCALARS = (("sumsq", "ptr"), *((name, "f4") for name in (
+    "beta1", "beta2", "omb1", "omb2", "inv_bc1", "inv_bc2", "eps", "eps_root", "wd", "lr",
+    "trust_min", "trust_max", "grad_scale", "max_norm")))
+_LAMB_STATS_PARAMS = (("ptrs", "ptr"), ("starts", "ptr"), ("chunks", "ptr"), ("n", "i8"),
+                      *_LAMB_SCALARS, ("partials", "ptr"))
+_LAMB_APPLY_PARAMS = (("ptrs", "ptr"), ("starts", "ptr"), ("n", "i8"), *_LAMB_SCALARS,
+                      ("sums", "ptr"))
+_LAMB_HOST_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), *_LAMB_SCALARS,
+                     ("sums", "ptr"))
+_LAMB_FINISH_PARAMS = (("chunks", "ptr"), ("n", "i8"), ("partials", "ptr"), ("sums", "ptr"))
+LAMB_CHUNK = 4096  # ZS_LAMB_CHUNK: elements per chunk of the stats pass
 
 ADAM_MULTI_PARAMS = _ADAM_MULTI_PARAMS
 DTYPE_CODES = ("f32", "bf16", "f16")
@@ -95,6 +108,15 @@ def _entries() -> dict[str, Kernel]:
             table[name] = Kernel(name, "lion", _ADAM_PARAMS, host=name + "_host",
                                  multi_host=name + "_multi_host", multi=multi)
             table[multi] = Kernel(multi, "lion", _ADAM_TABLE_PARAMS)
+    for code in DTYPE_CODES:
+        name = f"zs_lamb_stats_{code}"
+        table[name] = Kernel(name, "lamb", _LAMB_STATS_PARAMS, host=name + "_host",
+                             host_params=_LAMB_HOST_PARAMS)
+    for code in COPY_CODES:
+        name = f"zs_lamb_apply_{code}"
+        table[name] = Kernel(name, "lamb", _LAMB_APPLY_PARAMS, host=name + "_host",
+                             host_params=_LAMB_HOST_PARAMS)
+    table["zs_lamb_finish"] = Kernel("zs_lamb_finish", "lamb", _LAMB_FINISH_PARAMS)
     for x, y in (("f32", "bf16"), ("f32", "f16"), ("bf16", "f32"), ("f16", "f32")):
         name = f"zs_cast_{x}_{y}"
         table[name] = Kernel(name, "cast", _CAST_PARAMS, host=name + "_host")
@@ -120,6 +142,12 @@ def adam_kernel(grad_code: str, copy_code: str) -> Kernel:
 
 def lion_kernel(grad_code: str, copy_code: str) -> Kernel:
     return TABLE[f"zs_lion_{grad_code}_{copy_code}"]
+
+
+def lamb_kernels(grad_code: str, copy_code: str) -> tuple[Kernel, Kernel, Kernel]:
+    """LAMB's (stats, finish, apply) kernels for these grads and param copies."""
+    return (TABLE[f"zs_lamb_stats_{grad_code}"], TABLE["zs_lamb_finish"],
+            TABLE[f"zs_lamb_apply_{copy_code}"])
 
 
 def cast_kernel(src_code: str, dst_code: str) -> Kernel:

@@ -1,5 +1,5 @@
-"""The step's optimizer on this rank's shards: ``ops.adamw``, ``ops.adam`` or
-``ops.lion`` (fused kernels) or any optax ``GradientTransformation``.
+"""The step's optimizer on this rank's shards: ``ops.adamw``, ``ops.adam``,
+``ops.lion`` or ``ops.lamb`` (fused kernels) or any optax ``GradientTransformation``.
 
 [Note: optax on shards]
 An optax transformation sees pytrees shaped like the params, and ZeRO gives a
@@ -36,7 +36,7 @@ optimizer, naming the part. At stage 0, or on one rank, every leaf is whole
 and any transformation runs as it is.
 
 The update runs under ``jax.jit`` on the host's masters; on device (GPU)
-state the fused kernels (``ops.adamw``, ``ops.lion``) run, and offload keeps
+state the fused kernels (``ops.adamw``, ``ops.lion``, ``ops.lamb``) run, and offload keeps
 Adam's.
 """
 
@@ -183,6 +183,11 @@ def on_shards(optimizer: Any, layout: Any, *, stage: int, master_dtype: Any,
     TypeError / ValueError naming what cannot run on these shards (before
     any state exists; see [Note: optax on shards])."""
     if isinstance(optimizer, FusedOptimizer):
+        if offload and optimizer.per_tensor:
+            raise TypeError(f"{fn}: offload= updates its tiers unit by unit with Adam's "
+                            "element-wise kernel; this fused optimizer (ops.lamb) scales each "
+                            "whole leaf by its trust ratio: drop offload=, or use "
+                            "ops.adamw(...)")
         if offload and optimizer.moments != ADAM_MOMENTS:
             raise TypeError(f"{fn}: offload= keeps Adam's moments in its tiers; this fused "
                             f"optimizer keeps {list(optimizer.moments)}: drop offload=, or "

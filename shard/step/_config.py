@@ -60,8 +60,9 @@ class StepConfig:
         if stage not in (0, 1, 2, 3):
             raise ValueError(f"stage must be 0, 1, 2 or 3; got {stage!r}")
         if not (isinstance(optimizer, FusedOptimizer) or is_transformation(optimizer)):
-            raise TypeError(f"{name}: optimizer must be ops.adamw(...), ops.adam(...) or "
-                            "ops.lion(...), or an optax GradientTransformation; got "
+            raise TypeError(f"{name}: optimizer must be ops.adamw(...), ops.adam(...), "
+                            "ops.lion(...) or ops.lamb(...), or an optax GradientTransformation; "
+                            "got "
                             f"{type(optimizer).__name__}")
         if not isinstance(comm, Communicator):
             raise TypeError(f"{name}: comm must be an ops.Communicator (from ops.spawn or "

@@ -130,13 +130,44 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
                 ops.cast(m, dst.dtype, out=dst)
         refresh(plan, state, copies)
         return state
-    opt = plan.optimizer.fused.state(state.step, *state.moments)
+    fused = plan.optimizer.fused
     with timed("optimizer"):
-        c.optimizer.apply(tuple(shards), opt, state.master, grad_scale=grad_scale,
-                          grad_sumsq=grad_sumsq, max_norm=c.clip_norm, param_copies=copies,
-                          finite=True)
+        if fused.per_tensor:
+            _per_leaf(plan, state, shards, grad_scale, grad_sumsq, copies)
+        else:
+            c.optimizer.apply(tuple(shards), fused.state(state.step, *state.moments),
+                              state.master, grad_scale=grad_scale, grad_sumsq=grad_sumsq,
+                              max_norm=c.clip_norm, param_copies=copies, finite=True)
     refresh(plan, state, copies)
     return state
+
+
+def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
+              grad_sumsq: Any, copies: tuple | None) -> None:
+    """A fused optimizer whose update reduces over each whole leaf (LAMB's trust
+    ratio), on each leaf's local view: the split leaves first, so that their
+    per-leaf sums are one leading block, summed over the data ranks by one
+    all-reduce between the kernel's passes; a replicated leaf's are its own."""
+    c = plan.config
+    leaves = plan.layout.leaves
+    split = [c.stage > 0 and c.comm.world_size > 1 and leaf.sharded for leaf in leaves]
+    order = sorted(range(len(leaves)), key=lambda i: not split[i])
+    nsplit = sum(split)
+
+    def views(bufs: Any) -> tuple:
+        return tuple(bufs[leaves[i].unit][leaves[i].offset:leaves[i].offset +
+                                          leaves[i].local_size] for i in order)
+
+    def reduce(sums: Any) -> Any:
+        if nsplit:
+            with timed("reduce_wait"):
+                plan.fast.all_reduce_(sums[:nsplit], "sum")
+        return sums
+
+    c.optimizer.apply(views(shards), plan.optimizer.fused.state(
+        state.step, *(views(m) for m in state.moments)), views(state.master),
+        grad_scale=grad_scale, grad_sumsq=grad_sumsq, max_norm=c.clip_norm,
+        param_copies=views(copies) if copies else None, finite=True, reduce=reduce)
 
 
 def _summed(plan: Any, x: np.ndarray) -> np.ndarray:
