@@ -242,7 +242,11 @@ FIXTURE = Path(__file__).parent / "data" / "checkpoint-2026-11-23"
 def test_a_checkpoint_an_earlier_commit_wrote_still_resumes(world, stage):
     """``tests/data/make_checkpoint_fixture.py`` wrote these files on 2026-11-23
     (``saved_at_step5``'s run, and its params and moments after 10 steps): they
-    load, and the run resumed from them ends where the unbroken run ended."""
+    load, and the run resumed from them ends where the unbroken run ended, to
+    the last bit or two: XLA's CPU kernels round the loss's matmuls differently
+    on another vector instruction set (the fixture's machine had AVX-512), so
+    the bit-for-bit resume is :func:`test_resume_on_other_world_sizes_and_stages`'s,
+    on one machine."""
     want = list(np.load(FIXTURE / "expected.npz").values())
 
     def run(comm):
@@ -256,7 +260,4 @@ def test_a_checkpoint_an_earlier_commit_wrote_still_resumes(world, stage):
     got = jax.tree_util.tree_leaves(ops.spawn(run, world)[0])
     assert len(got) == len(want)
     for g, w in zip(got, want, strict=True):
-        if world == 4 and stage == 3:
-            np.testing.assert_array_equal(g, w)
-        else:
-            np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6 * np.abs(w).max())
+        np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-6 * np.abs(w).max())
