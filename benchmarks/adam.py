@@ -3,7 +3,8 @@ DeepSpeed, and ops.fused_lion and ops.fused_lamb against optax.
 
 Every implementation runs in this one process, one after another on freshly
 allocated buffers of the same sizes, and the table reports the median step time
-with ratios to torch's fused CPU Adam and to the memory-bandwidth floor.
+with ratios to torch's fused CPU Adam and to the memory-bandwidth floor (with
+--rounds, the median over rounds of each round's ratio).
 
 Rows:
   floor          a one-pass stream with Adam's traffic (read p, g, m, v; write
@@ -316,15 +317,25 @@ def run(n: int, layout: str, impls: list[str], steps: int, warmup: int) -> dict[
     return medians
 
 
-def table(results: dict[tuple[int, str], dict[str, float]]) -> str:
+def paired(rounds: list[dict[str, float]], name: str, ref: str | None) -> float | None:
+    """The median over rounds of ``name``'s time over ``ref``'s in the same round:
+    a shared machine's drift between rounds cancels in each ratio."""
+    if ref is None or any(ref not in r for r in rounds):
+        return None
+    return statistics.median(r[name] / r[ref] for r in rounds)
+
+
+def table(results: dict[tuple[int, str], dict[str, float]],
+          every: dict[tuple[int, str], list[dict[str, float]]]) -> str:
     lines = ["| params | layout | implementation | median ms | x torch fused | x floor | GB/s |",
              "|---|---|---|---|---|---|---|"]
     for (n, layout), med in results.items():
+        rounds = every[(n, layout)]
         for name, t in med.items():
-            ref = None if name in FLOOR else med.get("torch fused")
-            floor = med.get(FLOOR.get(name, "floor"))
-            vs_torch = f"{t / ref:.2f}" if ref else "-"
-            vs_floor = f"{t / floor:.2f}" if floor else "-"
+            ref = paired(rounds, name, None if name in FLOOR else "torch fused")
+            floor = paired(rounds, name, FLOOR.get(name, "floor"))
+            vs_torch = f"{ref:.2f}" if ref else "-"
+            vs_floor = f"{floor:.2f}" if floor else "-"
             lines.append(f"| {n / 1e6:.0f}M | {layout} | {name} | {t * 1e3:.1f} | {vs_torch} | "
                          f"{vs_floor} | {BYTES.get(name, 28) * n / t / 1e9:.1f} |")
         if "ours phase" in med and "torch phase" in med:
@@ -350,15 +361,16 @@ def main() -> None:
 
     torch.set_num_threads(THREADS)
     print(f"threads={THREADS} torch={torch.__version__} numpy={np.__version__}", flush=True)
-    results = {}
+    results, every = {}, {}
     for n in (int(s) for s in args.sizes):
         for layout in args.layouts:
             rounds = [run(n, layout, args.impls, args.steps, args.warmup)
                       for _ in range(args.rounds)]  # interleaved: drift hits every row
             results[(n, layout)] = {k: statistics.median(r[k] for r in rounds)
                                     for k in rounds[0]}
+            every[(n, layout)] = rounds
     print()
-    print(table(results))
+    print(table(results, every))
     if args.json:
         args.json.write_text(json.dumps({f"{n}/{lay}": r for (n, lay), r in results.items()}))
 
