@@ -9,6 +9,7 @@ from ops import init_from_env, spawn
 from shard._deepspeed import DeepSpeedConfig, from_deepspeed_config
 from shard._memory import estimate_memory
 from shard._stages import zero0, zero1, zero2, zero3
+from shard.checkpoint._async import AsyncSave, async_save
 from shard.checkpoint._checkpoint import CheckpointError, save
 from shard.checkpoint._load import load
 from shard.core._gather import MicroBatches, gather, split_batch
@@ -25,6 +26,7 @@ from shard.pipelines._pipeline import Pipeline, balance_by_time, pipeline
 from shard.step._step import ZeroStep
 
 __all__ = [
+    "AsyncSave",
     "Breakdown",
     "CSVLogger",
     "CheckpointError",
@@ -43,6 +45,7 @@ __all__ = [
     "TensorBoardLogger",
     "TrainState",
     "ZeroStep",
+    "async_save",
     "balance_by_time",
     "estimate_memory",
     "from_deepspeed_config",

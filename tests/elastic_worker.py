@@ -3,7 +3,10 @@ ZeRO-3 under ``torchrun --max-restarts 1``, a checkpoint every ZS_EVERY steps
 (with the data position), resuming from the latest one when it exists. On the
 first attempt, rank ZS_KILL_RANK SIGKILLs itself before step ZS_KILL_STEP
 (ZS_KILL_STEP < 0: never). Rank 0 of the attempt that finishes writes the
-trained params' checksums and the steps it ran to ZS_OUT."""
+trained params' checksums and the steps it ran to ZS_OUT. With ZS_ASYNC=1 the
+checkpoints are ``shard.async_save``'s, and on the first attempt each rank
+file after the first checkpoint's takes ZS_SLOW_DISK more seconds to write (a
+slow disk)."""
 
 from __future__ import annotations
 
@@ -34,15 +37,35 @@ def main() -> None:
     if (ckpt / "manifest.json").exists():
         state, extra = shard.load(ckpt, step, comm=comm)
         first = int(extra["next_batch"])
-    data, ran = gpt.corpus(), []
+    asynchronous = os.environ.get("ZS_ASYNC") == "1"
+    if asynchronous and attempt == 0:
+        import time
+
+        from shard.checkpoint import _checkpoint
+
+        real, delay = _checkpoint.write_tensors, float(os.environ.get("ZS_SLOW_DISK", "0"))
+
+        def slow_disk(tensors, path):
+            out = real(tensors, path)
+            if slow:
+                time.sleep(delay)
+            return out
+
+        _checkpoint.write_tensors = slow_disk
+    data, ran, pending, slow = gpt.corpus(), [], None, False
     for i in range(first, steps):
         if attempt == 0 and comm.rank == kill_rank and i == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
         batch = gpt.local_part(gpt.sample_batch(data, i, 8, cfg.seq), comm)
         state, _ = step(state, batch)
         ran.append(i)
-        if (i + 1) % every == 0:
+        if (i + 1) % every == 0 and asynchronous:
+            pending = shard.async_save(state, ckpt, comm=comm, extra={"next_batch": i + 1})
+            slow = True
+        elif (i + 1) % every == 0:
             shard.save(state, ckpt, comm=comm, extra={"next_batch": i + 1})
+    if pending is not None:
+        pending.wait()
     whole = shard.gather(state, comm)
     if comm.rank == 0:
         Path(os.environ["ZS_OUT"]).write_text(json.dumps({

@@ -72,7 +72,8 @@ def test_replicas_train_like_one_process_and_stay_identical(stage, world, replic
     np.testing.assert_allclose(evaluated, float(loss(want, data[0])), rtol=1e-5)
 
 
-def test_a_checkpoint_is_written_once_and_resumes_as_flat_zero(tmp_path):
+@pytest.mark.parametrize("save", ["save", "async_save"])
+def test_a_checkpoint_is_written_once_and_resumes_as_flat_zero(tmp_path, save):
     data = batches()
     want = reference(data)
 
@@ -82,8 +83,14 @@ def test_a_checkpoint_is_written_once_and_resumes_as_flat_zero(tmp_path):
         for b in data[:3]:
             state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=4))
         with pytest.raises(ValueError, match="pass comm= that communicator"):
-            shard.save(state, tmp_path / "ckpt", comm=comm)
-        shard.save(state, tmp_path / "ckpt", comm=mesh["shard"])
+            getattr(shard, save)(state, tmp_path / "ckpt", comm=comm)
+        if save == "save":
+            shard.save(state, tmp_path / "ckpt", comm=mesh["shard"])
+            return
+        pending = shard.async_save(state, tmp_path / "ckpt", comm=mesh["shard"])
+        state, _ = step(state, shard.split_batch(data[3], rank=comm.rank, world_size=4))
+        pending.wait()  # on every replica: the first one's checkpoint is in place
+        assert (tmp_path / "ckpt" / "manifest.json").exists()
 
     def resume(comm):
         step = shard.zero3(loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)

@@ -93,8 +93,9 @@ def test_hierarchical_zero_sends_only_gradient_shards_between_hosts(runs):
     reports, sent = runs
     want, got = reports["one-host"], reports["hsdp"]
     np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-5)
-    for k, v in want["params"].items():
-        np.testing.assert_allclose(got["params"][k], v, rtol=1e-4, err_msg=k)
+    for k, v in want["params"].items():  # the sums' order differs: to each leaf's scale
+        np.testing.assert_allclose(got["params"][k], v, rtol=1e-4,
+                                   atol=1e-4 * np.abs(v).max(), err_msg=k)
     # analytic: each host's two ranks each all-reduce a shard of half the params with
     # their replica, sending about that shard's bytes: the params' bytes per host and
     # step, plus the step's small collectives and the rendezvous

@@ -3,14 +3,16 @@
     python -m shard.checkpoint inspect CKPT
     python -m shard.checkpoint consolidate CKPT OUT.safetensors [--optimizer]
 
-:func:`shard.save` and :func:`shard.load` write and read a training state
-([Note: checkpoint format]); :func:`consolidate` writes its full params (and
-optionally the optimizer's moments) to one safetensors file, and :func:`inspect`
-says what a checkpoint holds without loading it.
+:func:`shard.save` (or :func:`shard.async_save`) and :func:`shard.load` write and
+read a training state ([Note: checkpoint format]); :func:`consolidate` writes its
+full params (and optionally the optimizer's moments) to one safetensors file, and
+:func:`inspect` says what a checkpoint holds without loading it.
 
 The package (it may import :mod:`shard.core` and :mod:`ops`):
 
 - ``_checkpoint.py``: the format and :func:`shard.save`;
+- ``_async.py``: :func:`shard.async_save`, which writes while training goes on
+  ([Note: asynchronous saves]);
 - ``_load.py``: manifests read and checked, and :func:`shard.load`, which
   re-shards;
 - ``_files.py``: what every part shares, its error and the file checksum;

@@ -47,12 +47,15 @@ from ops._tree import tree_util
 from ops.comm._collectives import all_gather_host
 from ops.device._device import device_named
 from shard.checkpoint._files import CheckpointError, _sha256
-from shard.checkpoint._module import _write_module_file, read_module_file
+from shard.checkpoint._module import _write_module_file as write_module_file
+from shard.checkpoint._module import read_module_file
 from shard.checkpoint._validate import REST_DTYPES
 from shard.core._layout import Layout
 from shard.core._state import TrainState
 
-__all__ = ["CheckpointError", "kinds", "leaf_names", "read_module_file", "save"]
+__all__ = ["CheckpointError", "check_savable", "commit", "every_rank", "kinds", "leaf_names",
+           "manifest", "rank_tensors", "read_module_file", "save", "write_module_file",
+           "write_tensors"]
 
 log = logging.getLogger(__name__)
 FORMAT, VERSION = "zeroshard-checkpoint", 1
@@ -92,13 +95,26 @@ def _write_rank_file(state: TrainState, path: Path) -> tuple[str, int]:
         except OSError:  # another file system: a copy
             shutil.copyfile(source, path)
         return _sha256(path), path.stat().st_size
+    return write_tensors(rank_tensors(state), path)
+
+
+def rank_tensors(state: TrainState, *, copy: bool = False) -> dict[str, np.ndarray]:
+    """What this rank's file holds, as host arrays: its unit buffers of every
+    kind and the optimizer's other leaves (device state copied to the host;
+    host buffers themselves, or copies with ``copy=True``)."""
+    device = device_named(state.meta.device)  # device state: explicit copies to the host
+    tensors = {f"{kind}/{u}": np.array(buf, copy=copy, order="C")
+               if device.host or isinstance(buf, np.ndarray) else device.to_host(buf)
+               for kind, bufs in kinds(state).items() for u, buf in enumerate(bufs)}
+    tensors.update({f"opt_rest/{i}": np.array(x) for i, x in enumerate(state.opt_rest)})
+    return tensors
+
+
+def write_tensors(tensors: dict[str, np.ndarray], path: Path) -> tuple[str, int]:
+    """``tensors`` as a safetensors file at ``path``, on disk (fsync'd) before it
+    takes its name; its SHA-256 and size."""
     from safetensors.numpy import save_file
 
-    device = device_named(state.meta.device)  # device state: explicit copies to the host
-    tensors = {f"{kind}/{u}": np.ascontiguousarray(
-        buf if device.host or isinstance(buf, np.ndarray) else device.to_host(buf))
-        for kind, bufs in kinds(state).items() for u, buf in enumerate(bufs)}
-    tensors.update({f"opt_rest/{i}": np.array(x) for i, x in enumerate(state.opt_rest)})
     part = path.with_suffix(".part")
     save_file(tensors, str(part))
     with open(part, "rb+") as f:
@@ -107,8 +123,8 @@ def _write_rank_file(state: TrainState, path: Path) -> tuple[str, int]:
     return _sha256(path), path.stat().st_size
 
 
-def _manifest(state: TrainState, files: list[dict], extra: Any,
-              module: dict | None = None) -> dict:
+def manifest(state: TrainState, files: list[dict], extra: Any,
+             module: dict | None = None) -> dict:
     m = state.meta
     names = leaf_names(m.layout)
     return {
@@ -130,7 +146,7 @@ def _manifest(state: TrainState, files: list[dict], extra: Any,
 
 
 @contextlib.contextmanager
-def _every_rank(fn: str, comm: Communicator) -> Any:
+def every_rank(fn: str, comm: Communicator) -> Any:
     """A failed collective inside save or load says what the likely cause is."""
     try:
         yield
@@ -156,16 +172,11 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
     Returns:
       The checkpoint's path. See [Note: checkpoint format].
     """
-    if not isinstance(state, TrainState):
-        raise TypeError(f"save: state must be a TrainState (save(state, path, comm=comm)); got "
-                        f"{type(state).__name__}")
-    state.check_live()
-    for i, x in enumerate(state.opt_rest):
-        if str(np.asarray(x).dtype) not in REST_DTYPES.values():
-            raise TypeError(f"save: the optimizer's state leaf opt_rest[{i}] is "
-                            f"{np.asarray(x).dtype}; checkpoints keep "
-                            f"{sorted(REST_DTYPES.values())}")
+    from shard.checkpoint._async import wait_pending
+
+    check_savable(state, extra, "save")
     path = Path(path)
+    wait_pending(path, comm)
     plan = state.meta.plan
     replicas = plan.config.replicate if plan is not None else None
     if replicas is not None:  # one replica writes; the others wait for it
@@ -174,28 +185,41 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
                              f"ranks with replicas: pass comm= that communicator (the "
                              f"step's comm), not one of {comm.world_size}")
         if replicas.rank != 0:
-            with _every_rank("save", replicas):
+            with every_rank("save", replicas):
                 replicas.barrier()
             return path
     written = _save(state, path, comm, extra)
     if replicas is not None:
-        with _every_rank("save", replicas):
+        with every_rank("save", replicas):
             replicas.barrier()
     return written
 
 
-def _save(state: TrainState, path: Path, comm: Communicator, extra: Any) -> Path:
-    tmp, old = path.with_name(path.name + ".tmp"), path.with_name(path.name + ".old")
+def check_savable(state: Any, extra: Any, fn: str) -> None:
+    """A TypeError naming what of ``state`` or ``extra`` a checkpoint cannot keep."""
+    if not isinstance(state, TrainState):
+        raise TypeError(f"{fn}: state must be a TrainState ({fn}(state, path, comm=comm)); got "
+                        f"{type(state).__name__}")
+    state.check_live()
+    for i, x in enumerate(state.opt_rest):
+        if str(np.asarray(x).dtype) not in REST_DTYPES.values():
+            raise TypeError(f"{fn}: the optimizer's state leaf opt_rest[{i}] is "
+                            f"{np.asarray(x).dtype}; checkpoints keep "
+                            f"{sorted(REST_DTYPES.values())}")
     if extra is not None:
         try:
             json.dumps(extra)
         except TypeError as e:
-            raise TypeError(f"save: extra must be JSON-serialisable ({e}); convert arrays with "
+            raise TypeError(f"{fn}: extra must be JSON-serialisable ({e}); convert arrays with "
                             ".tolist()") from None
+
+
+def _save(state: TrainState, path: Path, comm: Communicator, extra: Any) -> Path:
+    tmp = path.with_name(path.name + ".tmp")
     if comm.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
         tmp.mkdir(parents=True)
-    with _every_rank("save", comm):
+    with every_rank("save", comm):
         comm.barrier()
     writes = comm.rank == 0 or state.meta.stage > 0
     digest, size = (_write_rank_file(state, tmp / f"rank-{comm.rank:05d}.safetensors")
@@ -206,18 +230,25 @@ def _save(state: TrainState, path: Path, comm: Communicator, extra: Any) -> Path
     if comm.rank == 0:
         files = [{"file": f"rank-{r:05d}.safetensors", "sha256": digests[r].tobytes().hex(),
                   "bytes": int(sizes[r])} for r in range(comm.world_size) if sizes[r] > 0]
-        module = _write_module_file(state, tmp)
-        manifest = tmp / "manifest.json"
-        manifest.write_text(json.dumps(_manifest(state, files, extra, module), indent=1))
-        with open(manifest, "rb+") as f:
-            os.fsync(f.fileno())
-        _fsync_dir(tmp)
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(path, old)
-        os.rename(tmp, path)
-        _fsync_dir(path.parent)
-        shutil.rmtree(old, ignore_errors=True)
-        log.info("saved step %d to %s", int(state.step), path)
+        module = write_module_file(state, tmp)
+        commit(path, tmp, manifest(state, files, extra, module))
     comm.barrier()
     return path
+
+
+def commit(path: Path, tmp: Path, fields: dict) -> None:
+    """Rank 0's end of a save: the manifest written and fsync'd in ``tmp``, then
+    ``tmp`` renamed to ``path`` (a previous ``path`` moved aside meanwhile)."""
+    old = path.with_name(path.name + ".old")
+    target = tmp / "manifest.json"
+    target.write_text(json.dumps(fields, indent=1))
+    with open(target, "rb+") as f:
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    if path.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    shutil.rmtree(old, ignore_errors=True)
+    log.info("saved step %d to %s", fields["step"], path)

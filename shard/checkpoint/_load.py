@@ -13,7 +13,7 @@ import numpy as np
 
 from ops import Communicator, Device
 from ops.device._device import device_named
-from shard.checkpoint._checkpoint import FORMAT, KINDS, VERSION, _every_rank
+from shard.checkpoint._checkpoint import FORMAT, KINDS, VERSION, every_rank
 from shard.checkpoint._files import CheckpointError, _sha256
 from shard.checkpoint._module import _load_module
 from shard.checkpoint._validate import check_manifest, check_part_names, optimizer_of
@@ -148,7 +148,7 @@ def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
         in that case, and the step is left as it was.
     """
     path, manifest = read_any_manifest(path)
-    with _every_rank("load", comm):
+    with every_rank("load", comm):
         return _load(path, manifest, step, comm, like, device)
 
 
