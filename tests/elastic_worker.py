@@ -6,13 +6,15 @@ first attempt, rank ZS_KILL_RANK SIGKILLs itself before step ZS_KILL_STEP
 trained params' checksums and the steps it ran to ZS_OUT. With ZS_ASYNC=1 the
 checkpoints are ``shard.async_save``'s, and on the first attempt each rank
 file after the first checkpoint's takes ZS_SLOW_DISK more seconds to write (a
-slow disk)."""
+slow disk). While the file ZS_PAUSE names exists, each step takes a second
+longer (the multi-node test kills a host meanwhile)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 
@@ -39,8 +41,6 @@ def main() -> None:
         first = int(extra["next_batch"])
     asynchronous = os.environ.get("ZS_ASYNC") == "1"
     if asynchronous and attempt == 0:
-        import time
-
         from shard.checkpoint import _checkpoint
 
         real, delay = _checkpoint.write_tensors, float(os.environ.get("ZS_SLOW_DISK", "0"))
@@ -56,6 +56,8 @@ def main() -> None:
     for i in range(first, steps):
         if attempt == 0 and comm.rank == kill_rank and i == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
+        if os.environ.get("ZS_PAUSE") and Path(os.environ["ZS_PAUSE"]).exists():
+            time.sleep(1.0)
         batch = gpt.local_part(gpt.sample_batch(data, i, 8, cfg.seq), comm)
         state, _ = step(state, batch)
         ran.append(i)

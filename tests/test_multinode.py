@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -27,8 +28,8 @@ def torchrun(args: list[str]) -> list[str]:
 
 
 def environ(out: Path, **more: str) -> dict[str, str]:
-    return dict(os.environ, ZS_OUT=str(out), ZS_STEPS=str(STEPS), PYTHONPATH=str(ROOT),
-                OMP_NUM_THREADS="1", **more)
+    return {**os.environ, "ZS_OUT": str(out), "ZS_STEPS": str(STEPS), "PYTHONPATH": str(ROOT),
+            "OMP_NUM_THREADS": "1", **more}
 
 
 def finish(procs: list[subprocess.Popen], timeout: float = 400) -> None:
@@ -120,3 +121,60 @@ def test_multinode_benchmark_prints_its_table():
     assert set(rows) == {"flat", "hsdp"}, out.stdout
     ratio = {k: float(v.split("|")[5]) for k, v in rows.items()}  # bytes / params' bytes
     assert ratio["hsdp"] < ratio["flat"], out.stdout
+
+
+def elastic(out: Path, ckpt: Path, **more: str) -> dict[str, str]:
+    """The environment of ``tests/elastic_worker.py``: 9 steps, a checkpoint every 3."""
+    return environ(out, ZS_CKPT=str(ckpt), ZS_STEPS="9", ZS_EVERY="3", ZS_KILL_RANK="0",
+                   ZS_KILL_STEP="-1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **more)
+
+
+def elastic_run(args: list[str]) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *args, "--max-restarts", "1",
+            str(ROOT / "tests" / "elastic_worker.py")]
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_a_killed_host_rejoins_and_the_run_ends_bit_identical(tmp_path):
+    """Two hosts under ``torchrun --max-restarts 1``: once the first checkpoint is
+    on disk, every process of host 1 (its agent and workers) is SIGKILLed; host
+    0's agent restarts its workers and waits at the rendezvous, a new agent on
+    host 1 joins, and both resume from the checkpoint to params bit-identical
+    to an uninterrupted run of 4 processes."""
+    straight = tmp_path / "straight.json"
+    finish([subprocess.Popen(elastic_run(["--standalone", "--nproc-per-node", "4"]),
+                             env=elastic(straight, tmp_path / "straight-ckpt"), cwd=ROOT,
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)])
+    out, ckpt, pause = tmp_path / "killed.json", tmp_path / "ckpt", tmp_path / "pause"
+    pause.touch()  # a step takes a second meanwhile: time to kill a host mid-run
+    with netns.two_hosts() as hosts:
+        port = free_port()
+
+        def agent(i: int) -> subprocess.Popen:
+            h = hosts[i]
+            args = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+                    "--rdzv-endpoint", f"{hosts[0].addr}:{port}", "--rdzv-id", "zs-killed-host",
+                    "--rdzv-conf", f"is_host={int(i == 0)},join_timeout=120",
+                    "--local-addr", h.addr]
+            return subprocess.Popen(h.command(elastic_run(args)), cwd=ROOT, text=True,
+                                    env=elastic(out, ckpt, ZS_PAUSE=str(pause),
+                                                GLOO_SOCKET_IFNAME=h.ifname),
+                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+        first = [agent(0), agent(1)]
+        deadline = time.monotonic() + 300
+        while not (ckpt / "manifest.json").exists():
+            assert time.monotonic() < deadline and first[1].poll() is None, "no checkpoint"
+            time.sleep(0.1)
+        pids = subprocess.run(["ip", "netns", "pids", hosts[1].ns], capture_output=True,
+                              text=True, check=True).stdout.split()
+        for pid in pids:  # the whole host: its agent and its workers
+            subprocess.run(["kill", "-9", pid], capture_output=True)
+        first[1].communicate(timeout=60)
+        assert first[1].returncode == -9 and len(pids) >= 3  # an agent and two workers
+        pause.unlink()
+        finish([first[0], agent(1)])
+    got, want = json.loads(out.read_text()), json.loads(straight.read_text())
+    assert got["attempt"] == 1  # host 0's workers, restarted by their agent
+    assert got["first"] == 3 and got["ran"] == list(range(3, 9)), got["ran"]
+    assert got["params"] == want["params"]  # bit for bit
