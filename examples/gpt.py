@@ -200,9 +200,11 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     Every rank must start from the same weights: pass ``model`` (each rank
     trains a deep copy) when ranks are threads, which share torch's RNG.
     ``save``: a directory; the checkpoint ``<save>/checkpoint`` is written every
-    ``save_every`` steps and at the end, and ``<save>/metrics.csv`` logs every
-    10th step. ``resume``: continue from that checkpoint (any world size or
-    stage), with the data stream where it stopped. ``replicas``: hierarchical
+    ``save_every`` steps (``shard.async_save``: the next steps run while the
+    files are written) and at the end (``shard.save``), and
+    ``<save>/metrics.csv`` logs every 10th step. ``resume``: continue from that
+    checkpoint (any world size or stage), with the data stream where it
+    stopped. ``replicas``: hierarchical
     ZeRO (HSDP) over ``shard.Mesh(comm, {"replicate": replicas, "shard": ...})``;
     with one replica per node, ZeRO's gathers stay inside each node.
     """
@@ -239,8 +241,10 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
             bar.set_postfix(loss=f"{metrics['loss']:.3f}",
                             tok_s=f"{metrics['tokens_per_s'] * comm.world_size:,.0f}")
             bar.update()
-        if ckpt is not None and ((i + 1) % save_every == 0 or i + 1 == steps):
+        if ckpt is not None and i + 1 == steps:  # waits for an async save still writing
             shard.save(state, ckpt, comm=zero_comm, extra={"next_batch": i + 1})
+        elif ckpt is not None and (i + 1) % save_every == 0:
+            shard.async_save(state, ckpt, comm=zero_comm, extra={"next_batch": i + 1})
     if bar is not None:
         bar.close()
     for logger in loggers:

@@ -34,16 +34,16 @@ def adam_scalars(*, step: int, lr: float, betas: tuple[float, float], eps: float
 
 
 def _check_hyper(step: Any, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float) -> None:
+                 weight_decay: float, fn: str = _FN) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"{_FN}: step is the 1-based count of this update and must be an int "
+        raise ValueError(f"{fn}: step is the 1-based count of this update and must be an int "
                          f">= 1; got {step!r}")
     if not lr >= 0.0:
-        raise ValueError(f"{_FN}: lr must be >= 0; got {lr!r}")
+        raise ValueError(f"{fn}: lr must be >= 0; got {lr!r}")
     if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{_FN}: betas must be two numbers in [0, 1); got {betas!r}")
+        raise ValueError(f"{fn}: betas must be two numbers in [0, 1); got {betas!r}")
     if not eps >= 0.0 or not weight_decay >= 0.0:
-        raise ValueError(f"{_FN}: eps and weight_decay must be >= 0; got {eps!r}, {weight_decay!r}")
+        raise ValueError(f"{fn}: eps and weight_decay must be >= 0; got {eps!r}, {weight_decay!r}")
 
 
 def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, step: int,

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from ops._adam import _check_global, _check_tensor, grad_multiplier
+from ops._adam import _check_global, _check_hyper, _check_tensor, grad_multiplier
 from ops.device._arrays import array_kind, driver_for, xp_of
 from ops.kernels._table import lamb_kernels
 
@@ -70,16 +70,9 @@ def fused_lamb(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequence[A
     Returns:
       ``(params, exp_avgs, exp_avg_sqs)`` as lists.
     """
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ValueError(f"{_FN}: step is the 1-based count of this update and must be an int "
-                         f">= 1; got {step!r}")
-    if not lr >= 0.0:
-        raise ValueError(f"{_FN}: lr must be >= 0; got {lr!r}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
-        raise ValueError(f"{_FN}: betas must be two numbers in [0, 1); got {betas!r}")
-    for name, x in (("eps", eps), ("eps_root", eps_root), ("weight_decay", weight_decay)):
-        if not x >= 0.0:
-            raise ValueError(f"{_FN}: {name} must be >= 0; got {x!r}")
+    _check_hyper(step, lr, betas, eps, weight_decay, _FN)
+    if not eps_root >= 0.0:
+        raise ValueError(f"{_FN}: eps_root must be >= 0; got {eps_root!r}")
     if trust_clip is not None and not (len(trust_clip) == 2
                                        and 0.0 <= trust_clip[0] <= trust_clip[1]
                                        and trust_clip[1] > 0.0):

@@ -102,6 +102,12 @@ def _zeros(params: Any) -> Any:
         p.shape, dtype=np.float64 if p.dtype == np.float64 else np.float32), params)
 
 
+def _adam_init(params: Any) -> AdamState:
+    """Adam's (and LAMB's) fresh state: count 0, zero moments like ``params``."""
+    zeros = _zeros(params)
+    return AdamState(np.zeros((), np.int64), zeros, tree_util().tree_map(lambda z: z.copy(), zeros))
+
+
 def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
           weight_decay: float, decoupled: bool) -> FusedOptimizer:
     fn = "adamw" if decoupled else "adam"
@@ -110,11 +116,6 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
     b2 = _number(fn, "b2", b2, 0.0, 1.0, hi_open=True)
     eps = _number(fn, "eps", eps, 0.0, math.inf, hi_open=True)
     weight_decay = _number(fn, "weight_decay", weight_decay, 0.0, math.inf, hi_open=True)
-
-    def init(params: Any) -> AdamState:
-        zeros = _zeros(params)
-        return AdamState(np.zeros((), np.int64), zeros,
-                         tree_util().tree_map(lambda z: z.copy(), zeros))
 
     def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
             grad_sumsq: Any, max_norm: Any, copies: Any,
@@ -169,7 +170,7 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
         return run(grads, state, params, True, grad_scale, grad_sumsq, max_norm, param_copies,
                    finite, read_from)
 
-    return FusedOptimizer(init, update, apply, lr_at)
+    return FusedOptimizer(_adam_init, update, apply, lr_at)
 
 
 def adamw(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999,
@@ -310,11 +311,6 @@ def lamb(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, ep
         trust_clip = (lo, _number(fn, "trust_clip's max", trust_clip[1], lo, math.inf,
                                   lo_open=lo == 0.0, hi_open=True))
 
-    def init(params: Any) -> AdamState:
-        zeros = _zeros(params)
-        return AdamState(np.zeros((), np.int64), zeros,
-                         tree_util().tree_map(lambda z: z.copy(), zeros))
-
     def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
             grad_sumsq: Any, max_norm: Any, copies: Any, finite: bool | None = None,
             read_from: Any = None, reduce: Any = None) -> tuple[Any, AdamState]:
@@ -355,5 +351,5 @@ def lamb(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, ep
         return run(grads, state, params, True, grad_scale, grad_sumsq, max_norm, param_copies,
                    finite, read_from, reduce)
 
-    return FusedOptimizer(init, update, apply, lr_at, ("exp_avg", "exp_avg_sq"), AdamState,
-                          per_tensor=True)
+    return FusedOptimizer(_adam_init, update, apply, lr_at, ("exp_avg", "exp_avg_sq"),
+                          AdamState, per_tensor=True)

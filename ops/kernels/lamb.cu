@@ -207,23 +207,14 @@ static void lamb_apply_slice(float* __restrict__ p, const float* __restrict__ m,
   for (zs_i64 i = begin; i < end; ++i) lamb_apply_elem(p, m, v, copy, i, a, step);
 }
 
-// Pass 2 over many tensors: one contiguous range of the concatenated index
-// space per thread, walked tensor by tensor (as adam_host_multi).
+// Pass 2 over many tensors in one thread team (zs_host_tensors).
 template <typename H>
 static void lamb_apply_host(const zs_i64* ptrs, const zs_i64* sizes, zs_i64 ntensors,
                             const LambScalars a, const double* sums) {
-  zs_i64 total = 0;
-  for (zs_i64 k = 0; k < ntensors; ++k) total += sizes[k];
-  zs_host_for(total, [=](zs_i64 begin, zs_i64 end) {
-    zs_i64 start = 0;
-    for (zs_i64 k = 0; k < ntensors && start < end; start += sizes[k], ++k) {
-      zs_i64 lo = begin > start ? begin - start : 0;
-      zs_i64 hi = end - start < sizes[k] ? end - start : sizes[k];
-      if (hi <= lo) continue;
-      const zs_i64* q = ptrs + 5 * k;
-      lamb_apply_slice((float*)q[0], (const float*)q[2], (const float*)q[3], (H*)q[4], lo, hi,
-                       a, lamb_step(sums, k, a));
-    }
+  zs_host_tensors(sizes, ntensors, [=](zs_i64 k, zs_i64 lo, zs_i64 hi) {
+    const zs_i64* q = ptrs + 5 * k;
+    lamb_apply_slice((float*)q[0], (const float*)q[2], (const float*)q[3], (H*)q[4], lo, hi, a,
+                     lamb_step(sums, k, a));
   });
 }
 #endif

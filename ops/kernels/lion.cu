@@ -38,22 +38,14 @@ static void lion_host_slice(float* __restrict__ p, const G* __restrict__ g,
   for (zs_i64 i = begin; i < end; ++i) lion_elem(p, g, m, copy, i, a);
 }
 
-// Many tensors in one thread team, as adam_host_multi: ptrs holds
-// (p, g, m, v, copy) for each tensor, v unused.
+// Many tensors in one thread team (zs_host_tensors): ptrs holds (p, g, m, v,
+// copy) for each tensor, v unused.
 template <typename G, typename H>
 static void lion_host_multi(const zs_i64* ptrs, const zs_i64* sizes, zs_i64 ntensors,
                             const LionScalars a) {
-  zs_i64 total = 0;
-  for (zs_i64 k = 0; k < ntensors; ++k) total += sizes[k];
-  zs_host_for(total, [=](zs_i64 begin, zs_i64 end) {
-    zs_i64 start = 0;
-    for (zs_i64 k = 0; k < ntensors && start < end; start += sizes[k], ++k) {
-      zs_i64 lo = begin > start ? begin - start : 0;
-      zs_i64 hi = end - start < sizes[k] ? end - start : sizes[k];
-      if (hi <= lo) continue;
-      const zs_i64* q = ptrs + 5 * k;
-      lion_host_slice((float*)q[0], (const G*)q[1], (float*)q[2], (H*)q[4], lo, hi, a);
-    }
+  zs_host_tensors(sizes, ntensors, [=](zs_i64 k, zs_i64 lo, zs_i64 hi) {
+    const zs_i64* q = ptrs + 5 * k;
+    lion_host_slice((float*)q[0], (const G*)q[1], (float*)q[2], (H*)q[4], lo, hi, a);
   });
 }
 #endif

@@ -25,6 +25,27 @@ __device__ __forceinline__ bool zs_grad_prologue(const double* sumsq, float grad
   return true;
 }
 
+#ifdef ZS_CPU
+// The multi-tensor host drivers' walk: the tensors' concatenated index space
+// is cut into one contiguous range per thread (zs_host_for), each range walked
+// tensor by tensor, body(k, lo, hi) called for the part [lo, hi) of tensor k
+// in it. Each body calls a slice function of its own, whose __restrict__
+// pointers keep the inner loop vectorised.
+template <typename F>
+static void zs_host_tensors(const zs_i64* sizes, zs_i64 ntensors, const F& body) {
+  zs_i64 total = 0;
+  for (zs_i64 k = 0; k < ntensors; ++k) total += sizes[k];
+  zs_host_for(total, [=](zs_i64 begin, zs_i64 end) {
+    zs_i64 start = 0;
+    for (zs_i64 k = 0; k < ntensors && start < end; start += sizes[k], ++k) {
+      zs_i64 lo = begin > start ? begin - start : 0;
+      zs_i64 hi = end - start < sizes[k] ? end - start : sizes[k];
+      if (hi > lo) body(k, lo, hi);
+    }
+  });
+}
+#endif
+
 #define ZS_ADAM_PARAMS(G, H)                                                     \
   float *__restrict__ p, const G *__restrict__ g, float *__restrict__ m,         \
       float *__restrict__ v, H *__restrict__ copy, zs_i64 n,                    \
