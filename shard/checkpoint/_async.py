@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import shutil
 import threading
@@ -42,6 +43,8 @@ from shard.checkpoint._files import CheckpointError
 from shard.core._state import TrainState
 
 __all__ = ["AsyncSave", "async_save", "wait_pending"]
+
+log = logging.getLogger(__name__)
 
 _pending: dict[tuple[str, int], AsyncSave] = {}  # (path, id(comm)) -> this rank's last save
 _lock = threading.Lock()
@@ -67,6 +70,8 @@ class AsyncSave:
             work()
         except BaseException as e:  # kept for wait(), which raises it on the caller
             self._error = e
+            log.error("async_save of %s failed (wait() raises it): %s: %s", self.path,
+                      type(e).__name__, e)
 
     def done(self) -> bool:
         """True once the write has ended (completed or failed)."""
