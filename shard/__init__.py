@@ -24,6 +24,7 @@ from shard.monitor._profile import Breakdown, profile
 from shard.offload._offload import Offload
 from shard.pipelines._pipeline import Pipeline, balance_by_time, pipeline
 from shard.step._step import ZeroStep
+from shard.tensor_parallel._parallel import TensorParallel
 
 __all__ = [
     "AsyncSave",
@@ -43,6 +44,7 @@ __all__ = [
     "Replicate",
     "Shard",
     "TensorBoardLogger",
+    "TensorParallel",
     "TrainState",
     "ZeroStep",
     "async_save",

@@ -20,12 +20,14 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
                   clip_norm: float | None = None, loss_scale: LossScale | None = None,
                   prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
                   gradient_accumulation_steps: int | None = None, has_aux: bool = False,
-                  weight_by_rows: bool = False, replicate: Communicator | None = None) -> Any:
+                  weight_by_rows: bool = False, replicate: Communicator | None = None,
+                  tensor_parallel: Any = None) -> Any:
         kw = dict(stage=stage, optimizer=optimizer, comm=comm, specs=specs, units=units,
                   precision=precision, clip_norm=clip_norm, loss_scale=loss_scale,
                   prefetch=prefetch, loggers=loggers, offload=offload,
                   gradient_accumulation_steps=gradient_accumulation_steps, has_aux=has_aux,
-                  weight_by_rows=weight_by_rows, replicate=replicate)
+                  weight_by_rows=weight_by_rows, replicate=replicate,
+                  tensor_parallel=tensor_parallel)
         if loss_fn is None:  # used as a decorator with arguments
             return lambda fn: ZeroStep(fn, **kw)
         return ZeroStep(loss_fn, **kw)
@@ -85,6 +87,11 @@ Args:
     Gathers and reduce-scatters stay inside ``comm``; the reduced gradient
     shards are summed over the replicas, and the update is that of ZeRO over
     all R x S ranks (see [Note: replicas]). Stages 1-3.
+  tensor_parallel: a :class:`shard.TensorParallel` over the ``model`` axis of
+    a mesh whose ``data`` axis is ``comm``: ``init`` keeps this model rank's
+    slices of the whole params and shards them over ``comm``; the loss joins
+    the slices with its building blocks; the gradient norm (and clipping) is
+    the whole model's (see [Note: tensor parallelism with ZeRO]). Host state.
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then

@@ -195,6 +195,21 @@ def main() -> None:
             want = PM.torch_reference()
             report["worst"] = max(float(np.abs(np.asarray(got[k]) - want[i][k]).max())
                                   for i, got in layers.items() for k in got)
+        elif scenario == "tensor_parallel":  # 2 data x 2 model ranks, ZeRO-3, sequence-parallel
+            import jax
+
+            import shard
+            from tests import tp_models as gpt
+
+            want, want_losses, want_norms = gpt.reference(5)
+            _, whole, _, losses, norms = gpt.train(comm, 2, 2, shard.zero3, 5,
+                                                   sequence_parallel=True)
+            # the worst |got - want| in units of (1e-5 + 1e-5 |want|): assert_allclose's test
+            report["worst"] = max(float((np.abs(g - w) / (1e-5 + 1e-5 * np.abs(w))).max())
+                                  for g, w in zip(jax.tree.leaves(whole), jax.tree.leaves(want),
+                                                  strict=True))
+            report["loss_diff"] = float(np.abs(np.subtract(losses, want_losses)).max())
+            report["norm_diff"] = float(np.abs(np.subtract(norms, want_norms)).max())
         elif scenario == "mismatch":
             ops.all_gather(comm, np.ones(100_000 + comm.rank, np.float32))
         report["ok"] = True

@@ -132,12 +132,16 @@ def async_save(state: TrainState, path: str | os.PathLike, *, comm: Communicator
 
     path = Path(path)
     ck.check_savable(state, extra, "async_save")
+    plan = state.meta.plan
+    if plan is not None and plan.config.tensor_parallel is not None:
+        raise NotImplementedError("async_save: a tensor-parallel state is saved by shard.save "
+                                  "(one checkpoint per model rank, see [Note: tensor-parallel "
+                                  "checkpoints])")
     if state.meta.offload == "disk":
         raise TypeError("async_save: the disk tier's file is its rank file and changes every "
                         "step; save it with shard.save(...)")
     key = (str(path.absolute()), id(comm))
     wait_pending(path, comm)
-    plan = state.meta.plan
     replicas = plan.config.replicate if plan is not None else None
     tmp = path.with_name(path.name + ".tmp")
     if replicas is not None:  # the first replica writes (see [Note: replicas])

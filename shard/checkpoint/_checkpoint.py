@@ -59,6 +59,7 @@ __all__ = ["CheckpointError", "check_savable", "commit", "every_rank", "kinds", 
 
 log = logging.getLogger(__name__)
 FORMAT, VERSION = "zeroshard-checkpoint", 1
+TP_FORMAT, TP_INDEX = "zeroshard-tensor-parallel", "tensor_parallel.json"
 KINDS = ("master", "exp_avg", "exp_avg_sq")  # Adam's state (an optax state's: kinds(state))
 
 
@@ -167,7 +168,9 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
         as DeepSpeed's ``client_sd``; rank 0's is kept.
 
     With replicas (``replicate=``, see [Note: replicas]) every rank calls it
-    with the step's ``comm``: the first replica writes, the others wait.
+    with the step's ``comm``: the first replica writes, the others wait. With
+    tensor parallelism (``tensor_parallel=``) every rank of the mesh calls it
+    with the step's ``comm`` (see [Note: tensor-parallel checkpoints]).
 
     Returns:
       The checkpoint's path. See [Note: checkpoint format].
@@ -179,6 +182,13 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
     wait_pending(path, comm)
     plan = state.meta.plan
     replicas = plan.config.replicate if plan is not None else None
+    tp = plan.config.tensor_parallel if plan is not None else None
+    if (replicas is not None or tp is not None) and comm.world_size != plan.config.comm.world_size:
+        raise ValueError(f"save: this state's step shards over {plan.config.comm.world_size} "
+                         f"ranks: pass comm= that communicator (the step's comm), not one of "
+                         f"{comm.world_size}")
+    if tp is not None:
+        return _save_model_parts(state, path, comm, extra, tp)
     if replicas is not None:  # one replica writes; the others wait for it
         if comm.world_size != plan.config.comm.world_size:
             raise ValueError(f"save: this state's step shards over {plan.config.comm.world_size} "
@@ -236,11 +246,54 @@ def _save(state: TrainState, path: Path, comm: Communicator, extra: Any) -> Path
     return path
 
 
-def commit(path: Path, tmp: Path, fields: dict) -> None:
-    """Rank 0's end of a save: the manifest written and fsync'd in ``tmp``, then
-    ``tmp`` renamed to ``path`` (a previous ``path`` moved aside meanwhile)."""
+def _save_model_parts(state: TrainState, path: Path, comm: Communicator, extra: Any,
+                      tp: Any) -> Path:
+    """[Note: tensor-parallel checkpoints]
+    With tensor parallelism each model rank's state is a checkpoint of its own,
+    written by its data ranks as :func:`save` writes one, in
+    ``<path>.tmp/model-<m>/``; once every part is on disk (a barrier over the
+    whole mesh: the model ranks', then the data ranks'), the first rank writes
+    ``tensor_parallel.json`` (the step, the parts, and each leaf's split
+    dimension) and renames ``<path>.tmp`` into place, so a crash leaves the
+    previous checkpoint whole. ``shard.load`` joins the parts along each leaf's
+    split dimension and cuts the loading step's slices, so a checkpoint
+    resumes at any (data, model) shape, and without tensor parallelism."""
+    tmp = path.with_name(path.name + ".tmp")
+    first = comm.rank == 0 and tp.rank == 0
+
+    def mesh_barrier() -> None:
+        with every_rank("save", tp.comm):
+            tp.comm.barrier()
+        with every_rank("save", comm):
+            comm.barrier()
+
+    if first:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
+        tmp.mkdir(parents=True)
+    mesh_barrier()
+    _save(state, tmp / f"model-{tp.rank:03d}", comm, extra)
+    mesh_barrier()
+    if first:
+        import jax
+
+        layout = state.meta.plan.layout
+        dims = tp.dims(layout.treedef.unflatten([jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                                                 for leaf in layout.leaves]), whole=False)
+        commit(path, tmp, {"format": TP_FORMAT, "step": int(state.step), "model_size": tp.size,
+                           "parts": [f"model-{m:03d}" for m in range(tp.size)],
+                           "split": {leaf.path: d for leaf, d in zip(layout.leaves, dims,
+                                                                     strict=True)}},
+               name=TP_INDEX)
+    mesh_barrier()
+    return path
+
+
+def commit(path: Path, tmp: Path, fields: dict, *, name: str = "manifest.json") -> None:
+    """Rank 0's end of a save: the manifest (``name``) written and fsync'd in
+    ``tmp``, then ``tmp`` renamed to ``path`` (a previous ``path`` moved aside
+    meanwhile)."""
     old = path.with_name(path.name + ".old")
-    target = tmp / "manifest.json"
+    target = tmp / name
     target.write_text(json.dumps(fields, indent=1))
     with open(target, "rb+") as f:
         os.fsync(f.fileno())

@@ -13,7 +13,7 @@ import numpy as np
 
 from ops import Communicator, Device
 from ops.device._device import device_named
-from shard.checkpoint._checkpoint import FORMAT, KINDS, VERSION, every_rank
+from shard.checkpoint._checkpoint import FORMAT, KINDS, TP_FORMAT, TP_INDEX, VERSION, every_rank
 from shard.checkpoint._files import CheckpointError, _sha256
 from shard.checkpoint._module import _load_module
 from shard.checkpoint._validate import check_manifest, check_part_names, optimizer_of
@@ -22,7 +22,7 @@ from shard.core._paths import shapes_from_manifest
 from shard.core._state import TrainState
 from shard.step._plan import make_plan, new_state
 
-__all__ = ["load", "read_any_manifest", "read_manifest"]
+__all__ = ["load", "read_any_manifest", "read_manifest", "source_of"]
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,13 @@ def read_any_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
     stage, see ``shard.Pipeline.save``) one manifest of every stage's leaves,
     each naming its stage directory (``part``)."""
     path = Path(path)
+    old = path.with_name(path.name + ".old")
+    if not (path / TP_INDEX).exists() and not (path / "manifest.json").exists() \
+            and (old / TP_INDEX).exists():
+        log.warning("%s is incomplete; reading the previous checkpoint %s", path, old)
+        path = old
+    if (path / TP_INDEX).exists():
+        return path, _read_model_parts(path)
     index = path / "pipeline.json"
     if not index.exists():
         return read_manifest(path)
@@ -73,6 +80,50 @@ def read_any_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
     merged = dict(parts[info["parts"][0]], parts=parts)
     merged["leaves"] = [dict(e, part=d) for d, m in parts.items() for e in m["leaves"]]
     return path, merged
+
+
+def _read_model_parts(path: Path) -> dict:
+    """A tensor-parallel checkpoint (see [Note: tensor-parallel checkpoints]) as
+    one manifest of whole leaves: each entry keeps its parts' entries
+    (``model_parts``) and its split dimension (``model_dim``)."""
+    index = path / TP_INDEX
+    try:
+        info = json.loads(index.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+    names = check_part_names(index, info)
+    split = info.get("split")
+    if info.get("format") != TP_FORMAT or info.get("model_size") != len(names) \
+            or not isinstance(split, dict):
+        raise CheckpointError(f"{index}: not a tensor-parallel index (format {TP_FORMAT!r}, "
+                              "model_size equal to the number of parts, a split per leaf)")
+    parts = {}
+    for d in names:
+        _, parts[d] = read_manifest(path / d)
+        if parts[d]["step"] != info["step"]:
+            raise CheckpointError(f"{path / d}: step {parts[d]['step']}, but the checkpoint is "
+                                  f"of step {info['step']} (a save that did not finish on every "
+                                  "model rank)")
+    first = parts[names[0]]
+    leaves = []
+    for entry in first["leaves"]:
+        where = f"{index}: leaf {entry['path']}"
+        pieces = [next((e for e in parts[d]["leaves"] if e["path"] == entry["path"]), None)
+                  for d in names]
+        if any(e is None or e["shape"] != entry["shape"] for e in pieces):
+            raise CheckpointError(f"{where}: the model ranks' parts disagree on it")
+        dim = split.get(entry["path"], "missing")
+        shape = list(entry["shape"])
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)
+                                or not 0 <= dim < len(shape)):
+            raise CheckpointError(f"{where}: its split dimension must be null or an index of "
+                                  f"its shape {shape}; got {dim!r}")
+        if dim is not None:
+            shape[dim] *= len(names)
+        leaves.append(dict(entry, shape=shape, model_dim=dim,
+                           model_parts=[dict(e, part=d) for e, d in zip(pieces, names,
+                                                                        strict=True)]))
+    return dict(first, parts=parts, leaves=leaves, model_size=len(names))
 
 
 def _verify_files(path: Path, manifest: dict, needed: set[int]) -> None:
@@ -100,10 +151,21 @@ class _Source:
         self.sharded = entry["spec"] == "Shard(0)"
         self.rpr = entry["rows_per_rank"]
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.entry["shape"])
+
     def ranks_for(self, lo: int, hi: int) -> list[int]:
         if not self.sharded or hi <= lo:
             return [0]
         return list(range(lo // self.rpr, (hi - 1) // self.rpr + 1))
+
+    def needs(self, lo: int, hi: int) -> set[tuple[Path, int]]:
+        """The (directory, rank file) pairs rows [lo, hi) are read from."""
+        return {(self.path, r) for r in self.ranks_for(lo, hi)}
+
+    def manifests(self) -> dict[Path, dict]:
+        return {self.path: self.manifest}
 
     def read(self, handles: dict, kind: str, lo: int, hi: int) -> np.ndarray:
         """Rows [lo, hi) of this leaf, as a (hi - lo, row_size) float32 array."""
@@ -119,6 +181,63 @@ class _Source:
                 start:start + (b - a) * self.row_size]
             out[a - lo:b - lo] = np.asarray(sl).reshape(b - a, self.row_size)
         return out
+
+
+class _Joined:
+    """A leaf saved split over model ranks: every part's whole leaf joined along
+    its split dimension (see [Note: tensor-parallel checkpoints])."""
+
+    def __init__(self, parts: list[_Source], dim: int, shape: list[int]) -> None:
+        self.parts, self.dim, self.shape = parts, dim, tuple(shape)
+        self.rows = self.shape[0] if self.shape else 1
+
+    def needs(self, lo: int, hi: int) -> set[tuple[Path, int]]:
+        return set().union(*(p.needs(0, p.rows) for p in self.parts))
+
+    def manifests(self) -> dict[Path, dict]:
+        return {k: v for p in self.parts for k, v in p.manifests().items()}
+
+    def read(self, handles: dict, kind: str, lo: int, hi: int) -> np.ndarray:
+        whole = np.concatenate([p.read(handles, kind, 0, p.rows).reshape(p.shape)
+                                for p in self.parts], axis=self.dim)
+        return whole.reshape(self.rows, -1)[lo:hi]
+
+
+class _Sliced:
+    """One model rank's slice (along ``dim``) of a leaf read whole."""
+
+    def __init__(self, src: Any, dim: int, rank: int, size: int) -> None:
+        self.src, self.dim, self.rank, self.size = src, dim, rank, size
+        shape = list(src.shape)
+        self.n = shape[dim] // size
+        shape[dim] = self.n
+        self.shape = tuple(shape)
+        self.rows = self.shape[0] if self.shape else 1
+
+    def needs(self, lo: int, hi: int) -> set[tuple[Path, int]]:
+        return self.src.needs(0, self.src.rows)
+
+    def manifests(self) -> dict[Path, dict]:
+        return self.src.manifests()
+
+    def read(self, handles: dict, kind: str, lo: int, hi: int) -> np.ndarray:
+        whole = self.src.read(handles, kind, 0, self.src.rows).reshape(self.src.shape)
+        mine = np.take(whole, np.arange(self.rank * self.n, (self.rank + 1) * self.n),
+                       axis=self.dim)
+        return mine.reshape(self.rows, -1)[lo:hi]
+
+
+def source_of(path: Path, manifest: dict, entry: dict) -> Any:
+    """Where a manifest entry's rows are read from: one checkpoint, a
+    pipeline's stage, or a tensor-parallel checkpoint's parts joined."""
+    parts = entry.get("model_parts")
+    if parts is not None:
+        srcs = [_Source(path / e["part"], manifest["parts"][e["part"]], e) for e in parts]
+        return srcs[0] if entry["model_dim"] is None else _Joined(srcs, entry["model_dim"],
+                                                                  entry["shape"])
+    part = entry.get("part")  # a pipelined checkpoint's stage directory
+    return _Source(path / part, manifest["parts"][part], entry) if part else \
+        _Source(path, manifest, entry)
 
 
 def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
@@ -157,37 +276,48 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
     from safetensors import safe_open
 
     config, plan = step.config, step.plan  # the plan of the step's init, if any
+    tp = config.tensor_parallel
     if like is None and plan is None:
         try:
             like = shapes_from_manifest(manifest, f"{path}/manifest.json")
         except ValueError as e:
             raise CheckpointError(str(e)) from None
+    if like is not None and tp is not None:  # the whole params: this model rank's slices
+        like = tp.shard(like)
     if like is not None:
         plan = make_plan(config, like, device=plan.device if plan else None)
     if device is not None:
         plan = plan.on(device_named(device) if isinstance(device, str) else device)
     layout, rank = plan.layout, (comm.rank if config.stage > 0 else 0)
     saved = {e["path"]: e for e in manifest["leaves"]}
+    dims = _model_dims(layout, tp)
     sources = []
-    for leaf in layout.leaves:
+    for leaf, dim in zip(layout.leaves, dims, strict=True):
         entry = saved.get(leaf.path)
         if entry is None:
             raise CheckpointError(f"{path}/manifest.json: no leaf {leaf.path} (the model has it; "
                                   f"the checkpoint has {sorted(saved)[:5]}...)")
-        if tuple(entry["shape"]) != leaf.shape:
+        src = source_of(path, manifest, entry)
+        if dim is not None:  # this model rank's slice (see [Note: tensor-parallel checkpoints])
+            same = isinstance(src, _Joined) and src.dim == dim and len(src.parts) == tp.size
+            if same:
+                src = src.parts[tp.rank]
+            elif src.shape[dim] % tp.size == 0:
+                src = _Sliced(src, dim, tp.rank, tp.size)
+        if tuple(src.shape) != leaf.shape:
+            split = f" (this model rank's slice of {tuple(entry['shape'])})" if dim is not None \
+                else ""
             raise CheckpointError(f"{path}/manifest.json: leaf {leaf.path} has shape "
-                                  f"{tuple(entry['shape'])} in the checkpoint but {leaf.shape} "
+                                  f"{tuple(src.shape)}{split} in the checkpoint but {leaf.shape} "
                                   "in the model")
-        part = entry.get("part")  # a pipelined checkpoint's stage directory
-        sources.append(_Source(path / part, manifest["parts"][part], entry) if part else
-                       _Source(path, manifest, entry))
+        sources.append(src)
     wanted = [_rows_of(leaf, rank) for leaf in layout.leaves]
-    needed = {(s.path, r) for s, (lo, hi) in zip(sources, wanted, strict=True)
-              for r in s.ranks_for(lo, hi)}
-    needed |= {(s.path, r) for s in sources for r in s.ranks_for(0, s.rows)} \
-        if config.stage in (0, 1, 2) else set()
+    needed = set().union(*(s.needs(lo, hi) for s, (lo, hi) in zip(sources, wanted, strict=True)))
+    if config.stage in (0, 1, 2):
+        needed |= set().union(*(s.needs(0, s.rows) for s in sources))
     handles = {}
-    for where, m in {s.path: s.manifest for s in sources}.items():
+    manifests = {k: v for s in sources for k, v in s.manifests().items()}
+    for where, m in manifests.items():
         ranks = {r for p, r in needed if p == where}
         _verify_files(where, m, ranks)
         files = m["files"]
@@ -235,6 +365,16 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
     _load_module(path, manifest, step)
     comm.barrier()
     return state, manifest.get("extra")
+
+
+def _model_dims(layout: Any, tp: Any) -> list[int | None]:
+    """Each leaf's split dimension over the loading step's model ranks."""
+    if tp is None:
+        return [None] * len(layout.leaves)
+    import jax
+
+    return tp.dims(layout.treedef.unflatten([jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+                                             for leaf in layout.leaves]), whole=False)
 
 
 def _rows_of(leaf: LeafLayout, rank: int) -> tuple[int, int]:

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from shard.checkpoint._files import CheckpointError
-from shard.checkpoint._load import _Source, _verify_files, read_any_manifest, read_manifest
+from shard.checkpoint._load import _verify_files, read_any_manifest, read_manifest, source_of
 from shard.checkpoint._module import read_module_file
 from shard.checkpoint._validate import optimizer_of
 
@@ -37,7 +37,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, *,
     from safetensors import safe_open
     from safetensors.numpy import save_file
 
-    path, manifest = read_any_manifest(path)  # a pipeline's too: every stage's leaves
+    path, manifest = read_any_manifest(path)  # a pipeline's and a tensor-parallel one's too
     parts = {path / d: m for d, m in manifest.get("parts", {}).items()} or {path: manifest}
     handles = {}
     for where, m in parts.items():
@@ -47,9 +47,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, *,
                                               framework="numpy") for r in ranks})
     tensors = {}
     for entry in manifest["leaves"]:
-        part = entry.get("part")
-        src = (_Source(path / part, manifest["parts"][part], entry) if part else
-               _Source(path, manifest, entry))
+        src = source_of(path, manifest, entry)
         moments = optimizer_of(manifest, str(path))[0] if optimizer else ()
         for kind in ("master", *moments):
             name = entry["name"] if kind == "master" else f"{entry['name']}.{kind}"

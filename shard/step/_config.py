@@ -40,6 +40,7 @@ class StepConfig:
     has_aux: bool
     weight_by_rows: bool
     replicate: Communicator | None = None  # HSDP: the ranks that hold this rank's shard too
+    tensor_parallel: Any = None  # a shard.TensorParallel: the model ranks of this data rank
 
     @property
     def ranks(self) -> int:
@@ -53,7 +54,7 @@ class StepConfig:
              prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
              gradient_accumulation_steps: int | None = None,
              has_aux: bool = False, weight_by_rows: bool = False,
-             replicate: Communicator | None = None) -> StepConfig:
+             replicate: Communicator | None = None, tensor_parallel: Any = None) -> StepConfig:
         """The configuration of ``zero{stage}(loss_fn, ...)``; a TypeError or
         ValueError naming the argument for anything it cannot train with."""
         name = f"zero{stage}"
@@ -87,6 +88,17 @@ class StepConfig:
                 raise ValueError(f"{name}: Offload(overlap=True) updates each unit during "
                                  "the backward, before the replicas' gradients are summed; "
                                  "drop one of them")
+        if tensor_parallel is not None:  # see [Note: tensor parallelism with ZeRO]
+            if not (hasattr(tensor_parallel, "shard") and isinstance(
+                    getattr(tensor_parallel, "comm", None), Communicator)):
+                raise TypeError(f"{name}: tensor_parallel must be a shard.TensorParallel; got "
+                                f"{type(tensor_parallel).__name__}")
+            for what, bad in (("replicate=", replicate is not None),
+                              ("offload=", offload is not None),
+                              ("a pipeline", hasattr(loss_fn, "norm_comm"))):
+                if bad:
+                    raise NotImplementedError(f"{name}: tensor_parallel= does not compose "
+                                              f"with {what}; drop one of them")
         data = getattr(loss_fn, "data", None)  # a pipeline stage: ZeRO runs on its data axis
         if (isinstance(data, Communicator) and hasattr(loss_fn, "pipe") and comm is not data
                 and comm.world_size != data.world_size):
@@ -126,4 +138,4 @@ class StepConfig:
         return cls(name, stage, JaxLoss(loss_fn, has_aux) if kind == "jax" else loss_fn, kind,
                    optimizer, comm, specs, units, precision or Precision(), clip_norm,
                    loss_scale, prefetch, loggers, offload, gradient_accumulation_steps,
-                   has_aux, weight_by_rows, replicate)
+                   has_aux, weight_by_rows, replicate, tensor_parallel)

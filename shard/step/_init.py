@@ -31,6 +31,8 @@ def from_params(c: StepConfig, params: Any, device: Device | None, current: Devi
     otherwise), or shapes a loss object can materialise."""
     fn = f"{c.name}.init"
     tu = ops._tree.tree_util()
+    if c.tensor_parallel is not None:  # this model rank's slices of the whole params
+        params = c.tensor_parallel.shard(params)
     raw, treedef = tu.tree_flatten(params)
     _, leaves = native_leaves(raw, fn)
     if not any(is_shape(x) for x in leaves):
@@ -60,6 +62,9 @@ def from_function(c: StepConfig, init_fn: Any, args: tuple, device: Device | Non
     that unit's outputs."""
     import jax
 
+    if c.tensor_parallel is not None:
+        raise NotImplementedError(f"{c.name}.init_from: with tensor_parallel=, give the whole "
+                                  f"params to {c.name}.init (it keeps this model rank's slices)")
     tu = ops._tree.tree_util()
     plan = make_plan(c, jax.eval_shape(init_fn, *args), device=device)
 

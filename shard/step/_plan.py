@@ -57,6 +57,8 @@ class Plan:
         optax transformation the checked update; see [Note: optax on shards]).
       replica: the replicas' communicator without per-call checks, or None
         (see [Note: replicas]).
+      model_whole: with tensor parallelism, the leaves (indices) that are
+        whole on every model rank (see [Note: tensor parallelism with ZeRO]).
     """
 
     config: StepConfig
@@ -69,6 +71,7 @@ class Plan:
     copy_plans: CopyPlans
     optimizer: ShardOptimizer
     replica: Communicator | None = None
+    model_whole: frozenset[int] = frozenset()
 
     @property
     def compute_dtype(self) -> np.dtype:
@@ -136,17 +139,27 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     agree_on_layout(config.comm, layout, fn)
     if config.replicate is not None:  # every replica holds the same shards
         agree_on_layout(config.replicate, layout, fn)
+    model_whole: frozenset[int] = frozenset()
+    tp = config.tensor_parallel
+    if tp is not None:  # every model rank holds slices of one shape
+        agree_on_layout(tp.comm, layout, fn)
+        model_whole = frozenset(i for i, d in enumerate(tp.dims(params, whole=False))
+                                if d is None)
     if hasattr(loss_fn, "cast_forward_inputs"):  # the torch adapter casts itself
         loss_fn.cast_forward_inputs = precision.cast_forward_inputs
     full_layout = make_layout(params, config.specs, world_size=1, units=config.units)
     if config.stage == 3 and w > 1 and config.comm.rank == 0:
         _warn_if_one_unit_dominates(config.name, full_layout)
     where = found or device or HOST
+    if tp is not None and not where.host:
+        raise NotImplementedError(f"{fn}: tensor_parallel= trains host state (its collectives "
+                                  f"run on the host); these params are on {where.name}")
     optimizer = on_shards(config.optimizer, layout, stage=config.stage, master_dtype=master_dtype,
                           device_host=where.host, offload=config.offload is not None, fn=fn)
     return Plan(config, layout, full_layout, np.dtype(master_dtype), precision, where,
                 config.comm.unchecked(), CopyPlans(layout, full_layout), optimizer,
-                config.replicate.unchecked() if config.replicate is not None else None)
+                config.replicate.unchecked() if config.replicate is not None else None,
+                model_whole)
 
 
 def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,

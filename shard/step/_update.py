@@ -56,6 +56,9 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
                 plan.replica.all_reduce_(g, "sum")
     sharded, replicated = [], []
     skip = set(getattr(c.loss_fn, "norm_skip", ()))  # copies of a tied weight
+    tp = c.tensor_parallel  # see [Note: tensor parallelism with ZeRO]
+    if tp is not None and tp.rank > 0:
+        skip |= plan.model_whole  # counted at model rank 0
     for unit, g in zip(layout.units, shards, strict=True):
         cuts = sorted((leaf.offset, leaf.offset + leaf.local_size) for leaf in
                       (layout.leaves[i] for i in unit.leaves if i in skip))
@@ -76,6 +79,8 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
         plan.replica.all_reduce_(totals[1:], "sum")
     if replicated:
         totals[0:1] += ops.sum_of_squares(replicated)
+    if tp is not None and tp.size > 1:  # the model ranks' slices; the loss is theirs already
+        tp.comm.all_reduce_(totals[0:1], "sum")
 
 
 def fresh_totals(kept: dict, device: Any, rows: int) -> Any:

@@ -1,0 +1,161 @@
+"""Megatron's tensor-parallel building blocks as differentiable JAX functions.
+
+[Note: tensor-parallel collectives]
+A tensor-parallel layer splits its matrices over the ``model`` ranks; what
+joins the pieces is a collective in the forward and its conjugate in the
+backward (Megatron-LM, Shoeybi et al. 2019, section 3):
+
+==================  =====================  =========================
+function            forward                backward
+==================  =====================  =========================
+``copy``   (f)      identity               all-reduce
+``reduce`` (g)      all-reduce             identity
+``gather``          all-gather             this rank's slice
+``scatter``         this rank's slice      all-gather
+``gather_sequence`` all-gather             reduce-scatter
+``reduce_scatter``  reduce-scatter         all-gather
+==================  =====================  =========================
+
+Each collective is a ``jax.custom_vjp`` whose forward and backward call the
+rank's :class:`ops.Communicator` through an *ordered*
+``jax.experimental.io_callback``: JAX keeps the calls in program order and
+never drops or duplicates them, so every model rank issues the same
+collectives in the same order (the communicator's contract) whatever XLA
+schedules around them. They run inside ``jax.jit`` and ``jax.grad`` on thread
+ranks and on processes (gloo) alike; at one model rank they are the identity
+and no callback is traced.
+
+The vocabulary-parallel loss never gathers the logits: each rank holds the
+logits of its slice of the vocabulary, and the softmax's maximum (an
+all-reduce of a max, outside the gradient: the result does not depend on it)
+and its two sums (the target's logit and the exponentials, one all-reduce of
+both) are the only traffic, ``3 * tokens`` numbers per rank, against
+``tokens * vocab`` for the gathered logits. Its gradient is the one autodiff
+takes through ``reduce``: ``softmax - onehot`` on each rank's slice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ops import Communicator
+
+__all__ = ["Collectives"]
+
+
+class Collectives:
+    """The differentiable collectives over one communicator (see the Note)."""
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm, self.rank, self.size = comm, comm.rank, comm.world_size
+        self._fns: dict[str, Callable[..., Any]] = {}
+        if self.size > 1:
+            self._build()
+
+    # -- host side: what the callbacks run --------------------------------------
+    def _host_all_reduce(self, op: str) -> Callable[[Any], np.ndarray]:
+        def run(x: Any) -> np.ndarray:
+            out = np.array(x, copy=True, order="C")
+            self.comm.all_reduce_(out.reshape(-1), op)
+            return out
+        return run
+
+    def _host_all_gather(self, axis: int) -> Callable[[Any], np.ndarray]:
+        def run(x: Any) -> np.ndarray:
+            x = np.ascontiguousarray(np.moveaxis(np.asarray(x), axis, 0))
+            out = np.empty((self.size, *x.shape), x.dtype)
+            self.comm.all_gather_into(out.reshape(-1), x.reshape(-1))
+            out = out.reshape(self.size * x.shape[0], *x.shape[1:])
+            return np.ascontiguousarray(np.moveaxis(out, 0, axis))
+        return run
+
+    def _host_reduce_scatter(self, axis: int) -> Callable[[Any], np.ndarray]:
+        def run(x: Any) -> np.ndarray:
+            x = np.ascontiguousarray(np.moveaxis(np.asarray(x), axis, 0))
+            out = np.empty((x.shape[0] // self.size, *x.shape[1:]), x.dtype)
+            self.comm.reduce_scatter_into(out.reshape(-1), x.reshape(-1), "sum")
+            return np.ascontiguousarray(np.moveaxis(out, 0, axis))
+        return run
+
+    # -- device side: ordered callbacks -----------------------------------------
+    def _call(self, host: Callable[[Any], np.ndarray], x: Any, shape: tuple[int, ...]) -> Any:
+        import jax
+        from jax.experimental import io_callback
+
+        return io_callback(host, jax.ShapeDtypeStruct(shape, x.dtype), x, ordered=True)
+
+    def all_reduce(self, x: Any, op: str = "sum") -> Any:
+        """The elementwise ``op`` of every rank's ``x`` (not differentiable: use
+        :meth:`reduce` or :meth:`copy` where a gradient flows)."""
+        if self.size == 1:
+            return x
+        return self._call(self._host_all_reduce(op), x, x.shape)
+
+    def _all_gather(self, x: Any, axis: int) -> Any:
+        shape = list(x.shape)
+        shape[axis] *= self.size
+        return self._call(self._host_all_gather(axis), x, tuple(shape))
+
+    def _reduce_scatter(self, x: Any, axis: int) -> Any:
+        if x.shape[axis] % self.size:
+            raise ValueError(f"reduce_scatter: dimension {axis} of {tuple(x.shape)} does not "
+                             f"divide over {self.size} model ranks")
+        shape = list(x.shape)
+        shape[axis] //= self.size
+        return self._call(self._host_reduce_scatter(axis), x, tuple(shape))
+
+    def _slice(self, x: Any, axis: int) -> Any:
+        import jax
+
+        if x.shape[axis] % self.size:
+            raise ValueError(f"scatter: dimension {axis} of {tuple(x.shape)} does not divide "
+                             f"over {self.size} model ranks")
+        n = x.shape[axis] // self.size
+        return jax.lax.slice_in_dim(x, self.rank * n, (self.rank + 1) * n, axis=axis)
+
+    def _build(self) -> None:
+        import jax
+
+        @jax.custom_vjp
+        def copy(x: Any) -> Any:
+            return x
+        copy.defvjp(lambda x: (x, None), lambda _, ct: (self.all_reduce(ct),))
+
+        @jax.custom_vjp
+        def reduce(x: Any) -> Any:
+            return self.all_reduce(x)
+        reduce.defvjp(lambda x: (self.all_reduce(x), None), lambda _, ct: (ct,))
+
+        def pair(fwd: Callable[[Any, int], Any], bwd: Callable[[Any, int], Any]) -> Any:
+            def f(x: Any, axis: int) -> Any:
+                return fwd(x, axis)
+            f = jax.custom_vjp(f, nondiff_argnums=(1,))
+            f.defvjp(lambda x, axis: (fwd(x, axis), None),
+                     lambda axis, _, ct: (bwd(ct, axis),))
+            return f
+
+        self._fns = {
+            "copy": copy, "reduce": reduce,
+            "gather": pair(self._all_gather, self._slice),
+            "scatter": pair(self._slice, self._all_gather),
+            "gather_sequence": pair(self._all_gather, self._reduce_scatter),
+            "reduce_scatter": pair(self._reduce_scatter, self._all_gather),
+        }
+
+    def _axis(self, x: Any, axis: int) -> int:
+        nd = len(x.shape)
+        if not -nd <= axis < nd:
+            raise ValueError(f"axis {axis} is out of range for an array of shape "
+                             f"{tuple(x.shape)}")
+        return axis % nd
+
+    def apply(self, name: str, x: Any, axis: int | None = None) -> Any:
+        if self.size == 1:
+            return x
+        fn = self._fns[name]
+        if axis is None:
+            return fn(x)
+        return fn(x, self._axis(x, axis))

@@ -1,0 +1,321 @@
+"""Tensor parallelism (shard.TensorParallel): each collective's forward and
+backward against the unsplit computation, Megatron's layers, the
+vocabulary-parallel loss against the gathered one, a GPT's loss and gradients
+at 2 and 4 model ranks (with and without sequence parallelism) against one
+process, and the specs' errors."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import shard
+from tests import tp_models as gpt
+
+
+def _close(got, want, tol=1e-5):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+
+
+def _inputs(size):
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((size, 4, 8)).astype(np.float32)  # x[r]: rank r's
+    tall = rng.standard_normal((size, 4 * size, 8)).astype(np.float32)
+    whole = np.concatenate(list(x), -1)  # (4, 8 * size), the same on every rank
+    return {"copy": (x, None), "reduce": (x, None), "gather": (x, -1),
+            "scatter": ([whole] * size, -1), "gather_sequence": (x, 0),
+            "reduce_scatter": (tall, 0)}
+
+
+def _cotangent(name, rank, shape):
+    seed = 1000 + 10 * rank + list(_inputs(1)).index(name)
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_each_collective_and_its_conjugate_match_the_unsplit_computation(size):
+    cases = _inputs(size)
+
+    def run(comm):
+        tp = shard.TensorParallel(comm)
+        out = {}
+        for name, (inputs, axis) in cases.items():
+            fn = getattr(tp, name)
+            args = () if axis is None else (axis,)
+            y, vjp = jax.vjp(lambda a, fn=fn, args=args: fn(a, *args),
+                             jnp.asarray(inputs[comm.rank]))
+            (g,) = vjp(jnp.asarray(_cotangent(name, comm.rank, y.shape)))
+            out[name] = (np.asarray(y), np.asarray(g))
+        return out
+
+    got = shard.spawn(run, size)
+    x, tall = cases["copy"][0], cases["reduce_scatter"][0]
+    whole = cases["scatter"][0][0]
+
+    def ct(name):
+        return [_cotangent(name, q, got[q][name][0].shape) for q in range(size)]
+
+    for r in range(size):
+        rows, cols = slice(4 * r, 4 * r + 4), slice(8 * r, 8 * r + 8)
+        want = {  # (forward, backward) of each, on rank r
+            "copy": (x[r], sum(ct("copy"))),
+            "reduce": (x.sum(0), ct("reduce")[r]),
+            "gather": (whole, ct("gather")[r][:, cols]),
+            "scatter": (whole[:, cols], np.concatenate(ct("scatter"), -1)),
+            "gather_sequence": (np.concatenate(list(x), 0), sum(ct("gather_sequence"))[rows]),
+            "reduce_scatter": (tall.sum(0)[rows], np.concatenate(ct("reduce_scatter"), 0)),
+        }
+        for name, (fwd, bwd) in want.items():
+            _close(got[r][name][0], fwd)
+            _close(got[r][name][1], bwd)
+
+
+def test_one_model_rank_is_the_identity_and_traces_no_callback():
+    def run(comm):
+        tp = shard.TensorParallel(comm)
+
+        def f(x):
+            return tp.row_linear(tp.column_linear(x, jnp.ones((3, 4))), jnp.ones((4, 2)))
+        return str(jax.make_jaxpr(f)(jnp.ones((2, 3))))
+
+    assert "callback" not in shard.spawn(run, 1)[0]
+
+
+@pytest.mark.parametrize("size,sequence_parallel", [(2, False), (4, False), (2, True), (4, True)])
+def test_a_gpt_split_over_model_ranks_has_the_loss_and_gradients_of_one_process(
+        size, sequence_parallel):
+    params, batch = gpt.init_params(), gpt.batches(1)[0]
+    want_loss, want_grads = jax.value_and_grad(gpt.gpt_loss)(params, batch)
+
+    def run(comm):
+        tp = shard.TensorParallel(comm, gpt.specs())
+        local = tp.shard(params)
+        vg = jax.jit(jax.value_and_grad(
+            lambda p, b: gpt.gpt_loss(p, b, tp=tp, sequence_parallel=sequence_parallel)))
+        loss, grads = vg(local, batch)
+        return float(loss), tp.unshard(grads), jax.tree.map(np.shape, local)
+
+    got = shard.spawn(run, size)
+    assert got[0][2]["blocks"][0]["wq"] == (gpt.D, gpt.D // size)
+    assert got[0][2]["wte"] == (gpt.VOCAB // size, gpt.D)
+    for loss, grads, _ in got:
+        assert abs(loss - float(want_loss)) < 1e-5
+        jax.tree.map(lambda g, w: _close(g, w, 1e-5), grads, want_grads)
+
+
+def test_the_vocabulary_parallel_loss_equals_the_loss_of_the_gathered_logits():
+    rng = np.random.default_rng(3)
+    logits = (rng.standard_normal((3, 5, 24)) * 4).astype(np.float32)
+    labels = rng.integers(0, 24, (3, 5))
+    want = jax.nn.logsumexp(logits, -1) - np.take_along_axis(logits, labels[..., None], -1)[..., 0]
+    want_grad = jax.grad(lambda z: jnp.sum(
+        jax.nn.logsumexp(z, -1) - jnp.take_along_axis(z, labels[..., None], -1)[..., 0]))(logits)
+
+    def run(comm):
+        tp = shard.TensorParallel(comm)
+        mine = jnp.asarray(np.split(logits, comm.world_size, -1)[comm.rank])
+        loss, vjp = jax.vjp(lambda z: tp.cross_entropy(z, jnp.asarray(labels)), mine)
+        return np.asarray(loss), np.asarray(vjp(jnp.ones_like(loss))[0])
+
+    for size in (1, 2, 3, 4):
+        got = shard.spawn(run, size)
+        for r, (loss, grad) in enumerate(got):
+            _close(loss, want)
+            _close(grad, np.split(np.asarray(want_grad), size, -1)[r])
+
+
+def test_specs_that_do_not_fit_are_refused_naming_the_leaf():
+    def run(comm):
+        errors = []
+        for specs, params in [
+            ({"w": P(None, "model")}, {"w": np.ones((4, 3))}),  # 3 columns over 2 ranks
+            ({"w": P("data", None)}, {"w": np.ones((4, 4))}),  # another axis
+            ({"w": P(None, None, "model")}, {"w": np.ones((4, 4))}),  # past the last dim
+            ({"w": P("model", "model")}, {"w": np.ones((4, 4))}),
+            ({"v": P("model")}, {"w": np.ones((4, 4))}),  # not the params' tree
+        ]:
+            with pytest.raises((ValueError, TypeError)) as e:
+                shard.TensorParallel(comm, specs).shard(params)
+            errors.append(str(e.value))
+        return errors
+
+    errors = shard.spawn(run, 2)[0]
+    assert "['w']" in errors[0] and "does not divide over 2 model ranks" in errors[0]
+    assert "'data'" in errors[1] and "name only 'model'" in errors[1]
+    assert "does not fit its shape (4, 4)" in errors[2]
+    assert "does not fit" in errors[3]
+    assert "does not match the params tree" in errors[4]
+    with pytest.raises(ValueError, match="no axis 'model'"):
+        shard.spawn(lambda c: shard.TensorParallel(shard.Mesh(c, {"data": 2})), 2)
+
+
+LR, WD, CLIP = gpt.LR, gpt.WD, gpt.CLIP
+
+
+@pytest.mark.parametrize("data,model,zero", [
+    (1, 2, shard.zero1), (2, 2, shard.zero2), (3, 2, shard.zero3), (2, 2, shard.zero3),
+    (1, 4, shard.zero3), (3, 1, shard.zero2)])
+def test_zero_on_the_data_axis_with_tensor_parallelism_matches_one_process(data, model, zero):
+    steps = 10
+    want, want_losses, want_norms = gpt.reference(steps)
+    got = shard.spawn(lambda c: gpt.train(c, data, model, zero, steps), data * model)
+    for coords, whole, mine, losses, norms in got:
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+        assert min(want_norms) > CLIP  # clipping was on at every step
+        jax.tree.map(lambda g, w: _close(g, w, 1e-5), whole, want)
+        tp_slice = shard.spawn(lambda c: shard.TensorParallel(c, gpt.specs()).shard(want),
+                               model)[coords["model"]]
+        jax.tree.map(lambda g, w: _close(g, w, 1e-5), mine, tp_slice)
+
+
+def _resume(comm, path, data, model, zero, first, steps):
+    """Load ``path`` at (data, model) (model 0: no tensor parallelism) and run
+    batches [first, steps)."""
+    import ops
+
+    mesh = shard.Mesh(comm, {"data": data, "model": max(model, 1)})
+    tp = shard.TensorParallel(mesh, gpt.specs()) if model else None
+    step = zero(lambda p, b: gpt.gpt_loss(p, b, tp=tp),
+                optimizer=ops.adamw(LR, eps=gpt.EPS, weight_decay=WD), comm=mesh["data"],
+                clip_norm=CLIP, tensor_parallel=tp)
+    state, _ = shard.load(path, step, comm=mesh["data"])
+    assert int(state.step) == first
+    losses = []
+    for b in gpt.batches(steps)[first:]:
+        state, metrics = step(state, shard.split_batch(b, rank=mesh.coords["data"],
+                                                       world_size=data))
+        losses.append(metrics["loss"])
+    mine = shard.gather(state, mesh["data"])
+    return (tp.unshard(mine) if tp else mine), losses
+
+
+def test_a_tensor_parallel_checkpoint_resumes_at_other_shapes_on_the_same_trajectory(tmp_path):
+    import ops
+
+    steps, first, path = 8, 4, tmp_path / "ckpt"
+
+    def train(comm):
+        mesh = shard.Mesh(comm, {"data": 2, "model": 2})
+        tp = shard.TensorParallel(mesh, gpt.specs())
+        step = shard.zero3(lambda p, b: gpt.gpt_loss(p, b, tp=tp),
+                           optimizer=ops.adamw(LR, eps=gpt.EPS, weight_decay=WD),
+                           comm=mesh["data"], clip_norm=CLIP, tensor_parallel=tp)
+        state = step.init(gpt.init_params())
+        losses = []
+        for i, b in enumerate(gpt.batches(steps)):
+            if i == first:
+                shard.save(state, path, comm=mesh["data"])
+            state, metrics = step(state, shard.split_batch(b, rank=mesh.coords["data"],
+                                                           world_size=2))
+            losses.append(metrics["loss"])
+        return tp.unshard(shard.gather(state, mesh["data"])), losses
+
+    want, want_losses = shard.spawn(train, 4)[0]
+    assert sorted(p.name for p in path.iterdir()) == ["model-000", "model-001",
+                                                      "tensor_parallel.json"]
+    for data, model, zero in [(2, 2, shard.zero3), (1, 4, shard.zero1), (4, 0, shard.zero2)]:
+        got = shard.spawn(lambda c, d=data, m=model, z=zero: _resume(c, path, d, m, z, first,
+                                                                    steps), data * max(model, 1))
+        for params, losses in got:
+            np.testing.assert_allclose(losses, want_losses[first:], rtol=1e-5, atol=1e-6)
+            jax.tree.map(lambda g, w: _close(g, w, 1e-5), params, want)
+
+    # the whole params of the saved step, consolidated from the two model ranks' parts
+    out = tmp_path / "whole.safetensors"
+    from safetensors.numpy import load_file
+
+    from shard.checkpoint import consolidate
+    consolidate(path, out)
+    whole = load_file(str(out))
+    saved = shard.spawn(lambda c: _resume(c, path, 1, 0, shard.zero1, first, first), 1)[0][0]
+    assert whole["wte"].shape == (gpt.VOCAB, gpt.D)
+    assert whole["blocks.0.w_up"].shape == (gpt.D, 4 * gpt.D)
+    _close(whole["blocks.1.w_down"], saved["blocks"][1]["w_down"], 0)
+    _close(whole["head"], saved["head"], 0)
+
+
+def test_a_plain_checkpoint_loads_into_a_tensor_parallel_step(tmp_path):
+    import ops
+
+    path = tmp_path / "plain"
+
+    def save(comm):
+        step = shard.zero2(gpt.gpt_loss, optimizer=ops.adamw(LR, eps=gpt.EPS, weight_decay=WD),
+                           comm=comm, clip_norm=CLIP)
+        state = step.init(gpt.init_params())
+        for b in gpt.batches(2):
+            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=3))
+        shard.save(state, path, comm=comm)
+        for b in gpt.batches(4)[2:]:
+            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=3))
+        return shard.gather(state, comm)
+
+    want = shard.spawn(save, 3)[0]
+    for params, _ in shard.spawn(lambda c: _resume(c, path, 1, 2, shard.zero3, 2, 4), 2):
+        jax.tree.map(lambda g, w: _close(g, w, 1e-5), params, want)
+
+
+def test_four_gloo_processes_train_a_sequence_parallel_gpt_as_one_process(tmp_path):
+    from tests.multiproc import run_ranks
+
+    reports = run_ranks("tests/gloo_worker.py", 4, tmp_path,
+                        {"ZS_SCENARIO": "tensor_parallel", "ZS_TIMEOUT": "120"})
+    for rep in reports:
+        assert rep.get("ok"), rep
+        assert rep["worst"] <= 1 and rep["loss_diff"] < 1e-5 and rep["norm_diff"] < 1e-5, rep
+
+
+def test_what_tensor_parallelism_does_not_compose_with_is_refused_by_name(tmp_path):
+    import json
+
+    import ops
+
+    def run(comm):
+        mesh = shard.Mesh(comm, {"data": 1, "model": 2})
+        tp = shard.TensorParallel(mesh, {"w": P(None, "model")})
+
+        def loss(p, b):
+            return jnp.sum(tp.column_linear(jnp.ones((2, 4)), p["w"]) ** 2)
+
+        errors = []
+        for kw in ({"replicate": mesh["data"]}, {"offload": shard.Offload("host")},
+                   {"tensor_parallel": object()}):
+            with pytest.raises((NotImplementedError, TypeError)) as e:
+                shard.zero2(loss, optimizer=ops.adamw(1e-2), comm=mesh["data"],
+                            **{"tensor_parallel": tp, **kw})
+            errors.append(str(e.value))
+        step = shard.zero2(loss, optimizer=ops.adamw(1e-2), comm=mesh["data"],
+                           tensor_parallel=tp)
+        with pytest.raises(NotImplementedError) as e:
+            step.init_from(lambda: {"w": jnp.ones((4, 4))})
+        errors.append(str(e.value))
+        state = step.init({"w": np.ones((4, 4), np.float32)})
+        assert state.master[0].size == 8  # this model rank's 4 x 2 slice
+        with pytest.raises(NotImplementedError) as e:
+            shard.async_save(state, tmp_path / "a", comm=mesh["data"])
+        errors.append(str(e.value))
+        shard.save(state, tmp_path / "ck", comm=mesh["data"])
+        return errors
+
+    errors = shard.spawn(run, 2)[0]
+    assert "does not compose with replicate=" in errors[0]
+    assert "does not compose with offload=" in errors[1]
+    assert "tensor_parallel must be a shard.TensorParallel" in errors[2]
+    assert "give the whole params to zero2.init" in errors[3]
+    assert "saved by shard.save" in errors[4]
+    # a tampered index is refused before anything is read
+    index = tmp_path / "ck" / "tensor_parallel.json"
+    good = json.loads(index.read_text())
+    for bad, match in [({"split": {"['w']": 5}}, "split dimension must be null or an index"),
+                       ({"parts": ["../../etc"]}, "parts"),
+                       ({"model_size": 3}, "not a tensor-parallel index"),
+                       ({"step": 7}, "a save that did not finish on every model rank")]:
+        index.write_text(json.dumps({**good, **bad}))
+        with pytest.raises(shard.CheckpointError, match=match):
+            shard.checkpoint.consolidate(tmp_path / "ck", tmp_path / "out.safetensors")
