@@ -29,7 +29,7 @@ PUBLIC = {
     "ops.testing": ["DEVICE_OPS", "STANDIN", "SYNCS", "StandInArray", "xp"],
     "interop": ["data_ptr", "shares_memory", "to_cupy", "to_jax", "to_numpy", "to_torch"],
     "interop.torch": ["TorchLayered", "TorchLoss", "functional", "layered", "load_state",
-                      "state_dict"],
+                      "parallelize", "state_dict"],
     "interop.jax": ["global_params", "local_params", "mesh", "shardings"],
 }
 

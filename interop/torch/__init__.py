@@ -21,11 +21,15 @@ The package, a file per concept (it may import :mod:`shard` and :mod:`ops`):
   ([Note: torch buffers]);
 - ``_state_dict.py``: :func:`load_state` and :func:`state_dict`;
 - ``_meta.py``: a module built on the meta device, materialised one unit at a
-  time by the step's ``init`` ([Note: meta-device init]).
+  time by the step's ``init`` ([Note: meta-device init]);
+- ``_parallel.py``: :func:`parallelize`, tensor parallelism by module name
+  ([Note: torch tensor parallelism]).
 """
 
 from interop.torch._adapter import TorchLoss, functional
 from interop.torch._layers import TorchLayered, layered
+from interop.torch._parallel import parallelize
 from interop.torch._state_dict import load_state, state_dict
 
-__all__ = ["TorchLayered", "TorchLoss", "functional", "layered", "load_state", "state_dict"]
+__all__ = ["TorchLayered", "TorchLoss", "functional", "layered", "load_state", "parallelize",
+           "state_dict"]

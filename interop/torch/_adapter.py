@@ -213,6 +213,8 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
                    activation_checkpointing=bool(activation_checkpointing),
                    broadcast_buffers=bool(broadcast_buffers))
     fn._meta, fn._sharded = meta, meta is not None
+    # a module split by parallelize: its params are this model rank's slices already
+    fn.tensor_parallel = getattr(module, "_zeroshard_tensor_parallel", None)
     return params, fn
 
 

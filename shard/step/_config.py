@@ -99,6 +99,10 @@ class StepConfig:
                 if bad:
                     raise NotImplementedError(f"{name}: tensor_parallel= does not compose "
                                               f"with {what}; drop one of them")
+        split = getattr(loss_fn, "tensor_parallel", None)  # interop.torch.parallelize's module
+        if split is not None and split is not tensor_parallel:
+            raise ValueError(f"{name}: the loss's module was split by interop.torch.parallelize: "
+                             "pass the TensorParallel it returned as tensor_parallel=")
         data = getattr(loss_fn, "data", None)  # a pipeline stage: ZeRO runs on its data axis
         if (isinstance(data, Communicator) and hasattr(loss_fn, "pipe") and comm is not data
                 and comm.world_size != data.world_size):

@@ -31,8 +31,8 @@ def from_params(c: StepConfig, params: Any, device: Device | None, current: Devi
     otherwise), or shapes a loss object can materialise."""
     fn = f"{c.name}.init"
     tu = ops._tree.tree_util()
-    if c.tensor_parallel is not None:  # this model rank's slices of the whole params
-        params = c.tensor_parallel.shard(params)
+    if c.tensor_parallel is not None and getattr(c.loss_fn, "tensor_parallel", None) is None:
+        params = c.tensor_parallel.shard(params)  # this model rank's slices of the whole params
     raw, treedef = tu.tree_flatten(params)
     _, leaves = native_leaves(raw, fn)
     if not any(is_shape(x) for x in leaves):
