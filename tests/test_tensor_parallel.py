@@ -319,3 +319,78 @@ def test_what_tensor_parallelism_does_not_compose_with_is_refused_by_name(tmp_pa
         index.write_text(json.dumps({**good, **bad}))
         with pytest.raises(shard.CheckpointError, match=match):
             shard.checkpoint.consolidate(tmp_path / "ck", tmp_path / "out.safetensors")
+
+
+@pytest.mark.parametrize("pipe,data,model,zero", [
+    (2, 1, 2, shard.zero1), (2, 2, 2, shard.zero2), (2, 2, 2, shard.zero3)])
+def test_pipelines_zero_and_tensor_parallelism_together_match_one_process(pipe, data, model,
+                                                                          zero):
+    steps = 6
+    want, want_losses, want_norms = gpt.reference(steps)
+    want = gpt.layers(want)
+    got = shard.spawn(lambda c: gpt.train_pipeline(c, pipe, data, model, zero, steps),
+                      pipe * data * model)
+    seen = set()
+    for stage, losses, norms in got:
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+        for i, params in stage.items():
+            seen.add(i)
+            jax.tree.map(lambda g, w: _close(g, w, 1e-5), params, want[i])
+    assert seen == set(range(len(want)))
+
+
+def test_checkpoints_move_between_pipelined_tensor_parallel_and_plain_layouts(tmp_path):
+    import ops
+
+    steps, opt = 5, dict(optimizer=ops.adamw(LR, eps=gpt.EPS, weight_decay=WD), clip_norm=CLIP)
+    batches = gpt.batches(steps)
+    want = gpt.layers(gpt.reference(steps)[0])
+
+    def mesh_step(comm, pipe, data, model, zero):
+        axes = {"pipe": pipe, "data": data, **({"model": model} if model else {})}
+        mesh = shard.Mesh(comm, axes)
+        tp = shard.TensorParallel(mesh, gpt.layers(gpt.specs())) if model else None
+        stages = shard.pipeline(gpt.layered(tp), mesh=mesh, microbatches=2)
+        step = zero(stages, comm=mesh["data"], tensor_parallel=tp, **opt)
+        step.init(stages.params(gpt.layers(gpt.init_params())))
+        return mesh, tp, stages, step
+
+    def run(steps_range, mesh, step, state):
+        for b in (batches[i] for i in steps_range):
+            state, _ = step(state, shard.split_batch(b, rank=mesh.coords["data"],
+                                                     world_size=mesh.shape["data"]))
+        return state
+
+    def tp_only(comm):  # (data 2, model 2), no pipeline: 2 steps, saved
+        mesh = shard.Mesh(comm, {"data": 2, "model": 2})
+        tp = shard.TensorParallel(mesh, gpt.layers(gpt.specs()))
+        step = shard.zero3(gpt.layered(tp), comm=mesh["data"], tensor_parallel=tp, **opt)
+        state = run(range(2), mesh, step, step.init(gpt.layers(gpt.init_params())))
+        shard.save(state, tmp_path / "tp", comm=mesh["data"])
+
+    def pipelined(comm):  # ...resumed at (pipe 2, data 2, model 2) for a step, saved
+        mesh, _, stages, step = mesh_step(comm, 2, 2, 2, shard.zero2)
+        state, _ = stages.load(tmp_path / "tp", step)
+        stages.save(run(range(2, 3), mesh, step, state), tmp_path / "pipe_tp")
+
+    def pipe_only(comm):  # ...then at (pipe 2, data 1), no tensor parallelism, saved
+        mesh, _, stages, step = mesh_step(comm, 2, 1, 0, shard.zero1)
+        state, _ = shard.load(tmp_path / "pipe_tp", step, comm=mesh["data"])
+        stages.save(run(range(3, 4), mesh, step, state), tmp_path / "pipe")
+
+    def plain(comm):  # ...and the last step on 4 data ranks
+        step = shard.zero3(gpt.layered(), comm=comm, **opt)
+        step.init(gpt.layers(gpt.init_params()))
+        state, _ = shard.load(tmp_path / "pipe", step, comm=comm)
+        state = run(range(4, 5), shard.Mesh(comm, {"data": 4}), step, state)
+        return shard.gather(state, comm)
+
+    shard.spawn(tp_only, 4)
+    shard.spawn(pipelined, 8)
+    assert sorted(p.name for p in (tmp_path / "pipe_tp").iterdir()) == [
+        "pipeline.json", "stage-000", "stage-001"]
+    assert (tmp_path / "pipe_tp" / "stage-001" / "model-001" / "manifest.json").exists()
+    shard.spawn(pipe_only, 2)
+    for got in shard.spawn(plain, 4):
+        jax.tree.map(lambda g, w: _close(g, w, 1e-5), got, want)

@@ -61,35 +61,41 @@ def _linear(x, w, b=None):
     return y if b is None else y + b
 
 
-def gpt_loss(p, batch, *, tp=None, sequence_parallel=False):
-    sp = tp is not None and sequence_parallel
-    ids, labels = jnp.asarray(batch["ids"]), jnp.asarray(batch["labels"])
+def _embed(p, batch, tp, sp):
+    ids = jnp.asarray(batch["ids"])
+    if tp is None:
+        return jnp.take(p["wte"], ids, axis=0) + p["wpe"]
+    x = tp.embedding(ids, p["wte"], sequence_parallel=sp)
+    return x + (tp.scatter(p["wpe"], 0) if sp else p["wpe"])
+
+
+def _block(blk, x, tp, sp):
     if tp is None:
         col = row = _linear
-        x = jnp.take(p["wte"], ids, axis=0) + p["wpe"]
     else:
         def col(x, w, b=None):
             return tp.column_linear(x, w, b, sequence_parallel=sp)
 
         def row(x, w, b=None):
             return tp.row_linear(x, w, b, sequence_parallel=sp)
-        x = tp.embedding(ids, p["wte"], sequence_parallel=sp)
-        x = x + (tp.scatter(p["wpe"], 0) if sp else p["wpe"])
     causal = jnp.tril(jnp.ones((SEQ, SEQ), bool))
-    for blk in p["blocks"]:
-        h = _norm(x, blk["ln1"], tp, sp)
-        q, k, v = col(h, blk["wq"]), col(h, blk["wk"]), col(h, blk["wv"])
-        heads = q.shape[-1] // (D // HEADS)  # this rank's heads
+    h = _norm(x, blk["ln1"], tp, sp)
+    q, k, v = col(h, blk["wq"]), col(h, blk["wk"]), col(h, blk["wv"])
+    heads = q.shape[-1] // (D // HEADS)  # this rank's heads
 
-        def split(t, heads=heads):
-            return t.reshape(*t.shape[:2], heads, D // HEADS).transpose(0, 2, 1, 3)
-        q, k, v = split(q), split(k), split(v)
-        a = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D // HEADS)
-        a = jax.nn.softmax(jnp.where(causal, a, -1e9), axis=-1)
-        o = (a @ v).transpose(0, 2, 1, 3).reshape(*q.shape[:1], SEQ, -1)
-        x = x + row(o, blk["wo"], blk["bo"])
-        h = _norm(x, blk["ln2"], tp, sp)
-        x = x + row(jax.nn.gelu(col(h, blk["w_up"], blk["b_up"])), blk["w_down"], blk["b_down"])
+    def split(t):
+        return t.reshape(*t.shape[:2], heads, D // HEADS).transpose(0, 2, 1, 3)
+    q, k, v = split(q), split(k), split(v)
+    a = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D // HEADS)
+    a = jax.nn.softmax(jnp.where(causal, a, -1e9), axis=-1)
+    o = (a @ v).transpose(0, 2, 1, 3).reshape(*q.shape[:1], SEQ, -1)
+    x = x + row(o, blk["wo"], blk["bo"])
+    h = _norm(x, blk["ln2"], tp, sp)
+    return x + row(jax.nn.gelu(col(h, blk["w_up"], blk["b_up"])), blk["w_down"], blk["b_down"])
+
+
+def _head(p, x, batch, tp, sp):
+    labels = jnp.asarray(batch["labels"])
     h = _norm(x, p["lnf"], tp, sp)
     if tp is None:
         logits = h @ p["head"]
@@ -97,6 +103,30 @@ def gpt_loss(p, batch, *, tp=None, sequence_parallel=False):
                         - jnp.take_along_axis(logits, labels[..., None], -1)[..., 0])
     logits = tp.column_linear(h, p["head"], sequence_parallel=sp)  # this rank's vocabulary
     return jnp.mean(tp.cross_entropy(logits, labels))
+
+
+def gpt_loss(p, batch, *, tp=None, sequence_parallel=False):
+    sp = tp is not None and sequence_parallel
+    x = _embed(p, batch, tp, sp)
+    for blk in p["blocks"]:
+        x = _block(blk, x, tp, sp)
+    return _head(p, x, batch, tp, sp)
+
+
+def layers(p):
+    """The params as a list, one entry per layer of :func:`layered`."""
+    return [{"wte": p["wte"], "wpe": p["wpe"]}, *p["blocks"],
+            {"lnf": p["lnf"], "head": p["head"]}]
+
+
+def layered(tp=None, sequence_parallel=False):
+    """The same model as a ``shard.Layered``: the embeddings, each block, the head."""
+    import shard
+
+    sp = tp is not None and sequence_parallel
+    return shard.Layered([lambda p, _, b: _embed(p, b, tp, sp)]
+                         + [lambda p, x, b: _block(p, x, tp, sp)] * BLOCKS
+                         + [lambda p, x, b: _head(p, x, b, tp, sp)])
 
 
 def reference(steps):
@@ -138,3 +168,24 @@ def train(comm, data, model, zero, steps, sequence_parallel=False):
         norms.append(metrics["grad_norm"])
     mine = shard.gather(state, mesh["data"])  # this model rank's slices, whole over data
     return mesh.coords, tp.unshard(mine), mine, losses, norms
+
+
+def train_pipeline(comm, pipe, data, model, zero, steps, microbatches=2):
+    """Pipeline stages on the pipe axis, ZeRO on the data axis, tensor parallelism
+    on the model axis: (this stage's {layer: whole params}, losses, norms)."""
+    import ops
+    import shard
+
+    mesh = shard.Mesh(comm, {"pipe": pipe, "data": data, "model": model})
+    tp = shard.TensorParallel(mesh, layers(specs()))
+    stages = shard.pipeline(layered(tp), mesh=mesh, microbatches=microbatches)
+    step = zero(stages, optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), comm=mesh["data"],
+                clip_norm=CLIP, tensor_parallel=tp)
+    state = step.init(stages.params(layers(init_params())))
+    losses, norms = [], []
+    for b in batches(steps):
+        state, metrics = step(state, shard.split_batch(b, rank=mesh.coords["data"],
+                                                       world_size=data))
+        losses.append(metrics["loss"])
+        norms.append(metrics["grad_norm"])
+    return tp.unshard(shard.gather(state, mesh["data"])), losses, norms

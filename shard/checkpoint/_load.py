@@ -70,16 +70,24 @@ def read_any_manifest(path: str | os.PathLike) -> tuple[Path, dict]:
         info = json.loads(index.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CheckpointError(f"{index}: not valid JSON ({e})") from None
-    parts = {}
+    parts, leaves = {}, []
     for d in check_part_names(index, info):
-        _, parts[d] = read_manifest(path / d)
-        if parts[d]["step"] != info["step"]:
-            raise CheckpointError(f"{path / d}: step {parts[d]['step']}, but the pipeline's "
+        if (path / d / TP_INDEX).exists():  # a stage split over model ranks
+            stage = _read_model_parts(path / d)
+            parts.update({f"{d}/{k}": m for k, m in stage["parts"].items()})
+            leaves += [dict(e, model_parts=[dict(x, part=f"{d}/{x['part']}")
+                                            for x in e["model_parts"]])
+                       for e in stage["leaves"]]
+        else:
+            _, stage = read_manifest(path / d)
+            parts[d] = stage
+            leaves += [dict(e, part=d) for e in stage["leaves"]]
+        if stage["step"] != info["step"]:
+            raise CheckpointError(f"{path / d}: step {stage['step']}, but the pipeline's "
                                   f"checkpoint is of step {info['step']} (a save that did not "
                                   "finish on every stage)")
-    merged = dict(parts[info["parts"][0]], parts=parts)
-    merged["leaves"] = [dict(e, part=d) for d, m in parts.items() for e in m["leaves"]]
-    return path, merged
+    first = next(iter(parts.values()))
+    return path, dict(first, parts=parts, leaves=leaves)
 
 
 def _read_model_parts(path: Path) -> dict:

@@ -96,10 +96,9 @@ def pipeline(loss: Any, *, comm: Communicator | None = None, stages: int | None 
     if mesh is not None:
         if comm is not None or stages is not None:
             raise ValueError("pipeline: give mesh=, or comm= and stages=, not both")
-        if sorted(mesh.axis_names) != ["data", "pipe"]:
-            raise ValueError(f"pipeline: mesh must have the axes 'pipe' and 'data' (tensor "
-                             f"parallelism does not compose with pipelines yet); got "
-                             f"{list(mesh.axis_names)}")
+        if sorted(mesh.axis_names) not in (["data", "pipe"], ["data", "model", "pipe"]):
+            raise ValueError(f"pipeline: mesh must have the axes 'pipe' and 'data', and "
+                             f"'model' for tensor parallelism; got {list(mesh.axis_names)}")
         comm, stages = mesh.comm, mesh.shape["pipe"]
     elif comm is None or stages is None:
         raise TypeError("pipeline: give comm= and stages=, or mesh=shard.Mesh(comm, "

@@ -94,8 +94,7 @@ class StepConfig:
                 raise TypeError(f"{name}: tensor_parallel must be a shard.TensorParallel; got "
                                 f"{type(tensor_parallel).__name__}")
             for what, bad in (("replicate=", replicate is not None),
-                              ("offload=", offload is not None),
-                              ("a pipeline", hasattr(loss_fn, "norm_comm"))):
+                              ("offload=", offload is not None)):
                 if bad:
                     raise NotImplementedError(f"{name}: tensor_parallel= does not compose "
                                               f"with {what}; drop one of them")

@@ -31,8 +31,12 @@ def evaluate(plan: Any, units: Units, batch: Any) -> float:
                 loss = loss[0]
             del params
         total = _grads.on_device(plan, loss, "the loss").astype(np.float64)
-    # a pipeline's loss is its last stage's: summed over the whole mesh
-    total = ops.all_reduce(getattr(c.loss_fn, "norm_comm", c.comm), total)
+    # a pipeline's loss is its last stage's: summed over the whole mesh, where
+    # each model rank holds the same loss (counted at model rank 0)
+    mesh = getattr(c.loss_fn, "norm_comm", None)
+    if mesh is not None and c.tensor_parallel is not None and c.tensor_parallel.rank > 0:
+        total = total * 0
+    total = ops.all_reduce(mesh or c.comm, total)
     if c.replicate is not None:
         total = ops.all_reduce(c.replicate, total)
     return float(plan.device.to_host(total)[0]) / c.ranks

@@ -72,6 +72,8 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
     if mesh is not None:  # a pipeline stage: over the whole mesh (see [Note: pipeline])
         if replicated and c.comm.rank == 0:  # once per stage
             totals[0:1] += ops.sum_of_squares(replicated)
+        if tp is not None and tp.rank > 0:  # the same loss on every model rank: count one
+            totals[1:2] *= 0
         mesh.all_reduce_(totals, "sum")
         return
     plan.fast.all_reduce_(totals, "sum")

@@ -51,7 +51,8 @@ class TensorParallel:
       specs: a ``jax.sharding.PartitionSpec`` per leaf of the params (a prefix
         of their tree, or one spec), naming ``axis`` at the dimension that is
         split; ``None`` or ``PartitionSpec()`` keeps a leaf whole. Default:
-        every leaf whole.
+        every leaf whole. Specs of a list of per-layer params also fit a
+        pipeline stage's ``{layer index: params}``.
       axis: the mesh axis of the model ranks.
 
     Megatron's layers, for weights laid out as ``x @ w``: a column-parallel
@@ -104,14 +105,18 @@ class TensorParallel:
         leaves = tu.tree_leaves_with_path(params)
         if self.specs is None:
             return [None] * len(leaves)
+        specs = self.specs
+        if isinstance(specs, (list, tuple)) and isinstance(params, dict) and all(
+                isinstance(k, int) and 0 <= k < len(specs) for k in params):
+            specs = {k: specs[k] for k in params}  # a pipeline stage's {layer: params}
         try:
-            full = tu.tree_map(lambda s, sub: tu.tree_map(lambda _: s, sub), self.specs, params,
+            full = tu.tree_map(lambda s, sub: tu.tree_map(lambda _: s, sub), specs, params,
                                is_leaf=_is_pspec)
         except ValueError as e:
             raise ValueError(f"TensorParallel: the spec tree does not match the params tree "
                              f"({e}); give a PartitionSpec per leaf, a prefix of the params "
                              "tree, or one spec") from None
-        bad = [p for p, s in tu.tree_leaves_with_path(self.specs, is_leaf=_is_pspec)
+        bad = [p for p, s in tu.tree_leaves_with_path(specs, is_leaf=_is_pspec)
                if not _is_pspec(s)]
         if bad:
             raise TypeError(f"TensorParallel: specs{tu.keystr(bad[0])} is not a "
