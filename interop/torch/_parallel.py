@@ -61,14 +61,15 @@ def _gathered(comm: Communicator, t: Any) -> Any:
     """Every model rank's ``t`` concatenated along the last dimension."""
     import torch
 
-    x = t.detach().movedim(-1, 0).contiguous()
+    x = t.detach().contiguous()
     out = torch.empty((comm.world_size, *x.shape), dtype=x.dtype)
 
     def flat(a: Any) -> Any:  # numpy has no bfloat16: its bits move as int16
         return (a.view(torch.int16) if a.dtype == torch.bfloat16 else a).view(-1).numpy()
 
     comm.all_gather_into(flat(out), flat(x))
-    return out.reshape(-1, *x.shape[1:]).movedim(0, -1).contiguous()
+    # (T, ..., n) -> (..., T, n) -> (..., T n): one copy, in runs of n elements
+    return out.movedim(0, -2).reshape(*x.shape[:-1], comm.world_size * x.shape[-1])
 
 
 def _functions() -> tuple[Any, Any, Any]:

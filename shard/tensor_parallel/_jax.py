@@ -65,19 +65,25 @@ class Collectives:
 
     def _host_all_gather(self, axis: int) -> Callable[[Any], np.ndarray]:
         def run(x: Any) -> np.ndarray:
-            x = np.ascontiguousarray(np.moveaxis(np.asarray(x), axis, 0))
+            x = np.ascontiguousarray(x)
             out = np.empty((self.size, *x.shape), x.dtype)
             self.comm.all_gather_into(out.reshape(-1), x.reshape(-1))
-            out = out.reshape(self.size * x.shape[0], *x.shape[1:])
-            return np.ascontiguousarray(np.moveaxis(out, 0, axis))
+            # (T, ..., n, ...) -> (..., T, n, ...) -> (..., T n, ...): one copy
+            shape = list(x.shape)
+            shape[axis] *= self.size
+            return np.moveaxis(out, 0, axis).reshape(shape)
         return run
 
     def _host_reduce_scatter(self, axis: int) -> Callable[[Any], np.ndarray]:
         def run(x: Any) -> np.ndarray:
-            x = np.ascontiguousarray(np.moveaxis(np.asarray(x), axis, 0))
-            out = np.empty((x.shape[0] // self.size, *x.shape[1:]), x.dtype)
-            self.comm.reduce_scatter_into(out.reshape(-1), x.reshape(-1), "sum")
-            return np.ascontiguousarray(np.moveaxis(out, 0, axis))
+            x = np.asarray(x)
+            shape = list(x.shape)
+            shape[axis:axis + 1] = [self.size, shape[axis] // self.size]
+            # each rank's chunk along axis contiguous, in rank order: one copy
+            chunks = np.ascontiguousarray(np.moveaxis(x.reshape(shape), axis, 0))
+            out = np.empty(chunks.shape[1:], x.dtype)
+            self.comm.reduce_scatter_into(out.reshape(-1), chunks.reshape(-1), "sum")
+            return out
         return run
 
     # -- device side: ordered callbacks -----------------------------------------
