@@ -17,7 +17,7 @@ __all__ = ["estimate_memory"]
 def estimate_memory(params: Any, *, stage: int, world_size: int,
                     policy: Precision | None = None, specs: Any = None,
                     units: Units = None, offload: Offload | None = None,
-                    optimizer: Any = None) -> dict[str, int]:
+                    optimizer: Any = None, tensor_parallel: Any = None) -> dict[str, int]:
     """Bytes per rank, by kind, that a ZeRO stage keeps for ``params``.
 
     The ZeRO paper's accounting, with this library's padding (each Shard(0)
@@ -51,6 +51,12 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
       policy: the :class:`Precision` the step will use.
       specs, units: as given to the ZeRO transform.
       optimizer: the transform's ``optimizer=`` (default: Adam's two moments).
+      tensor_parallel: a :class:`shard.TensorParallel` (the step's, or
+        ``shard.TensorParallel(T, specs)`` for T model ranks without ranks to
+        run on): ``params`` are the whole model's, and the estimate is a model
+        rank's, for its slices (Megatron's split: a split leaf's bytes divided
+        by T, a whole leaf's on every model rank). For a pipeline stage, give
+        that stage's params.
 
     Example:
       >>> import jax, jax.numpy as jnp, shard
@@ -63,6 +69,11 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"estimate_memory: stage must be 0-3; got {stage!r}")
     policy = policy or Precision()
+    if tensor_parallel is not None:  # a model rank's slices
+        import jax
+
+        params = tensor_parallel.shard(jax.tree.map(
+            lambda x: jax.ShapeDtypeStruct(tuple(x.shape), x.dtype), params))
     layout = make_layout(params, specs, world_size=1 if stage == 0 else world_size, units=units,
                          fn="estimate_memory")
     master = master_dtype_of(layout)

@@ -394,3 +394,32 @@ def test_checkpoints_move_between_pipelined_tensor_parallel_and_plain_layouts(tm
     shard.spawn(pipe_only, 2)
     for got in shard.spawn(plain, 4):
         jax.tree.map(lambda g, w: _close(g, w, 1e-5), got, want)
+
+
+def test_estimate_memory_of_a_model_rank_is_megatrons_split_and_what_a_rank_holds():
+    import ops
+
+    params, dims = gpt.init_params(), None
+    tp2 = shard.TensorParallel(2, gpt.specs())  # a split without ranks
+    dims = tp2.dims(params)
+    split = sum(x.size for x, d in zip(jax.tree.leaves(params), dims, strict=True) if d is not None)
+    whole = sum(x.size for x, d in zip(jax.tree.leaves(params), dims, strict=True) if d is None)
+    est = shard.estimate_memory(params, stage=1, world_size=1, tensor_parallel=tp2)
+    assert est["params"] == 4 * (split // 2 + whole)  # Megatron: split leaves / T
+    assert est["optimizer"] == 2 * est["params"]
+    with pytest.raises(RuntimeError, match="describes a split without ranks"):
+        tp2.copy(jnp.ones(3))
+
+    def held(comm):
+        mesh = shard.Mesh(comm, {"data": 2, "model": 2})
+        tp = shard.TensorParallel(mesh, gpt.specs())
+        step = shard.zero3(lambda p, b: gpt.gpt_loss(p, b, tp=tp), optimizer=ops.adamw(1e-3),
+                           comm=mesh["data"], tensor_parallel=tp)
+        state = step.init(params)
+        return (sum(x.nbytes for x in state.master),
+                sum(x.nbytes for ms in state.moments for x in ms))
+
+    want = shard.estimate_memory(params, stage=3, world_size=2, tensor_parallel=tp2)
+    for master, moments in shard.spawn(held, 4):
+        assert (master, moments) == (want["params"], want["optimizer"])
+    assert want["params"] < est["params"] / 2 + 4 * 64  # ZeRO halves it again (row padding)

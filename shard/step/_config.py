@@ -91,8 +91,8 @@ class StepConfig:
         if tensor_parallel is not None:  # see [Note: tensor parallelism with ZeRO]
             if not (hasattr(tensor_parallel, "shard") and isinstance(
                     getattr(tensor_parallel, "comm", None), Communicator)):
-                raise TypeError(f"{name}: tensor_parallel must be a shard.TensorParallel; got "
-                                f"{type(tensor_parallel).__name__}")
+                raise TypeError(f"{name}: tensor_parallel must be a shard.TensorParallel over "
+                                f"a mesh or a communicator; got {tensor_parallel!r}")
             for what, bad in (("replicate=", replicate is not None),
                               ("offload=", offload is not None)):
                 if bad:

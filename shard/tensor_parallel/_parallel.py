@@ -47,7 +47,9 @@ class TensorParallel:
 
     Args:
       mesh: a :class:`shard.Mesh` with axis ``axis``, or the communicator of the
-        model ranks itself.
+        model ranks itself; or a number of model ranks, for specs, ``shard``
+        (model rank 0's slices) and ``shard.estimate_memory`` without ranks
+        to run on (its collectives then refuse to run).
       specs: a ``jax.sharding.PartitionSpec`` per leaf of the params (a prefix
         of their tree, or one spec), naming ``axis`` at the dimension that is
         split; ``None`` or ``PartitionSpec()`` keeps a leaf whole. Default:
@@ -72,9 +74,14 @@ class TensorParallel:
       ((4, 4), 32.0)
     """
 
-    def __init__(self, mesh: Mesh | Communicator, specs: Any = None, *,
+    def __init__(self, mesh: Mesh | Communicator | int, specs: Any = None, *,
                  axis: str = "model") -> None:
-        if isinstance(mesh, Mesh):
+        if isinstance(mesh, (int, np.integer)) and not isinstance(mesh, bool):
+            if mesh < 1:
+                raise ValueError(f"TensorParallel: a number of model ranks must be >= 1; got "
+                                 f"{mesh}")
+            comm = None
+        elif isinstance(mesh, Mesh):
             if axis not in mesh.axis_names:
                 raise ValueError(f"TensorParallel: the mesh has no axis {axis!r}; its axes are "
                                  f"{list(mesh.axis_names)}")
@@ -82,15 +89,15 @@ class TensorParallel:
         elif isinstance(mesh, Communicator):
             comm = mesh
         else:
-            raise TypeError(f"TensorParallel: mesh must be a shard.Mesh or an ops.Communicator; "
-                            f"got {type(mesh).__name__}")
+            raise TypeError(f"TensorParallel: mesh must be a shard.Mesh, an ops.Communicator or "
+                            f"a number of model ranks; got {type(mesh).__name__}")
         if specs is not None and not _is_pspec(specs) and not hasattr(specs, "items") \
                 and not isinstance(specs, (list, tuple)):
             raise TypeError(f"TensorParallel: specs must be a PartitionSpec per leaf (a pytree "
                             f"of them); got {type(specs).__name__}")
         self.comm, self.axis, self.specs = comm, axis, specs
-        self.rank, self.size = comm.rank, comm.world_size
-        self.collectives = Collectives(comm)
+        self.rank, self.size = (comm.rank, comm.world_size) if comm is not None else (0, int(mesh))
+        self.collectives = Collectives(comm) if comm is not None else _NoRanks(self.size)
 
     def __repr__(self) -> str:
         return f"TensorParallel({self.axis}={self.size}; rank {self.rank})"
@@ -277,3 +284,14 @@ class TensorParallel:
         sums = self.reduce(jnp.stack([picked, jnp.sum(jnp.exp(z), axis=-1)]))
         return jnp.log(sums[1]) - sums[0]
 
+
+class _NoRanks:
+    """The collectives of a TensorParallel given a number of ranks: none to run on."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __getattr__(self, name: str) -> Any:
+        raise RuntimeError(f"TensorParallel({self.size}) describes a split without ranks (for "
+                           "specs, shard and estimate_memory); give it a shard.Mesh or a "
+                           "communicator to run its collectives")
