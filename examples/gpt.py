@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -61,18 +62,31 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=2)  # each (B, T, d)
-        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2)
-                   for z in (q, k, v))  # (B, nh, T, hs)
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        hs = d // self.heads
+        # thirds and heads counted from qkv's width: under tensor parallelism
+        # (GPT._tp_plan) a rank's qkv gives its heads' q, k and v
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=2)  # each (B, T, nh hs)
+        q, k, v = (z.view(b, t, -1, hs).transpose(1, 2) for z in (q, k, v))  # (B, nh, T, hs)
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(hs)
         att = att.masked_fill(~mask[:t, :t], float("-inf")).softmax(dim=-1)
-        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
+        x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, -1))
         return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
     """Token and position embeddings, blocks, a final norm, and an output head
-    tied to the token embedding; the causal mask is a buffer."""
+    tied to the token embedding; the causal mask is a buffer.
+
+    ``_tp_plan`` is its tensor-parallel plan for ``interop.torch.parallelize``
+    (Megatron's split: heads and MLP columns, then rows; the vocabulary).
+    """
+
+    _tp_plan: ClassVar[dict] = {"tok_emb": "embedding_rowwise",
+                                "blocks.*.qkv": ("packed_colwise", 3),
+                                "blocks.*.proj": "rowwise",
+                                "blocks.*.fc": "colwise",
+                                "blocks.*.out": "rowwise",
+                                "head": "colwise_gather_output"}
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -149,6 +163,13 @@ def chain(model: GPT) -> list[nn.Module]:
 def tied_weights(cfg: GPTConfig) -> list[list[tuple[int, str]]]:
     """``shard.pipeline(tied=...)`` for :func:`chain`: the token embedding is the head."""
     return [[(0, "tok_emb.weight"), (cfg.layers + 1, "head.weight")]]
+
+
+CHAIN_TP_PLAN = {"tok_emb": "embedding_rowwise", "block.qkv": ("packed_colwise", 3),
+                 "block.proj": "rowwise", "block.fc": "colwise", "block.out": "rowwise",
+                 "head": "colwise_gather_output"}
+"""``GPT._tp_plan`` for :func:`chain`'s layers: ``interop.torch.parallelize(chain(model),
+mesh, CHAIN_TP_PLAN)``."""
 
 
 def chain_loss(logits: torch.Tensor, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -24,7 +24,7 @@ from shard.monitor._profile import Breakdown, profile
 from shard.offload._offload import Offload
 from shard.pipelines._pipeline import Pipeline, balance_by_time, pipeline
 from shard.step._step import ZeroStep
-from shard.tensor_parallel._parallel import TensorParallel
+from shard.tensor_parallel._parallel import Packed, TensorParallel
 
 __all__ = [
     "AsyncSave",
@@ -39,6 +39,7 @@ __all__ = [
     "Mesh",
     "MicroBatches",
     "Offload",
+    "Packed",
     "Pipeline",
     "Precision",
     "Replicate",

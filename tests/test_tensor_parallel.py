@@ -154,12 +154,55 @@ def test_specs_that_do_not_fit_are_refused_naming_the_leaf():
         shard.spawn(lambda c: shard.TensorParallel(shard.Mesh(c, {"data": 2})), 2)
 
 
+def test_a_packed_leaf_splits_each_block_and_joins_back():
+    """A fused qkv ``(d, 3 d)`` as ``Packed(P(None, "model"), 3)``: each model
+    rank holds its columns of q, of k and of v, and its column-parallel output
+    is those columns of the whole layer's; unshard gives the whole leaf back."""
+    rng = np.random.default_rng(0)
+    w, x = rng.normal(size=(4, 24)).astype(np.float32), rng.normal(size=(2, 4)).astype(
+        np.float32)
+    want = x @ w
+
+    def run(comm):
+        tp = shard.TensorParallel(comm, {"qkv": shard.Packed(P(None, "model"), 3)})
+        mine = tp.shard({"qkv": w})
+        y = tp.column_linear(jnp.asarray(x), jnp.asarray(mine["qkv"]))
+        return mine["qkv"], np.asarray(y), tp.unshard(mine)["qkv"]
+
+    for size in (1, 2, 4):
+        n = 8 // size
+        for r, (mine, y, whole) in enumerate(shard.spawn(run, size)):
+            cols = [b * 8 + r * n + i for b in range(3) for i in range(n)]
+            np.testing.assert_array_equal(mine, w[:, cols])
+            np.testing.assert_allclose(y, want[:, cols], rtol=1e-6, atol=1e-6)
+            np.testing.assert_array_equal(whole, w)
+
+    def bad(comm):
+        errors = []
+        for blocks, shape in [(3, (4, 8)), (3, (4, 9))]:  # 8 not 3 blocks; 3 over 2 ranks
+            with pytest.raises(ValueError) as e:
+                shard.TensorParallel(comm, {"w": shard.Packed(P(None, "model"), blocks)}).shard(
+                    {"w": np.ones(shape)})
+            errors.append(str(e.value))
+        for args in [(P(None, "model"), 0), ("model", 2)]:
+            with pytest.raises((ValueError, TypeError)) as e:
+                shard.Packed(*args)
+            errors.append(str(e.value))
+        return errors
+
+    errors = shard.spawn(bad, 2)[0]
+    assert "['w'] has 8 along dimension 1, which is not 3 equal packed blocks" in errors[0]
+    assert "3 along dimension 1 in each packed block, which does not divide over 2" in errors[1]
+    assert "blocks must be an int >= 1" in errors[2]
+    assert "spec must be a jax.sharding.PartitionSpec" in errors[3]
+
+
 LR, WD, CLIP = gpt.LR, gpt.WD, gpt.CLIP
 
 
 @pytest.mark.parametrize("data,model,zero", [
-    (1, 2, shard.zero1), (2, 2, shard.zero2), (3, 2, shard.zero3), (2, 2, shard.zero3),
-    (1, 4, shard.zero3), (3, 1, shard.zero2)])
+    *((data, 2, zero) for data in (1, 2) for zero in (shard.zero1, shard.zero2, shard.zero3)),
+    (3, 2, shard.zero3), (1, 4, shard.zero3), (3, 1, shard.zero2)])
 def test_zero_on_the_data_axis_with_tensor_parallelism_matches_one_process(data, model, zero):
     steps = 10
     want, want_losses, want_norms = gpt.reference(steps)
@@ -295,6 +338,12 @@ def test_what_tensor_parallelism_does_not_compose_with_is_refused_by_name(tmp_pa
         with pytest.raises(NotImplementedError) as e:
             step.init_from(lambda: {"w": jnp.ones((4, 4))})
         errors.append(str(e.value))
+        from ops.testing import STANDIN, to_device
+
+        with pytest.raises(NotImplementedError) as e:  # device params: before any state
+            step.init({"w": to_device(np.ones((4, 4), np.float32), STANDIN)})
+        errors.append(str(e.value))
+        assert step.plan is None
         state = step.init({"w": np.ones((4, 4), np.float32)})
         assert state.master[0].size == 8  # this model rank's 4 x 2 slice
         with pytest.raises(NotImplementedError) as e:
@@ -308,11 +357,14 @@ def test_what_tensor_parallelism_does_not_compose_with_is_refused_by_name(tmp_pa
     assert "does not compose with offload=" in errors[1]
     assert "tensor_parallel must be a shard.TensorParallel" in errors[2]
     assert "give the whole params to zero2.init" in errors[3]
-    assert "saved by shard.save" in errors[4]
+    assert "trains host state" in errors[4] and "params are on standin" in errors[4]
+    assert "saved by shard.save" in errors[5]
     # a tampered index is refused before anything is read
     index = tmp_path / "ck" / "tensor_parallel.json"
     good = json.loads(index.read_text())
-    for bad, match in [({"split": {"['w']": 5}}, "split dimension must be null or an index"),
+    for bad, match in [({"split": {"['w']": 5}}, "split must be null, an index"),
+                       ({"split": {"['w']": [1, 3]}}, "packed blocks dividing"),
+                       ({"split": {"['w']": [1]}}, "split must be null"),
                        ({"parts": ["../../etc"]}, "parts"),
                        ({"model_size": 3}, "not a tensor-parallel index"),
                        ({"step": 7}, "a save that did not finish on every model rank")]:
@@ -322,7 +374,7 @@ def test_what_tensor_parallelism_does_not_compose_with_is_refused_by_name(tmp_pa
 
 
 @pytest.mark.parametrize("pipe,data,model,zero", [
-    (2, 1, 2, shard.zero1), (2, 2, 2, shard.zero2), (2, 2, 2, shard.zero3)])
+    (2, data, 2, zero) for data in (1, 2) for zero in (shard.zero1, shard.zero2, shard.zero3)])
 def test_pipelines_zero_and_tensor_parallelism_together_match_one_process(pipe, data, model,
                                                                           zero):
     steps = 6

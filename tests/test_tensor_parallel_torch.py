@@ -10,13 +10,14 @@ import copy
 import numpy as np
 import pytest
 import torch
+from jax.sharding import PartitionSpec as P
 
 import interop.torch as it
 import ops
 import shard
 
 transformers = pytest.importorskip("transformers")
-LR, WD, EPS, CLIP, STEPS, ROWS = 1e-2, 0.01, 1e-6, 0.5, 6, 4
+LR, WD, EPS, CLIP, STEPS, ROWS = 1e-2, 0.01, 1e-6, 0.5, 10, 4
 
 
 def llama(tied=True):
@@ -36,7 +37,7 @@ def loss_fn(m, ids):
     return m(input_ids=ids, labels=ids).loss
 
 
-def reference(model):
+def reference(model, loss_fn=loss_fn, batches=batches):
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, eps=EPS, weight_decay=WD)
     losses, norms = [], []
@@ -50,7 +51,7 @@ def reference(model):
     return {k: v.detach().numpy().copy() for k, v in model.named_parameters()}, losses, norms
 
 
-def train(comm, model, data, size, zero):
+def train(comm, model, data, size, zero, loss_fn=loss_fn, batches=batches):
     mesh = shard.Mesh(comm, {"data": data, "model": size})
     model = copy.deepcopy(model)
     tp = it.parallelize(model, mesh)
@@ -88,6 +89,110 @@ def test_a_llama_split_by_its_tp_plan_trains_as_one_process(data, size, zero, ti
             np.testing.assert_allclose(whole[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
 
 
+def gpt_model():
+    from examples import gpt
+
+    return gpt.build(gpt.GPTConfig(vocab=64, seq=12, d=16, layers=2, heads=4))
+
+
+def gpt_batches():
+    rng = np.random.default_rng(3)
+    return [tuple(torch.from_numpy(rng.integers(0, 64, (ROWS, 12))) for _ in range(2))
+            for _ in range(STEPS)]
+
+
+def gpt_loss(m, batch):
+    from examples import gpt
+
+    return gpt.lm_loss(m, batch)
+
+
+GRID = [(data, pipe, size, zero) for data, pipe, size in [(1, 1, 2), (2, 1, 2), (1, 2, 2),
+                                                           (2, 2, 2)]
+        for zero in (shard.zero1, shard.zero2, shard.zero3)] + [(1, 1, 4, shard.zero3)]
+
+
+@pytest.mark.parametrize("data,pipe,size,zero", GRID)
+def test_the_example_gpt_split_by_its_plan_trains_as_one_process(data, pipe, size, zero):
+    """examples/gpt.py's GPT on a (data, pipe, model) mesh: its fused qkv split
+    as three packed blocks (each rank its heads' q, k and v), the tied embedding
+    and head over the vocabulary; pipelined as a chain of layers split by one
+    parallelize call, its embedding tied to the head across the stages; against
+    torch.optim.AdamW on the whole model, clipped at every step."""
+    from examples import gpt
+
+    model = gpt_model()
+    want, want_losses, want_norms = reference(model, gpt_loss, gpt_batches)
+    assert min(want_norms) > CLIP
+    if pipe == 1:
+        got = shard.spawn(lambda c: train(c, model, data, size, zero, gpt_loss, gpt_batches),
+                          data * size)
+        for whole, shapes, losses, norms in got:
+            assert shapes["blocks.0.qkv.weight"] == (3 * 16 // size, 16)
+            assert shapes["blocks.0.qkv.bias"] == (3 * 16 // size,)
+            assert shapes["blocks.0.proj.weight"] == (16, 16 // size)
+            assert shapes["tok_emb.weight"] == (64 // size, 16)
+            assert shapes["pos_emb.weight"] == (12, 16)
+            np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+            np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+            assert sorted(whole) == sorted(want)
+            for k in want:
+                np.testing.assert_allclose(whole[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)
+        return
+    layered_want = [{n: want[_gpt_name(i, n)] for n, _ in m.named_parameters()}
+                    for i, m in enumerate(gpt.chain(model))]
+
+    def run(comm):
+        mesh = shard.Mesh(comm, {"pipe": pipe, "data": data, "model": size})
+        layers = gpt.chain(copy.deepcopy(model))
+        tp = it.parallelize(layers, mesh, gpt.CHAIN_TP_PLAN)
+        params, loss = it.layered(layers, loss=gpt.chain_loss)
+        stages = shard.pipeline(loss, mesh=mesh, microbatches=2,
+                                tied=gpt.tied_weights(model.cfg))
+        step = zero(stages, optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD),
+                    comm=mesh["data"], clip_norm=CLIP, tensor_parallel=tp)
+        state = step.init(stages.params(params))
+        losses, norms = [], []
+        for b in gpt_batches():
+            state, metrics = step(state, shard.split_batch(b, rank=mesh.coords["data"],
+                                                           world_size=data))
+            losses.append(metrics["loss"])
+            norms.append(metrics["grad_norm"])
+        return tp.unshard(shard.gather(state, mesh["data"])), losses, norms
+
+    seen = set()
+    for layers, losses, norms in shard.spawn(run, pipe * data * size):
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+        np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+        for i, got in layers.items():
+            seen.add(i)
+            assert sorted(got) == sorted(layered_want[i])
+            for k in got:
+                np.testing.assert_allclose(got[k], layered_want[i][k], rtol=1e-5, atol=1e-5,
+                                           err_msg=f"layer {i}: {k}")
+    assert seen == set(range(len(layered_want)))
+
+
+def test_a_packed_split_takes_every_blocks_part():
+    """A rank's slice of a packed qkv is its part of q, of k and of v, in order;
+    the output it computes is those parts of the whole layer's output."""
+    torch.manual_seed(0)
+    whole = torch.nn.Linear(4, 12)
+    x = torch.randn(2, 4)
+    want = whole(x).detach()
+
+    def run(comm):
+        layer = torch.nn.Sequential(copy.deepcopy(whole))
+        tp = it.parallelize(layer, comm, {"0": ("packed_colwise", 3)})
+        return layer(x).detach(), layer[0].weight.detach(), list(tp.specs.values())
+
+    for r, (y, w, specs) in enumerate(shard.spawn(run, 2)):
+        rows = [b * 4 + r * 2 + i for b in range(3) for i in range(2)]
+        torch.testing.assert_close(w, whole.weight.detach()[rows])
+        torch.testing.assert_close(y, want[:, rows])
+        assert specs == [shard.Packed(P("model"), 3)] * 2  # weight and bias
+
+
 def test_a_plan_that_does_not_fit_the_model_is_refused_by_name():
     def run(comm):
         errors = []
@@ -122,3 +227,90 @@ def test_a_plan_that_does_not_fit_the_model_is_refused_by_name():
 
     assert "embed_tokens.weight has 64 along dimension 0, which does not divide over 3" in \
         shard.spawn(three, 3)[0]
+
+
+def _gpt_run(comm, model, path, data, size, zero, first, save_at=None):
+    """The GPT at (data, size) (size 0: no tensor parallelism), from
+    ``path`` when ``first`` > 0, run to the last batch; saved before batch
+    ``save_at``: (whole params, losses)."""
+    mesh = shard.Mesh(comm, {"data": data, "model": max(size, 1)})
+    model = copy.deepcopy(model)
+    tp = it.parallelize(model, mesh) if size else None
+    params, loss = it.functional(model, loss=gpt_loss)
+    step = zero(loss, optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), comm=mesh["data"],
+                clip_norm=CLIP, tensor_parallel=tp)
+    if first:
+        state, _ = shard.load(path, step, comm=mesh["data"])
+        assert int(state.step) == first
+    else:
+        state = step.init(params)
+    losses = []
+    for i, b in enumerate(gpt_batches()[first:], first):
+        if i == save_at:
+            shard.save(state, path, comm=mesh["data"])
+        state, metrics = step(state, shard.split_batch(b, rank=mesh.coords["data"],
+                                                       world_size=data))
+        losses.append(metrics["loss"])
+    mine = shard.gather(state, mesh["data"])
+    return (tp.unshard(mine) if tp else mine), losses
+
+
+def test_a_packed_gpt_checkpoint_resumes_at_other_shapes_on_the_same_trajectory(tmp_path):
+    """Saved at (data 2, model 2), each rank's qkv a slice of every packed
+    block: resumed at (1, 4) and on 4 data ranks without tensor parallelism, and
+    consolidated into the whole GPT's qkv."""
+    import json
+
+    from safetensors.numpy import load_file
+
+    from shard.checkpoint import consolidate
+
+    path, first, model = tmp_path / "ckpt", 3, gpt_model()
+    want, want_losses = shard.spawn(
+        lambda c: _gpt_run(c, model, path, 2, 2, shard.zero3, 0, save_at=first), 4)[0]
+    index = json.loads((path / "tensor_parallel.json").read_text())
+    assert index["split"]["['blocks.0.qkv.weight']"] == [0, 3]
+    assert index["split"]["['blocks.0.fc.weight']"] == 0
+    for data, size, zero in [(1, 4, shard.zero3), (4, 0, shard.zero2)]:
+        got = shard.spawn(lambda c, d=data, s=size, z=zero: _gpt_run(c, model, path, d, s, z,
+                                                                      first),
+                          data * max(size, 1))
+        for params, losses in got:
+            np.testing.assert_allclose(losses, want_losses[first:], rtol=1e-5)
+            for k in want:
+                np.testing.assert_allclose(params[k], want[k], rtol=1e-5, atol=1e-5,
+                                           err_msg=k)
+    saved, _, _ = reference(model, gpt_loss, lambda: gpt_batches()[:first])
+    consolidate(path, tmp_path / "whole.safetensors")
+    whole = load_file(str(tmp_path / "whole.safetensors"))
+    for k in ("blocks.0.qkv.weight", "blocks.1.qkv.bias", "tok_emb.weight"):
+        np.testing.assert_allclose(whole[k], saved[k], rtol=1e-5, atol=1e-5, err_msg=k)
+
+
+def _gpt_name(layer, name):
+    """The whole GPT's name of a chain layer's parameter (the head is the
+    token embedding)."""
+    if name.startswith("block."):
+        return f"blocks.{layer - 1}.{name[len('block.'):]}"
+    return "tok_emb.weight" if name == "head.weight" else name
+
+
+def test_layers_split_apart_from_one_another_are_refused():
+    """A whole GPT split and then cut into layers has an output head the plan
+    never saw: layered refuses it rather than train a head on the wrong vocabulary."""
+    from examples import gpt
+
+    model = gpt_model()
+
+    def run(comm):
+        whole = copy.deepcopy(model)
+        it.parallelize(whole, comm)
+        with pytest.raises(ValueError) as e:
+            it.layered(gpt.chain(whole), loss=gpt.chain_loss)
+        with pytest.raises(ValueError) as list_plan:
+            it.parallelize(gpt.chain(copy.deepcopy(model)), comm)
+        return str(e.value), str(list_plan.value)
+
+    split, no_plan = shard.spawn(run, 2)[0]
+    assert "some layers are split by interop.torch.parallelize and others are not" in split
+    assert "a list of layers; give plan=" in no_plan

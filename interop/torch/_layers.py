@@ -114,8 +114,17 @@ def layered(layers: Sequence[Any], *, loss: Callable[[Any, Any], Any],
     if len(devices) > 1:
         raise ValueError(f"layered: the parameters are on {sorted(map(str, devices))}; move "
                          "every layer to one device first")
+    splits = {id(tp): tp for m in layers for sub in m.modules()
+              if (tp := getattr(sub, "_zeroshard_tensor_parallel", None)) is not None}
+    if len(splits) > 1 or (splits and any(getattr(m, "_zeroshard_tensor_parallel", None)
+                                          is None for m in layers)):
+        raise ValueError("layered: some layers are split by interop.torch.parallelize and "
+                         "others are not, or by different calls; split the list of layers "
+                         "with one interop.torch.parallelize(layers, mesh, plan)")
     params = [{name: to_native(p.data)[0] for name, p in own.items()} for own in named]
-    return params, TorchLayered(layers, loss, inputs, named)
+    out = TorchLayered(layers, loss, inputs, named)
+    out.tensor_parallel = next(iter(splits.values()), None)  # see [Note: torch tensor parallelism]
+    return params, out
 
 
 def _non_persistent(module: Any, name: str) -> set[str]:

@@ -14,6 +14,8 @@ style                      weight split        forward
 =========================  ==================  =============================
 ``colwise``                out features        ``f(x) @ W_r^T + b_r``
 ``colwise_gather_output``  out features        the above, all-gathered
+``packed_colwise``         out features, each  ``f(x) @ W_r^T + b_r``
+                           packed block
 ``rowwise``                in features         ``g(x_r @ W_r^T) + b``
 ``embedding_rowwise``      vocabulary rows     ``g(lookup of the ids held)``
 =========================  ==================  =============================
@@ -21,14 +23,25 @@ style                      weight split        forward
 (f: identity forward, all-reduce backward; g: the reverse.) The plan maps
 ``fnmatch`` patterns of module names to styles, as Hugging Face writes them
 (``{"model.layers.*.self_attn.q_proj": "colwise", ...}``); a model's own
-``_tp_plan`` is the default. A weight tied between two planned modules (an
+``_tp_plan`` is the default. ``packed_colwise`` is for a fused projection whose
+out features are equal blocks end to end (a fused gate-up projection: two, as
+Hugging Face's style; a fused query-key-value projection: write
+``("packed_colwise", 3)``): each block is split on its own, so a rank's output
+is its part of every block, in order (see [Note: packed splits] in
+``shard/core/_split.py``); the module's forward takes it apart as before if it
+splits by thirds and counts heads from the width it gets (``chunk(3, -1)``,
+``view(b, t, -1, head_dim)``). A weight tied between two planned modules (an
 embedding shared with the output head) is sliced once and stays tied, which
 needs the two styles to split it along the same dimension (they do for
 ``embedding_rowwise`` and ``colwise_gather_output``).
 
 The module's parameters are its slices from then on: ``functional`` gives
 those, and a step built with ``tensor_parallel=`` keeps them as they are at
-``init``.
+``init``. A list of modules (``interop.torch.layered``'s layers, a pipeline's
+stages) is split by one call, with one plan whose patterns name modules
+inside a layer; the specs are then one dict per layer. ``layered`` refuses
+layers split apart from one another (a model split whole and cut into layers
+afterwards has layers the plan never saw, such as a new output head).
 """
 
 from __future__ import annotations
@@ -39,12 +52,31 @@ from collections.abc import Mapping
 from typing import Any
 
 from ops import Communicator
-from shard import Mesh, TensorParallel
+from shard import Mesh, Packed, TensorParallel
+from shard.core._split import Split, take_split
 
 __all__ = ["STYLES", "parallelize"]
 
-STYLES = ("colwise", "colwise_gather_output", "rowwise", "embedding_rowwise")
+STYLES = ("colwise", "colwise_gather_output", "packed_colwise", "rowwise", "embedding_rowwise")
 _ALIASES = {"colwise_rep": "colwise_gather_output"}
+
+
+def _style(pattern: str, entry: Any) -> tuple[str, int]:
+    """A plan entry as (style, packed blocks)."""
+    style, blocks = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, None)
+    style = _ALIASES.get(style, style)
+    if style not in STYLES:
+        raise ValueError(f"parallelize: plan[{pattern!r}] is {entry!r}; the styles are "
+                         f"{list(STYLES)}, and ('packed_colwise', blocks)")
+    if blocks is not None and style != "packed_colwise":
+        raise ValueError(f"parallelize: plan[{pattern!r}] is {entry!r}; only 'packed_colwise' "
+                         "takes a number of blocks")
+    if blocks is None:
+        blocks = 2 if style == "packed_colwise" else 1
+    if isinstance(blocks, bool) or not isinstance(blocks, int) or blocks < 1:
+        raise ValueError(f"parallelize: plan[{pattern!r}] packs {blocks!r} blocks; give an "
+                         "int >= 1")
+    return style, blocks
 
 
 def _reduced(comm: Communicator, t: Any) -> Any:
@@ -108,23 +140,27 @@ def _functions() -> tuple[Any, Any, Any]:
     return Copy, Reduce, Gather
 
 
-def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, str] | None = None,
+def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] | None = None,
                 *, axis: str = "model") -> TensorParallel:
     """Split ``module``'s planned layers over the model ranks, in place (see
     [Note: torch tensor parallelism]).
 
     Args:
       module: this rank's ``torch.nn.Module`` on the CPU (thread ranks: each
-        its own copy), with the whole weights (the same on every rank).
+        its own copy), with the whole weights (the same on every rank); or a
+        list of modules, ``interop.torch.layered``'s layers (each pattern then
+        names modules within a layer, and must match in one of them at least).
       mesh: a :class:`shard.Mesh` with axis ``axis``, or the model ranks'
         communicator.
       plan: ``{module name pattern: style}`` (styles: ``colwise``,
-        ``colwise_gather_output``, ``rowwise``, ``embedding_rowwise``);
-        default: the model's Hugging Face ``_tp_plan``.
+        ``colwise_gather_output``, ``packed_colwise`` or ``("packed_colwise",
+        blocks)``, ``rowwise``, ``embedding_rowwise``); default: the model's
+        Hugging Face ``_tp_plan``.
 
     Returns:
       The :class:`shard.TensorParallel` for the step's ``tensor_parallel=``,
-      with a spec per parameter name.
+      with a spec per parameter name (for a list: a list of those, one per
+      layer, which also fits a pipeline stage's layers).
 
     Example::
 
@@ -136,87 +172,99 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, str] 
         state = step.init(params)
     """
     import torch
-    from jax.sharding import PartitionSpec as P
 
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"parallelize: expected a torch.nn.Module; got {type(module).__name__}")
-    if getattr(module, "_zeroshard_tensor_parallel", None) is not None:
-        raise ValueError("parallelize: this module is split already")
+    layers = isinstance(module, (list, tuple))
+    modules = list(module) if layers else [module]
+    for i, m in enumerate(modules):
+        where = f"layers[{i}]" if layers else "module"
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"parallelize: {where} is a {type(m).__name__}, not a "
+                            "torch.nn.Module")
+        if getattr(m, "_zeroshard_tensor_parallel", None) is not None:
+            raise ValueError(f"parallelize: this {where} is split already")
+        if any(p.device.type != "cpu" for p in m.parameters()):
+            raise NotImplementedError("parallelize: tensor parallelism runs torch modules on "
+                                      "the CPU (its collectives are host collectives)")
     if plan is None:
-        plan = getattr(module, "_tp_plan", None)
+        plan = None if layers else getattr(module, "_tp_plan", None)
         if not plan:
-            raise ValueError(f"parallelize: {type(module).__name__} has no Hugging Face "
-                             "_tp_plan; give plan={'*.q_proj': 'colwise', ...}")
-    if any(p.device.type != "cpu" for p in module.parameters()):
-        raise NotImplementedError("parallelize: tensor parallelism runs torch modules on the "
-                                  "CPU (its collectives are host collectives)")
-    styles = {}
-    for pattern, style in plan.items():
-        style = _ALIASES.get(style, style)
-        if style not in STYLES:
-            raise ValueError(f"parallelize: plan[{pattern!r}] is {style!r}; the styles are "
-                             f"{list(STYLES)}")
-        styles[pattern] = style
+            what = "a list of layers" if layers else f"{type(module).__name__} has no Hugging " \
+                "Face _tp_plan"
+            raise ValueError(f"parallelize: {what}; give plan={{'*.q_proj': 'colwise', ...}}")
+    styles = {pattern: _style(pattern, entry) for pattern, entry in plan.items()}
     tp = TensorParallel(mesh, axis=axis)
     comm, rank, size = tp.comm, tp.rank, tp.size
     Copy, Reduce, Gather = _functions()
-    split: dict[int, tuple[int, Any]] = {}  # id(whole parameter) -> (dim, slice parameter)
-    dims: dict[str, int] = {}
-    matched = set()
+    split: dict[int, tuple[Split, Any]] = {}  # id(whole parameter) -> (split, slice)
+    matched: set[str] = set()  # patterns
 
-    def cut(owner: Any, name: str, where: str, dim: int) -> None:
+    def cut(owner: Any, name: str, where: str, how: Split) -> None:
         p = getattr(owner, name)
         if id(p) in split:  # tied: sliced once
-            if split[id(p)][0] != dim:
-                raise ValueError(f"parallelize: {where}.{name} is tied to a weight split along "
-                                 f"dimension {split[id(p)][0]}; its style splits {dim}")
+            if split[id(p)][0] != how:
+                raise ValueError(f"parallelize: {where}.{name} is tied to a weight split "
+                                 f"{split[id(p)][0]}; its style splits {how}")
             setattr(owner, name, split[id(p)][1])
             return
-        if p.shape[dim] % size:
-            raise ValueError(f"parallelize: {where}.{name} has {p.shape[dim]} along dimension "
-                             f"{dim}, which does not divide over {size} model ranks")
-        n = p.shape[dim] // size
-        part = torch.nn.Parameter(p.detach().narrow(dim, rank * n, n).clone(),
+        dim, blocks = how
+        if p.shape[dim] % (blocks * size):
+            each = f" in each of {blocks} packed blocks" if blocks > 1 else ""
+            raise ValueError(f"parallelize: {where}.{name} has {p.shape[dim] // blocks} along "
+                             f"dimension {dim}{each}, which does not divide over {size} model "
+                             "ranks")
+        part = torch.nn.Parameter(take_split(p.detach(), how, rank, size).clone(),
                                   requires_grad=p.requires_grad)
-        split[id(p)] = (dim, part)
+        split[id(p)] = (how, part)
         setattr(owner, name, part)
 
-    for name, sub in module.named_modules():
-        style = next((s for pat, s in styles.items() if fnmatch.fnmatchcase(name, pat)), None)
-        if style is None:
-            continue
-        matched.add(name)
-        want = torch.nn.Embedding if style == "embedding_rowwise" else torch.nn.Linear
-        if type(sub) is not want:
-            raise TypeError(f"parallelize: {name} is a {type(sub).__name__}; style {style!r} "
-                            f"takes a torch.nn.{want.__name__}")
-        if style == "rowwise":
-            cut(sub, "weight", name, 1)
-        else:
-            cut(sub, "weight", name, 0)
-            if style != "embedding_rowwise" and sub.bias is not None:
-                cut(sub, "bias", name, 0)
-        sub.forward = types.MethodType(_forward(style, comm, rank, Copy, Reduce, Gather), sub)
-    unused = [p for p in styles if not any(fnmatch.fnmatchcase(m, p) for m in matched)]
+    for i, m in enumerate(modules):
+        for name, sub in m.named_modules():
+            pattern = next((pat for pat in styles if fnmatch.fnmatchcase(name, pat)), None)
+            if pattern is None:
+                continue
+            matched.add(pattern)
+            style, blocks = styles[pattern]
+            where = f"layers[{i}].{name}" if layers else name
+            want = torch.nn.Embedding if style == "embedding_rowwise" else torch.nn.Linear
+            if type(sub) is not want:
+                raise TypeError(f"parallelize: {where} is a {type(sub).__name__}; style "
+                                f"{style!r} takes a torch.nn.{want.__name__}")
+            if style == "rowwise":
+                cut(sub, "weight", where, Split(1))
+            else:
+                cut(sub, "weight", where, Split(0, blocks))
+                if style != "embedding_rowwise" and sub.bias is not None:
+                    cut(sub, "bias", where, Split(0, blocks))
+            sub.forward = types.MethodType(_forward(style, comm, rank, Copy, Reduce, Gather),
+                                           sub)
+            sub._zeroshard_tensor_parallel = tp
+    unused = [p for p in styles if p not in matched]
     if unused:
-        raise ValueError(f"parallelize: plan pattern {unused[0]!r} matches no module of "
-                         f"{type(module).__name__}")
-    for pname, p in module.named_parameters():
-        for d, part in split.values():
-            if p is part:
-                dims[pname] = d
-    specs = {pname: (P(*([None] * dims[pname]), axis) if pname in dims else None)
-             for pname, _ in module.named_parameters()}
-    tp.specs = specs
-    module._zeroshard_tensor_parallel = tp
+        of = "the layers" if layers else type(module).__name__
+        raise ValueError(f"parallelize: plan pattern {unused[0]!r} matches no module of {of}")
+    how = {id(part): s for s, part in split.values()}
+    specs = [{pname: _spec(how.get(id(p)), axis) for pname, p in m.named_parameters()}
+             for m in modules]
+    tp.specs = specs if layers else specs[0]
+    for m in modules:
+        m._zeroshard_tensor_parallel = tp
     return tp
+
+
+def _spec(how: Split | None, axis: str) -> Any:
+    from jax.sharding import PartitionSpec as P
+
+    if how is None:
+        return None
+    spec = P(*([None] * how.dim), axis)
+    return spec if how.blocks == 1 else Packed(spec, how.blocks)
 
 
 def _forward(style: str, comm: Communicator, rank: int, Copy: Any, Reduce: Any,
              Gather: Any) -> Any:
     import torch.nn.functional as F
 
-    if style in ("colwise", "colwise_gather_output"):
+    if style in ("colwise", "colwise_gather_output", "packed_colwise"):
         gather = style == "colwise_gather_output"
 
         def colwise(self: Any, x: Any) -> Any:

@@ -254,10 +254,12 @@ def _save_model_parts(state: TrainState, path: Path, comm: Communicator, extra: 
     ``<path>.tmp/model-<m>/``; once every part is on disk (a barrier over the
     whole mesh: the model ranks', then the data ranks'), the first rank writes
     ``tensor_parallel.json`` (the step, the parts, and each leaf's split
-    dimension) and renames ``<path>.tmp`` into place, so a crash leaves the
-    previous checkpoint whole. ``shard.load`` joins the parts along each leaf's
-    split dimension and cuts the loading step's slices, so a checkpoint
-    resumes at any (data, model) shape, and without tensor parallelism."""
+    dimension, or ``[dimension, blocks]`` for a packed leaf: see [Note: packed
+    splits] in ``shard/core/_split.py``) and renames ``<path>.tmp`` into place,
+    so a crash leaves the previous checkpoint whole. ``shard.load`` joins the
+    parts along each leaf's split and cuts the loading step's slices, so a
+    checkpoint resumes at any (data, model) shape, and without tensor
+    parallelism."""
     tmp = path.with_name(path.name + ".tmp")
     first = comm.rank == 0 and tp.rank == 0
 
@@ -277,15 +279,24 @@ def _save_model_parts(state: TrainState, path: Path, comm: Communicator, extra: 
         import jax
 
         layout = state.meta.plan.layout
-        dims = tp.dims(layout.treedef.unflatten([jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
-                                                 for leaf in layout.leaves]), whole=False)
+        splits = tp.splits(layout.treedef.unflatten(
+            [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves]),
+            whole=False)
         commit(path, tmp, {"format": TP_FORMAT, "step": int(state.step), "model_size": tp.size,
                            "parts": [f"model-{m:03d}" for m in range(tp.size)],
-                           "split": {leaf.path: d for leaf, d in zip(layout.leaves, dims,
-                                                                     strict=True)}},
+                           "split": {leaf.path: _recorded(s)
+                                     for leaf, s in zip(layout.leaves, splits, strict=True)}},
                name=TP_INDEX)
     mesh_barrier()
     return path
+
+
+def _recorded(split: Any) -> int | list[int] | None:
+    """A leaf's split in ``tensor_parallel.json``: null, its dimension, or
+    ``[dimension, packed blocks]``."""
+    if split is None or split.blocks == 1:
+        return None if split is None else split.dim
+    return [split.dim, split.blocks]
 
 
 def commit(path: Path, tmp: Path, fields: dict, *, name: str = "manifest.json") -> None:

@@ -19,6 +19,7 @@ from shard.checkpoint._module import _load_module
 from shard.checkpoint._validate import check_manifest, check_part_names, optimizer_of
 from shard.core._layout import LeafLayout, alloc_units
 from shard.core._paths import shapes_from_manifest
+from shard.core._split import Split, join_split, take_split
 from shard.core._state import TrainState
 from shard.step._plan import make_plan, new_state
 
@@ -120,18 +121,34 @@ def _read_model_parts(path: Path) -> dict:
                   for d in names]
         if any(e is None or e["shape"] != entry["shape"] for e in pieces):
             raise CheckpointError(f"{where}: the model ranks' parts disagree on it")
-        dim = split.get(entry["path"], "missing")
+        got = split.get(entry["path"], "missing")
         shape = list(entry["shape"])
-        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)
-                                or not 0 <= dim < len(shape)):
-            raise CheckpointError(f"{where}: its split dimension must be null or an index of "
-                                  f"its shape {shape}; got {dim!r}")
+        dim = _split_of(got, shape)
+        if dim is False:
+            raise CheckpointError(f"{where}: its split must be null, an index of its shape "
+                                  f"{shape}, or [index, packed blocks dividing that dimension]; "
+                                  f"got {got!r}")
         if dim is not None:
-            shape[dim] *= len(names)
+            shape[dim.dim] *= len(names)
         leaves.append(dict(entry, shape=shape, model_dim=dim,
                            model_parts=[dict(e, part=d) for e, d in zip(pieces, names,
                                                                         strict=True)]))
-    return dict(first, parts=parts, leaves=leaves, model_size=len(names))
+    merged = dict(first, parts=parts, leaves=leaves, model_size=len(names))
+    if first.get("module"):  # a torch module's buffers and ties: the same on every model rank
+        merged["module"] = dict(first["module"], file=f"{names[0]}/{first['module']['file']}")
+    return merged
+
+
+def _split_of(saved: Any, shape: list[int]) -> Split | bool | None:
+    """A leaf's split as ``tensor_parallel.json`` records it (null, a dimension,
+    or ``[dimension, packed blocks]``); False when it is none of these."""
+    if saved is None:
+        return None
+    dim, blocks = saved if isinstance(saved, list) and len(saved) == 2 else (saved, 1)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (dim, blocks)) \
+            or not 0 <= dim < len(shape) or blocks < 1 or shape[dim] % blocks:
+        return False
+    return Split(dim, blocks)
 
 
 def _verify_files(path: Path, manifest: dict, needed: set[int]) -> None:
@@ -195,8 +212,8 @@ class _Joined:
     """A leaf saved split over model ranks: every part's whole leaf joined along
     its split dimension (see [Note: tensor-parallel checkpoints])."""
 
-    def __init__(self, parts: list[_Source], dim: int, shape: list[int]) -> None:
-        self.parts, self.dim, self.shape = parts, dim, tuple(shape)
+    def __init__(self, parts: list[_Source], split: Split, shape: list[int]) -> None:
+        self.parts, self.split, self.shape = parts, split, tuple(shape)
         self.rows = self.shape[0] if self.shape else 1
 
     def needs(self, lo: int, hi: int) -> set[tuple[Path, int]]:
@@ -206,19 +223,18 @@ class _Joined:
         return {k: v for p in self.parts for k, v in p.manifests().items()}
 
     def read(self, handles: dict, kind: str, lo: int, hi: int) -> np.ndarray:
-        whole = np.concatenate([p.read(handles, kind, 0, p.rows).reshape(p.shape)
-                                for p in self.parts], axis=self.dim)
+        whole = join_split([p.read(handles, kind, 0, p.rows).reshape(p.shape)
+                            for p in self.parts], self.split)
         return whole.reshape(self.rows, -1)[lo:hi]
 
 
 class _Sliced:
-    """One model rank's slice (along ``dim``) of a leaf read whole."""
+    """One model rank's slice (its :class:`Split`) of a leaf read whole."""
 
-    def __init__(self, src: Any, dim: int, rank: int, size: int) -> None:
-        self.src, self.dim, self.rank, self.size = src, dim, rank, size
+    def __init__(self, src: Any, split: Split, rank: int, size: int) -> None:
+        self.src, self.split, self.rank, self.size = src, split, rank, size
         shape = list(src.shape)
-        self.n = shape[dim] // size
-        shape[dim] = self.n
+        shape[split.dim] //= size
         self.shape = tuple(shape)
         self.rows = self.shape[0] if self.shape else 1
 
@@ -230,8 +246,7 @@ class _Sliced:
 
     def read(self, handles: dict, kind: str, lo: int, hi: int) -> np.ndarray:
         whole = self.src.read(handles, kind, 0, self.src.rows).reshape(self.src.shape)
-        mine = np.take(whole, np.arange(self.rank * self.n, (self.rank + 1) * self.n),
-                       axis=self.dim)
+        mine = take_split(whole, self.split, self.rank, self.size)
         return mine.reshape(self.rows, -1)[lo:hi]
 
 
@@ -307,10 +322,10 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
                                   f"the checkpoint has {sorted(saved)[:5]}...)")
         src = source_of(path, manifest, entry)
         if dim is not None:  # this model rank's slice (see [Note: tensor-parallel checkpoints])
-            same = isinstance(src, _Joined) and src.dim == dim and len(src.parts) == tp.size
+            same = isinstance(src, _Joined) and src.split == dim and len(src.parts) == tp.size
             if same:
                 src = src.parts[tp.rank]
-            elif src.shape[dim] % tp.size == 0:
+            elif src.shape[dim.dim] % (dim.blocks * tp.size) == 0:
                 src = _Sliced(src, dim, tp.rank, tp.size)
         if tuple(src.shape) != leaf.shape:
             split = f" (this model rank's slice of {tuple(entry['shape'])})" if dim is not None \
@@ -375,13 +390,13 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
     return state, manifest.get("extra")
 
 
-def _model_dims(layout: Any, tp: Any) -> list[int | None]:
-    """Each leaf's split dimension over the loading step's model ranks."""
+def _model_dims(layout: Any, tp: Any) -> list[Split | None]:
+    """Each leaf's split over the loading step's model ranks."""
     if tp is None:
         return [None] * len(layout.leaves)
     import jax
 
-    return tp.dims(layout.treedef.unflatten([jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    return tp.splits(layout.treedef.unflatten([jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
                                              for leaf in layout.leaves]), whole=False)
 
 

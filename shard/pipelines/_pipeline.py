@@ -148,6 +148,12 @@ class Pipeline:
     tied: list[Any] = field(default_factory=list)  # see [Note: tied weights]
     forward_passes: int = 0  # layer forwards run, recomputations included
 
+    @property
+    def tensor_parallel(self) -> Any:
+        """The layers' split by ``interop.torch.parallelize`` (their params are
+        slices already), if any."""
+        return getattr(self.loss, "tensor_parallel", None)
+
     # -- layout ---------------------------------------------------------------
     def layers_of(self, params: list[Any]) -> range:
         """The layers (indices) of this stage."""

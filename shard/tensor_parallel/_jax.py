@@ -63,13 +63,18 @@ class Collectives:
             return out
         return run
 
+    def stacked(self, x: Any) -> np.ndarray:
+        """Every model rank's ``x`` (host memory), stacked on a new first axis."""
+        x = np.ascontiguousarray(x)
+        out = np.empty((self.size, *x.shape), x.dtype)
+        self.comm.all_gather_into(out.reshape(-1), x.reshape(-1))
+        return out
+
     def _host_all_gather(self, axis: int) -> Callable[[Any], np.ndarray]:
         def run(x: Any) -> np.ndarray:
-            x = np.ascontiguousarray(x)
-            out = np.empty((self.size, *x.shape), x.dtype)
-            self.comm.all_gather_into(out.reshape(-1), x.reshape(-1))
+            out = self.stacked(x)
             # (T, ..., n, ...) -> (..., T, n, ...) -> (..., T n, ...): one copy
-            shape = list(x.shape)
+            shape = list(out.shape[1:])
             shape[axis] *= self.size
             return np.moveaxis(out, 0, axis).reshape(shape)
         return run

@@ -30,15 +30,47 @@ import numpy as np
 from ops import Communicator
 from ops._tree import tree_util
 from shard.core._mesh import Mesh
+from shard.core._split import Split, joined_stack, take_split
 from shard.tensor_parallel._jax import Collectives
 
-__all__ = ["TensorParallel"]
+__all__ = ["Packed", "TensorParallel"]
+
+
+class Packed:
+    """The spec of a packed leaf: ``blocks`` equal blocks laid end to end along
+    the dimension ``spec`` splits, each split over the model ranks on its own
+    (see [Note: packed splits] in ``shard/core/_split.py``).
+
+    A fused query-key-value weight ``(d, 3 d)`` used as ``x @ w`` is
+    ``Packed(P(None, "model"), 3)``: each model rank holds its heads' columns of
+    the query, the key and the value, ``(d, 3 d / T)``.
+    """
+
+    def __init__(self, spec: Any, blocks: int) -> None:
+        from jax.sharding import PartitionSpec
+
+        if not isinstance(spec, PartitionSpec):
+            raise TypeError(f"Packed: spec must be a jax.sharding.PartitionSpec; got "
+                            f"{type(spec).__name__}")
+        if isinstance(blocks, bool) or not isinstance(blocks, (int, np.integer)) or blocks < 1:
+            raise ValueError(f"Packed: blocks must be an int >= 1; got {blocks!r}")
+        self.spec, self.blocks = spec, int(blocks)
+
+    def __repr__(self) -> str:
+        return f"Packed({self.spec}, {self.blocks})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Packed) and (self.spec, self.blocks) == (other.spec,
+                                                                          other.blocks)
+
+    def __hash__(self) -> int:
+        return hash((self.spec, self.blocks))
 
 
 def _is_pspec(x: Any) -> bool:
     from jax.sharding import PartitionSpec
 
-    return x is None or isinstance(x, PartitionSpec)
+    return x is None or isinstance(x, (PartitionSpec, Packed))
 
 
 class TensorParallel:
@@ -108,6 +140,11 @@ class TensorParallel:
         or None for a whole leaf; a ValueError naming the leaf whose spec does
         not fit it, or (``whole``: the params are the whole leaves) whose split
         does not divide over the model ranks."""
+        return [None if s is None else s.dim for s in self.splits(params, whole=whole)]
+
+    def splits(self, params: Any, *, whole: bool = True) -> list[Split | None]:
+        """:meth:`dims` with each split's packed blocks: a :class:`Split` per
+        leaf, or None for a whole leaf."""
         tu = tree_util()
         leaves = tu.tree_leaves_with_path(params)
         if self.specs is None:
@@ -129,12 +166,15 @@ class TensorParallel:
             raise TypeError(f"TensorParallel: specs{tu.keystr(bad[0])} is not a "
                             "jax.sharding.PartitionSpec or None")
         specs = tu.tree_leaves(full, is_leaf=_is_pspec)
-        out: list[int | None] = []
+        out: list[Split | None] = []
         for (path, leaf), spec in zip(leaves, specs, strict=True):
             out.append(self._dim(tu.keystr(path), tuple(getattr(leaf, "shape", ())), spec, whole))
         return out
 
-    def _dim(self, where: str, shape: tuple[int, ...], spec: Any, whole: bool) -> int | None:
+    def _dim(self, where: str, shape: tuple[int, ...], spec: Any, whole: bool) -> Split | None:
+        blocks = 1
+        if isinstance(spec, Packed):
+            spec, blocks = spec.spec, spec.blocks
         entries = () if spec is None else tuple(spec)
         named = [i for i, e in enumerate(entries) if e is not None]
         for i in named:
@@ -148,11 +188,15 @@ class TensorParallel:
             raise ValueError(f"TensorParallel: params{where}'s spec {spec} does not fit its "
                              f"shape {shape}: name {self.axis!r} at one dimension")
         d = named[0]
-        if whole and shape[d] % self.size:
+        if shape[d] % blocks:
             raise ValueError(f"TensorParallel: params{where} has {shape[d]} along dimension "
-                             f"{d}, which does not divide over {self.size} model ranks (pad "
-                             "it, as Megatron pads the vocabulary)")
-        return d
+                             f"{d}, which is not {blocks} equal packed blocks")
+        if whole and shape[d] % (blocks * self.size):
+            each = " in each packed block" if blocks > 1 else ""
+            raise ValueError(f"TensorParallel: params{where} has {shape[d] // blocks} along "
+                             f"dimension {d}{each}, which does not divide over {self.size} "
+                             "model ranks (pad it, as Megatron pads the vocabulary)")
+        return Split(d, blocks)
 
     def shard(self, params: Any) -> Any:
         """This model rank's slice of each leaf of the whole ``params`` (numpy,
@@ -163,18 +207,16 @@ class TensorParallel:
         tu = tree_util()
         leaves, treedef = tu.tree_flatten(params)
         out = []
-        for leaf, d in zip(leaves, self.dims(params), strict=True):
-            if d is None:
+        for leaf, split in zip(leaves, self.splits(params), strict=True):
+            if split is None:
                 out.append(leaf)
-                continue
-            n = leaf.shape[d] // self.size
-            if isinstance(leaf, jax.ShapeDtypeStruct):
-                out.append(jax.ShapeDtypeStruct((*leaf.shape[:d], n, *leaf.shape[d + 1:]),
-                                                leaf.dtype))
-                continue
-            index = [slice(None)] * len(leaf.shape)
-            index[d] = slice(self.rank * n, (self.rank + 1) * n)
-            out.append(leaf[tuple(index)])
+            elif isinstance(leaf, jax.ShapeDtypeStruct):
+                d = split.dim
+                out.append(jax.ShapeDtypeStruct(
+                    (*leaf.shape[:d], leaf.shape[d] // self.size, *leaf.shape[d + 1:]),
+                    leaf.dtype))
+            else:
+                out.append(take_split(leaf, split, self.rank, self.size))
         return tu.tree_unflatten(treedef, out)
 
     def unshard(self, params: Any) -> Any:
@@ -182,12 +224,12 @@ class TensorParallel:
         the model ranks; host numpy arrays): :meth:`shard`'s inverse."""
         tu = tree_util()
         leaves, treedef = tu.tree_flatten(params)
-        dims = self.dims(params, whole=False)
+        splits = self.splits(params, whole=False)
         out = []
-        for leaf, d in zip(leaves, dims, strict=True):
+        for leaf, split in zip(leaves, splits, strict=True):
             x = np.asarray(leaf)
-            out.append(x if d is None or self.size == 1
-                       else self.collectives._host_all_gather(d)(x))
+            out.append(x if split is None or self.size == 1
+                       else joined_stack(self.collectives.stacked(x), split))
         return tu.tree_unflatten(treedef, out)
 
     # -- the collectives (see [Note: tensor-parallel collectives]) -----------------
