@@ -431,14 +431,26 @@ def test_checkpoints_move_between_pipelined_tensor_parallel_and_plain_layouts(tm
         state, _ = shard.load(tmp_path / "pipe_tp", step, comm=mesh["data"])
         stages.save(run(range(3, 4), mesh, step, state), tmp_path / "pipe")
 
-    def plain(comm):  # ...and the last step on 4 data ranks
+    def plain(comm, source="pipe", first=4):  # ...and the last step on 4 data ranks
         step = shard.zero3(gpt.layered(), comm=comm, **opt)
         step.init(gpt.layers(gpt.init_params()))
-        state, _ = shard.load(tmp_path / "pipe", step, comm=comm)
-        state = run(range(4, 5), shard.Mesh(comm, {"data": 4}), step, state)
+        state, _ = shard.load(tmp_path / source, step, comm=comm)
+        state = run(range(first, steps), shard.Mesh(comm, {"data": 4}), step, state)
         return shard.gather(state, comm)
 
+    def pipe_from_tp(comm):  # (data 2, pipe 1, model 2) straight to (data 1, pipe 2, model 1)
+        mesh, _, stages, step = mesh_step(comm, 2, 1, 0, shard.zero2)
+        state, _ = shard.load(tmp_path / "tp", step, comm=mesh["data"])
+        return shard.gather(run(range(2, steps), mesh, step, state), mesh["data"])
+
     shard.spawn(tp_only, 4)
+    for got in shard.spawn(lambda c: plain(c, "tp", 2), 4):  # and to (4, 1, 1)
+        jax.tree.map(lambda g, w: _close(g, w, 1e-5), got, want)
+    stages = shard.spawn(pipe_from_tp, 2)
+    assert sorted(i for stage in stages for i in stage) == list(range(len(want)))
+    for stage in stages:
+        for i, params in stage.items():
+            jax.tree.map(lambda g, w: _close(g, w, 1e-5), params, want[i])
     shard.spawn(pipelined, 8)
     assert sorted(p.name for p in (tmp_path / "pipe_tp").iterdir()) == [
         "pipeline.json", "stage-000", "stage-001"]
