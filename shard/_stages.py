@@ -91,7 +91,8 @@ Args:
     a mesh whose ``data`` axis is ``comm``: ``init`` keeps this model rank's
     slices of the whole params and shards them over ``comm``; the loss joins
     the slices with its building blocks; the gradient norm (and clipping) is
-    the whole model's (see [Note: tensor parallelism with ZeRO]). Host state.
+    the whole model's (see [Note: tensor parallelism with ZeRO]). Host or
+    device state.
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then

@@ -148,9 +148,10 @@ def reference(steps):
     return jax.tree.map(np.asarray, params), losses, norms
 
 
-def train(comm, data, model, zero, steps, sequence_parallel=False):
-    """ZeRO on the data axis, tensor parallelism on the model axis: (coords,
-    whole params, this model rank's params, losses, norms)."""
+def train(comm, data, model, zero, steps, sequence_parallel=False, device=None):
+    """ZeRO on the data axis, tensor parallelism on the model axis (the state on
+    ``device``, default the host): (coords, whole params, this model rank's
+    params, losses, norms)."""
     import ops
     import shard
 
@@ -159,7 +160,10 @@ def train(comm, data, model, zero, steps, sequence_parallel=False):
     step = zero(lambda p, b: gpt_loss(p, b, tp=tp, sequence_parallel=sequence_parallel),
                 optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), comm=mesh["data"],
                 clip_norm=CLIP, tensor_parallel=tp)
-    state = step.init(init_params())
+    params = init_params()
+    if device is not None:
+        params = jax.tree.map(lambda x: device.from_host(np.asarray(x)), params)
+    state = step.init(params)
     losses, norms = [], []
     for b in batches(steps):
         part = shard.split_batch(b, rank=mesh.coords["data"], world_size=data)

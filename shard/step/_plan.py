@@ -151,9 +151,6 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     if config.stage == 3 and w > 1 and config.comm.rank == 0:
         _warn_if_one_unit_dominates(config.name, full_layout)
     where = found or device or HOST
-    if tp is not None and not where.host:
-        raise NotImplementedError(f"{fn}: tensor_parallel= trains host state (its collectives "
-                                  f"run on the host); these params are on {where.name}")
     optimizer = on_shards(config.optimizer, layout, stage=config.stage, master_dtype=master_dtype,
                           device_host=where.host, offload=config.offload is not None, fn=fn)
     return Plan(config, layout, full_layout, np.dtype(master_dtype), precision, where,

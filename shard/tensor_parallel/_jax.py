@@ -23,7 +23,10 @@ never drops or duplicates them, so every model rank issues the same
 collectives in the same order (the communicator's contract) whatever XLA
 schedules around them. They run inside ``jax.jit`` and ``jax.grad`` on thread
 ranks and on processes (gloo) alike; at one model rank they are the identity
-and no callback is traced.
+and no callback is traced. A callback's arrays are host arrays: on a backend
+that moves device memory only (NCCL) each collective copies them to the
+communicator's device and the result back (``_on_comm``), so a loss can be
+tensor-parallel while the ZeRO state lives on GPUs.
 
 The vocabulary-parallel loss never gathers the logits: each rank holds the
 logits of its slice of the vocabulary, and the softmax's maximum (an
@@ -56,10 +59,24 @@ class Collectives:
             self._build()
 
     # -- host side: what the callbacks run --------------------------------------
+    def _on_comm(self, fn: Callable[..., Any], out: np.ndarray, *xs: np.ndarray) -> np.ndarray:
+        """``fn(out, *xs)``, a collective, on host arrays (flat, contiguous; ``out``
+        may be ``xs[0]``, in place). A backend that moves device memory only
+        (NCCL) gets them copied to its device and ``out`` copied back."""
+        if self.comm.host_memory is not False:
+            fn(out, *xs)
+            return out
+        device = self.comm.device
+        staged = [device.from_host(x) for x in xs]
+        there = staged[0] if xs and out is xs[0] else device.empty(out.size, out.dtype)
+        fn(there, *staged)
+        return device.to_host_into(there, out)
+
     def _host_all_reduce(self, op: str) -> Callable[[Any], np.ndarray]:
         def run(x: Any) -> np.ndarray:
             out = np.array(x, copy=True, order="C")
-            self.comm.all_reduce_(out.reshape(-1), op)
+            flat = out.reshape(-1)
+            self._on_comm(lambda o, _: self.comm.all_reduce_(o, op), flat, flat)
             return out
         return run
 
@@ -67,7 +84,7 @@ class Collectives:
         """Every model rank's ``x`` (host memory), stacked on a new first axis."""
         x = np.ascontiguousarray(x)
         out = np.empty((self.size, *x.shape), x.dtype)
-        self.comm.all_gather_into(out.reshape(-1), x.reshape(-1))
+        self._on_comm(self.comm.all_gather_into, out.reshape(-1), x.reshape(-1))
         return out
 
     def _host_all_gather(self, axis: int) -> Callable[[Any], np.ndarray]:
@@ -87,7 +104,8 @@ class Collectives:
             # each rank's chunk along axis contiguous, in rank order: one copy
             chunks = np.ascontiguousarray(np.moveaxis(x.reshape(shape), axis, 0))
             out = np.empty(chunks.shape[1:], x.dtype)
-            self.comm.reduce_scatter_into(out.reshape(-1), chunks.reshape(-1), "sum")
+            self._on_comm(lambda o, c: self.comm.reduce_scatter_into(o, c, "sum"),
+                          out.reshape(-1), chunks.reshape(-1))
             return out
         return run
 

@@ -29,6 +29,7 @@ import numpy as np
 
 from ops import Communicator
 from ops._tree import tree_util
+from ops.device._device import device_of_or_none
 from shard.core._mesh import Mesh
 from shard.core._split import Split, joined_stack, take_split
 from shard.tensor_parallel._jax import Collectives
@@ -221,13 +222,16 @@ class TensorParallel:
 
     def unshard(self, params: Any) -> Any:
         """The whole leaves from every model rank's slices (a collective over
-        the model ranks; host numpy arrays): :meth:`shard`'s inverse."""
+        the model ranks; host numpy arrays, device arrays copied to the host):
+        :meth:`shard`'s inverse."""
         tu = tree_util()
         leaves, treedef = tu.tree_flatten(params)
         splits = self.splits(params, whole=False)
         out = []
         for leaf, split in zip(leaves, splits, strict=True):
-            x = np.asarray(leaf)
+            device = device_of_or_none(leaf)
+            x = device.to_host(leaf) if device is not None and not device.host else \
+                np.asarray(leaf)  # an explicit copy from a device
             out.append(x if split is None or self.size == 1
                        else joined_stack(self.collectives.stacked(x), split))
         return tu.tree_unflatten(treedef, out)
