@@ -15,6 +15,8 @@ from ops.comm._nccl import NcclCommunicator
 from ops.device._arrays import BF16
 from ops.testing import STANDIN
 
+TIMEOUT = 120  # seconds a rank waits on its peers (a hang fails, slowly on a busy machine)
+
 # ncclDataType_t and ncclRedOp_t values from nccl.h.
 NCCL_H_DTYPES = {0: np.int8, 1: np.uint8, 2: np.int32, 4: np.int64, 6: np.float16,
                  7: np.float32, 8: np.float64, 9: BF16}
@@ -36,9 +38,9 @@ class StandInNccl:
 
     def _exchange(self, value):
         self.shared["slots"][self.rank] = value
-        self.shared["barrier"].wait(10)
+        self.shared["barrier"].wait(TIMEOUT)
         values = list(self.shared["slots"])
-        self.shared["barrier"].wait(10)
+        self.shared["barrier"].wait(TIMEOUT)
         return values
 
     def allGather(self, send, recv, count, datatype, stream):  # NCCL method names
@@ -72,7 +74,7 @@ class StandInNccl:
 
     def recv(self, recv, count, datatype, peer, stream):
         self.calls.append(("recv", count, datatype, peer))
-        got = self.shared["mail"][peer, self.rank].get(timeout=10)
+        got = self.shared["mail"][peer, self.rank].get(timeout=TIMEOUT)
         if got[:2] != (count, datatype):  # NCCL would hang or corrupt: make it loud here
             raise AssertionError(f"stand-in NCCL: posted {count} x {datatype}, got {got[:2]}")
         view(recv, count, datatype)[...] = got[2]

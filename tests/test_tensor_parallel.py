@@ -448,6 +448,35 @@ def test_pipelines_zero_and_tensor_parallelism_together_match_one_process(pipe, 
     assert seen == set(range(len(want)))
 
 
+@pytest.mark.parametrize("backend", ["threads", "nccl"])
+def test_pipelines_and_tensor_parallelism_train_device_state_as_one_process(backend):
+    """(pipe 2, data 2, model 2), ZeRO-3 state on the device stand-in: on the NCCL
+    backend the stages' messages and the loss's collectives move device memory."""
+    from ops.testing import STANDIN
+
+    steps = 4
+    want, want_losses, want_norms = gpt.reference(steps)
+    want = gpt.layers(want)
+
+    def run(comm):
+        return gpt.train_pipeline(comm, 2, 2, 2, shard.zero3, steps, device=STANDIN)
+
+    if backend == "threads":
+        got = shard.spawn(run, 8)
+    else:
+        from tests.nccl_standin import run_ranks
+
+        got, _ = run_ranks(8, run, pytest.importorskip("cupy.cuda.nccl"))
+    seen = set()
+    for stage, losses, norms in got:
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+        for i, params in stage.items():
+            seen.add(i)
+            jax.tree.map(lambda g, w: _close(g, w, 1e-5), params, want[i])
+    assert seen == set(range(len(want)))
+
+
 def test_checkpoints_move_between_pipelined_tensor_parallel_and_plain_layouts(tmp_path):
     import ops
 

@@ -174,9 +174,10 @@ def train(comm, data, model, zero, steps, sequence_parallel=False, device=None):
     return mesh.coords, tp.unshard(mine), mine, losses, norms
 
 
-def train_pipeline(comm, pipe, data, model, zero, steps, microbatches=2):
+def train_pipeline(comm, pipe, data, model, zero, steps, microbatches=2, device=None):
     """Pipeline stages on the pipe axis, ZeRO on the data axis, tensor parallelism
-    on the model axis: (this stage's {layer: whole params}, losses, norms)."""
+    on the model axis (the state on ``device``, default the host): (this stage's
+    {layer: whole params}, losses, norms)."""
     import ops
     import shard
 
@@ -185,7 +186,10 @@ def train_pipeline(comm, pipe, data, model, zero, steps, microbatches=2):
     stages = shard.pipeline(layered(tp), mesh=mesh, microbatches=microbatches)
     step = zero(stages, optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), comm=mesh["data"],
                 clip_norm=CLIP, tensor_parallel=tp)
-    state = step.init(stages.params(layers(init_params())))
+    params = layers(init_params())
+    if device is not None:
+        params = jax.tree.map(lambda x: device.from_host(np.asarray(x)), params)
+    state = step.init(stages.params(params))
     losses, norms = [], []
     for b in batches(steps):
         state, metrics = step(state, shard.split_batch(b, rank=mesh.coords["data"],

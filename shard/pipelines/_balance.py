@@ -3,6 +3,7 @@ measured time (:func:`balance_by_time`)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -54,7 +55,8 @@ def _jax_layer_times(loss: Layered, params: list[Any], batch: Any, repeats: int)
 def _size(tree: Any) -> int:
     import jax
 
-    return sum(int(np.prod(np.shape(x))) for x in jax.tree_util.tree_leaves(tree))
+    return sum(math.prod(x.shape) if hasattr(x, "shape") else int(np.size(x))
+               for x in jax.tree_util.tree_leaves(tree))  # device arrays: their .shape
 
 
 def _balanced(sizes: list[int], p: int) -> list[int]:

@@ -300,6 +300,19 @@ class Pipeline:
     # torch's pipelining infers shapes once; a later one that differs is refused.
     # The header also carries the sender's micro-batch rows: every stage of a data
     # rank must be given the same batch, and the receiver refuses one that is not.
+    # Messages are host arrays (what a JAX or torch CPU stage computes); a backend
+    # that moves device memory only (NCCL) gets them copied to its device and back.
+    def _out(self, a: np.ndarray) -> Any:
+        return a if self.pipe.host_memory is not False else self.pipe.device.from_host(a)
+
+    def _buffer(self, n: int, dtype: Any) -> Any:
+        if self.pipe.host_memory is not False:
+            return np.empty(n, dtype)
+        return self.pipe.device.empty(n, dtype)
+
+    def _in(self, x: Any) -> np.ndarray:
+        return x if isinstance(x, np.ndarray) else self.pipe.device.to_host(x)
+
     def _send(self, x: Any, dst: int) -> Any:
         a = _host_array(x)
         if a.ndim > _MAX_DIMS or str(a.dtype) not in _DTYPES:
@@ -313,13 +326,13 @@ class Pipeline:
             header = np.zeros(3 + _MAX_DIMS, np.int64)
             header[:3] = a.ndim, _DTYPES.index(str(a.dtype)), self._rows
             header[3:3 + a.ndim] = a.shape
-            works.append(self.pipe.isend(header, dst, tag=_HEADER))
+            works.append(self.pipe.isend(self._out(header), dst, tag=_HEADER))
         elif self._sent[dst] != kind:
             raise ValueError(f"pipeline: stage {self.stage} sends stage {dst} a "
                              f"{kind[1]}{list(kind[0])} after a {self._sent[dst][1]}"
                              f"{list(self._sent[dst][0])} in the same step; every "
                              "micro-batch's message to a stage must have one shape")
-        works.append(self.pipe.isend(a.reshape(-1), dst, tag=_DATA))
+        works.append(self.pipe.isend(self._out(a.reshape(-1)), dst, tag=_DATA))
         return _Sends(works)
 
     def _recv(self, src: int) -> np.ndarray:
@@ -327,7 +340,8 @@ class Pipeline:
 
         with timed("pipeline_wait"):  # the bubble: waiting on a neighbour
             if src not in self._received:
-                header = self.pipe.recv_(np.empty(3 + _MAX_DIMS, np.int64), src, tag=_HEADER)
+                header = self._in(self.pipe.recv_(self._buffer(3 + _MAX_DIMS, np.int64), src,
+                                                  tag=_HEADER))
                 ndim, code, rows = (int(v) for v in header[:3])
                 if rows != self._rows:
                     raise ValueError(f"pipeline: stage {self.stage}'s micro-batches have "
@@ -337,13 +351,13 @@ class Pipeline:
                                        np.dtype(jnp.dtype(_DTYPES[code])))
             shape, dtype = self._received[src]
             posted = self._posted.pop(src, None)
+            n = int(np.prod(shape, dtype=np.int64))
             out = posted.wait() if posted is not None else self.pipe.recv_(
-                np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src, tag=_DATA)
+                self._buffer(n, dtype), src, tag=_DATA)
             self._expected[src] -= 1
             if self._expected[src] > 0:  # the next one's size is this one's: post it now
-                self._posted[src] = self.pipe._prepost_recv(
-                    np.empty(int(np.prod(shape, dtype=np.int64)), dtype), src, _DATA)
-        return out.reshape(shape)
+                self._posted[src] = self.pipe._prepost_recv(self._buffer(n, dtype), src, _DATA)
+        return self._in(out).reshape(shape)
 
     def _begin(self, backward: bool, rows: int) -> None:
         """A step's (or an evaluation's) message state: the shapes seen so far,
