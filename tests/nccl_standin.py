@@ -29,6 +29,35 @@ def view(ptr: int, count: int, datatype: int) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.uint8).view(dtype)
 
 
+_GROUP = threading.local()  # this rank's (thread's) open NCCL group, if any
+
+
+def _received(taken, rank, peer):
+    if not taken.wait(TIMEOUT):
+        raise AssertionError(f"stand-in NCCL: rank {rank}'s send to rank {peer} was not "
+                             f"received in {TIMEOUT} s (on a GPU: a hang)")
+
+
+class GroupedNccl:
+    """cupy.cuda.nccl's constants, with ncclGroupStart/End for the stand-in: the
+    sends of a group complete together with its receives, at groupEnd."""
+
+    def __init__(self, nccl):
+        self._nccl = nccl
+
+    def __getattr__(self, name):
+        return getattr(self._nccl, name)
+
+    def groupStart(self):  # NCCL's name
+        assert getattr(_GROUP, "sends", None) is None, "stand-in NCCL: nested groups"
+        _GROUP.sends = []
+
+    def groupEnd(self):
+        sends, _GROUP.sends = _GROUP.sends, None
+        for taken, rank, peer in sends:
+            _received(taken, rank, peer)
+
+
 class StandInNccl:
     """One rank of an NCCL communicator, simulated on host memory with threads."""
 
@@ -66,11 +95,21 @@ class StandInNccl:
         parts = self._exchange(view(send, count, datatype).copy())
         view(recv, count, datatype)[...] = parts[root]
 
-    # point-to-point: per-pair queues of (count, datatype, bytes), in order, as NCCL's
+    # point-to-point: per-pair queues of (count, datatype, bytes), in order, as NCCL's.
+    # With rendezvous, a send returns only once its receive has taken it, as a
+    # GPU's NCCL may hold one: two ranks sending to each other at once then fail
+    # here instead of passing on buffered sends.
     def send(self, send, count, datatype, peer, stream):
         self.calls.append(("send", count, datatype, peer))
+        taken = threading.Event()
         self.shared["mail"][self.rank, peer].put((count, datatype,
-                                                   view(send, count, datatype).copy()))
+                                                   view(send, count, datatype).copy(), taken))
+        if not self.shared["rendezvous"]:
+            return
+        if getattr(_GROUP, "sends", None) is not None:  # in a group: waited for at its end
+            _GROUP.sends.append((taken, self.rank, peer))
+        else:
+            _received(taken, self.rank, peer)
 
     def recv(self, recv, count, datatype, peer, stream):
         self.calls.append(("recv", count, datatype, peer))
@@ -78,6 +117,7 @@ class StandInNccl:
         if got[:2] != (count, datatype):  # NCCL would hang or corrupt: make it loud here
             raise AssertionError(f"stand-in NCCL: posted {count} x {datatype}, got {got[:2]}")
         view(recv, count, datatype)[...] = got[2]
+        got[3].set()
 
     def commSplit(self, color, key):  # collective, as NCCL's
         self.calls.append(("commSplit", color, key))
@@ -87,23 +127,26 @@ class StandInNccl:
             self.shared["splits"][self.rank] = self.shared["splits"].get(self.rank, 0) + 1
             k = (self.shared["splits"][self.rank], color)
             if k not in self.shared["children"]:
-                self.shared["children"][k] = shared_state(len(members))
+                self.shared["children"][k] = shared_state(len(members),
+                                                          self.shared["rendezvous"])
         return StandInNccl(self.shared["children"][k], members.index(self.rank), len(members))
 
 
-def shared_state(world):
+def shared_state(world, rendezvous=False):
     import collections
     import queue
 
     return {"slots": [None] * world, "barrier": threading.Barrier(world),
             "mail": collections.defaultdict(queue.Queue), "lock": threading.Lock(),
-            "splits": {}, "children": {}}
+            "splits": {}, "children": {}, "rendezvous": rendezvous}
 
 
-def run_ranks(world, body, nccl):
-    shared = shared_state(world)
-    comms = [NcclCommunicator(r, world, comm=StandInNccl(shared, r, world), nccl=nccl,
-                              device=STANDIN) for r in range(world)]
+def run_ranks(world, body, nccl, *, rendezvous=False):
+    """``body(comm)`` on ``world`` thread ranks, each an NcclCommunicator over the
+    stand-in (``rendezvous``: sends wait for their receive): (results, comms)."""
+    shared = shared_state(world, rendezvous)
+    comms = [NcclCommunicator(r, world, comm=StandInNccl(shared, r, world),
+                              nccl=GroupedNccl(nccl), device=STANDIN) for r in range(world)]
     results, errors = [None] * world, []
 
     def go(r):

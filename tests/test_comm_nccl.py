@@ -112,3 +112,24 @@ def test_point_to_point_and_split_through_the_nccl_entry_points():
     assert [res[1:3] for res in results] == [(0, [0, 2]), (0, [1, 3]), (1, [0, 2]), (1, [1, 3])]
     assert "tag 7" in results[1][3] and "with tag 8" in results[1][3]
     assert ("send", 3, 4, 1) in comms[0].comm.calls  # the header: 3 int64s (NCCL_INT64 = 4)
+
+
+def test_two_ranks_sending_to_each_other_at_once_complete_as_one_group():
+    """Each rank's isend and the receive after it go out as one NCCL group, so
+    with sends that wait for their receive (as a GPU's may) neither waits on
+    the other; the stand-in records the group's order."""
+    def body(comm):
+        peer = 1 - comm.rank
+        x = STANDIN.from_host(np.full(4, comm.rank + 1, np.float32))
+        out = STANDIN.empty(4, np.float32)
+        sent = comm.isend(x, peer, tag=3)
+        comm.recv_(out, peer, tag=3)
+        sent.wait()
+        comm.barrier()  # a collective after: nothing left queued
+        return STANDIN.to_host(out).tolist(), comm._queued
+
+    results, comms = run_ranks(2, body, nccl, rendezvous=True)
+    assert [r[0] for r in results] == [[2.0] * 4, [1.0] * 4]
+    assert all(r[1] == [] for r in results)
+    kinds = [c[0] for c in comms[0].comm.calls]
+    assert kinds[:4] == ["send", "send", "recv", "recv"]  # header and payload, each way

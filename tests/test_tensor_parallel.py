@@ -451,7 +451,9 @@ def test_pipelines_zero_and_tensor_parallelism_together_match_one_process(pipe, 
 @pytest.mark.parametrize("backend", ["threads", "nccl"])
 def test_pipelines_and_tensor_parallelism_train_device_state_as_one_process(backend):
     """(pipe 2, data 2, model 2), ZeRO-3 state on the device stand-in: on the NCCL
-    backend the stages' messages and the loss's collectives move device memory."""
+    backend the stages' messages and the loss's collectives move device memory,
+    and every send waits for its receive, as a GPU's may (so the 1F1B schedule
+    never has two stages sending to each other at once)."""
     from ops.testing import STANDIN
 
     steps = 4
@@ -466,7 +468,7 @@ def test_pipelines_and_tensor_parallelism_train_device_state_as_one_process(back
     else:
         from tests.nccl_standin import run_ranks
 
-        got, _ = run_ranks(8, run, pytest.importorskip("cupy.cuda.nccl"))
+        got, _ = run_ranks(8, run, pytest.importorskip("cupy.cuda.nccl"), rendezvous=True)
     seen = set()
     for stage, losses, norms in got:
         np.testing.assert_allclose(losses, want_losses, rtol=1e-5, atol=1e-6)

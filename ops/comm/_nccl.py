@@ -86,6 +86,7 @@ class NcclCommunicator(Communicator):
         super().__init__(rank, world_size, timeout)
         self.comm, self._nccl, self.stream = comm, nccl, stream
         self._device = device
+        self._queued: list[tuple[Any, Any, int]] = []  # sends not yet issued (header, x, dst)
 
     @property
     def device(self) -> Device:
@@ -174,29 +175,80 @@ class NcclCommunicator(Communicator):
     # -- point-to-point (see [Note: point-to-point]) ----------------------------
     # NCCL has no tags and delivers a pair's messages in order, so the header
     # (size, dtype, tag) that precedes each payload also catches a receive
-    # posted for another message than the next one.
-    def _send(self, x: Any, dst: int, tag: int) -> None:
-        header = self.device.from_host(np.array(
+    # posted for another message than the next one (checked once both have
+    # arrived: they go in one group, since a header received alone would leave
+    # a payload sent in the sender's group waiting on a receive outside it).
+    #
+    # A GPU's NCCL may hold a send until its receive is posted, so two ranks
+    # that send to each other and then receive (a pipeline's 1F1B steady state:
+    # an activation one way, a gradient the other) would each wait on the
+    # other's send. Sends are therefore queued and issued together with the
+    # next receive in one NCCL group (ncclGroupStart/End, as torch's
+    # batch_isend_irecv), whose operations progress together; any other call
+    # (a collective, a blocking send, waiting on a send) issues them first.
+    def _header(self, x: Any, tag: int) -> Any:
+        return self.device.from_host(np.array(
             [x.size, zlib.crc32(str(x.dtype).encode()), tag], np.int64))
-        int64 = self.dtype_of("send", header)
-        self._launch("send", self.comm.send, _ptr(header), 3, int64, dst)
-        self._launch("send", self.comm.send, _ptr(x), x.size, self.dtype_of("send", x), dst)
-        self.synchronize(f"send to rank {dst}")
+
+    def _isend(self, x: Any, dst: int, tag: int) -> Any:
+        self._queued.append((self._header(x, tag), x, dst))
+        comm = self
+
+        class Queued:
+            def wait(self) -> Any:
+                comm._flush()
+                return x
+
+        return Queued()
+
+    def _send(self, x: Any, dst: int, tag: int) -> None:
+        self._queued.append((self._header(x, tag), x, dst))
+        self._flush()
+
+    def _flush(self, src: int | None = None, *recvs: Any) -> None:
+        """Issue the queued sends, and receives into ``recvs`` from ``src``, as
+        one group; then wait for them."""
+        queued, self._queued = self._queued, []
+        if not queued and not recvs:
+            return
+        self._nccl.groupStart()
+        try:
+            for header, x, dst in queued:
+                for buf in (header, x):
+                    self._launch("send", self.comm.send, _ptr(buf), buf.size,
+                                 self.dtype_of("send", buf), dst)
+            for out in recvs:
+                self._launch("recv", self.comm.recv, _ptr(out), out.size,
+                             self.dtype_of("recv", out), src)
+        finally:
+            self._nccl.groupEnd()
+        peers = sorted({dst for _, _, dst in queued} | ({src} if recvs else set()))
+        self.synchronize(f"send/recv with rank(s) {peers}")
+
+    def _drain(self) -> None:
+        super()._drain()
+        self._flush()
+
+    def isend(self, x: Any, dst: int, *, tag: int = 0) -> Any:
+        self._check_p2p("send", x, dst, tag)
+        super()._drain()  # queued sends stay queued: one more joins them
+        return self._isend(x, dst, tag)
+
+    def recv_(self, out: Any, src: int, *, tag: int = 0) -> Any:
+        self._check_p2p("recv", out, src, tag)
+        super()._drain()  # the queued sends go with the receive, in its group
+        self._recv(out, src, tag)
+        return out
 
     def _recv(self, out: Any, src: int, tag: int) -> None:
         header = self.allocate(3, np.int64)
-        self._launch("recv", self.comm.recv, _ptr(header), 3, self.dtype_of("recv", header),
-                     src)
-        self.synchronize(f"recv from rank {src}")
+        self._flush(src, header, out)  # header and payload in the group: see above
         n, d, t = (int(v) for v in self.device.to_host(header))
         if n != out.size or d != zlib.crc32(str(out.dtype).encode()) or t != tag:
             raise CollectiveError(f"recv on rank {self.rank}: the next message from rank {src} "
                                   f"has {n} elements, tag {t}, dtype checksum {d}, but the "
                                   f"receive is for {out.size} elements of {out.dtype} with tag "
                                   f"{tag} (NCCL delivers a pair's messages in order)")
-        self._launch("recv", self.comm.recv, _ptr(out), out.size, self.dtype_of("recv", out),
-                     src)
-        self.synchronize(f"recv from rank {src}")
 
     def split(self, color: int) -> NcclCommunicator:
         colors = self._colors(color)
