@@ -51,13 +51,15 @@ def reference(model, loss_fn=loss_fn, batches=batches):
     return {k: v.detach().numpy().copy() for k, v in model.named_parameters()}, losses, norms
 
 
-def train(comm, model, data, size, zero, loss_fn=loss_fn, batches=batches):
+def train(comm, model, data, size, zero, loss_fn=loss_fn, batches=batches, device=None):
     mesh = shard.Mesh(comm, {"data": data, "model": size})
     model = copy.deepcopy(model)
     tp = it.parallelize(model, mesh)
     params, loss = it.functional(model, loss=loss_fn)
     step = zero(loss, optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), comm=mesh["data"],
                 clip_norm=CLIP, tensor_parallel=tp)
+    if device is not None:
+        params = {k: device.from_host(np.asarray(v)) for k, v in params.items()}
     state = step.init(params)
     losses, norms = [], []
     for ids in batches():
@@ -66,6 +68,10 @@ def train(comm, model, data, size, zero, loss_fn=loss_fn, batches=batches):
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
     local = shard.gather(state, mesh["data"])
+    if device is not None:
+        from ops.device._device import device_of
+
+        assert {device_of(v) for v in local.values()} == {device}
     return tp.unshard(local), {k: v.shape for k, v in local.items()}, losses, norms
 
 
@@ -314,3 +320,25 @@ def test_layers_split_apart_from_one_another_are_refused():
     split, no_plan = shard.spawn(run, 2)[0]
     assert "some layers are split by interop.torch.parallelize and others are not" in split
     assert "a list of layers; give plan=" in no_plan
+
+
+def test_the_example_gpt_split_on_the_nccl_backend_trains_device_state():
+    """The GPT's state on the device stand-in, its model ranks' collectives on
+    the NCCL backend (its stand-in; torch sees the stand-in's memory as CPU
+    tensors, which the backend takes as device arrays through DLPack)."""
+    from ops.testing import STANDIN
+    from tests.nccl_standin import run_ranks
+
+    nccl = pytest.importorskip("cupy.cuda.nccl")
+    model = gpt_model()
+    want, want_losses, want_norms = reference(model, gpt_loss, gpt_batches)
+    got, comms = run_ranks(4, lambda c: train(c, model, 2, 2, shard.zero3, gpt_loss,
+                                              gpt_batches, device=STANDIN), nccl,
+                           rendezvous=True)
+    assert ("commSplit", 0, 0) in comms[0].comm.calls  # the mesh's axes: NCCL splits
+    for whole, shapes, losses, norms in got:
+        assert shapes["blocks.0.qkv.weight"] == (24, 16)
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+        np.testing.assert_allclose(norms, want_norms, rtol=1e-5)
+        for k in want:
+            np.testing.assert_allclose(whole[k], want[k], rtol=1e-5, atol=1e-5, err_msg=k)

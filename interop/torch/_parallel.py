@@ -20,7 +20,9 @@ style                      weight split        forward
 ``embedding_rowwise``      vocabulary rows     ``g(lookup of the ids held)``
 =========================  ==================  =============================
 
-(f: identity forward, all-reduce backward; g: the reverse.) The plan maps
+(f: identity forward, all-reduce backward; g: the reverse; each collective on
+the model ranks' communicator, which takes the module's tensors as they are:
+CPU tensors on threads and gloo, GPU tensors through DLPack on NCCL.) The plan maps
 ``fnmatch`` patterns of module names to styles, as Hugging Face writes them
 (``{"model.layers.*.self_attn.q_proj": "colwise", ...}``); a model's own
 ``_tp_plan`` is the default. ``packed_colwise`` is for a fused projection whose
@@ -79,13 +81,22 @@ def _style(pattern: str, entry: Any) -> tuple[str, int]:
     return style, blocks
 
 
+def _flat(comm: Communicator, t: Any) -> Any:
+    """A flat view of the contiguous tensor ``t`` for ``comm``: numpy for a host
+    backend, the communicator's device array for NCCL (zero-copy, DLPack)."""
+    import torch
+
+    t = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).view(-1)  # bf16's bits
+    return t.numpy() if comm.host_memory is not False else comm.device.asarray(t)
+
+
 def _reduced(comm: Communicator, t: Any) -> Any:
-    """The sum of every model rank's ``t`` (host memory; 16-bit in float32)."""
+    """The sum of every model rank's ``t`` (16-bit in float32)."""
     import torch
 
     wide = t.detach().to(torch.float32 if t.dtype in (torch.float16, torch.bfloat16)
                          else t.dtype).contiguous().clone()
-    comm.all_reduce_(wide.numpy().reshape(-1), "sum")
+    comm.all_reduce_(_flat(comm, wide), "sum")
     return wide.to(t.dtype)
 
 
@@ -94,12 +105,8 @@ def _gathered(comm: Communicator, t: Any) -> Any:
     import torch
 
     x = t.detach().contiguous()
-    out = torch.empty((comm.world_size, *x.shape), dtype=x.dtype)
-
-    def flat(a: Any) -> Any:  # numpy has no bfloat16: its bits move as int16
-        return (a.view(torch.int16) if a.dtype == torch.bfloat16 else a).view(-1).numpy()
-
-    comm.all_gather_into(flat(out), flat(x))
+    out = torch.empty((comm.world_size, *x.shape), dtype=x.dtype, device=x.device)
+    comm.all_gather_into(_flat(comm, out), _flat(comm, x))
     # (T, ..., n) -> (..., T, n) -> (..., T n): one copy, in runs of n elements
     return out.movedim(0, -2).reshape(*x.shape[:-1], comm.world_size * x.shape[-1])
 
@@ -146,8 +153,10 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] 
     [Note: torch tensor parallelism]).
 
     Args:
-      module: this rank's ``torch.nn.Module`` on the CPU (thread ranks: each
-        its own copy), with the whole weights (the same on every rank); or a
+      module: this rank's ``torch.nn.Module`` (thread ranks: each its own
+        copy), with the whole weights (the same on every rank), where the
+        model ranks' communicator moves tensors (the CPU for threads and gloo,
+        the GPU for NCCL); or a
         list of modules, ``interop.torch.layered``'s layers (each pattern then
         names modules within a layer, and must match in one of them at least).
       mesh: a :class:`shard.Mesh` with axis ``axis``, or the model ranks'
@@ -175,6 +184,8 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] 
 
     layers = isinstance(module, (list, tuple))
     modules = list(module) if layers else [module]
+    tp = TensorParallel(mesh, axis=axis)
+    place = "cpu" if tp.comm.host_memory is not False else tp.comm.device.torch_device
     for i, m in enumerate(modules):
         where = f"layers[{i}]" if layers else "module"
         if not isinstance(m, torch.nn.Module):
@@ -182,9 +193,10 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] 
                             "torch.nn.Module")
         if getattr(m, "_zeroshard_tensor_parallel", None) is not None:
             raise ValueError(f"parallelize: this {where} is split already")
-        if any(p.device.type != "cpu" for p in m.parameters()):
-            raise NotImplementedError("parallelize: tensor parallelism runs torch modules on "
-                                      "the CPU (its collectives are host collectives)")
+        if any(p.device.type != place for p in m.parameters()):
+            raise ValueError(f"parallelize: the {where}'s parameters are on "
+                             f"{sorted({p.device.type for p in m.parameters()})}; the model "
+                             f"ranks' {tp.comm.backend} communicator moves {place} tensors")
     if plan is None:
         plan = None if layers else getattr(module, "_tp_plan", None)
         if not plan:
@@ -192,7 +204,6 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] 
                 "Face _tp_plan"
             raise ValueError(f"parallelize: {what}; give plan={{'*.q_proj': 'colwise', ...}}")
     styles = {pattern: _style(pattern, entry) for pattern, entry in plan.items()}
-    tp = TensorParallel(mesh, axis=axis)
     comm, rank, size = tp.comm, tp.rank, tp.size
     Copy, Reduce, Gather = _functions()
     split: dict[int, tuple[Split, Any]] = {}  # id(whole parameter) -> (split, slice)
