@@ -13,11 +13,11 @@ PUBLIC = {
     "shard": [
         "AsyncSave", "Breakdown", "CSVLogger", "CheckpointError", "DeepSpeedConfig",
         "DonatedStateError", "Layered", "Layout", "LossScale", "Mesh", "MicroBatches", "Offload",
-        "Pipeline", "Precision", "Replicate", "Shard", "TensorBoardLogger", "TensorParallel",
-        "TrainState", "ZeroStep", "async_save", "balance_by_time", "estimate_memory",
-        "from_deepspeed_config", "from_partition_spec", "gather", "init_from_env", "load",
-        "make_layout", "partition", "pipeline", "profile", "save", "spawn", "split_batch",
-        "to_partition_spec", "unpartition", "zero0", "zero1", "zero2", "zero3"],
+        "Packed", "Pipeline", "Precision", "Replicate", "Shard", "TensorBoardLogger",
+        "TensorParallel", "TrainState", "ZeroStep", "async_save", "balance_by_time",
+        "estimate_memory", "from_deepspeed_config", "from_partition_spec", "gather",
+        "init_from_env", "load", "make_layout", "partition", "pipeline", "profile", "save", "spawn",
+        "split_batch", "to_partition_spec", "unpartition", "zero0", "zero1", "zero2", "zero3"],
     "shard.checkpoint": ["consolidate", "inspect", "run"],
     "ops": [
         "AdamState", "BF16", "CollectiveError", "CollectiveTimeout", "Communicator", "Device",

@@ -11,7 +11,8 @@
   transformation's parts, and LAMB's and Adafactor's per-leaf reductions over
   the ranks; ``_probe.py``: whether the other parts act element by element;
 - ``_mesh.py``: :class:`~shard.Mesh`, a named grid of ranks with a communicator
-  per axis ([Note: named mesh]);
+  per axis ([Note: named mesh]); ``_split.py``: how a tensor-parallel leaf is cut
+  along its model axis, in one piece or in packed blocks ([Note: packed splits]);
 - ``_policy.py``: :class:`~shard.Precision` and :class:`~shard.LossScale`;
 - ``_loss.py``: the losses the transforms accept and :class:`~shard.Layered`;
 - ``_gather.py``: whole params from shards, and batches cut into parts;
