@@ -214,7 +214,8 @@ def build(cfg: GPTConfig, seed: int = 0) -> GPT:
 def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: int = 16,
           cfg: GPTConfig = GPTConfig(), lr: float = 3e-3, model: GPT | None = None,
           progress: bool = True, save: str | Path | None = None, save_every: int = 500,
-          resume: bool = False, replicas: int = 1) -> dict:
+          resume: bool = False, replicas: int = 1,
+          reshard_after_forward: bool | int = True) -> dict:
     """Train a GPT with ZeRO ``stage`` up to step ``steps``; returns losses,
     timings and memory.
 
@@ -228,6 +229,9 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     stopped. ``replicas``: hierarchical
     ZeRO (HSDP) over ``shard.Mesh(comm, {"replicate": replicas, "shard": ...})``;
     with one replica per node, ZeRO's gathers stay inside each node.
+    ``reshard_after_forward``: ZeRO-3 over every rank with each unit's
+    secondary shard kept inside groups of that many ranks (the ranks per node;
+    ZeRO++'s hpZ), so only the forward's gathers cross nodes, once.
     """
     model = copy.deepcopy(model) if model is not None else build(cfg)
     params, loss = it.functional(model, loss=lm_loss)
@@ -236,6 +240,8 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     if replicas > 1:
         mesh = shard.Mesh(comm, {"replicate": replicas, "shard": comm.world_size // replicas})
         zero_comm, hsdp = mesh["shard"], {"replicate": mesh["replicate"]}
+    if reshard_after_forward is not True:
+        hsdp["reshard_after_forward"] = reshard_after_forward
     step = ZERO[stage](loss, optimizer=ops.adamw(lr, weight_decay=0.01), comm=zero_comm,
                        clip_norm=1.0, loggers=loggers, **hsdp)
     state, first = step.init(params), 0
@@ -329,6 +335,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--replicas", type=int, default=1,
                     help="hierarchical ZeRO: ZeRO inside groups of world/replicas ranks "
                          "(a node each), replicated across them")
+    ap.add_argument("--reshard-after-forward", type=int, default=0, metavar="RANKS",
+                    help="ZeRO-3 with each unit's secondary shard inside groups of RANKS "
+                         "ranks (the ranks per node; ZeRO++'s hpZ); 0: off")
     ap.add_argument("--sample", type=int, default=200,
                     help="bytes of text to generate at the end (0: none)")
     args = ap.parse_args(argv)
@@ -340,7 +349,8 @@ def main(argv: list[str] | None = None) -> None:
     def run(comm: ops.Communicator) -> None:
         result = train(comm, stage=args.stage, steps=args.steps, batch=args.batch, cfg=cfg,
                        lr=args.lr, model=model, save=args.save, save_every=args.save_every,
-                       resume=args.resume, replicas=args.replicas)
+                       resume=args.resume, replicas=args.replicas,
+                       reshard_after_forward=args.reshard_after_forward or True)
         table = memory_table(comm, result, cfg)
         if args.sample:  # every rank gathers (a collective); rank 0 samples
             it.load_state(result["module"], result["state"], comm=result["step"].config.comm)

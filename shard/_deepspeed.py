@@ -11,7 +11,8 @@ silently ignored.
   every stage does; ``offload_optimizer``: ``device`` ``cpu`` is
   ``shard.Offload("host")``, ``nvme`` with ``nvme_path`` is
   ``shard.Offload("disk", path=nvme_path)``; ``offload_param`` ``cpu`` at
-  stage 3 adds ``params="host"``;
+  stage 3 adds ``params="host"``; ``zero_hpz_partition_size`` (ZeRO++'s hpZ,
+  the ranks per node; 1, the default, is off): ``reshard_after_forward``;
 - ``fp16``: ``enabled``, ``initial_scale_power``, ``loss_scale_window``,
   ``min_loss_scale``, ``hysteresis`` (1 only): ``Precision(float16)`` and a
   ``LossScale``;
@@ -107,6 +108,7 @@ class DeepSpeedConfig:
     train_batch_size: int | None
     offload: Offload | None = None
     loggers: tuple = field(default=())
+    reshard_after_forward: bool | int = True
 
     def transform(self, loss_fn: Any, *, comm: Any, **overrides: Any) -> Any:
         """``shard.zero{stage}(loss_fn, ...)`` with this config's options;
@@ -128,6 +130,8 @@ class DeepSpeedConfig:
                   gradient_accumulation_steps=self.gradient_accumulation_steps)
         if self.offload:
             kw["offload"] = self.offload
+        if self.reshard_after_forward is not True:
+            kw["reshard_after_forward"] = self.reshard_after_forward
         return zero(loss_fn, comm=comm, **{**kw, **overrides})
 
 
@@ -186,6 +190,14 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
     if zero.pop("load_from_fp32_weights", True) is not True:
         bad.append("zero_optimization.load_from_fp32_weights=false (checkpoints here restore "
                    "the fp32 masters)")
+    reshard: bool | int = True
+    hpz = zero.pop("zero_hpz_partition_size", 1)
+    if isinstance(hpz, bool) or not isinstance(hpz, int) or hpz < 1:
+        bad.append(f"zero_optimization.zero_hpz_partition_size={hpz!r} (an int >= 1)")
+    elif hpz > 1 and stage != 3:
+        bad.append(f"zero_optimization.zero_hpz_partition_size={hpz} below stage 3")
+    elif hpz > 1:
+        reshard = hpz
     bad += [f"zero_optimization.{k}" for k in zero]
 
     precision, loss_scale = _precision(cfg, bad)
@@ -208,7 +220,8 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
     return DeepSpeedConfig(stage=stage, optimizer=optimizer, precision=precision,
                            loss_scale=loss_scale, clip_norm=float(clip) if clip else None,
                            gradient_accumulation_steps=accumulation, micro_batch_size=micro,
-                           train_batch_size=total, offload=offload, loggers=loggers)
+                           train_batch_size=total, offload=offload, loggers=loggers,
+                           reshard_after_forward=reshard)
 
 
 def _resolve(cfg: dict, args: dict) -> tuple[dict, list[str]]:

@@ -36,7 +36,8 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     - grads: the gradient buffer a step accumulates into, in the reduce
       dtype: whole at stages 0-1, this rank's shard at stages 2-3;
     - total: their sum. Live units at stage 3 (at most ``1 + prefetch`` full
-      units) and activations come on top.
+      units), with ``reshard_after_forward=L`` the step's secondary shards
+      (``1/L`` of the compute params), and activations come on top.
 
     With ``offload`` (a :class:`shard.Offload`) the masters and moments leave
     the device, stage 3 keeps a compute-dtype shard there even in fp32, and

@@ -21,13 +21,13 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
                   prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
                   gradient_accumulation_steps: int | None = None, has_aux: bool = False,
                   weight_by_rows: bool = False, replicate: Communicator | None = None,
-                  tensor_parallel: Any = None) -> Any:
+                  tensor_parallel: Any = None, reshard_after_forward: bool | int = True) -> Any:
         kw = dict(stage=stage, optimizer=optimizer, comm=comm, specs=specs, units=units,
                   precision=precision, clip_norm=clip_norm, loss_scale=loss_scale,
                   prefetch=prefetch, loggers=loggers, offload=offload,
                   gradient_accumulation_steps=gradient_accumulation_steps, has_aux=has_aux,
                   weight_by_rows=weight_by_rows, replicate=replicate,
-                  tensor_parallel=tensor_parallel)
+                  tensor_parallel=tensor_parallel, reshard_after_forward=reshard_after_forward)
         if loss_fn is None:  # used as a decorator with arguments
             return lambda fn: ZeroStep(fn, **kw)
         return ZeroStep(loss_fn, **kw)
@@ -93,6 +93,14 @@ Args:
     the slices with its building blocks; the gradient norm (and clipping) is
     the whole model's (see [Note: tensor parallelism with ZeRO]). Host or
     device state.
+  reshard_after_forward: stage 3 (FSDP2's argument; DeepSpeed's ZeRO++ hpZ,
+    ``zero_hpz_partition_size``): True (default) frees each unit's gathered
+    params after use; an int ``L`` dividing the world size, the ranks per
+    node, keeps a secondary shard of each unit inside every group of ``L``
+    consecutive ranks: the forward's gather crosses nodes once (each rank's
+    counterparts on the other nodes), and the backward's gather stays inside
+    the node; it costs ``1/L`` of the compute params per rank for the step
+    (see [Note: secondary shards]). ``False`` keeps them whole (``L = 1``).
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then

@@ -183,6 +183,25 @@ def test_offload_optimizer_maps_to_shard_offload(tmp_path):
                                                                  "ratio": 0.3}})
 
 
+def test_hpz_partition_size_maps_to_reshard_after_forward():
+    """ZeRO++'s hpZ: the ranks per node that keep each unit's secondary shard."""
+    assert cfg(zero_optimization={"stage": 3}).reshard_after_forward is True
+    assert cfg(zero_optimization={"stage": 3,
+                                  "zero_hpz_partition_size": 1}).reshard_after_forward is True
+    c = cfg(zero_optimization={"stage": 3, "zero_hpz_partition_size": 2})
+    assert c.reshard_after_forward == 2
+
+    def run(comm):
+        step = c.transform(lambda p, b: 0.0, comm=comm)
+        return step.reshard_after_forward, step.config.secondary[0].world_size
+
+    assert ops.spawn(run, 4) == [(2, 2)] * 4
+    with pytest.raises(ValueError, match="zero_hpz_partition_size=2 below stage 3"):
+        cfg(zero_optimization={"stage": 2, "zero_hpz_partition_size": 2})
+    with pytest.raises(ValueError, match=r"zero_hpz_partition_size=0 \(an int >= 1\)"):
+        cfg(zero_optimization={"stage": 3, "zero_hpz_partition_size": 0})
+
+
 def test_unsupported_keys_are_named_or_warned(tmp_path, caplog):
     bad = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}},
            "fp16": {"enabled": True, "hysteresis": 2}, "amp": {"enabled": True},

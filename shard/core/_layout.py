@@ -142,11 +142,13 @@ class Layout:
         rows = block.reshape(self.world_size * leaf.rows_per_rank, leaf.row_size)
         return rows[:leaf.rows].reshape(leaf.shape)
 
-    def gather_runs(self, u: int, full: Layout) -> tuple[Runs, Runs]:
+    def gather_runs(self, u: int, full: Layout, *,
+                    order: Sequence[int] | None = None) -> tuple[Runs, Runs]:
         """Unit ``u``'s copy-out as runs (see ``ops/device/_runs.py``): from its all-gathered
         (W, S) sections, each sharded leaf's rows on each rank into the unit's flat
         buffer in the ``full`` (one-rank) layout; and each replicated leaf from
-        this rank's unit buffer."""
+        this rank's unit buffer. ``order[w]`` is the section that holds rank
+        ``w``'s rows, where a gather put them out of rank order (default ``w``)."""
         sharded: list[tuple[int, int, int]] = []
         replicated: list[tuple[int, int, int]] = []
         unit = self.units[u]
@@ -158,7 +160,8 @@ class Layout:
             r = leaf.rows_per_rank
             for w in range(self.world_size):
                 rows = max(0, min(r, leaf.rows - w * r))
-                sharded.append((w * unit.sharded_size + leaf.offset, dst + w * r * leaf.row_size,
+                at = w if order is None else order[w]
+                sharded.append((at * unit.sharded_size + leaf.offset, dst + w * r * leaf.row_size,
                                 rows * leaf.row_size))
         return Runs(*_columns(sharded)), Runs(*_columns(replicated))
 

@@ -41,6 +41,9 @@ class StepConfig:
     weight_by_rows: bool
     replicate: Communicator | None = None  # HSDP: the ranks that hold this rank's shard too
     tensor_parallel: Any = None  # a shard.TensorParallel: the model ranks of this data rank
+    reshard_after_forward: bool | int = True
+    # hpZ: (this node's ranks, the ranks of this one's place on every node), or None
+    secondary: tuple[Communicator, Communicator] | None = None
 
     @property
     def ranks(self) -> int:
@@ -54,7 +57,8 @@ class StepConfig:
              prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
              gradient_accumulation_steps: int | None = None,
              has_aux: bool = False, weight_by_rows: bool = False,
-             replicate: Communicator | None = None, tensor_parallel: Any = None) -> StepConfig:
+             replicate: Communicator | None = None, tensor_parallel: Any = None,
+             reshard_after_forward: bool | int = True) -> StepConfig:
         """The configuration of ``zero{stage}(loss_fn, ...)``; a TypeError or
         ValueError naming the argument for anything it cannot train with."""
         name = f"zero{stage}"
@@ -108,6 +112,8 @@ class StepConfig:
             raise ValueError(f"{name}: a pipeline's step runs on its data axis: pass "
                              f"comm=pipe.data ({data.world_size} rank(s)); got a communicator "
                              f"of {comm.world_size} ranks")
+        secondary = _secondary(name, stage, comm, reshard_after_forward, replicate=replicate,
+                               tensor_parallel=tensor_parallel, loss_fn=loss_fn)
         n = gradient_accumulation_steps
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"{name}: gradient_accumulation_steps must be an int >= 1; got {n!r}")
@@ -141,4 +147,37 @@ class StepConfig:
         return cls(name, stage, JaxLoss(loss_fn, has_aux) if kind == "jax" else loss_fn, kind,
                    optimizer, comm, specs, units, precision or Precision(), clip_norm,
                    loss_scale, prefetch, loggers, offload, gradient_accumulation_steps,
-                   has_aux, weight_by_rows, replicate, tensor_parallel)
+                   has_aux, weight_by_rows, replicate, tensor_parallel, reshard_after_forward,
+                   secondary)
+
+
+def _secondary(name: str, stage: int, comm: Communicator, reshard: Any, *, replicate: Any,
+               tensor_parallel: Any, loss_fn: Any) -> tuple[Communicator, Communicator] | None:
+    """``reshard_after_forward``'s communicators (see [Note: secondary shards]):
+    None for True (or an int equal to the world size), else the mesh of
+    ``nodes x reshard_after_forward`` ranks' two axes, made here by every rank."""
+    w = comm.world_size
+    if reshard is True:
+        return None
+    if not isinstance(reshard, (bool, int)):
+        raise TypeError(f"{name}: reshard_after_forward must be True, False or an int (the "
+                        f"ranks per node); got {type(reshard).__name__}")
+    size = 1 if reshard is False else int(reshard)
+    if stage != 3:
+        raise ValueError(f"{name}: reshard_after_forward is stage 3's (zero3): stages 0-2 keep "
+                         "the whole params between steps")
+    if not 1 <= size <= w or w % size:
+        raise ValueError(f"{name}: reshard_after_forward={reshard!r} must divide the world size "
+                         f"{w} (the ranks per node, typically torchrun's --nproc-per-node)")
+    if size == w:
+        return None
+    for what, bad in (("replicate=", replicate is not None),
+                      ("tensor_parallel=", tensor_parallel is not None),
+                      ("a pipeline", hasattr(loss_fn, "norm_comm"))):
+        if bad:
+            raise NotImplementedError(f"{name}: reshard_after_forward={reshard!r} does not "
+                                      f"compose with {what}; keep the default True")
+    from shard.core._mesh import Mesh
+
+    mesh = Mesh(comm, {"node": w // size, "local": size})
+    return mesh["local"], mesh["node"]

@@ -45,7 +45,7 @@ def unit_params(plan: Any, state: TrainState, tracker: LiveBytes) -> Units:
         list(state.master) if stage == 0 else None)
     return Units(plan.layout, plan.fast, stage=stage, device=plan.device, local=local,
                  full=full, full_layout=plan.full_layout, prefetch=plan.config.prefetch,
-                 tracker=tracker, plans=plan.copy_plans)
+                 tracker=tracker, plans=plan.copy_plans, secondary=plan.secondary)
 
 
 def whole_params(plan: Any, units: Units) -> Any:

@@ -59,6 +59,9 @@ class Plan:
         (see [Note: replicas]).
       model_whole: with tensor parallelism, the leaves (indices) that are
         whole on every model rank (see [Note: tensor parallelism with ZeRO]).
+      secondary: with ``reshard_after_forward=L``, the node's and the
+        counterparts' communicators without per-call checks (see [Note:
+        secondary shards]), or None.
     """
 
     config: StepConfig
@@ -72,6 +75,7 @@ class Plan:
     optimizer: ShardOptimizer
     replica: Communicator | None = None
     model_whole: frozenset[int] = frozenset()
+    secondary: tuple[Communicator, Communicator] | None = None
 
     @property
     def compute_dtype(self) -> np.dtype:
@@ -156,7 +160,8 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     return Plan(config, layout, full_layout, np.dtype(master_dtype), precision, where,
                 config.comm.unchecked(), CopyPlans(layout, full_layout), optimizer,
                 config.replicate.unchecked() if config.replicate is not None else None,
-                model_whole)
+                model_whole,
+                tuple(c.unchecked() for c in config.secondary) if config.secondary else None)
 
 
 def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,

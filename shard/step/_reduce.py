@@ -230,12 +230,13 @@ class CopyPlans:
         self.layout, self.full_layout = layout, full_layout
         self._plans: dict[tuple, Any] = {}
 
-    def gather(self, u: int) -> tuple[Runs, Runs]:
+    def gather(self, u: int, order: tuple[int, ...] | None = None) -> tuple[Runs, Runs]:
         """Unit ``u``'s copy-out (see :meth:`Layout.gather_runs`): one launch for its
-        sharded leaves, one for its replicated ones."""
-        key = ("gather", u)
+        sharded leaves, one for its replicated ones; ``order[w]``: where rank
+        ``w``'s section lies in the gathered buffer (default: at ``w``)."""
+        key = ("gather", u, order)
         if key not in self._plans:
-            self._plans[key] = self.layout.gather_runs(u, self.full_layout)
+            self._plans[key] = self.layout.gather_runs(u, self.full_layout, order=order)
         return self._plans[key]
 
     def grads(self, u: int, itemsize: int) -> Runs:

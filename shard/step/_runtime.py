@@ -29,6 +29,27 @@ have the whole params' layout (one rank, or stage 0), a torch module's
 autograd sums into them directly (``GradReducer.bucket`` in ``shard/step/_reduce.py``).
 Every buffer here is allocated on the state's device (see [Note: devices]).
 
+[Note: secondary shards]
+With ``zero3(..., reshard_after_forward=L)`` (FSDP2's argument; ZeRO++'s hpZ)
+the W ranks are ``W / L`` nodes of ``L`` consecutive ranks, rank ``n * L + l``
+being place ``l`` of node ``n``. A unit's first gather in a step runs in two
+hops: over ``node`` (the ranks at place ``l`` of every node, one per node) into
+the unit's secondary shard, the sections of those ranks, ``W / L`` of them,
+and then over ``local`` (this node's ranks), which gathers the node's
+secondary shards into the whole unit. The secondary shard is kept until the
+step ends, so every later gather of the unit (the backward's, the next
+micro-batch's) is the second hop alone and stays inside the node. Across
+nodes, a node then receives each unit's other sections once a step, where a
+flat gather sends every rank all of them at every gather: ``1 / L`` of that
+for one gather, and nothing for the rest. The cost is the secondary shards,
+``1 / L`` of the unit's compute params per rank, counted as pinned in the
+bound below. The second hop leaves rank ``n * L + l``'s section at position
+``l * (W / L) + n``: the unit's copy-out reads each from there
+(:meth:`~shard.core._layout.Layout.gather_runs`'s ``order``), so the
+result is the flat gather's, bit for bit. The optimizer state, the
+reduce-scatter and checkpoints are flat ZeRO-3's: the secondary shards live
+only within a step.
+
 Dropping a unit's arrays does not free them at once: JAX releases an input
 buffer a moment after the computation that read it has finished. So, like
 FSDP's all-gather rate limiter, a new gather or copy-out waits (briefly, and
@@ -87,8 +108,16 @@ class Units:
     def __init__(self, layout: Layout, comm: Communicator, *, stage: int, device: Device,
                  local: list[Any], full: list[Any] | None,
                  full_layout: Layout | None, prefetch: int = 1,
-                 tracker: LiveBytes | None = None, plans: CopyPlans | None = None) -> None:
+                 tracker: LiveBytes | None = None, plans: CopyPlans | None = None,
+                 secondary: tuple[Communicator, Communicator] | None = None) -> None:
         self.layout, self.comm, self.stage, self.device = layout, comm, stage, device
+        self.secondary = secondary  # (local, node): see [Note: secondary shards]
+        self._secondaries: dict[int, Any] = {}  # u: its secondary shard, kept for the step
+        self._order: tuple[int, ...] | None = None
+        if secondary is not None:
+            per_node, nodes = secondary[0].world_size, secondary[1].world_size
+            self._order = tuple(w % per_node * nodes + w // per_node
+                                for w in range(comm.world_size))
         self.plans = plans or CopyPlans(layout, full_layout)
         self.local, self.full, self.full_layout = local, full, full_layout
         self.prefetch = prefetch
@@ -152,10 +181,28 @@ class Units:
                                                    shard.dtype), self.device)
         if not self.device.host and isinstance(shard, np.ndarray):  # compute params on the
             shard = self.device.asarray(shard)  # host (Offload(params="host")): a copy over
-        work = (self.comm.all_gather_async(out, shard[:unit.sharded_size])
-                if unit.sharded_size else None)
+        if not unit.sharded_size:
+            work = None
+        elif self.secondary is None:
+            work = self.comm.all_gather_async(out, shard[:unit.sharded_size])
+        else:
+            work = self._two_hops(u, out, shard[:unit.sharded_size])
         self._inflight[u] = (out, work, shard)
         return True
+
+    def _two_hops(self, u: int, out: Any, shard: Any) -> Any:
+        """Unit ``u``'s gather into ``out`` from its secondary shard, gathering
+        that first if this step has not (see [Note: secondary shards])."""
+        local, node = self.secondary
+        kept = self._secondaries.get(u)
+        if kept is not None:
+            return local.all_gather_async(out, kept)
+        kept = self.tracker.track(self.device.empty(shard.size * node.world_size, shard.dtype),
+                                  self.device)
+        self._secondaries[u] = kept
+        self.pinned_bytes += kept.nbytes
+        return _Then(node.all_gather_async(kept, shard),
+                     lambda: local.all_gather_async(out, kept))
 
     def get(self, u: int, upcoming: list[int] | tuple = (), *,
             pinned: bool = False) -> list[Any]:
@@ -200,7 +247,7 @@ class Units:
         # one buffer for the unit, tracked once: its views keep it alive
         flat = self.tracker.track(
             self.device.empty(self.full_layout.units[u].local_size, gathered.dtype), self.device)
-        sharded, replicated = self.plans.gather(u)
+        sharded, replicated = self.plans.gather(u, self._order)
         copy_runs(flat, sharded, sharded.table(self.device), device=self.device, src=gathered)
         copy_runs(flat, replicated, replicated.table(self.device), device=self.device, src=shard)
         del gathered, shard
@@ -220,4 +267,17 @@ class Units:
         """Wait for every gather still in flight and drop it (a failed step: see
         [Note: failed steps]); errors of those gathers are the failure's."""
         inflight, self._inflight = self._inflight, {}
-        wait_quietly(work for _, work, _ in inflight.values())
+        # a two-hop gather's first hop only: the second would start a collective
+        wait_quietly(getattr(work, "first", work) for _, work, _ in inflight.values())
+
+
+class _Then:
+    """A collective, then another started once it is done (the second hop of
+    a unit's gather; see [Note: secondary shards])."""
+
+    def __init__(self, first: Any, then: Any) -> None:
+        self.first, self.then = first, then
+
+    def wait(self) -> Any:
+        self.first.wait()
+        return self.then().wait()
