@@ -1,4 +1,5 @@
-"""Two hosts over a shaped link: flat ZeRO-3 against hierarchical ZeRO (HSDP).
+"""Two hosts over a shaped link: flat ZeRO-3 against hierarchical ZeRO (HSDP) and
+ZeRO-3 with node-local secondary shards (hpZ).
 
 Two network namespaces of this machine, joined by a veth link whose ends a
 token bucket limits to ``--rate`` (1 Gbit/s by default), run ``examples/gpt.py``'s
@@ -11,7 +12,11 @@ per step, against the analytic figures: flat ZeRO-3 sends about 3x the
 params' bytes per host and step (each of a host's two ranks receives the
 other host's half of every unit twice, 2x, and sends its gradients for the
 other host's shards, 1x), HSDP about 1x (each rank all-reduces its
-half-model gradient shard with its replica; no gather crosses the link).
+half-model gradient shard with its replica; no gather crosses the link), and
+ZeRO-3 with ``reshard_after_forward=2`` (see [Note: secondary shards]) about
+1.5x: each rank's shard of every unit crosses once, to its counterpart on the
+other host (0.5x), and the gradients' reduce-scatter is flat ZeRO-3's (1x);
+its optimizer state stays sharded over all 4 ranks, where HSDP's is over 2.
 Needs root and network namespaces (``ip netns``), as the tests do.
 
 Usage: sudo python benchmarks/multinode.py [--rate 1gbit] [--steps 12] [--rounds 3]
@@ -34,11 +39,14 @@ sys.path.insert(0, str(ROOT))
 from tests import netns  # noqa: E402
 from tests.multiproc import free_port  # noqa: E402
 
+MODES = ("flat", "hsdp", "hpz")
+
 
 def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]]:
     env = dict(os.environ, ZS_OUT=str(out), ZS_STEPS=str(args.steps), PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS="1", ZS_D=str(args.d), ZS_LAYERS=str(args.layers),
-               ZS_REPLICAS="2" if mode == "hsdp" else "1")
+               ZS_REPLICAS="2" if mode == "hsdp" else "1",
+               ZS_RESHARD="2" if mode == "hpz" else "0")
     with netns.two_hosts(rate=args.rate) as hosts:
         port, procs = free_port(), []
         for i, h in enumerate(hosts):
@@ -70,11 +78,11 @@ def main() -> None:
     why = netns.unavailable()
     if why is not None:
         raise SystemExit(f"multinode: {why}")
-    times: dict[str, list[float]] = {"flat": [], "hsdp": []}
-    sent: dict[str, list[float]] = {"flat": [], "hsdp": []}
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    sent: dict[str, list[float]] = {mode: [] for mode in MODES}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for mode in ("flat", "hsdp"):
+            for mode in MODES:
                 report, nbytes = run(mode, args, Path(tmp) / f"{mode}{r}.json")
                 times[mode].append(report["seconds"] / args.steps)
                 sent[mode].append(max(nbytes) / args.steps)
@@ -87,7 +95,7 @@ def main() -> None:
     print("| mode | ms/step | vs flat | MiB sent per host and step | x params' bytes |")
     print("|---|---|---|---|---|")
     flat = statistics.median(times["flat"])
-    for mode in ("flat", "hsdp"):
+    for mode in MODES:
         t, b = statistics.median(times[mode]), statistics.median(sent[mode])
         print(f"| {mode} | {t * 1e3:.0f} | {t / flat:.2f} | {b / 2**20:.2f} | "
               f"{b / param_bytes:.2f} |")

@@ -1,9 +1,10 @@
-"""Two hosts with their own addresses on one machine, for the multi-node tests:
-two network namespaces joined by a veth link.
+"""Hosts with their own addresses on one machine, for the multi-node tests:
+network namespaces joined by veth links, two of them directly, more through a
+bridge in a namespace of its own (a switch).
 
-Each host has its loopback and one end of the link, addressed in a private
-/24 that exists only between the two namespaces. They have no other route, so
-their traffic can only go to each other's address or to their own loopback.
+Each host has its loopback and one end of its link, addressed in a private
+/24 that exists only between the namespaces. They have no other route, so
+their traffic can only go to another host's address or to their own loopback.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import subprocess
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["Host", "two_hosts", "unavailable"]
+__all__ = ["Host", "hosts", "two_hosts", "unavailable"]
 
 
 @dataclass(frozen=True)
@@ -62,18 +63,37 @@ def unavailable() -> str | None:
 
 @contextlib.contextmanager
 def two_hosts(rate: str | None = None) -> Iterator[list[Host]]:
-    """Two linked hosts, removed afterwards (their processes must have ended);
-    ``rate`` (``"1gbit"``) shapes each end of the link with a token bucket."""
+    """Two hosts joined by one link (see :func:`hosts`)."""
+    with hosts(2, rate) as made:
+        yield made
+
+
+@contextlib.contextmanager
+def hosts(n: int, rate: str | None = None) -> Iterator[list[Host]]:
+    """``n`` linked hosts, removed afterwards (their processes must have ended):
+    two joined directly, more each linked to a bridge in a switch namespace;
+    ``rate`` (``"1gbit"``) shapes each host's end of its link with a token
+    bucket (what it sends)."""
     tag, subnet = f"zs{os.getpid() % 100000}", f"10.213.{os.getpid() % 250}"
-    names = [f"{tag}-h0", f"{tag}-h1"]
-    links = [f"{tag}h0", f"{tag}h1"]
+    names = [f"{tag}-h{i}" for i in range(n)]
+    links = [f"{tag}h{i}" for i in range(n)]
+    switch = f"{tag}-sw" if n > 2 else None
     made: list[str] = []
     try:
-        for ns in names:
+        for ns in names + ([switch] if switch else []):
             _ip("netns", "add", ns)
             made.append(ns)
             _ip("-n", ns, "link", "set", "lo", "up")
-        _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        if switch is None:
+            _ip("link", "add", links[0], "type", "veth", "peer", "name", links[1])
+        else:
+            _ip("-n", switch, "link", "add", "br0", "type", "bridge")
+            _ip("-n", switch, "link", "set", "br0", "up")
+            for i, link in enumerate(links):  # each host's link, its peer on the bridge
+                _ip("link", "add", link, "type", "veth", "peer", "name", f"{tag}p{i}")
+                _ip("link", "set", f"{tag}p{i}", "netns", switch)
+                _ip("-n", switch, "link", "set", f"{tag}p{i}", "master", "br0")
+                _ip("-n", switch, "link", "set", f"{tag}p{i}", "up")
         for i, (ns, link) in enumerate(zip(names, links, strict=True)):
             _ip("link", "set", link, "netns", ns)
             _ip("-n", ns, "addr", "add", f"{subnet}.{i + 1}/24", "dev", link)
@@ -85,5 +105,5 @@ def two_hosts(rate: str | None = None) -> Iterator[list[Host]]:
         yield [Host(ns, f"{subnet}.{i + 1}", link)
                for i, (ns, link) in enumerate(zip(names, links, strict=True))]
     finally:
-        for ns in made:  # deleting a namespace deletes its end of the link, and the pair
+        for ns in made:  # deleting a namespace deletes its ends of the links, and the pairs
             subprocess.run(["ip", "netns", "del", ns], capture_output=True)

@@ -20,7 +20,8 @@ def main() -> None:
     cfg = gpt.GPTConfig(seq=16, d=int(os.environ.get("ZS_D", "32")),
                         layers=int(os.environ.get("ZS_LAYERS", "2")), heads=2)
     out = gpt.train(comm, stage=3, steps=int(os.environ.get("ZS_STEPS", "4")), batch=8,
-                    cfg=cfg, progress=False, replicas=int(os.environ.get("ZS_REPLICAS", "1")))
+                    cfg=cfg, progress=False, replicas=int(os.environ.get("ZS_REPLICAS", "1")),
+                    reshard_after_forward=int(os.environ.get("ZS_RESHARD", "0")) or True)
     params = shard.gather(out["state"], out["step"].config.comm)
     if comm.rank == 0:
         report = {"world": comm.world_size, "losses": [float(x) for x in out["losses"]],

@@ -1,6 +1,7 @@
-"""Two hosts for real: torchrun on each of two network namespaces (see
-``tests/netns.py``), 2 processes each, rendezvous over c10d, gloo traffic over
-the link between them; the run matches the same 4 ranks on one host."""
+"""Hosts for real: torchrun on each of two network namespaces (see
+``tests/netns.py``), 2 processes each, or of four behind a switch, rendezvous
+over c10d, gloo traffic over the links between them; the run matches the same
+4 ranks on one host."""
 
 from __future__ import annotations
 
@@ -41,11 +42,18 @@ def finish(procs: list[subprocess.Popen], timeout: float = 400) -> None:
 def two_hosts(out: Path, **more: str) -> list[int]:
     """``examples/gpt.py``'s GPT on 2 namespaces x 2 processes; the bytes each host
     sent over its link."""
-    with netns.two_hosts() as hosts:
+    return on_hosts(2, 2, out, **more)
+
+
+def on_hosts(n: int, per_host: int, out: Path, **more: str) -> list[int]:
+    """``examples/gpt.py``'s GPT on ``n`` namespaces x ``per_host`` processes; the
+    bytes each host sent over its link."""
+    with netns.hosts(n) as hosts:
         port = free_port()
         procs = []
         for i, h in enumerate(hosts):  # host 0 holds the rendezvous store
-            args = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
+            args = ["--nnodes", str(n), "--nproc-per-node", str(per_host), "--rdzv-backend",
+                    "c10d",
                     "--rdzv-endpoint", f"{hosts[0].addr}:{port}", "--rdzv-id", "zs-two-hosts",
                     "--rdzv-conf", f"is_host={int(i == 0)},join_timeout=120",
                     "--local-addr", h.addr]
@@ -67,9 +75,10 @@ def runs(tmp_path_factory):
                              env=environ(one), cwd=ROOT, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)])
     sent = {"flat": two_hosts(tmp / "two-hosts.json"),
-            "hsdp": two_hosts(tmp / "hsdp.json", ZS_REPLICAS="2")}
+            "hsdp": two_hosts(tmp / "hsdp.json", ZS_REPLICAS="2"),
+            "hpz": two_hosts(tmp / "hpz.json", ZS_RESHARD="2")}
     return {k: json.loads((tmp / f"{k}.json").read_text())
-            for k in ("one-host", "two-hosts", "hsdp")}, sent
+            for k in ("one-host", "two-hosts", "hsdp", "hpz")}, sent
 
 
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
@@ -108,6 +117,47 @@ def test_hierarchical_zero_sends_only_gradient_shards_between_hosts(runs):
           f"{want['param_bytes'] / 2**20:.3f} MiB")
 
 
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_four_hosts_through_a_switch_train_as_four_processes_on_one_host(runs, tmp_path):
+    """Four namespaces of one process each, linked through a bridge: every gather
+    and reduce-scatter crosses a link, and the run is the one-host run."""
+    reports, _ = runs
+    want = reports["one-host"]
+    sent = on_hosts(4, 1, tmp_path / "four.json")
+    got = json.loads((tmp_path / "four.json").read_text())
+    assert got["world"] == 4
+    assert got["losses"] == want["losses"]
+    assert got["params"] == want["params"]
+    # each host sends its shard of every unit to the 3 others at each of a unit's two
+    # gathers (3/4 of the params' bytes each) and 3 of its 4 gradient chunks (3/4):
+    # 2.25x the params per step, and the step's small collectives and the rendezvous
+    p = STEPS * want["param_bytes"]
+    for n in sent:
+        assert 2.25 * p <= n <= 1.25 * 2.25 * p + 2**18, (sent, p)
+    print(f"four hosts: MiB sent per host and step: {[round(n / STEPS / 2**20, 3) for n in sent]}")
+
+
+@pytest.mark.skipif(WHY is not None, reason=WHY or "")
+def test_secondary_shards_gather_across_hosts_once_a_step(runs):
+    """ZeRO-3 over all 4 ranks with ``reshard_after_forward=2`` (one secondary
+    shard per host; see [Note: secondary shards]): bit for bit the flat run's
+    trajectory, and the link carries each rank's shard of every unit once (to
+    its counterpart on the other host, half the params per host) and the flat
+    reduce-scatter's gradients (the params' bytes per host): 1.5x the params
+    per host and step, where flat ZeRO-3 sends 3x."""
+    reports, sent = runs
+    want, got = reports["two-hosts"], reports["hpz"]
+    assert got["losses"] == want["losses"]
+    assert got["params"] == want["params"]
+    p = STEPS * want["param_bytes"]
+    for n in sent["hpz"]:
+        assert 1.5 * p <= n <= 1.25 * 1.5 * p + 2**18, (sent, p)
+    # the gathers' share, flat's sends less the reduce-scatter's (the params' bytes)
+    # against hpZ's: at most 1/(ranks per host) of it
+    for flat, hpz in zip(sent["flat"], sent["hpz"], strict=True):
+        assert hpz - p <= (flat - p) / 2, sent
+
+
 @pytest.mark.skipif(WHY is not None or shutil.which("tc") is None,
                     reason=WHY or "no tc here to shape the link")
 def test_multinode_benchmark_prints_its_table():
@@ -117,10 +167,10 @@ def test_multinode_benchmark_prints_its_table():
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line for line in out.stdout.splitlines()
-            if line.startswith("| flat") or line.startswith("| hsdp")}
-    assert set(rows) == {"flat", "hsdp"}, out.stdout
+            if line.startswith(("| flat", "| hsdp", "| hpz"))}
+    assert set(rows) == {"flat", "hsdp", "hpz"}, out.stdout
     ratio = {k: float(v.split("|")[5]) for k, v in rows.items()}  # bytes / params' bytes
-    assert ratio["hsdp"] < ratio["flat"], out.stdout
+    assert ratio["hsdp"] < ratio["hpz"] < ratio["flat"], out.stdout
 
 
 def elastic(out: Path, ckpt: Path, **more: str) -> dict[str, str]:
