@@ -38,7 +38,10 @@ the unit's secondary shard, the sections of those ranks, ``W / L`` of them,
 and then over ``local`` (this node's ranks), which gathers the node's
 secondary shards into the whole unit. The secondary shard is kept until the
 step ends, so every later gather of the unit (the backward's, the next
-micro-batch's) is the second hop alone and stays inside the node. Across
+micro-batch's) is the second hop alone and stays inside the node. A
+prefetch starts the first hop, the slow one; the second starts when the unit
+is needed, after the first is done (on NCCL the two are ordered on the
+communicator's stream as well). Across
 nodes, a node then receives each unit's other sections once a step, where a
 flat gather sends every rank all of them at every gather: ``1 / L`` of that
 for one gather, and nothing for the rest. The cost is the secondary shards,
