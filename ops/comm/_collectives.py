@@ -17,7 +17,8 @@ from ops.comm._base import Communicator
 from ops.device._device import device_of
 from ops.device._dlpack import to_native
 
-__all__ = ["all_gather", "all_gather_host", "all_reduce", "broadcast", "reduce_scatter"]
+__all__ = ["all_gather", "all_gather_host", "all_reduce", "broadcast", "from_comm",
+           "reduce_scatter", "to_comm"]
 
 
 def _flat(name: str, x: Any) -> Any:
@@ -49,13 +50,22 @@ def all_gather(comm: Communicator, x: Any, *, out: Any = None) -> Any:
     return back(buf.reshape(shape)) if out is None else out
 
 
+def to_comm(comm: Communicator, a: np.ndarray) -> Any:
+    """The host array ``a`` where ``comm`` moves it: ``a`` itself, or on a backend
+    that moves device memory only (NCCL) an explicit copy on its device."""
+    return a if comm.host_memory is not False else comm.device.from_host(a)
+
+
+def from_comm(comm: Communicator, x: Any) -> np.ndarray:
+    """What :func:`to_comm` gave, or a collective of ``comm`` filled, on the host
+    (an explicit copy from the device on NCCL)."""
+    return x if comm.host_memory is not False else comm.device.to_host(x)
+
+
 def all_gather_host(comm: Communicator, x: np.ndarray) -> np.ndarray:
     """:func:`all_gather` of a small host array (checksums, sizes) over any
-    backend: a GPU-only backend (NCCL) moves it through an explicit device copy."""
-    if comm.host_memory is False:
-        device = comm.device
-        return device.to_host(all_gather(comm, device.from_host(x)))
-    return all_gather(comm, x)
+    backend (see :func:`to_comm`)."""
+    return from_comm(comm, all_gather(comm, to_comm(comm, x)))
 
 
 def reduce_scatter(comm: Communicator, x: Any, *, op: str = "sum", dtype: Any = None,

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from ops import Communicator
+from ops.comm._collectives import from_comm, to_comm
 from ops.device._device import device_of
 from ops.device._dlpack import to_native
 from shard.core._loss import Layered
@@ -301,18 +302,8 @@ class Pipeline:
     # The header also carries the sender's micro-batch rows: every stage of a data
     # rank must be given the same batch, and the receiver refuses one that is not.
     # Messages are host arrays (what a JAX or torch CPU stage computes); a backend
-    # that moves device memory only (NCCL) gets them copied to its device and back.
-    def _out(self, a: np.ndarray) -> Any:
-        return a if self.pipe.host_memory is not False else self.pipe.device.from_host(a)
-
-    def _buffer(self, n: int, dtype: Any) -> Any:
-        if self.pipe.host_memory is not False:
-            return np.empty(n, dtype)
-        return self.pipe.device.empty(n, dtype)
-
-    def _in(self, x: Any) -> np.ndarray:
-        return x if isinstance(x, np.ndarray) else self.pipe.device.to_host(x)
-
+    # that moves device memory only (NCCL) gets them copied to its device and back
+    # (to_comm, from_comm), into buffers of its own memory (allocate).
     def _send(self, x: Any, dst: int) -> Any:
         a = _host_array(x)
         if a.ndim > _MAX_DIMS or str(a.dtype) not in _DTYPES:
@@ -326,13 +317,13 @@ class Pipeline:
             header = np.zeros(3 + _MAX_DIMS, np.int64)
             header[:3] = a.ndim, _DTYPES.index(str(a.dtype)), self._rows
             header[3:3 + a.ndim] = a.shape
-            works.append(self.pipe.isend(self._out(header), dst, tag=_HEADER))
+            works.append(self.pipe.isend(to_comm(self.pipe, header), dst, tag=_HEADER))
         elif self._sent[dst] != kind:
             raise ValueError(f"pipeline: stage {self.stage} sends stage {dst} a "
                              f"{kind[1]}{list(kind[0])} after a {self._sent[dst][1]}"
                              f"{list(self._sent[dst][0])} in the same step; every "
                              "micro-batch's message to a stage must have one shape")
-        works.append(self.pipe.isend(self._out(a.reshape(-1)), dst, tag=_DATA))
+        works.append(self.pipe.isend(to_comm(self.pipe, a.reshape(-1)), dst, tag=_DATA))
         return _Sends(works)
 
     def _recv(self, src: int) -> np.ndarray:
@@ -340,8 +331,8 @@ class Pipeline:
 
         with timed("pipeline_wait"):  # the bubble: waiting on a neighbour
             if src not in self._received:
-                header = self._in(self.pipe.recv_(self._buffer(3 + _MAX_DIMS, np.int64), src,
-                                                  tag=_HEADER))
+                header = from_comm(self.pipe, self.pipe.recv_(
+                    self.pipe.allocate(3 + _MAX_DIMS, np.int64), src, tag=_HEADER))
                 ndim, code, rows = (int(v) for v in header[:3])
                 if rows != self._rows:
                     raise ValueError(f"pipeline: stage {self.stage}'s micro-batches have "
@@ -353,11 +344,12 @@ class Pipeline:
             posted = self._posted.pop(src, None)
             n = int(np.prod(shape, dtype=np.int64))
             out = posted.wait() if posted is not None else self.pipe.recv_(
-                self._buffer(n, dtype), src, tag=_DATA)
+                self.pipe.allocate(n, dtype), src, tag=_DATA)
             self._expected[src] -= 1
             if self._expected[src] > 0:  # the next one's size is this one's: post it now
-                self._posted[src] = self.pipe._prepost_recv(self._buffer(n, dtype), src, _DATA)
-        return self._in(out).reshape(shape)
+                self._posted[src] = self.pipe._prepost_recv(self.pipe.allocate(n, dtype), src,
+                                                             _DATA)
+        return from_comm(self.pipe, out).reshape(shape)
 
     def _begin(self, backward: bool, rows: int) -> None:
         """A step's (or an evaluation's) message state: the shapes seen so far,

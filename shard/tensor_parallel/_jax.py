@@ -45,6 +45,7 @@ from typing import Any
 import numpy as np
 
 from ops import Communicator
+from ops.comm._collectives import to_comm
 
 __all__ = ["Collectives"]
 
@@ -66,11 +67,10 @@ class Collectives:
         if self.comm.host_memory is not False:
             fn(out, *xs)
             return out
-        device = self.comm.device
-        staged = [device.from_host(x) for x in xs]
-        there = staged[0] if xs and out is xs[0] else device.empty(out.size, out.dtype)
+        staged = [to_comm(self.comm, x) for x in xs]
+        there = staged[0] if xs and out is xs[0] else self.comm.allocate(out.size, out.dtype)
         fn(there, *staged)
-        return device.to_host_into(there, out)
+        return self.comm.device.to_host_into(there, out)
 
     def _host_all_reduce(self, op: str) -> Callable[[Any], np.ndarray]:
         def run(x: Any) -> np.ndarray:
