@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,10 @@ import numpy as np
 __all__ = ["Shape", "is_shape", "meta_shape", "shapes_from_manifest"]
 
 _KEY = re.compile(r"\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\d+)\]")
+# CPython 3.11's parser keeps a process-wide recursion counter that threads
+# parsing at once corrupt ("AST constructor recursion depth mismatch"), as
+# thread ranks loading a checkpoint together do: one parse at a time.
+_PARSE = threading.Lock()
 
 
 def parse_path(path: str) -> list[str | int] | None:
@@ -24,7 +29,12 @@ def parse_path(path: str) -> list[str | int] | None:
         m = _KEY.match(path, pos)
         if m is None:
             return None
-        keys.append(ast.literal_eval(m.group(1)))
+        token = m.group(1)
+        if token.isdigit():
+            keys.append(int(token))
+        else:
+            with _PARSE:
+                keys.append(ast.literal_eval(token))
         pos = m.end()
     return keys or None
 
