@@ -316,13 +316,16 @@ def memory_table(comm: ops.Communicator, result: dict, cfg: GPTConfig) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
+def parser() -> argparse.ArgumentParser:
+    """The command line's flags."""
+    # Full names only: torchrun reads abbreviations of its own flags after the script's
+    # name (--d would be its --duplicate-stdout-filters), and so would this parser.
+    ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", type=int, default=3, choices=[0, 1, 2, 3])
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--batch", type=int, default=16, help="global batch (sequences)")
-    ap.add_argument("--d", type=int, default=128)
+    ap.add_argument("--d-model", type=int, default=128, help="the GPT's width")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=3e-3)
     ap.add_argument("--threads", type=int, default=0,
@@ -340,8 +343,12 @@ def main(argv: list[str] | None = None) -> None:
                          "ranks (the ranks per node; ZeRO++'s hpZ); 0: off")
     ap.add_argument("--sample", type=int, default=200,
                     help="bytes of text to generate at the end (0: none)")
-    args = ap.parse_args(argv)
-    cfg = GPTConfig(d=args.d, layers=args.layers)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    cfg = GPTConfig(d=args.d_model, layers=args.layers)
     torch.set_num_threads(1)
 
     model = build(cfg)

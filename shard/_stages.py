@@ -21,13 +21,15 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
                   prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
                   gradient_accumulation_steps: int | None = None, has_aux: bool = False,
                   weight_by_rows: bool = False, replicate: Communicator | None = None,
-                  tensor_parallel: Any = None, reshard_after_forward: bool | int = True) -> Any:
+                  tensor_parallel: Any = None, reshard_after_forward: bool | int = True,
+                  trainable: Any = None) -> Any:
         kw = dict(stage=stage, optimizer=optimizer, comm=comm, specs=specs, units=units,
                   precision=precision, clip_norm=clip_norm, loss_scale=loss_scale,
                   prefetch=prefetch, loggers=loggers, offload=offload,
                   gradient_accumulation_steps=gradient_accumulation_steps, has_aux=has_aux,
                   weight_by_rows=weight_by_rows, replicate=replicate,
-                  tensor_parallel=tensor_parallel, reshard_after_forward=reshard_after_forward)
+                  tensor_parallel=tensor_parallel, reshard_after_forward=reshard_after_forward,
+                  trainable=trainable)
         if loss_fn is None:  # used as a decorator with arguments
             return lambda fn: ZeroStep(fn, **kw)
         return ZeroStep(loss_fn, **kw)
@@ -101,6 +103,12 @@ Args:
     counterparts on the other nodes), and the backward's gather stays inside
     the node; it costs ``1/L`` of the compute params per rank for the step
     (see [Note: secondary shards]). ``False`` keeps them whole (``L = 1``).
+  trainable: which leaves train, for fine-tuning: a pytree of bools shaped like
+    the params (or a prefix of it), or a function of the params returning one,
+    as ``optax.masked`` takes. A leaf marked False is sharded and gathered like
+    the rest but never updated (no weight decay, moments stay zero) and its
+    gradient is left out of the norm. A torch module's ``requires_grad=False``
+    parameters are frozen without it (see [Note: frozen leaves]). Default: all.
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then

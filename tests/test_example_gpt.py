@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 
 import numpy as np
+import pytest
 
 import ops
 import shard
@@ -31,7 +32,7 @@ def test_resuming_from_a_checkpoint_continues_the_same_run(tmp_path):
 
 
 def test_the_command_line_trains_saves_resumes_and_samples(tmp_path, capsys):
-    args = ["--threads", "2", "--d", "32", "--layers", "1", "--batch", "4",
+    args = ["--threads", "2", "--d-model", "32", "--layers", "1", "--batch", "4",
             "--save", str(tmp_path), "--save-every", "10", "--sample", "40"]
     gpt.main([*args, "--steps", "10"])
     gpt.main([*args, "--steps", "20", "--resume"])
@@ -40,3 +41,20 @@ def test_the_command_line_trains_saves_resumes_and_samples(tmp_path, capsys):
     assert out.count("sample:\ndef ") == 2
     assert [int(r["step"]) for r in csv.DictReader((tmp_path / "metrics.csv").open())] == [10, 20]
     assert (tmp_path / "checkpoint" / "manifest.json").exists()
+
+
+def test_every_flag_reaches_the_script_through_torchrun_and_none_is_abbreviated():
+    """torchrun matches abbreviations of its own flags after the script's name; the
+    script's flags are full names, none a prefix of torchrun's, and abbreviating
+    one is an error rather than a guess."""
+    from torch.distributed.run import get_args_parser
+
+    flags = [a for action in gpt.parser()._actions for a in action.option_strings
+             if a.startswith("--") and a != "--help"]
+    for flag in flags:
+        args = get_args_parser().parse_args(["--nproc-per-node", "2", "examples/gpt.py",
+                                             flag, "1"])
+        assert args.training_script_args == [flag, "1"], flag
+    with pytest.raises(SystemExit):
+        gpt.main(["--d", "32", "--steps", "0"])
+

@@ -162,7 +162,7 @@ def test_secondary_shards_gather_across_hosts_once_a_step(runs):
                     reason=WHY or "no tc here to shape the link")
 def test_multinode_benchmark_prints_its_table():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multinode.py"), "--rounds",
-                          "1", "--steps", "2", "--d", "32", "--layers", "2"], cwd=ROOT,
+                          "1", "--steps", "2", "--d-model", "32", "--layers", "2"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

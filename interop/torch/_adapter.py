@@ -213,6 +213,7 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
                    activation_checkpointing=bool(activation_checkpointing),
                    broadcast_buffers=bool(broadcast_buffers))
     fn._meta, fn._sharded = meta, meta is not None
+    module.register_state_dict_pre_hook(fn._before_state_dict)
     # a module split by parallelize: its params are this model rank's slices already
     fn.tensor_parallel = getattr(module, "_zeroshard_tensor_parallel", None)
     return params, fn
@@ -275,6 +276,12 @@ class TorchLoss(UnitHooks, BufferState):
                 self._warned = True
             return False
         return True
+
+    @property
+    def frozen(self) -> frozenset[str]:
+        """The names of the parameters with ``requires_grad=False``: the step keeps
+        them as they are (see [Note: frozen leaves])."""
+        return frozenset(n for n, p in self.named.items() if not p.requires_grad)
 
     def units(self, path: tuple) -> str:
         """The unit key of a params leaf (by its key path in the params dict)."""
@@ -345,7 +352,7 @@ class TorchLoss(UnitHooks, BufferState):
                 p.data = torch_view(params[name])
             self.module.eval()
             with torch.no_grad():
-                return self._call_loss(batch)[0].detach()
+                return self._call_loss(batch, training=False)[0].detach()
         finally:
             self._compute_dtype = None
             self.module.train(training)
@@ -378,15 +385,24 @@ class TorchLoss(UnitHooks, BufferState):
 
         return cast(args), cast(kwargs)
 
-    def _check_usable(self) -> None:
+    def _check_usable(self, what: str = "run") -> None:
         if self._sharded and any(
                 p.numel() == 0 for p in self.named.values()):
             raise RuntimeError(
-                "this module's parameters live in a ZeRO step's state (sharded over the "
-                "ranks at stage 3, or in the step's compute dtype under mixed precision): "
-                "evaluate with step.evaluate(state, batch), write the trained params back "
-                "with interop.torch.load_state(module, state, comm=comm), or train a "
+                f"cannot {what} this module: its parameters live in a ZeRO step's state "
+                "(sharded over the ranks at stage 3, or in the step's compute dtype under "
+                "mixed precision) and the module holds empty tensors: take the trained "
+                "values with interop.torch.state_dict(module, state, comm=comm) (for "
+                "torch.save), write them back with interop.torch.load_state(module, state, "
+                "comm=comm), evaluate with step.evaluate(state, batch), or train a "
                 "copy.deepcopy(model)")
+
+    def _before_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:
+        """``module.state_dict()``'s pre-hook: never empty tensors in place of the
+        trained values (``keep_vars=True`` is the library's own read of the
+        buffers)."""
+        if not keep_vars and self._active is None:
+            self._check_usable("take the state_dict of")
 
 
 def _torch_dtype_of(params: dict[str, Any]) -> Any:

@@ -9,13 +9,14 @@ gradients to the reducer.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ops._tree import tree_util
 from ops.device._dlpack import torch_view
 from shard.monitor._profile import timed
 
-__all__ = ["ROOT", "UnitHooks", "check_owner"]
+__all__ = ["ROOT", "UnitHooks", "check_owner", "loss_and_aux"]
 
 ROOT = "<root>"
 
@@ -28,6 +29,39 @@ def check_owner(owner: int | None, comm: Any, name: str, remedy: str) -> int:
         raise ValueError(f"{name}: this loss object belongs to rank {owner}, and rank "
                          f"{comm.rank} uses it too; every rank needs its own {remedy}")
     return comm.rank
+
+
+def loss_and_aux(out: Any, has_aux: bool, *, training: bool = True) -> tuple[Any, Any]:
+    """A torch loss's result as ``(loss, aux)``: a scalar tensor, ``(loss, aux)``
+    (with ``has_aux=True``), or a mapping with a ``"loss"`` entry, as a Hugging
+    Face model's ``ModelOutput`` (its other entries are the aux). Anything else
+    is refused here, after the forward and before the state changes, naming
+    what the loss returned."""
+    import torch
+
+    from shard.core._loss import split_aux
+
+    if isinstance(out, Mapping):
+        if out.get("loss") is None:
+            raise TypeError(f"the torch loss returned a {type(out).__name__} without a 'loss' "
+                            f"entry (keys {list(out)}); return the loss tensor, or pass the "
+                            "labels the model needs to compute one")
+        loss = out["loss"]
+        aux = {k: v for k, v in out.items() if k != "loss"} if has_aux else None
+    else:
+        loss, aux = split_aux(out, has_aux)
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"the torch loss must return a scalar torch.Tensor (or (loss, aux), or a "
+                        f"dict or ModelOutput with a 'loss' entry); it returned "
+                        f"{type(loss).__name__}")
+    if loss.numel() != 1:
+        raise ValueError(f"the torch loss must be a scalar; it returned a tensor of shape "
+                         f"{tuple(loss.shape)} (reduce it, e.g. with .mean())")
+    if training and not loss.requires_grad:
+        raise ValueError("the torch loss does not depend on any parameter that trains (its "
+                         "tensor has requires_grad=False): is every parameter frozen, or the "
+                         "loss computed under torch.no_grad?")
+    return loss, aux
 
 
 class UnitHooks:
@@ -79,8 +113,8 @@ class UnitHooks:
             a.kept = None
             with timed("backward"):
                 (out * loss_scale).backward()
-            for u, missing in a.pending.items():
-                if missing:  # parameters the loss did not use: their gradient is zero
+            for u in a.pending:  # units with parameters the loss did not use, or frozen
+                if u not in a.reduced:
                     self._reduce(u)
         finally:
             cast = self._compute_dtype is not None  # bound to another dtype than its own
@@ -96,15 +130,13 @@ class UnitHooks:
             self._sharded = a.gathering or cast
         return (out.detach(), aux) if self.has_aux else out.detach()
 
-    def _call_loss(self, batch: Any) -> tuple[Any, Any]:
+    def _call_loss(self, batch: Any, *, training: bool = True) -> tuple[Any, Any]:
         """The user's loss on the module: ``(loss, aux)`` (aux None without
         ``has_aux``, which a step built with ``has_aux=True`` sets)."""
-        from shard.core._loss import split_aux
+        import torch
 
-        loss, aux = split_aux(self.loss(self.module, batch), self.has_aux)
+        loss, aux = loss_and_aux(self.loss(self.module, batch), self.has_aux, training=training)
         if aux is not None:
-            import torch
-
             aux = torch.utils._pytree.tree_map(
                 lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
         return loss, aux
@@ -148,7 +180,7 @@ class UnitHooks:
             return
         if on:
             self._grad_hooks = [p.register_post_accumulate_grad_hook(self._grad_hook(name))
-                                for name, p in self.named.items()]
+                                for name, p in self.named.items() if p.requires_grad]
         else:
             for handle in self._grad_hooks:
                 handle.remove()
@@ -208,6 +240,11 @@ class UnitHooks:
         a = self._active
         if a is None or not a.pending[u]:
             return
+        if a.frozen_units:  # frozen units later in the forward are done with
+            pos = a.order.index(u)
+            for v in a.frozen_units:
+                if v in a.bound and a.order.index(v) > pos and a.index.get(ROOT) != v:
+                    self._unbind(v)
         if u not in a.bound:
             self._gather(u)
             return
@@ -301,6 +338,7 @@ class UnitHooks:
         a = self._active
         with timed("library"):
             a.pending[u] = set()
+            a.reduced.add(u)
             if u in a.bucketed:  # summed in place by autograd, into the reducer's buffer
                 a.reducer.added(u)
                 return
@@ -346,6 +384,7 @@ class _Plan:
                           for j in u.leaves] for i, u in enumerate(full_layout.units)}
         self.empties = {i: [(hooks.named[n], hooks._empty(hooks.named[n])) for n in names]
                         for i, names in self.members.items()}
+        self.frozen = frozenset(n for n, p in hooks.named.items() if not p.requires_grad)
 
 
 class _Step:
@@ -358,7 +397,11 @@ class _Step:
         self.phase = "forward"
         self.gathering = True  # stage 3: units are gathered and freed; else bound throughout
         self.kept: int | None = None  # the unit that ran last in the forward, still bound
-        self.pending = {i: set(m) for i, m in plan.members.items()}  # params awaiting a gradient
+        # the trainable params awaiting a gradient; frozen ones get none (see [Note: frozen
+        # leaves]), and a unit of frozen params alone is reduced (zeros) after the backward
+        self.pending = {i: set(m) - plan.frozen for i, m in plan.members.items()}
+        self.frozen_units = [i for i, m in plan.members.items() if m and set(m) <= plan.frozen]
+        self.reduced: set[int] = set()  # units whose gradients went to the reducer
         self.bound: dict[int, Any] = {}  # gathered units bound now: the flat torch tensor
         self.bucketed: set[int] = set()  # units whose .grad are views of the reducer's buffer
 

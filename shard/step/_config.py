@@ -44,6 +44,7 @@ class StepConfig:
     reshard_after_forward: bool | int = True
     # hpZ: (this node's ranks, the ranks of this one's place on every node), or None
     secondary: tuple[Communicator, Communicator] | None = None
+    trainable: Any = None  # which leaves train (see [Note: frozen leaves]); None: all
 
     @property
     def ranks(self) -> int:
@@ -58,7 +59,7 @@ class StepConfig:
              gradient_accumulation_steps: int | None = None,
              has_aux: bool = False, weight_by_rows: bool = False,
              replicate: Communicator | None = None, tensor_parallel: Any = None,
-             reshard_after_forward: bool | int = True) -> StepConfig:
+             reshard_after_forward: bool | int = True, trainable: Any = None) -> StepConfig:
         """The configuration of ``zero{stage}(loss_fn, ...)``; a TypeError or
         ValueError naming the argument for anything it cannot train with."""
         name = f"zero{stage}"
@@ -148,7 +149,7 @@ class StepConfig:
                    optimizer, comm, specs, units, precision or Precision(), clip_norm,
                    loss_scale, prefetch, loggers, offload, gradient_accumulation_steps,
                    has_aux, weight_by_rows, replicate, tensor_parallel, reshard_after_forward,
-                   secondary)
+                   secondary, trainable)
 
 
 def _secondary(name: str, stage: int, comm: Communicator, reshard: Any, *, replicate: Any,

@@ -26,6 +26,7 @@ from shard.core._state import StateMeta, TrainState
 from shard.offload._step import Offloader
 from shard.step._checks import agree_on_layout
 from shard.step._config import StepConfig
+from shard.step._frozen import frozen_leaves, trainable_runs
 from shard.step._reduce import CopyPlans
 
 __all__ = ["Plan", "make_plan", "new_state"]
@@ -62,6 +63,10 @@ class Plan:
       secondary: with ``reshard_after_forward=L``, the node's and the
         counterparts' communicators without per-call checks (see [Note:
         secondary shards]), or None.
+      frozen: the leaves (indices) that do not train (see [Note: frozen
+        leaves]).
+      runs: with frozen leaves, each unit's trainable ranges of its local
+        buffer, which the optimizer updates; None without.
     """
 
     config: StepConfig
@@ -76,6 +81,8 @@ class Plan:
     replica: Communicator | None = None
     model_whole: frozenset[int] = frozenset()
     secondary: tuple[Communicator, Communicator] | None = None
+    frozen: frozenset[int] = frozenset()
+    runs: tuple | None = None
 
     @property
     def compute_dtype(self) -> np.dtype:
@@ -157,11 +164,20 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     where = found or device or HOST
     optimizer = on_shards(config.optimizer, layout, stage=config.stage, master_dtype=master_dtype,
                           device_host=where.host, offload=config.offload is not None, fn=fn)
+    frozen = frozen_leaves(config.trainable, loss_fn, params, fn)
+    if frozen and (config.offload is not None or optimizer.fused is None):
+        raise NotImplementedError(
+            f"{fn}: frozen params (requires_grad=False, or trainable=) train with the fused "
+            "optimizers (ops.adamw, ops.adam, ops.lion, ops.lamb) on state that is not "
+            "offloaded; " + ("drop offload=" if config.offload is not None else
+                             "for an optax transformation, mask it with optax.masked and "
+                             "drop trainable="))
     return Plan(config, layout, full_layout, np.dtype(master_dtype), precision, where,
                 config.comm.unchecked(), CopyPlans(layout, full_layout), optimizer,
                 config.replicate.unchecked() if config.replicate is not None else None,
                 model_whole,
-                tuple(c.unchecked() for c in config.secondary) if config.secondary else None)
+                tuple(c.unchecked() for c in config.secondary) if config.secondary else None,
+                frozen, trainable_runs(layout, frozen) if frozen else None)
 
 
 def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,

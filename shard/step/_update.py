@@ -42,6 +42,7 @@ import ops
 from ops.device._runs import copy_runs
 from shard.core._state import TrainState
 from shard.monitor._profile import timed
+from shard.step._frozen import views
 
 __all__ = ["apply", "fresh_totals", "norm_and_loss", "refresh", "weigh_by_rows"]
 
@@ -56,6 +57,7 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
                 plan.replica.all_reduce_(g, "sum")
     sharded, replicated = [], []
     skip = set(getattr(c.loss_fn, "norm_skip", ()))  # copies of a tied weight
+    skip |= plan.frozen  # see [Note: frozen leaves]
     tp = c.tensor_parallel  # see [Note: tensor parallelism with ZeRO]
     if tp is not None and tp.rank > 0:
         skip |= plan.model_whole  # counted at model rank 0
@@ -141,6 +143,14 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
     with timed("optimizer"):
         if fused.per_tensor:
             _per_leaf(plan, state, shards, grad_scale, grad_sumsq, copies)
+        elif plan.runs is not None:  # the trainable runs alone (see [Note: frozen leaves])
+            runs = plan.runs
+            c.optimizer.apply(
+                views(shards, runs),
+                fused.state(state.step, *(views(m, runs) for m in state.moments)),
+                views(state.master, runs), grad_scale=grad_scale, grad_sumsq=grad_sumsq,
+                max_norm=c.clip_norm, param_copies=views(copies, runs) if copies else None,
+                finite=True)
         else:
             c.optimizer.apply(tuple(shards), fused.state(state.step, *state.moments),
                               state.master, grad_scale=grad_scale, grad_sumsq=grad_sumsq,
@@ -158,8 +168,9 @@ def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float
     c = plan.config
     leaves = plan.layout.leaves
     split = [c.stage > 0 and c.comm.world_size > 1 and leaf.sharded for leaf in leaves]
-    order = sorted(range(len(leaves)), key=lambda i: not split[i])
-    nsplit = sum(split)
+    order = sorted((i for i in range(len(leaves)) if i not in plan.frozen),
+                   key=lambda i: not split[i])
+    nsplit = sum(split[i] for i in order)
 
     def views(bufs: Any) -> tuple:
         return tuple(bufs[leaves[i].unit][leaves[i].offset:leaves[i].offset +

@@ -1,0 +1,100 @@
+"""Frozen leaves: params a step carries and gathers but never updates.
+
+[Note: frozen leaves]
+Fine-tuning trains a few params of a pretrained model (LoRA's adapters, a new
+head) and keeps the rest as they are. A leaf is frozen when the step's
+``trainable=`` says so (a pytree of bools shaped like the params, or a
+function of the params returning one, as ``optax.masked`` takes), or, for a
+torch module, when its parameter has ``requires_grad=False``. A frozen leaf
+is laid out, sharded and gathered like any other (the loss needs it), and its
+gradient, if the loss makes one, is left out of the global norm; the
+optimizer never sees it, so its value stays bit for bit the value it was
+given, with no weight decay, and its moments stay zero.
+
+The optimizer runs on the trainable runs of each unit's buffers: the ranges of
+a unit's local buffer outside its frozen leaves, found once per layout (one
+or two ranges for a unit whose frozen leaves sit together, as a LoRA block's
+base weights do). The per-step cost is then a fixed list of views, whatever
+the number of leaves (see ``_update.apply``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ops._tree import tree_util
+from shard.core._layout import Layout
+
+__all__ = ["frozen_leaves", "trainable_runs", "views"]
+
+
+def frozen_leaves(trainable: Any, loss_fn: Any, params: Any, fn: str) -> frozenset[int]:
+    """The indices (in leaf order) of the leaves of ``params`` that do not train:
+    ``trainable``'s False entries, or a torch loss's ``requires_grad=False``
+    parameters (its ``frozen`` names)."""
+    tu = tree_util()
+    with_paths, treedef = tu.tree_flatten_with_path(params)
+    names = getattr(loss_fn, "frozen", None)
+    if trainable is None:
+        if not names:
+            return frozenset()
+        return frozenset(i for i, (path, _) in enumerate(with_paths)
+                         if getattr(path[0], "key", None) in names)
+    mask = trainable(params) if isinstance(trainable, Callable) else trainable
+    try:
+        flags = treedef.flatten_up_to(_broadcast(mask, params, fn))
+    except (ValueError, KeyError) as e:
+        raise ValueError(f"{fn}: trainable= must be a pytree of bools shaped like the params "
+                         f"(or a prefix of it), or a function of the params returning one, "
+                         f"as optax.masked takes: {e}") from None
+    out = []
+    for i, ((path, _), flag) in enumerate(zip(with_paths, flags, strict=True)):
+        if names and getattr(path[0], "key", None) in names and flag:
+            raise ValueError(f"{fn}: trainable{tu.keystr(path)} is True but the torch "
+                             "parameter has requires_grad=False; set one or the other")
+        if not flag:
+            out.append(i)
+    if len(out) == len(with_paths):
+        raise ValueError(f"{fn}: trainable= freezes every leaf: nothing to train")
+    return frozenset(out)
+
+
+def _broadcast(mask: Any, params: Any, fn: str) -> Any:
+    """``mask`` with each bool at a prefix node repeated over that subtree."""
+    tu = tree_util()
+
+    def spread(path: tuple, m: Any, sub: Any) -> Any:
+        if not isinstance(m, (bool, np.bool_)):
+            raise TypeError(f"{fn}: trainable{tu.keystr(path)} must be True or False; got "
+                            f"{type(m).__name__}")
+        return tu.tree_map(lambda _: bool(m), sub)
+
+    return tu.tree_map_with_path(spread, mask, params)
+
+
+def trainable_runs(layout: Layout, frozen: frozenset[int]) -> tuple[tuple[tuple[int, int], ...],
+                                                                     ...]:
+    """Per unit, the ranges ``(start, end)`` of its local buffer outside its
+    frozen leaves, adjacent ranges joined (see [Note: frozen leaves])."""
+    out = []
+    for unit in layout.units:
+        cuts = sorted((leaf.offset, leaf.offset + leaf.local_size)
+                      for leaf in (layout.leaves[i] for i in unit.leaves if i in frozen))
+        runs: list[tuple[int, int]] = []
+        start = 0
+        for a, b in [*cuts, (unit.local_size, unit.local_size)]:
+            if a > start:
+                runs.append((start, a))
+            start = max(start, b)
+        out.append(tuple(runs))
+    return tuple(out)
+
+
+def views(bufs: Any, runs: tuple) -> tuple:
+    """The trainable runs of per-unit buffers ``bufs``, as one flat tuple of views."""
+    return tuple(buf[a:b] for buf, unit_runs in zip(bufs, runs, strict=True)
+                 for a, b in unit_runs)
+

@@ -1,0 +1,232 @@
+"""Fine-tuning: frozen params (torch's requires_grad=False, trainable= for JAX
+losses) against one process of torch.optim.AdamW and of optax with the frozen
+leaves' updates set to zero."""
+
+from __future__ import annotations
+
+import copy
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+import torch
+
+import interop.torch as it
+import ops
+import shard
+
+ZERO = {0: shard.zero0, 1: shard.zero1, 2: shard.zero2, 3: shard.zero3}
+LR, WD, STEPS = 1e-2, 0.1, 6
+
+
+class Adapted(torch.nn.Module):
+    """A frozen embedding and a frozen base Linear with a low-rank adapter beside
+    it (LoRA's shape), a frozen unit of its own, and a trainable head; sizes that
+    no world size here divides."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(7, 13)
+        self.block = torch.nn.ModuleDict(dict(base=torch.nn.Linear(13, 13),
+                                              a=torch.nn.Linear(13, 3, bias=False),
+                                              b=torch.nn.Linear(3, 13, bias=False)))
+        self.frozen_mid = torch.nn.Linear(13, 13)
+        self.head = torch.nn.Linear(13, 5)
+        for p in [*self.embed.parameters(), *self.block["base"].parameters(),
+                  *self.frozen_mid.parameters()]:
+            p.requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.embed(x))
+        h = torch.tanh(self.block["base"](h) + self.block["b"](self.block["a"](h)))
+        h = torch.tanh(self.frozen_mid(h))
+        return self.head(h)
+
+
+def mse(model, batch):
+    x, y = batch
+    return ((model(x) - y) ** 2).mean()
+
+
+def batches(n=STEPS, rows=12):
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(rows, 7, generator=g), torch.randn(rows, 5, generator=g))
+            for _ in range(n)]
+
+
+def torch_reference(model, data):
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                            weight_decay=WD)
+    for b in data:
+        opt.zero_grad()
+        mse(model, b).backward()
+        opt.step()
+    return {k: v.detach().numpy().copy() for k, v in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_requires_grad_false_params_stay_and_the_rest_match_torch_adamw(stage, world):
+    torch.manual_seed(0)
+    model = Adapted()
+    data = batches()
+    want = torch_reference(model, data)
+    before = {k: v.detach().numpy().copy() for k, v in model.named_parameters()}
+
+    def run(comm):
+        params, fn = it.functional(copy.deepcopy(model), loss=mse)
+        step = ZERO[stage](fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
+                           clip_norm=1e3)
+        state = step.init(params)
+        n = data[0][0].shape[0] // comm.world_size
+        for b in data:
+            state, _ = step(state, tuple(t[comm.rank * n:(comm.rank + 1) * n] for t in b))
+        return shard.gather(state, comm), state
+
+    (got, state), *_ = ops.spawn(run, world)
+    for k, p in model.named_parameters():
+        if p.requires_grad:
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6, err_msg=k)
+        else:  # bit for bit what it was given, and its moments untouched
+            np.testing.assert_array_equal(got[k], before[k], err_msg=k)
+    moments = state.opt.mu
+    assert not np.any(moments["embed.weight"]) and not np.any(moments["frozen_mid.bias"])
+    assert np.any(moments["head.weight"])
+
+
+def jax_loss(p, b):
+    h = jnp.tanh(b["x"] @ p["base"]["w"] + b["x"] @ p["lora"]["a"] @ p["lora"]["b"])
+    return jnp.mean((h @ p["head"] - b["y"]) ** 2)
+
+
+def jax_params():
+    r = np.random.default_rng(0)
+    return {"base": {"w": r.normal(size=(7, 11)).astype(np.float32)},
+            "lora": {"a": r.normal(size=(7, 3)).astype(np.float32) * 0.1,
+                     "b": r.normal(size=(3, 11)).astype(np.float32) * 0.1},
+            "head": r.normal(size=(11, 5)).astype(np.float32)}
+
+
+@pytest.mark.parametrize("trainable", ["tree", "prefix", "function"])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_trainable_mask_matches_optax_set_to_zero_on_one_process(stage, trainable):
+    mask = {"base": {"w": False}, "lora": {"a": True, "b": True}, "head": True}
+    given = {"tree": mask, "prefix": {"base": False, "lora": True, "head": True},
+             "function": lambda p: jax.tree_util.tree_map(lambda _: True, p) | {
+                 "base": {"w": False}}}[trainable]
+    r = np.random.default_rng(1)
+    data = [{"x": r.normal(size=(10, 7)).astype(np.float32),
+             "y": r.normal(size=(10, 5)).astype(np.float32)} for _ in range(STEPS)]
+    labels = jax.tree_util.tree_map(lambda t: "train" if t else "freeze", mask)
+    tx = optax.multi_transform({"train": optax.adamw(LR, weight_decay=WD),
+                                "freeze": optax.set_to_zero()}, labels)
+    p = jax_params()
+    opt = tx.init(p)
+    for b in data:
+        g = jax.grad(jax_loss)(p, b)
+        u, opt = tx.update(g, opt, p)
+        p = optax.apply_updates(p, u)
+
+    def run(comm):
+        step = ZERO[stage](jax_loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
+                           trainable=given)
+        state = step.init(jax_params())
+        n = 10 // comm.world_size
+        for b in data:
+            state, _ = step(state, {k: v[comm.rank * n:(comm.rank + 1) * n] for k, v in b.items()})
+        return shard.gather(state, comm)
+
+    got = ops.spawn(run, 2)[0]
+    np.testing.assert_array_equal(got["base"]["w"], jax_params()["base"]["w"])
+    for path, want in jax.tree_util.tree_leaves_with_path(p):
+        have = got
+        for key in path:
+            have = have[key.key]
+        np.testing.assert_allclose(have, np.asarray(want), rtol=2e-5, atol=2e-6,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+def test_trainable_refusals_name_the_problem():
+    def run(comm, trainable):
+        step = shard.zero3(jax_loss, optimizer=ops.adamw(LR), comm=comm, trainable=trainable)
+        return step.init(jax_params())
+
+    with pytest.raises(ValueError, match="freezes every leaf"):
+        ops.spawn(lambda c: run(c, False), 1)
+    with pytest.raises(TypeError, match=r"trainable\['head'\] must be True or False"):
+        ops.spawn(lambda c: run(c, {"base": False, "lora": True, "head": "yes"}), 1)
+    with pytest.raises(ValueError, match="pytree of bools shaped like the params"):
+        ops.spawn(lambda c: run(c, {"base": False}), 1)
+
+
+def _outputs():
+    from transformers.modeling_outputs import CausalLMOutput
+
+    return {
+        "dict": (lambda m, b: {"loss": mse(m, b), "logits": m(b[0])}, True),
+        "ModelOutput": (lambda m, b: CausalLMOutput(loss=mse(m, b), logits=m(b[0])), True),
+        "None": (lambda m, b: None, TypeError),
+        "float": (lambda m, b: float(mse(m, b)), TypeError),
+        "dict without loss": (lambda m, b: {"logits": m(b[0])}, TypeError),
+        "vector": (lambda m, b: (m(b[0]) - b[1]).pow(2).mean(0), ValueError),
+    }
+
+
+@pytest.mark.parametrize("kind", list(_outputs()))
+@pytest.mark.parametrize("stage", [1, 3])
+def test_torch_loss_outputs_train_or_are_refused_naming_the_type(kind, stage):
+    loss, expect = _outputs()[kind]
+    torch.manual_seed(0)
+    model = Adapted()
+    data = batches(2)
+
+    def run(comm):
+        params, fn = it.functional(copy.deepcopy(model), loss=loss)
+        step = ZERO[stage](fn, optimizer=ops.adamw(LR), comm=comm)
+        state = step.init(params)
+        before = shard.gather(state, comm)
+        try:
+            state, metrics = step(state, data[0])
+        except Exception:
+            after = shard.gather(state, comm)  # the refused step changed nothing
+            for k in before:
+                np.testing.assert_array_equal(after[k], before[k])
+            raise
+        return metrics["loss"]
+
+    if expect is True:
+        with torch.no_grad():
+            want = float(mse(model, data[0]))
+        assert ops.spawn(run, 2)[0] == pytest.approx(want, rel=1e-5)
+    else:
+        with pytest.raises(expect, match=kind.split()[0] if kind != "vector" else "scalar"):
+            ops.spawn(run, 2)
+
+
+@pytest.mark.parametrize("stage, precision", [(3, None), (1, "bfloat16")])
+def test_module_state_dict_after_training_refuses_instead_of_empty_tensors(stage, precision):
+    torch.manual_seed(0)
+    model = Adapted()
+    data = batches(2)
+
+    def run(comm):
+        module = copy.deepcopy(model)
+        params, fn = it.functional(module, loss=mse)
+        step = ZERO[stage](fn, optimizer=ops.adamw(LR), comm=comm,
+                           precision=precision and shard.Precision(param_dtype=precision))
+        state = step.init(params)
+        state, _ = step(state, data[0])
+        with pytest.raises(RuntimeError, match=r"interop\.torch\.state_dict"):
+            module.state_dict()
+        full = it.state_dict(module, state, comm=comm)
+        assert all(v.numel() for v in full.values())
+        it.load_state(module, state, comm=comm)
+        return {k: v.clone() for k, v in module.state_dict().items()}, full
+
+    got, full = ops.spawn(run, 2)[0]
+    assert set(got) == set(full)
+    for k in got:
+        np.testing.assert_array_equal(got[k].numpy(), full[k].float().numpy(), err_msg=k)
