@@ -7,23 +7,37 @@ reported by name (an error, or with ``unsupported="warn"`` a warning), never
 silently ignored.
 
 - ``zero_optimization.stage``: ``zero0``-``zero3``;
-  ``overlap_comm``, ``contiguous_gradients``, ``reduce_scatter`` (true): what
-  every stage does; ``offload_optimizer``: ``device`` ``cpu`` is
+  ``overlap_comm``, ``contiguous_gradients``, ``reduce_scatter``: what every
+  stage does (false changes no result: accepted and logged);
+  ``cpu_offload`` (DeepSpeed's legacy key) is ``offload_optimizer`` on the
+  CPU, ``cpu_offload_param`` its ``offload_param``; ``offload_optimizer``: ``device`` ``cpu`` is
   ``shard.Offload("host")``, ``nvme`` with ``nvme_path`` is
   ``shard.Offload("disk", path=nvme_path)``; ``offload_param`` ``cpu`` at
   stage 3 adds ``params="host"``; ``zero_hpz_partition_size`` (ZeRO++'s hpZ,
   the ranks per node; 1, the default, is off): ``reshard_after_forward``;
 - ``fp16``: ``enabled``, ``initial_scale_power``, ``loss_scale_window``,
-  ``min_loss_scale``, ``hysteresis`` (1 only): ``Precision(float16)`` and a
-  ``LossScale``;
-- ``bf16.enabled``: ``Precision(bfloat16)``; ``communication_data_type``: the
-  precision's ``reduce_dtype``;
+  ``min_loss_scale``, ``hysteresis`` (DeepSpeed's default 2) and
+  ``consecutive_hysteresis``: ``Precision(float16)`` and a
+  ``LossScale(rule="deepspeed")``, whose scale moves as DeepSpeed's
+  ``DynamicLossScaler``'s; a static ``loss_scale`` (not 0):
+  ``LossScale.static``;
+- ``bf16.enabled``: ``Precision(bfloat16)`` (``immediate_grad_update`` changes
+  no result); ``communication_data_type`` and
+  ``data_types.grad_accum_dtype``: the precision's ``reduce_dtype``, the
+  dtype gradients are summed in;
+- ``gradient_allreduce_op``: ``"mean"`` (the default) or ``"sum"``
+  (``gradient_divide_factor=1``: the update of the ranks' summed gradients;
+  not at stage 3, as DeepSpeed); ``prescale_gradients`` and
+  ``gradient_predivide_factor`` (where DeepSpeed divides: the mean either
+  way);
 - ``gradient_clipping``: ``clip_norm``;
 - ``gradient_accumulation_steps``: the step takes ``shard.MicroBatches`` of
   that many micro-batches (and refuses others); with
   ``train_micro_batch_size_per_gpu`` and ``train_batch_size``, checked against
   each other and the world size;
-- ``optimizer``: ``Adam`` (``adam_w_mode``, default true, as DeepSpeed's) and
+- ``optimizer``: none (the caller's ``optimizer=`` to
+  :meth:`DeepSpeedConfig.transform`, as DeepSpeed takes the one passed to
+  ``initialize``); ``Adam`` (``adam_w_mode``, default true, as DeepSpeed's) and
   ``AdamW``: ``ops.adamw`` or ``ops.adam``; ``Lion`` (``lr``, ``betas``,
   ``weight_decay``): ``ops.lion``; ``Lamb`` (``lr``, ``betas``, ``eps``,
   ``weight_decay``, ``bias_correction``, ``min_coeff``/``max_coeff``, as
@@ -68,14 +82,14 @@ _ALWAYS = ("overlap_comm", "contiguous_gradients", "reduce_scatter")
 _TUNING = {
     "": ("steps_per_print", "wall_clock_breakdown", "zero_allow_untested_optimizer",
          "dump_state", "memory_breakdown", "flops_profiler", "comms_logger",
-         "zero_force_ds_cpu_optimizer"),
+         "zero_force_ds_cpu_optimizer", "prescale_gradients", "gradient_predivide_factor"),
     "zero_optimization": (
         "allgather_partitions", "allgather_bucket_size", "reduce_bucket_size",
         "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold",
         "stage3_max_live_parameters", "stage3_max_reuse_distance", "sub_group_size",
         "round_robin_gradients", "stage3_gather_16bit_weights_on_model_save",
         "gather_16bit_weights_on_model_save", "memory_efficient_linear",
-        "ignore_unused_parameters"),
+        "ignore_unused_parameters", "cpu_offload_use_pin_memory"),
     "zero_optimization.offload_optimizer": ("pin_memory", "buffer_count", "pipeline_read",
                                             "pipeline_write", "fast_init"),
     "zero_optimization.offload_param": ("pin_memory", "buffer_count", "buffer_size",
@@ -99,7 +113,7 @@ class DeepSpeedConfig:
     """A DeepSpeed config's meaning here; ``transform`` builds the ZeRO step."""
 
     stage: int
-    optimizer: FusedOptimizer
+    optimizer: FusedOptimizer | None  # None: the config has no "optimizer" block
     precision: Precision | None
     loss_scale: LossScale | None
     clip_norm: float | None
@@ -109,6 +123,7 @@ class DeepSpeedConfig:
     offload: Offload | None = None
     loggers: tuple = field(default=())
     reshard_after_forward: bool | int = True
+    gradient_divide_factor: float | None = None
 
     def transform(self, loss_fn: Any, *, comm: Any, **overrides: Any) -> Any:
         """``shard.zero{stage}(loss_fn, ...)`` with this config's options;
@@ -125,6 +140,10 @@ class DeepSpeedConfig:
                                  f"gradient_accumulation_steps {self.gradient_accumulation_steps}"
                                  f" x world size {comm.world_size}")
         zero = (zero0, zero1, zero2, zero3)[self.stage]
+        if self.optimizer is None and overrides.get("optimizer") is None:
+            raise ValueError("from_deepspeed_config: the config has no \"optimizer\" block; "
+                             "pass the optimizer as DeepSpeed's initialize takes it: "
+                             "config.transform(loss, comm=comm, optimizer=ops.adamw(...))")
         kw = dict(optimizer=self.optimizer, precision=self.precision, clip_norm=self.clip_norm,
                   loss_scale=self.loss_scale, loggers=self.loggers,
                   gradient_accumulation_steps=self.gradient_accumulation_steps)
@@ -132,6 +151,8 @@ class DeepSpeedConfig:
             kw["offload"] = self.offload
         if self.reshard_after_forward is not True:
             kw["reshard_after_forward"] = self.reshard_after_forward
+        if self.gradient_divide_factor is not None:
+            kw["gradient_divide_factor"] = self.gradient_divide_factor
         return zero(loss_fn, comm=comm, **{**kw, **overrides})
 
 
@@ -184,9 +205,16 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
         stage = 0
     for key in _ALWAYS:
         if zero.pop(key, True) is not True:
-            bad.append(f"zero_optimization.{key}=false (always on here)")
-    offload = _offload(dict(zero.pop("offload_optimizer", {}) or {}),
-                       dict(zero.pop("offload_param", {}) or {}), stage, bad)
+            tuning.append(f"zero_optimization.{key}=false")
+    legacy = {"offload_optimizer": zero.pop("cpu_offload", False),
+              "offload_param": zero.pop("cpu_offload_param", False)}
+    sections = {}
+    for key, on in legacy.items():
+        section = dict(zero.pop(key, {}) or {})
+        if on and section:
+            bad.append(f"zero_optimization.{key} with its legacy cpu_offload key")
+        sections[key] = section or ({"device": "cpu"} if on else {})
+    offload = _offload(sections["offload_optimizer"], sections["offload_param"], stage, bad)
     if zero.pop("load_from_fp32_weights", True) is not True:
         bad.append("zero_optimization.load_from_fp32_weights=false (checkpoints here restore "
                    "the fp32 masters)")
@@ -200,7 +228,8 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
         reshard = hpz
     bad += [f"zero_optimization.{k}" for k in zero]
 
-    precision, loss_scale = _precision(cfg, bad)
+    precision, loss_scale = _precision(cfg, bad, tuning)
+    divide = _allreduce_op(cfg, stage, bad)
     clip = cfg.pop("gradient_clipping", 0.0)
     accumulation = int(cfg.pop("gradient_accumulation_steps", 1))
     micro = cfg.pop("train_micro_batch_size_per_gpu", None)
@@ -221,7 +250,7 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
                            loss_scale=loss_scale, clip_norm=float(clip) if clip else None,
                            gradient_accumulation_steps=accumulation, micro_batch_size=micro,
                            train_batch_size=total, offload=offload, loggers=loggers,
-                           reshard_after_forward=reshard)
+                           reshard_after_forward=reshard, gradient_divide_factor=divide)
 
 
 def _resolve(cfg: dict, args: dict) -> tuple[dict, list[str]]:
@@ -255,22 +284,45 @@ def _resolve(cfg: dict, args: dict) -> tuple[dict, list[str]]:
     return cfg, tuning
 
 
-def _precision(cfg: dict, bad: list[str]) -> tuple[Precision | None, LossScale | None]:
-    """``fp16``, ``bf16`` and ``communication_data_type``."""
+def _allreduce_op(cfg: dict, stage: int, bad: list[str]) -> float | None:
+    """``gradient_allreduce_op``: the gradient divide factor (None: the mean)."""
+    op = cfg.pop("gradient_allreduce_op", "mean")
+    op = op.lower() if isinstance(op, str) else op
+    if op == "mean":
+        return None
+    if op != "sum":
+        bad.append(f"gradient_allreduce_op={op!r} (mean or sum)")
+    elif stage == 3:
+        bad.append("gradient_allreduce_op='sum' at stage 3 (DeepSpeed refuses it too)")
+    else:
+        return 1.0
+    return None
+
+
+def _precision(cfg: dict, bad: list[str],
+               tuning: list[str]) -> tuple[Precision | None, LossScale | None]:
+    """``fp16``, ``bf16``, ``communication_data_type`` and ``data_types``."""
     param, reduce, loss_scale = None, None, None
     fp16 = dict(cfg.pop("fp16", {}) or {})
     bf16 = dict(cfg.pop("bf16", {}) or {})
     if fp16.pop("enabled", False):
         param, reduce = "float16", "float32"
-        if fp16.pop("loss_scale", 0):
-            bad.append("fp16.loss_scale (a static scale; 0, dynamic, is supported)")
+        static = fp16.pop("loss_scale", 0)
         power = fp16.pop("initial_scale_power", 16)
         window = fp16.pop("loss_scale_window", 1000)
-        if fp16.pop("hysteresis", 1) != 1:
-            bad.append("fp16.hysteresis (the scale backs off at the first overflow here: 1)")
-        fp16.pop("consecutive_hysteresis", None)  # with hysteresis 1, nothing to keep
-        loss_scale = LossScale(initial=2.0**power, growth_interval=int(window),
-                               minimum=float(fp16.pop("min_loss_scale", 1.0)))
+        hysteresis = fp16.pop("hysteresis", 2)  # DeepSpeed's defaults
+        consecutive = fp16.pop("consecutive_hysteresis", False)
+        minimum = float(fp16.pop("min_loss_scale", 1.0))
+        if fp16.pop("fp16_master_weights_and_grads", False):
+            bad.append("fp16.fp16_master_weights_and_grads (masters are float32 here)")
+        try:
+            loss_scale = (LossScale.static(float(static)) if static else
+                          LossScale(initial=2.0**power, growth_interval=int(window),
+                                    minimum=minimum, hysteresis=hysteresis,
+                                    consecutive_hysteresis=bool(consecutive),
+                                    rule="deepspeed"))
+        except (ValueError, TypeError) as e:
+            bad.append(f"fp16 ({e})")
     else:  # disabled: its settings mean nothing
         fp16.clear()
     bad += [f"fp16.{k}" for k in fp16]
@@ -278,21 +330,35 @@ def _precision(cfg: dict, bad: list[str]) -> tuple[Precision | None, LossScale |
         if param is not None:
             bad.append("bf16.enabled with fp16.enabled")
         param, reduce = "bfloat16", None
+        if "immediate_grad_update" in bf16:
+            tuning.append(f"bf16.immediate_grad_update={bf16.pop('immediate_grad_update')}")
     else:
         bf16.clear()
     bad += [f"bf16.{k}" for k in bf16]
-    comm_dtype = cfg.pop("communication_data_type", None)
-    if comm_dtype is not None:
-        if str(comm_dtype) not in ("fp32", "fp16", "bf16"):
-            bad.append(f"communication_data_type={comm_dtype!r} (fp32, fp16 or bf16)")
+    types = dict(cfg.pop("data_types", {}) or {})
+    accum = types.pop("grad_accum_dtype", None)
+    bad += [f"data_types.{k}" for k in types]
+    for key, dtype in (("data_types.grad_accum_dtype", accum),
+                       ("communication_data_type", cfg.pop("communication_data_type", None))):
+        if dtype is None:
+            continue
+        if str(dtype) not in ("fp32", "fp16", "bf16"):
+            bad.append(f"{key}={dtype!r} (fp32, fp16 or bf16)")
         else:
-            reduce = comm_dtype
+            reduce = dtype
     if param is None and reduce is None:
         return None, loss_scale
     return Precision(param_dtype=param, reduce_dtype=reduce), loss_scale
 
 
-def _optimizer(cfg: dict, bad: list[str]) -> FusedOptimizer:
+def _optimizer(cfg: dict, bad: list[str]) -> FusedOptimizer | None:
+    if not cfg.get("optimizer"):
+        cfg.pop("optimizer", None)
+        if cfg.get("scheduler"):
+            bad.append("scheduler without an optimizer block (give the optimizer's lr here, "
+                       "or schedule the optimizer you pass)")
+            cfg.pop("scheduler")
+        return None
     opt_cfg = dict(cfg.pop("optimizer", {}) or {})
     raw = opt_cfg.pop("type", "AdamW")
     kind = str(raw).lower()

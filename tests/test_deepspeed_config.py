@@ -14,6 +14,8 @@ from ops import BF16
 
 
 def cfg(**kw):
+    """A config with an AdamW(1e-3) optimizer block unless it gives its own."""
+    kw.setdefault("optimizer", {"type": "AdamW", "params": {"lr": 1e-3}})
     return shard.from_deepspeed_config(kw)
 
 
@@ -35,7 +37,8 @@ def test_fp16_maps_to_float16_and_a_loss_scale():
     c = cfg(fp16={"enabled": True, "initial_scale_power": 12, "loss_scale_window": 500,
                   "hysteresis": 1})
     assert c.precision.param_dtype == np.float16 and c.precision.reduce_dtype == np.float32
-    assert c.loss_scale == shard.LossScale(initial=2.0**12, growth_interval=500, minimum=1.0)
+    assert c.loss_scale == shard.LossScale(initial=2.0**12, growth_interval=500, minimum=1.0,
+                                           rule="deepspeed")
 
 
 def test_bf16_and_clipping():
@@ -204,12 +207,14 @@ def test_hpz_partition_size_maps_to_reshard_after_forward():
 
 def test_unsupported_keys_are_named_or_warned(tmp_path, caplog):
     bad = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}},
-           "fp16": {"enabled": True, "hysteresis": 2}, "amp": {"enabled": True},
+           "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
+           "amp": {"enabled": True},
            "optimizer": {"type": "OneBitAdam", "params": {"lr": 1e-3}},
            "scheduler": {"type": "CyclicLR", "params": {}}}
     with pytest.raises(ValueError) as e:
         shard.from_deepspeed_config(bad)
-    for name in ("zero_optimization.offload_param below stage 3", "fp16.hysteresis", "amp",
+    for name in ("zero_optimization.offload_param below stage 3",
+                 "fp16.fp16_master_weights_and_grads", "amp",
                  "optimizer.type='OneBitAdam'", "scheduler.type='CyclicLR'"):
         assert name in str(e.value), name
     path = tmp_path / "ds.json"
@@ -317,9 +322,9 @@ def test_transform_overrides_and_monitors_and_communication_dtype(tmp_path):
 
 def test_the_loss_scale_backs_off_no_lower_than_min_loss_scale():
     c = cfg(fp16={"enabled": True, "initial_scale_power": 2, "min_loss_scale": 2})
-    scale, good = 4.0, 0
-    for _ in range(3):  # three overflows in a row
-        scale, good = c.loss_scale.update(scale, good, False)
+    scale, good, left = 4.0, 0, None
+    for _ in range(3):  # three overflows in a row (DeepSpeed's default hysteresis: 2)
+        scale, good, left = c.loss_scale.update(scale, good, False, left)
     assert scale == 2.0
     with pytest.raises(ValueError, match="minimum <= initial"):
         shard.LossScale(initial=1.0, minimum=2.0)

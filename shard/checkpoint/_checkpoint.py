@@ -131,6 +131,7 @@ def manifest(state: TrainState, files: list[dict], extra: Any,
     return {
         "format": FORMAT, "version": VERSION, "step": int(state.step),
         "loss_scale": float(state.loss_scale), "good_steps": int(state.good_steps),
+        "hysteresis": int(state.hysteresis),
         "stage": m.stage, "world_size": m.layout.world_size,
         "master_dtype": m.master_dtype, "compute_dtype": m.compute_dtype,
         "leaves": [{"name": n, "path": leaf.path, "shape": list(leaf.shape), "dtype": leaf.dtype,

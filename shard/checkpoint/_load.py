@@ -384,6 +384,7 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
     state = new_state(plan, buffers["master"], [buffers[k] for k in moments],
                       opt_rest=rest, full_leaves=full_leaves, step=manifest["step"],
                       loss_scale=manifest["loss_scale"], good_steps=manifest["good_steps"],
+                      hysteresis=manifest.get("hysteresis"),
                       copies=copies)
     _load_module(path, manifest, step)
     comm.barrier()

@@ -101,6 +101,8 @@ def check_manifest(directory: Path, manifest: dict) -> None:
         raise CheckpointError(f"{where}: version must be an integer >= 1; got {version!r}")
     _int(manifest, "step", where)
     _int(manifest, "good_steps", where)
+    if "hysteresis" in manifest:  # written since DeepSpeed's hysteresis; older ones: the config's
+        _int(manifest, "hysteresis", where, 1)
     scale = manifest.get("loss_scale")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
             math.isfinite(scale) and scale > 0):

@@ -70,7 +70,8 @@ class Precision:
 
 @dataclass(frozen=True)
 class LossScale:
-    """Dynamic loss scaling for float16 (as torch.amp.GradScaler).
+    """Loss scaling for float16: dynamic (as torch.amp.GradScaler and DeepSpeed's
+    ``DynamicLossScaler``) or static.
 
     The loss is multiplied by ``scale`` before the backward pass and the
     gradients unscaled inside the fused optimizer. A step whose gradients hold
@@ -78,6 +79,15 @@ class LossScale:
     scale is multiplied by ``backoff``, down to ``minimum`` (DeepSpeed's
     ``min_loss_scale``); after ``growth_interval`` good steps in a row it is
     multiplied by ``growth``.
+
+    DeepSpeed's rules (``rule="deepspeed"``, which
+    :func:`shard.from_deepspeed_config` sets): the scale backs off only after
+    ``hysteresis`` overflows (each overflow uses one up; the count is refilled
+    when the scale grows, or after every good step with
+    ``consecutive_hysteresis``), and it grows whenever the good steps since the
+    last overflow, before this one, are a positive multiple of
+    ``growth_interval``. ``LossScale.static(s)`` keeps ``s`` whatever happens
+    (DeepSpeed's ``fp16.loss_scale: s``), still skipping overflowing steps.
     """
 
     initial: float = 2.0**16
@@ -85,17 +95,58 @@ class LossScale:
     backoff: float = 0.5
     growth_interval: int = 2000
     minimum: float = 0.0
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+    rule: str = "torch"
+    dynamic: bool = True
 
     def __post_init__(self) -> None:
         if not (self.initial > 0 and self.growth >= 1 and 0 < self.backoff < 1
                 and self.growth_interval >= 1 and 0 <= self.minimum <= self.initial):
             raise ValueError(f"LossScale: need initial > 0, growth >= 1, 0 < backoff < 1, "
                              f"growth_interval >= 1, 0 <= minimum <= initial; got {self}")
+        if isinstance(self.hysteresis, bool) or not isinstance(self.hysteresis, int) or \
+                self.hysteresis < 1:
+            raise ValueError(f"LossScale: hysteresis must be an int >= 1; got "
+                             f"{self.hysteresis!r}")
+        if self.rule not in ("torch", "deepspeed"):
+            raise ValueError(f"LossScale: rule must be 'torch' or 'deepspeed'; got {self.rule!r}")
+        if self.hysteresis > 1 and self.rule != "deepspeed":
+            raise ValueError("LossScale: hysteresis is DeepSpeed's rule: pass rule='deepspeed'")
 
-    def update(self, scale: float, good_steps: int, finite: bool) -> tuple[float, int]:
-        """The (scale, good_steps) after a step whose grads were finite or not."""
+    @classmethod
+    def static(cls, scale: float) -> LossScale:
+        """A fixed scale: overflowing steps are skipped, the scale never changes."""
+        return cls(initial=float(scale), minimum=0.0, dynamic=False)
+
+    def update(self, scale: float, good_steps: int, finite: bool,
+               hysteresis: int | None = None) -> tuple[float, int, int]:
+        """The ``(scale, good_steps, hysteresis)`` after a step whose grads were
+        finite or not; ``hysteresis`` is the overflows left before the next
+        back-off (``self.hysteresis`` when None)."""
+        left = self.hysteresis if hysteresis is None else int(hysteresis)
+        if not self.dynamic:
+            return scale, (good_steps + 1 if finite else 0), left
+        if self.rule == "deepspeed":
+            return self._deepspeed(scale, good_steps, finite, left)
         if not finite:
-            return max(scale * self.backoff, self.minimum), 0
+            return max(scale * self.backoff, self.minimum), 0, left
         if good_steps + 1 >= self.growth_interval:
-            return scale * self.growth, 0
-        return scale, good_steps + 1
+            return scale * self.growth, 0, left
+        return scale, good_steps + 1, left
+
+    def _deepspeed(self, scale: float, good: int, finite: bool,
+                   left: int) -> tuple[float, int, int]:
+        """DeepSpeed's ``DynamicLossScaler.update_scale``: ``good`` counts the good
+        steps since the last overflow."""
+        if not finite:
+            if self.hysteresis == 1 or left <= 1:
+                return max(scale * self.backoff, self.minimum), 0, left
+            return scale, 0, left - 1
+        if self.consecutive_hysteresis:
+            left = self.hysteresis
+        if good > 0 and good % self.growth_interval == 0:
+            if not self.consecutive_hysteresis:
+                left = self.hysteresis
+            scale *= self.growth
+        return scale, good + 1, left

@@ -77,7 +77,10 @@ class TrainState:
         this rank's shard at stage 3 (empty tuple where ``master`` serves).
       step: int64 scalar array, optimizer updates applied.
       loss_scale: float64 scalar array (1.0 without dynamic loss scaling).
-      good_steps: int64 scalar array, finite steps since the scale last changed.
+      good_steps: int64 scalar array, finite steps since the scale last changed
+        (since the last overflow, under ``LossScale(rule="deepspeed")``).
+      hysteresis: int64 scalar array, the overflows left before the loss scale
+        backs off (``LossScale.hysteresis``; 1 without one).
       meta: static metadata (aux data).
     """
 
@@ -88,10 +91,12 @@ class TrainState:
     step: np.ndarray
     loss_scale: np.ndarray
     good_steps: np.ndarray
+    hysteresis: np.ndarray
     meta: StateMeta
     _live: list = field(default_factory=lambda: [True], compare=False, repr=False)
 
-    _FIELDS = ("master", "moments", "opt_rest", "compute", "step", "loss_scale", "good_steps")
+    _FIELDS = ("master", "moments", "opt_rest", "compute", "step", "loss_scale", "good_steps",
+               "hysteresis")
 
     # -- views ----------------------------------------------------------------
     @property

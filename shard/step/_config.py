@@ -45,6 +45,7 @@ class StepConfig:
     # hpZ: (this node's ranks, the ranks of this one's place on every node), or None
     secondary: tuple[Communicator, Communicator] | None = None
     trainable: Any = None  # which leaves train (see [Note: frozen leaves]); None: all
+    gradient_divide_factor: float | None = None  # None: the data ranks (a mean)
 
     @property
     def ranks(self) -> int:
@@ -59,7 +60,8 @@ class StepConfig:
              gradient_accumulation_steps: int | None = None,
              has_aux: bool = False, weight_by_rows: bool = False,
              replicate: Communicator | None = None, tensor_parallel: Any = None,
-             reshard_after_forward: bool | int = True, trainable: Any = None) -> StepConfig:
+             reshard_after_forward: bool | int = True, trainable: Any = None,
+             gradient_divide_factor: float | None = None) -> StepConfig:
         """The configuration of ``zero{stage}(loss_fn, ...)``; a TypeError or
         ValueError naming the argument for anything it cannot train with."""
         name = f"zero{stage}"
@@ -115,6 +117,14 @@ class StepConfig:
                              f"of {comm.world_size} ranks")
         secondary = _secondary(name, stage, comm, reshard_after_forward, replicate=replicate,
                                tensor_parallel=tensor_parallel, loss_fn=loss_fn)
+        f = gradient_divide_factor
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
+                              or not f > 0 or f != f or f == float("inf")):
+            raise ValueError(f"{name}: gradient_divide_factor must be a finite number > 0; "
+                             f"got {f!r}")
+        if f is not None and weight_by_rows:
+            raise ValueError(f"{name}: weight_by_rows divides by the rows of every rank; drop "
+                             "gradient_divide_factor= or weight_by_rows=")
         n = gradient_accumulation_steps
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"{name}: gradient_accumulation_steps must be an int >= 1; got {n!r}")
@@ -149,7 +159,7 @@ class StepConfig:
                    optimizer, comm, specs, units, precision or Precision(), clip_norm,
                    loss_scale, prefetch, loggers, offload, gradient_accumulation_steps,
                    has_aux, weight_by_rows, replicate, tensor_parallel, reshard_after_forward,
-                   secondary, trainable)
+                   secondary, trainable, None if f is None else float(f))
 
 
 def _secondary(name: str, stage: int, comm: Communicator, reshard: Any, *, replicate: Any,

@@ -272,7 +272,7 @@ class ZeroStep:
         totals = _update.fresh_totals(self.__dict__.setdefault("_totals_cache", {}), device,
                                       rows)
         w, k = c.ranks, len(micro)
-        grad_scale = 1.0 / (w * k * scale)
+        grad_scale = 1.0 / ((c.gradient_divide_factor or w) * k * scale)
         offloader = self._offloader
         overlap = offloader.start_overlap(state, reducer, grad_scale) if offloader else None
         auxes = []
@@ -337,9 +337,9 @@ class ZeroStep:
         host = device.to_host(totals)  # the step's one read: skip it or not
         known.update(finish(host))
         finite = math.isfinite(float(host[0]))
-        new_scale, good = scale, int(state.good_steps)
+        new_scale, good, left = scale, int(state.good_steps), int(state.hysteresis)
         if c.loss_scale is not None:
-            new_scale, good = c.loss_scale.update(scale, good, finite)
+            new_scale, good, left = c.loss_scale.update(scale, good, finite, left)
         if finite:
             needs_norm = c.clip_norm is not None or plan.optimizer.fused is None
             state = self._apply(plan, state, shards, grad_scale,
@@ -350,7 +350,8 @@ class ZeroStep:
         known["skipped"] = not finite
         return state.replace(step=np.asarray(int(state.step) + finite, np.int64),
                              loss_scale=np.asarray(new_scale, np.float64),
-                             good_steps=np.asarray(good, np.int64)), StepMetrics(known)
+                             good_steps=np.asarray(good, np.int64),
+                             hysteresis=np.asarray(left, np.int64)), StepMetrics(known)
 
     def _check_rows(self, host: np.ndarray) -> None:
         """Warn, once, that the ranks' rows differed in a step that weighs each
