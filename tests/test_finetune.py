@@ -230,3 +230,82 @@ def test_module_state_dict_after_training_refuses_instead_of_empty_tensors(stage
     assert set(got) == set(full)
     for k in got:
         np.testing.assert_array_equal(got[k].numpy(), full[k].float().numpy(), err_msg=k)
+
+
+def tiny_llama():
+    """A tiny LlamaForCausalLM, built from a config (no download), seeded."""
+    import transformers
+
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=16, intermediate_size=36, num_hidden_layers=3,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+        tie_word_embeddings=True, bos_token_id=0, eos_token_id=1))
+
+
+def lora_llama():
+    """PEFT's LoRA on :func:`tiny_llama`."""
+    import peft
+
+    model = peft.get_peft_model(tiny_llama(), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0))
+    torch.manual_seed(1)  # LoRA's B starts at zero: give it values, so every path is tested
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.1)
+    return model
+
+
+def lm_loss(model, batch):
+    return model(input_ids=batch[0], labels=batch[0])  # a ModelOutput with its loss
+
+
+def tokens(steps=4, n=6, seq=10):
+    g = torch.Generator().manual_seed(3)
+    return [(torch.randint(0, 64, (n, seq), generator=g),) for _ in range(steps)]
+
+
+def lora_reference(model, data):
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
+                            weight_decay=WD)
+    for b in data:
+        opt.zero_grad()
+        lm_loss(model, b).loss.backward()
+        opt.step()
+    return model
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_peft_lora_llama_matches_one_process_and_exports_adapters_peft_loads(stage, tmp_path):
+    peft = pytest.importorskip("peft")
+    model = lora_llama()
+    data = tokens()
+    want = lora_reference(model, data)
+    frozen = {k: v.detach().clone() for k, v in model.named_parameters() if not v.requires_grad}
+
+    def run(comm):
+        module = copy.deepcopy(model)
+        params, fn = it.functional(module, loss=lm_loss)
+        step = ZERO[stage](fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)
+        state = step.init(params)
+        n = data[0][0].shape[0] // comm.world_size
+        for (b,) in data:
+            state, _ = step(state, (b[comm.rank * n:(comm.rank + 1) * n],))
+        it.load_state(module, state, comm=comm)
+        if comm.rank == 0:
+            module.save_pretrained(tmp_path / "adapter")
+        return module
+
+    module = ops.spawn(run, 2)[0]
+    for name, p in want.named_parameters():
+        got = dict(module.named_parameters())[name].detach()
+        if p.requires_grad:
+            np.testing.assert_allclose(got.numpy(), p.detach().numpy(), rtol=2e-4, atol=2e-6,
+                                       err_msg=name)
+        else:
+            assert torch.equal(got, frozen[name]), name
+    loaded = peft.PeftModel.from_pretrained(tiny_llama(), tmp_path / "adapter")
+    for name, p in loaded.named_parameters():
+        if "lora_" in name:
+            assert torch.equal(p.detach(), dict(module.named_parameters())[name].detach()), name

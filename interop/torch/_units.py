@@ -242,8 +242,8 @@ class UnitHooks:
             return
         if a.frozen_units:  # frozen units later in the forward are done with
             pos = a.order.index(u)
-            for v in a.frozen_units:
-                if v in a.bound and a.order.index(v) > pos and a.index.get(ROOT) != v:
+            for v, at in a.frozen_units:
+                if at > pos and v in a.bound:
                     self._unbind(v)
         if u not in a.bound:
             self._gather(u)
@@ -400,7 +400,10 @@ class _Step:
         # the trainable params awaiting a gradient; frozen ones get none (see [Note: frozen
         # leaves]), and a unit of frozen params alone is reduced (zeros) after the backward
         self.pending = {i: set(m) - plan.frozen for i, m in plan.members.items()}
-        self.frozen_units = [i for i, m in plan.members.items() if m and set(m) <= plan.frozen]
+        # the units of frozen params alone, with their place in the forward order (the root
+        # unit has none: it stays bound for the step)
+        self.frozen_units = [(i, self.order.index(i)) for i, m in plan.members.items()
+                             if m and set(m) <= plan.frozen and i in self.order]
         self.reduced: set[int] = set()  # units whose gradients went to the reducer
         self.bound: dict[int, Any] = {}  # gathered units bound now: the flat torch tensor
         self.bucketed: set[int] = set()  # units whose .grad are views of the reducer's buffer
