@@ -309,3 +309,43 @@ def test_peft_lora_llama_matches_one_process_and_exports_adapters_peft_loads(sta
     for name, p in loaded.named_parameters():
         if "lora_" in name:
             assert torch.equal(p.detach(), dict(module.named_parameters())[name].detach()), name
+
+
+def deep(n):
+    return torch.nn.Sequential(*[torch.nn.Linear(5, 5) for _ in range(n)])
+
+
+def test_a_state_or_checkpoint_of_another_model_is_refused_naming_the_leaves(tmp_path):
+    """A 2-layer model's state in a 3-layer model's step, and its checkpoint
+    loaded into a fresh step: refused before anything runs, naming the leaves."""
+    def sq(m, b):
+        return m(b).pow(2).mean()
+
+    x = torch.ones(4, 5)
+    torch.manual_seed(0)
+    two, three = deep(2), deep(3)
+
+    def run(comm):
+        small, fn2 = it.functional(copy.deepcopy(two), loss=sq)
+        step2 = shard.zero3(fn2, optimizer=ops.adamw(LR), comm=comm)
+        state2 = step2.init(small)
+        shard.save(state2, tmp_path / "ckpt", comm=comm)
+        big, fn3 = it.functional(copy.deepcopy(three), loss=sq)
+        step3 = shard.zero3(fn3, optimizer=ops.adamw(LR), comm=comm)
+        fresh = shard.zero3(it.functional(copy.deepcopy(three), loss=sq)[1],
+                            optimizer=ops.adamw(LR), comm=comm)
+        step3.init(big)
+        errors = []
+        for attempt in (lambda: step3(state2, x), lambda: shard.load(tmp_path / "ckpt", fresh,
+                                                                      comm=comm)):
+            try:
+                attempt()
+            except Exception as e:
+                errors.append(e)
+        return errors
+
+    (state_error, load_error), _ = ops.spawn(run, 2)
+    assert isinstance(state_error, ValueError)
+    assert "leaves only the step has: ['2.bias'], ['2.weight']" in str(state_error)
+    assert isinstance(load_error, shard.CheckpointError)
+    assert "no leaf ['2.bias'] (the model has it" in str(load_error)

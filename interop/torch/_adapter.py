@@ -70,6 +70,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
+
 from interop.torch._buffers import BufferState
 from interop.torch._meta import MetaParams
 from interop.torch._state_dict import remember_dtypes
@@ -213,6 +215,8 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
                    activation_checkpointing=bool(activation_checkpointing),
                    broadcast_buffers=bool(broadcast_buffers))
     fn._meta, fn._sharded = meta, meta is not None
+    fn._like = {name: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                for name, p in named.items()}
     module.register_state_dict_pre_hook(fn._before_state_dict)
     # a module split by parallelize: its params are this model rank's slices already
     fn.tensor_parallel = getattr(module, "_zeroshard_tensor_parallel", None)
@@ -282,6 +286,20 @@ class TorchLoss(UnitHooks, BufferState):
         """The names of the parameters with ``requires_grad=False``: the step keeps
         them as they are (see [Note: frozen leaves])."""
         return frozenset(n for n, p in self.named.items() if not p.requires_grad)
+
+    def params_like(self) -> dict[str, Any]:
+        """The params' shapes and dtypes (``jax.ShapeDtypeStruct``), as
+        :func:`functional` found them: what a checkpoint loaded into a fresh
+        step must hold."""
+        import jax
+
+        from ops.device._arrays import BF16
+
+        def dtype(name: str) -> Any:
+            return BF16 if name == "bfloat16" else np.dtype(name)
+
+        return {name: jax.ShapeDtypeStruct(shape, dtype(d))
+                for name, (shape, d) in self._like.items()}
 
     def units(self, path: tuple) -> str:
         """The unit key of a params leaf (by its key path in the params dict)."""

@@ -300,7 +300,11 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
 
     config, plan = step.config, step.plan  # the plan of the step's init, if any
     tp = config.tensor_parallel
-    if like is None and plan is None:
+    described = getattr(config.loss_fn, "params_like", None)  # a torch module's params
+    whole = like is None and plan is None and callable(described)  # the whole model's leaves
+    if whole:
+        like = described()
+    elif like is None and plan is None:
         try:
             like = shapes_from_manifest(manifest, f"{path}/manifest.json")
         except ValueError as e:
@@ -313,6 +317,12 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
         plan = plan.on(device_named(device) if isinstance(device, str) else device)
     layout, rank = plan.layout, (comm.rank if config.stage > 0 else 0)
     saved = {e["path"]: e for e in manifest["leaves"]}
+    extra = sorted(set(saved) - {leaf.path for leaf in layout.leaves}) if whole else []
+    if extra:
+        raise CheckpointError(f"{path}/manifest.json: leaves {extra[:5]}"
+                              f"{f' and {len(extra) - 5} more' if len(extra) > 5 else ''} are "
+                              "not in the model this step trains: a checkpoint of another "
+                              "model?")
     dims = _model_dims(layout, tp)
     sources = []
     for leaf, dim in zip(layout.leaves, dims, strict=True):

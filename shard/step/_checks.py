@@ -157,13 +157,47 @@ def check_fits(plan: Any, state: TrainState) -> None:
     """A state another step made fits ``plan``: the same stage, rank, layout and
     device."""
     c, m = plan.config, state.meta
-    if m.stage != c.stage or m.layout != plan.layout or m.rank != c.comm.rank:
+    if m.stage != c.stage or m.rank != c.comm.rank:
         raise ValueError(
             f"{c.name}: this TrainState was made for stage {m.stage}, rank {m.rank} of "
             f"{m.layout.world_size if m.stage else 'any'} ranks, but this step is stage "
             f"{c.stage} on rank {c.comm.rank} of {c.comm.world_size}; load it "
             "through shard.load to re-shard, or init a new state")
+    if m.layout != plan.layout:
+        raise ValueError(
+            f"{c.name}: this TrainState does not fit the params this step was set up for: "
+            f"{layout_difference(m.layout, plan.layout)}; pass the state of this model "
+            "(shard.load re-shards a checkpoint), or init a new state")
     if m.device != plan.device.name:
         raise ValueError(f"{c.name}: this TrainState lives on {m.device} but the step was "
                          f"set up for {plan.device.name} params; load it onto this device "
                          "with shard.load(..., device=), or init a new state")
+
+
+def layout_difference(have: Any, want: Any, limit: int = 5) -> str:
+    """What differs between two layouts, by leaf and unit name: the state's
+    (``have``) against the step's (``want``)."""
+    mine = {leaf.path: leaf for leaf in have.leaves}
+    theirs = {leaf.path: leaf for leaf in want.leaves}
+    parts = []
+
+    def named(kind: str, paths: list[str]) -> None:
+        if paths:
+            more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
+            parts.append(f"{kind}: {', '.join(paths[:limit])}{more}")
+
+    named("leaves only the state has", [p for p in mine if p not in theirs])
+    named("leaves only the step has", [p for p in theirs if p not in mine])
+    named("leaves of another shape or dtype", [
+        f"{p} {mine[p].shape} {mine[p].dtype} vs {theirs[p].shape} {theirs[p].dtype}"
+        for p in mine if p in theirs and (mine[p].shape, mine[p].dtype) !=
+        (theirs[p].shape, theirs[p].dtype)])
+    if not parts:
+        units = [u.name for u in have.units], [u.name for u in want.units]
+        if units[0] != units[1]:
+            parts.append(f"units {units[0]} vs {units[1]}")
+        elif have.world_size != want.world_size:
+            parts.append(f"laid out for {have.world_size} ranks, not {want.world_size}")
+        else:
+            parts.append("the same leaves, laid out otherwise (another specs= or units=)")
+    return "; ".join(parts)
