@@ -349,3 +349,130 @@ def test_a_state_or_checkpoint_of_another_model_is_refused_naming_the_leaves(tmp
     assert "leaves only the step has: ['2.bias'], ['2.weight']" in str(state_error)
     assert isinstance(load_error, shard.CheckpointError)
     assert "no leaf ['2.bias'] (the model has it" in str(load_error)
+
+
+class Branchy(torch.nn.Module):
+    """A Linear never used, a head used every other step, and a per-rank branch
+    (as mixture-of-experts routing): registered in another order than they run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = torch.nn.Linear(7, 9)
+        self.never = torch.nn.Linear(9, 9)
+        self.head = torch.nn.Linear(9, 5)
+        self.expert = torch.nn.ModuleList([torch.nn.Linear(9, 9) for _ in range(2)])
+        self.out = torch.nn.Linear(9, 5)
+
+    def forward(self, x: torch.Tensor, k: int, route: int | None = None) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        if route is not None:
+            h = torch.tanh(self.expert[route](h))
+        y = self.out(h)
+        return y + self.head(h) if k % 2 else y
+
+
+def branchy_loss(model, batch):
+    x, y, k, route = batch
+    return ((model(x, k, route) - y) ** 2).mean()
+
+
+def branchy_data(n=6, rows=12):
+    g = torch.Generator().manual_seed(4)
+    return [(torch.randn(rows, 7, generator=g), torch.randn(rows, 5, generator=g), k)
+            for k in range(n)]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_params_without_a_gradient_are_left_as_torch_adamw_leaves_them(stage, world, caplog):
+    """A parameter whose .grad stays None in a step keeps its value, its moments
+    and its own step count, as torch.optim.AdamW does; the others match it."""
+    torch.manual_seed(0)
+    model = Branchy()
+    data = branchy_data()
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    for x, y, k in data:
+        opt.zero_grad()
+        branchy_loss(ref, (x, y, k, None)).backward()
+        opt.step()
+
+    def run(comm):
+        params, fn = it.functional(copy.deepcopy(model), loss=branchy_loss)
+        step = ZERO[stage](fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)
+        state = step.init(params)
+        n = data[0][0].shape[0] // comm.world_size
+        for x, y, k in data:
+            part = slice(comm.rank * n, (comm.rank + 1) * n)
+            state, _ = step(state, (x[part], y[part], k, None))
+        return shard.gather(state, comm), state
+
+    got, state = ops.spawn(run, world)[0]
+    for name, p in ref.named_parameters():
+        np.testing.assert_allclose(got[name], p.detach().numpy(), rtol=2e-5, atol=1e-6,
+                                   err_msg=name)
+    skips = dict(zip([leaf.path for leaf in state.meta.layout.leaves], state.skips.tolist(),
+                     strict=True))
+    assert skips["['never.weight']"] == 6 and skips["['head.bias']"] == 3
+    assert skips["['out.weight']"] == 0 and skips["['expert.0.weight']"] == 6
+    assert "memory bound" not in caplog.text
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_ranks_taking_different_branches_reduce_in_one_order(stage):
+    """Rank r runs expert r (mixture-of-experts routing): every rank still starts
+    the same reductions in the same order, and each expert gets the gradient
+    of the ranks that used it, the others' part zero, as DDP does."""
+    torch.manual_seed(0)
+    model = Branchy()
+    data = branchy_data(3)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
+    for x, y, k in data:  # the mean over ranks of each rank's loss on its rows and route
+        opt.zero_grad()
+        (sum(branchy_loss(ref, (x[r * 6:(r + 1) * 6], y[r * 6:(r + 1) * 6], k, r))
+             for r in range(2)) / 2).backward()
+        opt.step()
+
+    def run(comm):
+        params, fn = it.functional(copy.deepcopy(model), loss=branchy_loss)
+        step = ZERO[stage](fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)
+        state = step.init(params)
+        part = slice(comm.rank * 6, (comm.rank + 1) * 6)
+        for x, y, k in data:
+            state, _ = step(state, (x[part], y[part], k, comm.rank))
+        return shard.gather(state, comm)
+
+    got = ops.spawn(run, 2)[0]
+    for name, p in ref.named_parameters():
+        np.testing.assert_allclose(got[name], p.detach().numpy(), rtol=2e-5, atol=1e-6,
+                                   err_msg=name)
+
+
+def test_skipped_steps_survive_a_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = Branchy()
+    data = branchy_data(5)
+
+    def run(comm, stop):
+        params, fn = it.functional(copy.deepcopy(model), loss=branchy_loss)
+        step = shard.zero3(fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)
+        if stop is None:
+            state, _ = shard.load(tmp_path / "ckpt", step, comm=comm)
+            start = int(state.step)
+        else:
+            state, start = step.init(params), 0
+        n = 6
+        for x, y, k in data[start:stop]:
+            state, _ = step(state, (x[comm.rank * n:(comm.rank + 1) * n],
+                                    y[comm.rank * n:(comm.rank + 1) * n], k, None))
+        if stop is not None and stop < len(data):
+            shard.save(state, tmp_path / "ckpt", comm=comm)
+        return shard.gather(state, comm), state.skips.copy()
+
+    whole, skips = ops.spawn(lambda c: run(c, len(data)), 2)[0]
+    ops.spawn(lambda c: run(c, 2), 2)
+    resumed, again = ops.spawn(lambda c: run(c, None), 2)[0]
+    np.testing.assert_array_equal(again, skips)
+    for k in whole:
+        np.testing.assert_array_equal(resumed[k], whole[k], err_msg=k)

@@ -79,7 +79,7 @@ def test_checkpoints_keep_rank_0s_buffers_and_load_them_into_the_module(tmp_path
     def save(comm):
         net, _, state = train(comm, model, 3, 2)
         shard.save(state, tmp_path / "ck", comm=comm)
-        return {k: v.clone() for k, v in net.state_dict().items()}
+        return {k: v.clone() for k, v in it.state_dict(net, state, comm=comm).items()}
 
     before = ops.spawn(save, 2)[0]
 

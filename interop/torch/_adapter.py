@@ -31,7 +31,16 @@ micro-batch, with its gathered params saved for the backward by reference:
 - as soon as every parameter of a unit has its gradient (post-accumulate-grad
   hooks), the gradients go to the reduce-scatter and are dropped, and the
   unit's parameters are unbound (autograd checks a gradient against its
-  parameter's shape, so they stay bound until then).
+  parameter's shape, so they stay bound until then). Every rank starts the
+  reductions in one fixed order, the backward's (the units' forward order
+  reversed, then the root), a unit complete early waiting for the ones
+  before it: so ranks whose forwards took different branches (a
+  mixture-of-experts' routing, an early exit) issue the same collectives in
+  the same order. A unit some parameters of which got no gradient is
+  completed after the backward; those parameters are the loss's ``missing``
+  (see [Note: missing gradients]). Frozen parameters
+  (``requires_grad=False``) get no hook and no gradient (see [Note: frozen
+  leaves]).
 
 So, like FSDP2, a step computes each unit's forward once and keeps its
 activations.
@@ -42,8 +51,8 @@ once and kept while the buffers are the same (a step checks one pointer a
 parameter), with no saved-tensor hooks. Where the gradients' buffers have the
 params' layout and dtype (one rank, or stage 0), each ``.grad`` is a view of
 them, so autograd sums in place, as DDP's ``gradient_as_bucket_view`` does
-(cleared after the step, as ``zero_grad`` would). Gradient hooks are installed
-only where a unit's complete gradient starts work or frees the unit.
+(cleared after the step, as ``zero_grad`` would). Gradient hooks tell which
+parameters got a gradient in every configuration.
 
 ``functional(..., activation_checkpointing=True)`` trades
 compute for activation memory instead: each unit's forward runs under
@@ -348,6 +357,9 @@ class TorchLoss(UnitHooks, BufferState):
             self._compute_dtype = None
         grads = {name: (p.grad if p.grad is not None else torch.zeros_like(p))
                  for name, p in self.named.items()}
+        self.missing = frozenset(j for j, name in enumerate(sorted(self.named))
+                                 if self.named[name].grad is None and
+                                 self.named[name].requires_grad)
         for p in self.named.values():
             p.grad = None
             if cast:  # see [Note: torch dtypes]

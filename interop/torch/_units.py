@@ -85,6 +85,9 @@ class UnitHooks:
     _set_compute_dtype: Any
     _before_forward: Any
     sync_buffers: Any
+    # the leaves (indices in the layout's order) of the trainable parameters that got no
+    # gradient in the last micro-batch (see [Note: missing gradients])
+    missing: frozenset[int] = frozenset()
 
     def run_units(self, units: Any, reducer: Any, batch: Any, loss_scale: float) -> Any:
         """One micro-batch, unit by unit (see [Note: torch ZeRO-3]). Where the
@@ -99,7 +102,7 @@ class UnitHooks:
         self._set_compute_dtype(_torch_dtype(units.local[0].dtype if units.stage == 3
                                              else units.full[0].dtype))
         self._install()
-        self._track_grads(a.gathering or not reducer.solo or reducer.on_final is not None)
+        self._track_grads(True)  # which parameters got a gradient (see [Note: missing gradients])
         root = index.get(ROOT)
         try:
             if not a.gathering:
@@ -113,9 +116,12 @@ class UnitHooks:
             a.kept = None
             with timed("backward"):
                 (out * loss_scale).backward()
-            for u in a.pending:  # units with parameters the loss did not use, or frozen
+            missing = []  # trainable parameters the loss did not use: no gradient
+            for u, names in a.pending.items():  # units not reduced yet: those, or frozen ones
                 if u not in a.reduced:
+                    missing += [a.leaf_index[name] for name in names]
                     self._reduce(u)
+            self.missing = frozenset(missing)
         finally:
             cast = self._compute_dtype is not None  # bound to another dtype than its own
             for pairs in a.empties.values():
@@ -335,19 +341,30 @@ class UnitHooks:
         return ready
 
     def _reduce(self, u: int) -> None:
+        """Unit ``u``'s gradients are complete: take them and release the unit;
+        its reduction starts in the units' fixed order (see [Note: torch
+        ZeRO-3])."""
         a = self._active
         with timed("library"):
             a.pending[u] = set()
             a.reduced.add(u)
             if u in a.bucketed:  # summed in place by autograd, into the reducer's buffer
-                a.reducer.added(u)
-                return
-            grads = []  # torch tensors, viewed on the step's device by the reducer; None: zero
-            for name in a.members[u]:
-                p = self.named[name]
-                grads.append(p.grad)
-                p.grad = None
-            a.reducer.add(u, grads)
+                a.ready[u] = None
+            else:
+                grads = []  # torch tensors, viewed on the step's device by the reducer; None: 0
+                for name in a.members[u]:
+                    p = self.named[name]
+                    grads.append(p.grad)
+                    p.grad = None
+                a.ready[u] = grads
+            while a.issued < len(a.canon) and a.canon[a.issued] in a.ready:
+                v = a.canon[a.issued]
+                grads = a.ready.pop(v)
+                if v in a.bucketed:
+                    a.reducer.added(v)
+                else:
+                    a.reducer.add(v, grads)
+                a.issued += 1
         if a.gathering and a.index.get(ROOT) != u:
             self._unbind(u)
 
@@ -385,6 +402,7 @@ class _Plan:
         self.empties = {i: [(hooks.named[n], hooks._empty(hooks.named[n])) for n in names]
                         for i, names in self.members.items()}
         self.frozen = frozenset(n for n, p in hooks.named.items() if not p.requires_grad)
+        self.leaf_index = {name: j for j, name in enumerate(names)}  # in the layout's order
 
 
 class _Step:
@@ -394,6 +412,7 @@ class _Step:
         self.units, self.reducer = units, reducer
         self.index, self.order, self.members = plan.index, plan.order, plan.members
         self.spans, self.empties = plan.spans, plan.empties
+        self.leaf_index = plan.leaf_index
         self.phase = "forward"
         self.gathering = True  # stage 3: units are gathered and freed; else bound throughout
         self.kept: int | None = None  # the unit that ran last in the forward, still bound
@@ -404,7 +423,13 @@ class _Step:
         # unit has none: it stays bound for the step)
         self.frozen_units = [(i, self.order.index(i)) for i, m in plan.members.items()
                              if m and set(m) <= plan.frozen and i in self.order]
-        self.reduced: set[int] = set()  # units whose gradients went to the reducer
+        self.reduced: set[int] = set()  # units whose gradients are complete
+        # Every rank starts the reductions in one order, whatever its forward touched: the
+        # backward's (the forward's reversed, then the rest), each once the units before
+        # it have started; a unit complete early waits in ready with its gradients.
+        self.canon = self.order[::-1] + [i for i in plan.members if i not in self.order]
+        self.ready: dict[int, Any] = {}
+        self.issued = 0
         self.bound: dict[int, Any] = {}  # gathered units bound now: the flat torch tensor
         self.bucketed: set[int] = set()  # units whose .grad are views of the reducer's buffer
 

@@ -103,6 +103,11 @@ def check_manifest(directory: Path, manifest: dict) -> None:
     _int(manifest, "good_steps", where)
     if "hysteresis" in manifest:  # written since DeepSpeed's hysteresis; older ones: the config's
         _int(manifest, "hysteresis", where, 1)
+    skips = manifest.get("skips", {})
+    if not isinstance(skips, dict) or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in skips.values()):
+        raise CheckpointError(f"{where}: skips must map leaf paths to integers >= 0; got "
+                              f"{str(skips)[:200]}")
     scale = manifest.get("loss_scale")
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (
             math.isfinite(scale) and scale > 0):

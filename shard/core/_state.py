@@ -81,6 +81,11 @@ class TrainState:
         (since the last overflow, under ``LossScale(rule="deepspeed")``).
       hysteresis: int64 scalar array, the overflows left before the loss scale
         backs off (``LossScale.hysteresis``; 1 without one).
+      skips: int64 array, one entry per leaf: the steps the leaf was left out
+        of because no rank had a gradient for it (a torch parameter whose
+        ``.grad`` stayed None), so its own update count is ``step - skips``,
+        as torch's optimizers count each parameter's steps (see [Note:
+        missing gradients]).
       meta: static metadata (aux data).
     """
 
@@ -92,11 +97,12 @@ class TrainState:
     loss_scale: np.ndarray
     good_steps: np.ndarray
     hysteresis: np.ndarray
+    skips: np.ndarray
     meta: StateMeta
     _live: list = field(default_factory=lambda: [True], compare=False, repr=False)
 
     _FIELDS = ("master", "moments", "opt_rest", "compute", "step", "loss_scale", "good_steps",
-               "hysteresis")
+               "hysteresis", "skips")
 
     # -- views ----------------------------------------------------------------
     @property

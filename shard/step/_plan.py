@@ -183,6 +183,7 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
 def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,
               full_leaves: list[Any], opt_rest: tuple = (), step: int = 0,
               loss_scale: float | None = None, good_steps: int = 0, hysteresis: int | None = None,
+              skips: Any = None,
               copies: list[Any] | None = None) -> TrainState:
     """A TrainState over the given master and moment buffers (``plan``'s layout;
     one list of unit buffers per ``plan.optimizer.moments``), and an optax
@@ -217,7 +218,9 @@ def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,
         hysteresis = c.loss_scale.hysteresis if c.loss_scale else 1
     return TrainState(tuple(master), tuple(tuple(m) for m in moments), tuple(opt_rest), compute,
                       np.asarray(step, np.int64), np.asarray(loss_scale, np.float64),
-                      np.asarray(good_steps, np.int64), np.asarray(hysteresis, np.int64), meta)
+                      np.asarray(good_steps, np.int64), np.asarray(hysteresis, np.int64),
+                      np.zeros(len(plan.layout.leaves), np.int64) if skips is None else
+                      np.asarray(skips, np.int64), meta)
 
 
 def _warn_if_one_unit_dominates(name: str, full_layout: Layout) -> None:

@@ -240,12 +240,16 @@ class Units:
     def _gather(self, u: int, upcoming: Any, pinned: bool) -> Any:
         if pinned:
             self.pinned_bytes += self._gather_bytes(u)
+        if u not in self._inflight and not self._fits(self._gather_bytes(u)):
+            self._drop_prefetches({u, *list(upcoming)[:self.prefetch]})
         self.start(u)
         gathered, work, shard = self._inflight.pop(u)
         if work is not None:
             with timed("all_gather_wait"):
                 work.wait()
         del work  # the handle references the buffer; the copy-out below is its last use
+        if not self._fits(gathered.nbytes):
+            self._drop_prefetches(set(list(upcoming)[:self.prefetch]))
         self._wait_for_room(gathered.nbytes)
         # one buffer for the unit, tracked once: its views keep it alive
         flat = self.tracker.track(
@@ -262,9 +266,24 @@ class Units:
         more while they fit in the memory bound (small units, such as norms,
         would otherwise leave the next large unit's gather with nothing to hide
         behind)."""
+        upcoming = list(upcoming)
+        if upcoming and upcoming[0] not in self._inflight and not self.persistent and \
+                not self._fits(self._gather_bytes(upcoming[0])):
+            self._drop_prefetches(set(upcoming[:self.prefetch]))
         for i, v in enumerate(upcoming):
             if not self.start(v, wait=i < self.prefetch):
                 return
+
+    def _drop_prefetches(self, keep: Any) -> None:
+        """Free the prefetched units not in ``keep`` once their gathers are done:
+        a unit is needed now, or next, and there is no room for it, so those
+        prefetches guessed wrong (a unit the forward passed over, such as a
+        branch not taken, or one that runs in another order than the units').
+        Each is gathered again if it is needed after all. Only the first hop of
+        a two-hop gather is waited for: the second would start a collective."""
+        stale = [v for v in self._inflight if v not in keep]
+        works = [self._inflight.pop(v)[1] for v in stale]
+        wait_quietly(getattr(work, "first", work) for work in works if work is not None)
 
     def drain(self) -> None:
         """Wait for every gather still in flight and drop it (a failed step: see

@@ -269,8 +269,10 @@ class ZeroStep:
                               dtype=_grads.reduce_dtype(plan), device=device,
                               buffers=self._grad_buffers, plans=plan.copy_plans)
         units = _grads.unit_params(plan, state, self.tracker)
+        leaves = len(plan.layout.leaves) if _tracks_missing(c) else 0
         totals = _update.fresh_totals(self.__dict__.setdefault("_totals_cache", {}), device,
-                                      rows)
+                                      rows, leaves)
+        missing: frozenset[int] | None = None  # see [Note: missing gradients]
         w, k = c.ranks, len(micro)
         grad_scale = 1.0 / ((c.gradient_divide_factor or w) * k * scale)
         offloader = self._offloader
@@ -282,12 +284,17 @@ class ZeroStep:
                     reducer.final = i == len(micro) - 1
                     weight = weights[i] if weights else 1.0  # micro-batches of unequal rows
                     loss = _grads.loss_and_grads(plan, units, reducer, b, scale * weight)
+                    if leaves:  # no gradient in the step: none in any of its micro-batches
+                        got = c.loss_fn.missing
+                        missing = got if missing is None else missing & got
                     if c.has_aux:
                         loss, aux = loss
                         auxes.append(aux)
                     loss = _grads.on_device(plan, loss, "the loss")
                     totals[1:2] += loss if weights is None else loss * weight
             shards = reducer.finish()
+            if missing:
+                _update.count_missing(totals, missing, device)
             if overlap is not None:  # see [Note: overlapped offload]
                 overlap.submit_rest()
                 with timed("reduce_wait"):
@@ -297,6 +304,8 @@ class ZeroStep:
                 if c.weight_by_rows:
                     _update.weigh_by_rows(shards, totals, w * k)
             aux = _grads.mean_aux(plan, auxes) if c.has_aux else None
+            skip = _update.skipped_leaves(totals, missing, c.ranks, device) if missing else \
+                frozenset()
         except BaseException:
             units.drain()  # no collective of this step still writes anywhere
             reducer.drain()
@@ -331,8 +340,9 @@ class ZeroStep:
                                 "was skipped", c.name, int(state.step))
                 return out
 
-            state = self._apply(plan, state, shards, grad_scale, totals[0:1])
-            return (state.replace(step=np.asarray(int(state.step) + 1, np.int64)),
+            state = self._apply(plan, state, shards, grad_scale, totals[0:1], skip)
+            return (state.replace(step=np.asarray(int(state.step) + 1, np.int64),
+                                  skips=_update.add_skips(state.skips, skip)),
                     StepMetrics(known, totals, finish_and_flag, device.to_host))
         host = device.to_host(totals)  # the step's one read: skip it or not
         known.update(finish(host))
@@ -343,7 +353,8 @@ class ZeroStep:
         if finite:
             needs_norm = c.clip_norm is not None or plan.optimizer.fused is None
             state = self._apply(plan, state, shards, grad_scale,
-                                totals[0:1] if needs_norm else None)
+                                totals[0:1] if needs_norm else None, skip)
+            state = state.replace(skips=_update.add_skips(state.skips, skip))
         elif c.loss_scale is None:
             log.warning("%s: non-finite gradients (inf or nan) at step %d: the update was "
                         "skipped", c.name, int(state.step))
@@ -369,10 +380,12 @@ class ZeroStep:
                         "for that, or give every rank the same rows", c.name, total, n, n, total)
 
     def _apply(self, plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
-               grad_sumsq: Any) -> TrainState:
+               grad_sumsq: Any, skip: frozenset[int] = frozenset()) -> TrainState:
         """The update where the state's masters live; returns the new state."""
         if state.meta.offload is None:
-            return _update.apply(plan, state, shards, grad_scale, grad_sumsq)
+            return _update.apply(plan, state, shards, grad_scale, grad_sumsq, skip)
+        if skip:
+            _update.warn_unskipped(plan, skip, "offloaded state")
         state, new_compute = self._offloader.apply(state, shards, grad_scale, grad_sumsq)
         if new_compute is not None:
             _update.refresh(plan, state, new_compute)
@@ -395,3 +408,11 @@ class ZeroStep:
         state.check_live()
         _checks.check_batch(self.config.name, self.config.comm.rank, batch)
         return _eval.evaluate(plan, _grads.unit_params(plan, state, self.tracker), batch)
+
+
+def _tracks_missing(c: Any) -> bool:
+    """Whether the step asks its loss which leaves got no gradient: a torch
+    module's (a JAX gradient is always defined), outside a pipeline, whose
+    stages' all-reduce spans other layouts (see [Note: missing gradients])."""
+    return c.kind == "provider" and hasattr(c.loss_fn, "missing") and \
+        getattr(c.loss_fn, "norm_comm", None) is None

@@ -30,10 +30,31 @@ ranks and the update is flat ZeRO's over R x S ranks; the losses and rows of
 the step's one all-reduce are summed over the replicas too, while the norm,
 already the same on every replica, is not. ``init`` checks that the replicas
 hold the same params and layout; a checkpoint is written by replica 0 alone.
+
+[Note: missing gradients]
+A torch parameter whose ``.grad`` stays None in a step (a branch the forward
+did not take, a head used every other step) is left out of that step by
+torch's optimizers: its value, its moments and its own step count stay as
+they were. The step does the same. Each micro-batch the torch loss reports
+the trainable leaves it gave no gradient (``missing``); those missing from
+every micro-batch are counted into the step's one all-reduce, after the five
+totals (a rank with nothing missing adds zeros and writes nothing), so that
+a leaf is left out only where no rank had a gradient for it. A leaf some
+ranks used is reduced as usual, the others' part being zero, as DDP's
+``find_unused_parameters`` and FSDP2 do, and every rank issues the same
+collectives in the same order whatever its forward touched. Only a rank that
+missed something reads the counts back. ``state.skips`` counts each leaf's
+skipped steps: the optimizer runs on the trainable runs of each group of
+leaves that share an update count (``step - skips``), so Adam's bias
+correction is the leaf's own, as torch's per-parameter ``state["step"]``.
+A JAX loss's gradient is always defined (zero where a leaf is unused), as
+``jax.grad``'s, so JAX leaves are never skipped; freeze them with
+``trainable=`` instead.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import numpy as np
@@ -42,9 +63,12 @@ import ops
 from ops.device._runs import copy_runs
 from shard.core._state import TrainState
 from shard.monitor._profile import timed
-from shard.step._frozen import views
+from shard.step._frozen import trainable_runs, views
 
-__all__ = ["apply", "fresh_totals", "norm_and_loss", "refresh", "weigh_by_rows"]
+__all__ = ["add_skips", "apply", "count_missing", "fresh_totals", "norm_and_loss", "refresh",
+           "skipped_leaves", "weigh_by_rows"]
+
+log = logging.getLogger("shard.step")
 
 
 def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
@@ -87,18 +111,71 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
         tp.comm.all_reduce_(totals[0:1], "sum")
 
 
-def fresh_totals(kept: dict, device: Any, rows: int) -> Any:
+def fresh_totals(kept: dict, device: Any, rows: int, leaves: int = 0) -> Any:
     """A step's ``[sum of squares, sum of losses, rows, rows squared, ranks that
-    counted rows]`` for ``rows`` rows (0: not counted), summed over the ranks
-    by its all-reduce: a copy of a device array kept in ``kept`` (one device
-    operation, no host copy)."""
-    base = kept.get((device.name, rows))
+    counted rows]`` for ``rows`` rows (0: not counted), then with ``leaves``
+    the ranks that had no gradient for each leaf (0 here; see [Note: missing
+    gradients]), summed over the ranks by its all-reduce: a copy of a device
+    array kept in ``kept`` (one device operation, no host copy)."""
+    base = kept.get((device.name, rows, leaves))
     if base is None:
         if len(kept) >= 64:  # rows that change every step: keep the latest few
             kept.clear()
-        base = kept[device.name, rows] = device.asarray(
-            np.array([0.0, 0.0, rows, rows * rows, 1.0 if rows else 0.0]))
+        base = kept[device.name, rows, leaves] = device.asarray(
+            np.concatenate([[0.0, 0.0, rows, rows * rows, 1.0 if rows else 0.0],
+                            np.zeros(leaves)]))
     return base.copy()
+
+
+def count_missing(totals: Any, missing: frozenset[int], device: Any) -> None:
+    """Count this rank's missing leaves into ``totals`` before its all-reduce."""
+    flags = np.zeros(totals.shape[0] - 5)
+    flags[sorted(missing)] = 1.0
+    totals[5:] = device.asarray(flags)
+
+
+def skipped_leaves(totals: Any, missing: frozenset[int], ranks: int,
+                   device: Any) -> frozenset[int]:
+    """The leaves no rank had a gradient for (after the all-reduce): a host read,
+    on the ranks that missed any."""
+    counts = device.to_host(totals)[5:]
+    return frozenset(i for i in missing if counts[i] >= ranks)
+
+
+def add_skips(skips: np.ndarray, skip: frozenset[int]) -> np.ndarray:
+    """``state.skips`` after a step that left out the leaves ``skip``."""
+    if not skip:
+        return skips
+    out = skips.copy()
+    out[sorted(skip)] += 1
+    return out
+
+
+def warn_unskipped(plan: Any, skip: frozenset[int], where: str) -> None:
+    """An optimizer path that updates every leaf: say so, once per step object."""
+    if getattr(plan, "_warned_skip", False):
+        return
+    object.__setattr__(plan, "_warned_skip", True)
+    names = [plan.layout.leaves[i].path for i in sorted(skip)][:5]
+    log.warning("%s: params %s had no gradient on any rank, and the %s updates them as with a "
+                "zero gradient (weight decay, moments); the fused optimizers on device or host "
+                "state leave them as torch's optimizers do", plan.config.name, names, where)
+
+
+def _count_groups(plan: Any, state: TrainState, skip: frozenset[int]) -> list | None:
+    """The trainable runs of each group of leaves sharing an update count, with
+    that count; None where every leaf has the step's (see [Note: missing
+    gradients])."""
+    if not skip and not state.skips.any():
+        return None
+    counts = int(state.step) - state.skips
+    groups: dict[int, set[int]] = {}
+    for i in range(len(plan.layout.leaves)):
+        if i not in plan.frozen and i not in skip:
+            groups.setdefault(int(counts[i]), set()).add(i)
+    everything = frozenset(range(len(plan.layout.leaves)))
+    return [(np.asarray(t, np.int64), trainable_runs(plan.layout, everything - members))
+            for t, members in sorted(groups.items())]
 
 
 def weigh_by_rows(shards: list[Any], totals: Any, parts: int) -> None:
@@ -120,7 +197,7 @@ def weigh_by_rows(shards: list[Any], totals: Any, parts: int) -> None:
 
 
 def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
-          grad_sumsq: Any) -> TrainState:
+          grad_sumsq: Any, skip: frozenset[int] = frozenset()) -> TrainState:
     """The optimizer on every unit's shard of a device-resident state, then stages
     1-2's all-gather of the new compute params. With ``grad_sumsq`` (a device
     array) the kernel clips by it and skips the update where it is not finite,
@@ -128,6 +205,8 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
     c = plan.config
     copies = _copies(plan, state)
     if plan.optimizer.fused is None:  # an optax transformation (see [Note: optax on shards])
+        if skip:
+            warn_unskipped(plan, skip, "optax transformation")
         with timed("optimizer"):
             rest = plan.optimizer.apply_optax(
                 plan.layout, state.master, state.moments, state.opt_rest, shards, grad_scale,
@@ -141,16 +220,17 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
         return state
     fused = plan.optimizer.fused
     with timed("optimizer"):
+        groups = None if fused.per_tensor else _count_groups(plan, state, skip)
         if fused.per_tensor:
-            _per_leaf(plan, state, shards, grad_scale, grad_sumsq, copies)
-        elif plan.runs is not None:  # the trainable runs alone (see [Note: frozen leaves])
-            runs = plan.runs
-            c.optimizer.apply(
-                views(shards, runs),
-                fused.state(state.step, *(views(m, runs) for m in state.moments)),
-                views(state.master, runs), grad_scale=grad_scale, grad_sumsq=grad_sumsq,
-                max_norm=c.clip_norm, param_copies=views(copies, runs) if copies else None,
-                finite=True)
+            _per_leaf(plan, state, shards, grad_scale, grad_sumsq, copies, skip)
+        elif groups is not None or plan.runs is not None:  # see [Note: frozen leaves]
+            for count, runs in groups or [(state.step, plan.runs)]:
+                c.optimizer.apply(
+                    views(shards, runs),
+                    fused.state(count, *(views(m, runs) for m in state.moments)),
+                    views(state.master, runs), grad_scale=grad_scale, grad_sumsq=grad_sumsq,
+                    max_norm=c.clip_norm, param_copies=views(copies, runs) if copies else None,
+                    finite=True)
         else:
             c.optimizer.apply(tuple(shards), fused.state(state.step, *state.moments),
                               state.master, grad_scale=grad_scale, grad_sumsq=grad_sumsq,
@@ -160,7 +240,7 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
 
 
 def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
-              grad_sumsq: Any, copies: tuple | None) -> None:
+              grad_sumsq: Any, copies: tuple | None, skip: frozenset[int]) -> None:
     """A fused optimizer whose update reduces over each whole leaf (LAMB's trust
     ratio), on each leaf's local view: the split leaves first, so that their
     per-leaf sums are one leading block, summed over the data ranks by one
@@ -168,7 +248,7 @@ def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float
     c = plan.config
     leaves = plan.layout.leaves
     split = [c.stage > 0 and c.comm.world_size > 1 and leaf.sharded for leaf in leaves]
-    order = sorted((i for i in range(len(leaves)) if i not in plan.frozen),
+    order = sorted((i for i in range(len(leaves)) if i not in plan.frozen and i not in skip),
                    key=lambda i: not split[i])
     nsplit = sum(split[i] for i in order)
 
