@@ -10,6 +10,7 @@ from shard.core._layout import Units, make_layout, master_dtype_of
 from shard.core._optim import moment_names
 from shard.core._policy import Precision
 from shard.offload._offload import Offload
+from shard.step._frozen import frozen_leaves
 
 __all__ = ["estimate_memory"]
 
@@ -17,7 +18,8 @@ __all__ = ["estimate_memory"]
 def estimate_memory(params: Any, *, stage: int, world_size: int,
                     policy: Precision | None = None, specs: Any = None,
                     units: Units = None, offload: Offload | None = None,
-                    optimizer: Any = None, tensor_parallel: Any = None) -> dict[str, int]:
+                    optimizer: Any = None, tensor_parallel: Any = None,
+                    trainable: Any = None) -> dict[str, int]:
     """Bytes per rank, by kind, that a ZeRO stage keeps for ``params``.
 
     The ZeRO paper's accounting, with this library's padding (each Shard(0)
@@ -28,7 +30,7 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     - optimizer: the optimizer's moments, in the masters' dtype and layout:
       Adam's two by default, or those of ``optimizer`` (an optax
       transformation's param-shaped state, e.g. one for Lion or SGD with
-      momentum, none for plain SGD);
+      momentum, none for plain SGD); none for frozen leaves;
     - compute_params: the params the loss sees, kept between steps: whole at
       stages 1-2 (and at stage 0 when they differ in dtype from the masters);
       the compute-dtype shard at stage 3 (none when it is fp32: the masters
@@ -58,6 +60,11 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
         rank's, for its slices (Megatron's split: a split leaf's bytes divided
         by T, a whole leaf's on every model rank). For a pipeline stage, give
         that stage's params.
+      trainable: the transform's ``trainable=`` (a pytree of bools, or a
+        function of the params returning one): frozen leaves keep no moments
+        (see [Note: frozen leaves]). For a torch module, its parameters'
+        ``requires_grad``: ``{n: p.requires_grad for n, p in
+        model.named_parameters()}``.
 
     Example:
       >>> import jax, jax.numpy as jnp, shard
@@ -91,7 +98,9 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
         compute_n = local if separate or offload is not None else 0
     grads_n = full if stage <= 1 else local
     moments = 2 if optimizer is None else len(moment_names(optimizer, layout))
-    out = {"params": master.itemsize * local, "optimizer": moments * master.itemsize * local,
+    frozen = frozen_leaves(trainable, None, params, "estimate_memory")
+    kept = sum(layout.leaves[i].local_size for i in range(len(layout.leaves)) if i not in frozen)
+    out = {"params": master.itemsize * local, "optimizer": moments * master.itemsize * kept,
            "compute_params": compute_n * compute.itemsize, "grads": grads_n * reduce.itemsize}
     out["total"] = sum(out.values())
     if offload is not None:

@@ -476,3 +476,27 @@ def test_skipped_steps_survive_a_checkpoint(tmp_path):
     np.testing.assert_array_equal(again, skips)
     for k in whole:
         np.testing.assert_array_equal(resumed[k], whole[k], err_msg=k)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("stage", [1, 3])
+def test_lora_state_per_rank_equals_estimate_memory_and_keeps_no_frozen_moments(stage, world):
+    """Frozen leaves keep no moments: a LoRA Llama's per-rank state is its
+    masters over W plus two moments of the adapters alone, as estimated."""
+    pytest.importorskip("peft")
+    model = lora_llama()
+    trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+
+    def run(comm):
+        params, fn = it.functional(copy.deepcopy(model), loss=lm_loss)
+        step = ZERO[stage](fn, optimizer=ops.adamw(LR), comm=comm)
+        state = step.init(params)
+        est = shard.estimate_memory(params, stage=stage, world_size=comm.world_size,
+                                    trainable=trainable)
+        full = shard.estimate_memory(params, stage=stage, world_size=comm.world_size)
+        return state.nbytes(), est, full
+
+    for have, est, full in ops.spawn(run, world):
+        assert have == {k: est[k] for k in have}
+        assert est["optimizer"] < full["optimizer"] / 10  # the adapters' moments alone
+        assert est["params"] == full["params"]

@@ -391,11 +391,12 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
     any_file = next(iter(handles.values()))  # every rank file holds the other leaves
     rest = tuple(np.array(any_file.get_tensor(f"opt_rest/{i}"))
                  for i in range(len(saved_rest)))
-    state = new_state(plan, buffers["master"], [buffers[k] for k in moments],
+    state = new_state(plan, buffers["master"], plan.packed_moments([buffers[k] for k in moments]),
                       opt_rest=rest, full_leaves=full_leaves, step=manifest["step"],
                       loss_scale=manifest["loss_scale"], good_steps=manifest["good_steps"],
                       hysteresis=manifest.get("hysteresis"),
-                      skips=[manifest.get("skips", {}).get(leaf.path, 0) for leaf in layout.leaves],
+                      skips=[manifest.get("skips", {}).get(leaf.path, 0)
+                             for leaf in layout.leaves],
                       copies=copies)
     _load_module(path, manifest, step)
     comm.barrier()

@@ -119,15 +119,17 @@ class TrainState:
         transformation's state."""
         self.check_live()
         plan = self.meta.plan
-        if plan is not None:
-            return plan.optimizer.tree(self.meta.layout, self.step, self.moments,
-                                       self.opt_rest)
+        if plan is not None:  # frozen leaves' moments: zeros (see [Note: frozen leaves])
+            return plan.optimizer.tree(self.meta.layout, self.step,
+                                       plan.full_moments(self.moments), self.opt_rest)
         layout = self.meta.layout
         return AdamState(self.step, *(layout.treedef.unflatten(layout.local_views(m))
                                       for m in self.moments))
 
     def moment(self, name: str) -> tuple[np.ndarray, ...]:
-        """The unit buffers of the optimizer's moment ``name`` (see ``meta.moment_names``)."""
+        """The unit buffers of the optimizer's moment ``name`` (see ``meta.moment_names``),
+        as the step keeps them: a unit's trainable runs packed end to end where
+        leaves are frozen (``state.opt`` gives them in the params' layout)."""
         try:
             return self.moments[self.meta.moment_names.index(name)]
         except ValueError:

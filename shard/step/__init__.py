@@ -13,7 +13,9 @@
   ([Note: ZeRO-3 schedule]); ``_reduce.py``: the gradients' reduction into
   the shards the optimizer reads;
 - ``_update.py``: the gradients' norm, the fused optimizer and the new
-  compute params;
+  compute params ([Note: missing gradients]);
+- ``_frozen.py``: which leaves train, their runs and their packed moments
+  ([Note: frozen leaves]);
 - ``_eval.py``: the loss at a state's params, with no update.
 
 It may import :mod:`shard.offload`, :mod:`shard.core`, :mod:`shard.monitor`

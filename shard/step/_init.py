@@ -17,7 +17,7 @@ from shard.core._state import TrainState
 from shard.offload._step import Offloader
 from shard.step import _checks
 from shard.step._config import StepConfig
-from shard.step._plan import Plan, make_plan, new_state
+from shard.step._plan import Plan, make_plan, moment_buffers, new_state
 
 __all__ = ["from_function", "from_params"]
 
@@ -123,8 +123,7 @@ def by_units(c: StepConfig, plan: Plan, values: Any, *, check: bool = True,
         if plan.optimizer.fused is None:  # an optax state: tx.init of the local views
             moments, rest = plan.optimizer.init(layout, master)
         else:
-            moments = [alloc_units(layout, plan.master_dtype, device)
-                       for _ in plan.optimizer.moments]
+            moments = moment_buffers(plan)
     if check:
         for comm in (c.comm, c.replicate) if c.replicate is not None else (c.comm,):
             _checks.agree_on_values(comm, checksum, fn, *(remedy,) if remedy else ())

@@ -26,10 +26,10 @@ from shard.core._state import StateMeta, TrainState
 from shard.offload._step import Offloader
 from shard.step._checks import agree_on_layout
 from shard.step._config import StepConfig
-from shard.step._frozen import frozen_leaves, trainable_runs
+from shard.step._frozen import Packing, frozen_leaves, trainable_runs
 from shard.step._reduce import CopyPlans
 
-__all__ = ["Plan", "make_plan", "new_state"]
+__all__ = ["Plan", "make_plan", "moment_buffers", "new_state"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _LARGE = 1 << 20  # params from which a dominant unit is worth a warning
@@ -67,6 +67,8 @@ class Plan:
         leaves]).
       runs: with frozen leaves, each unit's trainable ranges of its local
         buffer, which the optimizer updates; None without.
+      packing: with frozen leaves, where those ranges live in the units'
+        packed moment buffers; None without.
     """
 
     config: StepConfig
@@ -83,6 +85,7 @@ class Plan:
     secondary: tuple[Communicator, Communicator] | None = None
     frozen: frozenset[int] = frozenset()
     runs: tuple | None = None
+    packing: Packing | None = None
 
     @property
     def compute_dtype(self) -> np.dtype:
@@ -101,6 +104,25 @@ class Plan:
                       master_dtype=self.master_dtype, device_host=False, offload=False,
                       fn=self.config.name)  # raises: optax runs on host state
         return dataclasses.replace(self, device=device)
+
+    def full_moments(self, moments: Any) -> tuple:
+        """Moment unit buffers in the masters' layout: ``moments`` themselves, or,
+        where frozen leaves keep none, copies with their entries zero (see
+        [Note: frozen leaves])."""
+        if self.packing is None:
+            return tuple(moments)
+        return tuple(tuple(self.packing.expand(u, buf, self.device.zeros(
+            unit.local_size, buf.dtype)) for u, (unit, buf) in enumerate(
+                zip(self.layout.units, bufs, strict=True))) for bufs in moments)
+
+    def packed_moments(self, moments: Any) -> list:
+        """Moment unit buffers in the masters' layout (a checkpoint's) as this
+        plan keeps them: packed where leaves are frozen."""
+        if self.packing is None:
+            return [list(bufs) for bufs in moments]
+        return [[self.packing.pack(u, buf, self.device.empty(n, buf.dtype))
+                 for u, (buf, n) in enumerate(zip(bufs, self.packing.sizes, strict=True))]
+                for bufs in moments]
 
     def offloader(self) -> Offloader | None:
         """A fresh :class:`Offloader` for this plan's offloaded state, or None."""
@@ -177,7 +199,26 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
                 config.replicate.unchecked() if config.replicate is not None else None,
                 model_whole,
                 tuple(c.unchecked() for c in config.secondary) if config.secondary else None,
-                frozen, trainable_runs(layout, frozen) if frozen else None)
+                frozen, *_frozen_runs(layout, frozen))
+
+
+def _frozen_runs(layout: Layout, frozen: frozenset[int]) -> tuple:
+    """``(runs, packing)`` for a layout with frozen leaves, else ``(None, None)``."""
+    if not frozen:
+        return None, None
+    runs = trainable_runs(layout, frozen)
+    return runs, Packing(runs)
+
+
+def moment_buffers(plan: Plan) -> list[list[Any]]:
+    """Zeroed moment buffers for a fused optimizer: per moment, per unit, the
+    unit's local size, or its trainable runs' where leaves are frozen (see
+    [Note: frozen leaves])."""
+    if plan.packing is None:
+        return [alloc_units(plan.layout, plan.master_dtype, plan.device)
+                for _ in plan.optimizer.moments]
+    return [[plan.device.zeros(n, plan.master_dtype) for n in plan.packing.sizes]
+            for _ in plan.optimizer.moments]
 
 
 def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,

@@ -227,7 +227,7 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
             for count, runs in groups or [(state.step, plan.runs)]:
                 c.optimizer.apply(
                     views(shards, runs),
-                    fused.state(count, *(views(m, runs) for m in state.moments)),
+                    fused.state(count, *(_moment_views(plan, m, runs) for m in state.moments)),
                     views(state.master, runs), grad_scale=grad_scale, grad_sumsq=grad_sumsq,
                     max_norm=c.clip_norm, param_copies=views(copies, runs) if copies else None,
                     finite=True)
@@ -256,6 +256,16 @@ def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float
         return tuple(bufs[leaves[i].unit][leaves[i].offset:leaves[i].offset +
                                           leaves[i].local_size] for i in order)
 
+    def moment_views(bufs: Any) -> tuple:
+        if plan.packing is None:
+            return views(bufs)
+        out = []
+        for i in order:
+            a, b = plan.packing.where(leaves[i].unit, leaves[i].offset,
+                                      leaves[i].offset + leaves[i].local_size)
+            out.append(bufs[leaves[i].unit][a:b])
+        return tuple(out)
+
     def reduce(sums: Any) -> Any:
         if nsplit:
             with timed("reduce_wait"):
@@ -263,9 +273,15 @@ def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float
         return sums
 
     c.optimizer.apply(views(shards), plan.optimizer.fused.state(
-        state.step, *(views(m) for m in state.moments)), views(state.master),
+        state.step, *(moment_views(m) for m in state.moments)), views(state.master),
         grad_scale=grad_scale, grad_sumsq=grad_sumsq, max_norm=c.clip_norm,
         param_copies=views(copies) if copies else None, finite=True, reduce=reduce)
+
+
+def _moment_views(plan: Any, bufs: Any, runs: tuple) -> tuple:
+    """The moments' views of ``runs``: packed where leaves are frozen (see
+    [Note: frozen leaves])."""
+    return views(bufs, runs) if plan.packing is None else plan.packing.views(bufs, runs)
 
 
 def _summed(plan: Any, x: np.ndarray) -> np.ndarray:
