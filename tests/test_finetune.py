@@ -16,6 +16,7 @@ import torch
 import interop.torch as it
 import ops
 import shard
+import shard.checkpoint
 
 ZERO = {0: shard.zero0, 1: shard.zero1, 2: shard.zero2, 3: shard.zero3}
 LR, WD, STEPS = 1e-2, 0.1, 6
@@ -500,3 +501,38 @@ def test_lora_state_per_rank_equals_estimate_memory_and_keeps_no_frozen_moments(
         assert have == {k: est[k] for k in have}
         assert est["optimizer"] < full["optimizer"] / 10  # the adapters' moments alone
         assert est["params"] == full["params"]
+
+
+def test_frozen_params_checkpoint_and_resume_at_another_world_size(tmp_path):
+    """Frozen leaves are saved, resharded and consolidated like the rest; the
+    resumed run continues the one-process trajectory."""
+    torch.manual_seed(0)
+    model = Adapted()
+    data = batches()
+    want = torch_reference(model, data)
+    before = {k: v.detach().numpy().copy() for k, v in model.named_parameters()}
+
+    def run(comm, start, stop):
+        params, fn = it.functional(copy.deepcopy(model), loss=mse)
+        step = shard.zero3(fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)
+        state = step.init(params) if start == 0 else shard.load(tmp_path / "ck", step,
+                                                                 comm=comm)[0]
+        n = data[0][0].shape[0] // comm.world_size
+        for b in data[start:stop]:
+            state, _ = step(state, tuple(t[comm.rank * n:(comm.rank + 1) * n] for t in b))
+        if start == 0:
+            shard.save(state, tmp_path / "ck", comm=comm)
+        return shard.gather(state, comm)
+
+    ops.spawn(lambda c: run(c, 0, 3), 2)
+    got = ops.spawn(lambda c: run(c, 3, STEPS), 3)[0]
+    shard.checkpoint.consolidate(tmp_path / "ck", tmp_path / "model.safetensors")
+    from safetensors.numpy import load_file
+
+    whole = load_file(tmp_path / "model.safetensors")
+    for k, p in model.named_parameters():
+        if p.requires_grad:
+            np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=2e-6, err_msg=k)
+        else:
+            np.testing.assert_array_equal(got[k], before[k], err_msg=k)
+            np.testing.assert_array_equal(whole[k], before[k], err_msg=k)
