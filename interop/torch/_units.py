@@ -244,13 +244,17 @@ class UnitHooks:
     def _before_backward(self, u: int) -> None:
         """The gradient reached unit ``u``'s outputs: gather it for its backward."""
         a = self._active
-        if a is None or not a.pending[u]:
+        if a is None:
             return
-        if a.frozen_units:  # frozen units later in the forward are done with
+        if a.with_frozen:  # units with frozen params later in the forward are done with
             pos = a.order.index(u)
-            for v, at in a.frozen_units:
-                if at > pos and v in a.bound:
-                    self._unbind(v)
+            for v, at in a.with_frozen:
+                if at > pos:
+                    a.past.add(v)
+                    if v in a.bound and not a.pending[v]:
+                        self._unbind(v)
+        if not a.pending[u]:
+            return
         if u not in a.bound:
             self._gather(u)
             return
@@ -365,7 +369,7 @@ class UnitHooks:
                 else:
                     a.reducer.add(v, grads)
                 a.issued += 1
-        if a.gathering and a.index.get(ROOT) != u:
+        if a.gathering and a.index.get(ROOT) != u and (u in a.past or u not in a.lingers):
             self._unbind(u)
 
 
@@ -419,10 +423,15 @@ class _Step:
         # the trainable params awaiting a gradient; frozen ones get none (see [Note: frozen
         # leaves]), and a unit of frozen params alone is reduced (zeros) after the backward
         self.pending = {i: set(m) - plan.frozen for i, m in plan.members.items()}
-        # the units of frozen params alone, with their place in the forward order (the root
-        # unit has none: it stays bound for the step)
-        self.frozen_units = [(i, self.order.index(i)) for i, m in plan.members.items()
-                             if m and set(m) <= plan.frozen and i in self.order]
+        # The units with frozen params, with their place in the forward order (the root unit
+        # has none: it stays bound for the step). Their backward may still need the frozen
+        # params after the last trainable one's gradient is in (a LoRA layer's base weight,
+        # for its input's gradient): they are released once the gradient reaches a unit
+        # before them (past), not when their gradients are complete.
+        self.with_frozen = [(i, self.order.index(i)) for i, m in plan.members.items()
+                            if set(m) & plan.frozen and i in self.order]
+        self.lingers = {i for i, _ in self.with_frozen}
+        self.past: set[int] = set()
         self.reduced: set[int] = set()  # units whose gradients are complete
         # Every rank starts the reductions in one order, whatever its forward touched: the
         # backward's (the forward's reversed, then the rest), each once the units before
