@@ -538,3 +538,63 @@ def test_frozen_params_checkpoint_and_resume_at_another_world_size(tmp_path):
         else:
             np.testing.assert_array_equal(got[k], before[k], err_msg=k)
             np.testing.assert_array_equal(whole[k], before[k], err_msg=k)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_frozen_and_missing_gradients_on_the_device_stand_in(stage):
+    """Frozen leaves, a never-used Linear and a head used every other step, on
+    device state: torch's AdamW's result, and no host read in a step where every
+    trainable parameter got its gradient."""
+    from ops.testing import STANDIN, SYNCS, to_device
+
+    torch.manual_seed(0)
+    model = Branchy()
+    model.inp.weight.requires_grad_(False)
+    data = branchy_data(4)
+    ref = copy.deepcopy(model)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR,
+                            weight_decay=WD)
+    for x, y, k in data:
+        opt.zero_grad()
+        branchy_loss(ref, (x, y, k, None)).backward()
+        opt.step()
+
+    def run(comm):
+        params, fn = it.functional(copy.deepcopy(model), loss=branchy_loss)
+        step = ZERO[stage](fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)
+        state = step.init(to_device(params, STANDIN))
+        reads = []
+        for x, y, k in data:
+            part = slice(comm.rank * 6, (comm.rank + 1) * 6)
+            SYNCS.reset()
+            state, _ = step(state, (x[part], y[part], k, None))
+            reads.append(SYNCS.count)
+        got = {k: STANDIN.to_host(v) for k, v in shard.gather(state, comm).items()}
+        return got, reads
+
+    for got, reads in ops.spawn(run, 2):
+        for name, p in ref.named_parameters():
+            np.testing.assert_allclose(got[name], p.detach().numpy(), rtol=2e-5, atol=1e-6,
+                                       err_msg=name)
+        assert reads == [1, 1, 1, 1]  # `never` misses every step: the counts are read
+
+
+def test_a_torch_step_with_every_gradient_reads_nothing_back():
+    from ops.testing import STANDIN, SYNCS, to_device
+
+    torch.manual_seed(0)
+    model = Adapted()  # frozen params get no gradient and ask for no read
+    data = batches(3)
+
+    def run(comm):
+        params, fn = it.functional(copy.deepcopy(model), loss=mse)
+        step = shard.zero3(fn, optimizer=ops.adamw(LR), comm=comm)
+        state = step.init(to_device(params, STANDIN))
+        reads = []
+        for b in data:
+            SYNCS.reset()
+            state, _ = step(state, tuple(t[comm.rank * 6:(comm.rank + 1) * 6] for t in b))
+            reads.append(SYNCS.count)
+        return reads
+
+    assert ops.spawn(run, 2) == [[0, 0, 0]] * 2
