@@ -44,7 +44,7 @@ MODES = ("flat", "hsdp", "hpz")
 
 def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]]:
     env = dict(os.environ, ZS_OUT=str(out), ZS_STEPS=str(args.steps), PYTHONPATH=str(ROOT),
-               OMP_NUM_THREADS="1", ZS_D=str(args.d), ZS_LAYERS=str(args.layers),
+               OMP_NUM_THREADS="1", ZS_D=str(args.d_model), ZS_LAYERS=str(args.layers),
                ZS_REPLICAS="2" if mode == "hsdp" else "1",
                ZS_RESHARD="2" if mode == "hpz" else "0")
     with netns.two_hosts(rate=args.rate) as hosts:
@@ -67,12 +67,12 @@ def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__,
+    ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", default="1gbit", help="the link's rate, as tc writes it")
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--d", type=int, default=128, help="the GPT's width")
+    ap.add_argument("--d-model", type=int, default=128, help="the GPT's width")
     ap.add_argument("--layers", type=int, default=4)
     args = ap.parse_args()
     why = netns.unavailable()
@@ -89,7 +89,7 @@ def main() -> None:
                 param_bytes = report["param_bytes"]
                 print(f"round {r + 1}/{args.rounds} {mode}: {times[mode][-1] * 1e3:.0f} ms/step, "
                       f"{sent[mode][-1] / 2**20:.2f} MiB sent per host and step", flush=True)
-    print(f"\nGPT d={args.d} layers={args.layers}, {param_bytes / 2**20:.2f} MiB of params, "
+    print(f"\nGPT d={args.d_model} layers={args.layers}, {param_bytes / 2**20:.2f} MiB of params, "
           f"2 hosts x 2 processes, link {args.rate}; medians over {args.rounds} rounds of "
           f"{args.steps} steps\n")
     print("| mode | ms/step | vs flat | MiB sent per host and step | x params' bytes |")

@@ -301,15 +301,16 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
     config, plan = step.config, step.plan  # the plan of the step's init, if any
     tp = config.tensor_parallel
     described = getattr(config.loss_fn, "params_like", None)  # a torch module's params
-    whole = like is None and plan is None and callable(described)  # the whole model's leaves
-    if whole:
+    # every leaf of the module (a module split by parallelize: this model rank's slices)
+    from_module = like is None and plan is None and callable(described)
+    if from_module:
         like = described()
     elif like is None and plan is None:
         try:
             like = shapes_from_manifest(manifest, f"{path}/manifest.json")
         except ValueError as e:
             raise CheckpointError(str(e)) from None
-    if like is not None and tp is not None:  # the whole params: this model rank's slices
+    if like is not None and tp is not None and not from_module:  # this model rank's slices
         like = tp.shard(like)
     if like is not None:
         plan = make_plan(config, like, device=plan.device if plan else None)
@@ -317,7 +318,7 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
         plan = plan.on(device_named(device) if isinstance(device, str) else device)
     layout, rank = plan.layout, (comm.rank if config.stage > 0 else 0)
     saved = {e["path"]: e for e in manifest["leaves"]}
-    extra = sorted(set(saved) - {leaf.path for leaf in layout.leaves}) if whole else []
+    extra = sorted(set(saved) - {leaf.path for leaf in layout.leaves}) if from_module else []
     if extra:
         raise CheckpointError(f"{path}/manifest.json: leaves {extra[:5]}"
                               f"{f' and {len(extra) - 5} more' if len(extra) > 5 else ''} are "

@@ -157,7 +157,8 @@ def check_fits(plan: Any, state: TrainState) -> None:
     """A state another step made fits ``plan``: the same stage, rank, layout and
     device."""
     c, m = plan.config, state.meta
-    if m.stage != c.stage or m.rank != c.comm.rank:
+    if m.stage != c.stage or m.rank != c.comm.rank or (
+            m.layout.world_size != plan.layout.world_size):
         raise ValueError(
             f"{c.name}: this TrainState was made for stage {m.stage}, rank {m.rank} of "
             f"{m.layout.world_size if m.stage else 'any'} ranks, but this step is stage "
