@@ -57,15 +57,22 @@ def batches(n=STEPS, rows=12):
             for _ in range(n)]
 
 
-def torch_reference(model, data):
+def adamw_reference(model, data, loss):
+    """A copy of ``model`` trained in one process by torch.optim.AdamW on its
+    trainable parameters, one step per batch of ``data``."""
     model = copy.deepcopy(model)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
                             weight_decay=WD)
     for b in data:
         opt.zero_grad()
-        mse(model, b).backward()
+        loss(model, b).backward()
         opt.step()
-    return {k: v.detach().numpy().copy() for k, v in model.named_parameters()}
+    return model
+
+
+def torch_reference(model, data):
+    trained = adamw_reference(model, data, mse)
+    return {k: v.detach().numpy().copy() for k, v in trained.named_parameters()}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -234,14 +241,10 @@ def test_module_state_dict_after_training_refuses_instead_of_empty_tensors(stage
 
 
 def tiny_llama():
-    """A tiny LlamaForCausalLM, built from a config (no download), seeded."""
-    import transformers
+    """The Hugging Face tests' tiny LlamaForCausalLM, seeded."""
+    from tests.test_hf_models import built
 
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        vocab_size=64, hidden_size=16, intermediate_size=36, num_hidden_layers=3,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
-        tie_word_embeddings=True, bos_token_id=0, eos_token_id=1))
+    return built("llama")
 
 
 def lora_llama():
@@ -267,14 +270,7 @@ def tokens(steps=4, n=6, seq=10):
 
 
 def lora_reference(model, data):
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR,
-                            weight_decay=WD)
-    for b in data:
-        opt.zero_grad()
-        lm_loss(model, b).loss.backward()
-        opt.step()
-    return model
+    return adamw_reference(model, data, lambda m, b: lm_loss(m, b).loss)
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -393,12 +389,7 @@ def test_params_without_a_gradient_are_left_as_torch_adamw_leaves_them(stage, wo
     torch.manual_seed(0)
     model = Branchy()
     data = branchy_data()
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=WD)
-    for x, y, k in data:
-        opt.zero_grad()
-        branchy_loss(ref, (x, y, k, None)).backward()
-        opt.step()
+    ref = adamw_reference(model, [(*b, None) for b in data], branchy_loss)
 
     def run(comm):
         params, fn = it.functional(copy.deepcopy(model), loss=branchy_loss)
@@ -551,13 +542,7 @@ def test_frozen_and_missing_gradients_on_the_device_stand_in(stage):
     model = Branchy()
     model.inp.weight.requires_grad_(False)
     data = branchy_data(4)
-    ref = copy.deepcopy(model)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=LR,
-                            weight_decay=WD)
-    for x, y, k in data:
-        opt.zero_grad()
-        branchy_loss(ref, (x, y, k, None)).backward()
-        opt.step()
+    ref = adamw_reference(model, [(*b, None) for b in data], branchy_loss)
 
     def run(comm):
         params, fn = it.functional(copy.deepcopy(model), loss=branchy_loss)
