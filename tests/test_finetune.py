@@ -118,9 +118,10 @@ def jax_params():
             "head": r.normal(size=(11, 5)).astype(np.float32)}
 
 
+@pytest.mark.parametrize("optimizer", ["fused", "optax"])
 @pytest.mark.parametrize("trainable", ["tree", "prefix", "function"])
 @pytest.mark.parametrize("stage", [1, 3])
-def test_trainable_mask_matches_optax_set_to_zero_on_one_process(stage, trainable):
+def test_trainable_mask_matches_optax_set_to_zero_on_one_process(stage, trainable, optimizer):
     mask = {"base": {"w": False}, "lora": {"a": True, "b": True}, "head": True}
     given = {"tree": mask, "prefix": {"base": False, "lora": True, "head": True},
              "function": lambda p: jax.tree_util.tree_map(lambda _: True, p) | {
@@ -139,8 +140,9 @@ def test_trainable_mask_matches_optax_set_to_zero_on_one_process(stage, trainabl
         p = optax.apply_updates(p, u)
 
     def run(comm):
-        step = ZERO[stage](jax_loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
-                           trainable=given)
+        opt = (ops.adamw(LR, weight_decay=WD) if optimizer == "fused" else
+               optax.adamw(LR, weight_decay=WD))
+        step = ZERO[stage](jax_loss, optimizer=opt, comm=comm, trainable=given)
         state = step.init(jax_params())
         n = 10 // comm.world_size
         for b in data:

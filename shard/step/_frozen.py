@@ -19,7 +19,10 @@ the number of leaves (see ``_update.apply``).
 
 Frozen leaves keep no optimizer moments: each moment's unit buffer holds the
 unit's trainable runs alone, packed end to end (:class:`Packing`), so a LoRA
-model's moments are those of its adapters. Everything outside the step sees
+model's moments are those of its adapters. An optax transformation updates
+every leaf of the tree it was given: there the frozen leaves' gradients are
+zeroed before it (its state for them stays zero) and their masters put back
+after it. Everything outside the step sees
 moments in the layout of the masters: ``state.opt`` and checkpoints expand
 them (frozen leaves' entries zero), and a checkpoint's are packed again on
 load, so a checkpoint is the same with frozen leaves or without.

@@ -187,23 +187,21 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     optimizer = on_shards(config.optimizer, layout, stage=config.stage, master_dtype=master_dtype,
                           device_host=where.host, offload=config.offload is not None, fn=fn)
     frozen = frozen_leaves(config.trainable, loss_fn, params, fn)
-    if frozen and (config.offload is not None or optimizer.fused is None):
+    if frozen and config.offload is not None:
         raise NotImplementedError(
-            f"{fn}: frozen params (requires_grad=False, or trainable=) train with the fused "
-            "optimizers (ops.adamw, ops.adam, ops.lion, ops.lamb) on state that is not "
-            "offloaded; " + ("drop offload=" if config.offload is not None else
-                             "for an optax transformation, mask it with optax.masked and "
-                             "drop trainable="))
+            f"{fn}: frozen params (requires_grad=False, or trainable=) do not train with "
+            "offload= yet: drop offload=")
     return Plan(config, layout, full_layout, np.dtype(master_dtype), precision, where,
                 config.comm.unchecked(), CopyPlans(layout, full_layout), optimizer,
                 config.replicate.unchecked() if config.replicate is not None else None,
                 model_whole,
                 tuple(c.unchecked() for c in config.secondary) if config.secondary else None,
-                frozen, *_frozen_runs(layout, frozen))
+                frozen, *_frozen_runs(layout, frozen if optimizer.fused else frozenset()))
 
 
 def _frozen_runs(layout: Layout, frozen: frozenset[int]) -> tuple:
-    """``(runs, packing)`` for a layout with frozen leaves, else ``(None, None)``."""
+    """``(runs, packing)`` for a layout with frozen leaves, else ``(None, None)``
+    (an optax transformation keeps its own state, in the masters' layout)."""
     if not frozen:
         return None, None
     runs = trainable_runs(layout, frozen)

@@ -208,10 +208,13 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
         if skip:
             warn_unskipped(plan, skip, "optax transformation")
         with timed("optimizer"):
+            held = _hold_frozen(plan, state, shards)
             rest = plan.optimizer.apply_optax(
                 plan.layout, state.master, state.moments, state.opt_rest, shards, grad_scale,
                 grad_sumsq, c.clip_norm, rank=c.comm.rank if c.stage else 0,
                 reduce=lambda x: _summed(plan, x))
+            for (u, a, b), kept in held:  # as they were, whatever the transformation did
+                state.master[u][a:b] = kept
             if rest is not None:
                 state = state.replace(opt_rest=rest)
             for dst, m in zip(copies, state.master, strict=True) if copies else ():
@@ -276,6 +279,19 @@ def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float
         state.step, *(moment_views(m) for m in state.moments)), views(state.master),
         grad_scale=grad_scale, grad_sumsq=grad_sumsq, max_norm=c.clip_norm,
         param_copies=views(copies) if copies else None, finite=True, reduce=reduce)
+
+
+def _hold_frozen(plan: Any, state: TrainState, shards: list[Any]) -> list:
+    """For an optax transformation, which updates every leaf: the frozen leaves'
+    gradients zeroed (so their optax state stays zero) and their masters kept,
+    to be put back after the update (see [Note: frozen leaves])."""
+    held = []
+    for i in sorted(plan.frozen):
+        leaf = plan.layout.leaves[i]
+        a, b = leaf.offset, leaf.offset + leaf.local_size
+        shards[leaf.unit][a:b] = 0
+        held.append(((leaf.unit, a, b), state.master[leaf.unit][a:b].copy()))
+    return held
 
 
 def _moment_views(plan: Any, bufs: Any, runs: tuple) -> tuple:
