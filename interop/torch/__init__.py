@@ -14,7 +14,11 @@ params back to the module.
 The package, a file per concept (it may import :mod:`shard` and :mod:`ops`):
 
 - ``_adapter.py``: :func:`functional` and :class:`TorchLoss` ([Note: torch ZeRO-3]);
-- ``_units.py``: the unit-by-unit hooks that gather and release each unit;
+- ``_units.py``: the unit-by-unit hooks that gather and release each unit, and
+  ``_unit_state.py``, what they work out per layout and track per micro-batch;
+- ``_blocks.py``: which submodules are the units;
+- ``_outputs.py``: what a torch loss may return (a tensor, ``(loss, aux)``, a
+  dict or ``ModelOutput`` with a ``loss``);
 - ``_layers.py`` and ``_stage.py``: a model as a chain of units, and one
   pipeline stage's run over micro-batches ([Note: torch layers]);
 - ``_buffers.py``: the module's buffers and tied names beside its state

@@ -81,60 +81,18 @@ from typing import Any
 
 import numpy as np
 
+from interop.torch._blocks import default_units, name_of
 from interop.torch._buffers import BufferState
 from interop.torch._meta import MetaParams
 from interop.torch._state_dict import remember_dtypes
-from interop.torch._units import ROOT, UnitHooks, _Step, check_owner
+from interop.torch._unit_state import _Step
+from interop.torch._units import ROOT, UnitHooks, check_owner
 from ops.device._dlpack import _torch_device, to_native, torch_view
 from shard.monitor._profile import timed
 
 __all__ = ["TorchLoss", "functional"]
 
 log = logging.getLogger("interop.torch")
-_CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")
-
-
-def _default_units(module: Any) -> list[tuple[str, Any]]:
-    """The module's units (see [Note: torch ZeRO-3]): its children, with
-    containers opened and every module that holds blocks opened down to them."""
-    blocks = _block_types(module)
-    out = []
-
-    def holds_blocks(m: Any) -> bool:
-        return not isinstance(m, blocks) and any(isinstance(d, blocks) for d in m.modules())
-
-    def visit(prefix: str, m: Any) -> None:
-        for name, child in m.named_children():
-            path = f"{prefix}{name}"
-            if type(child).__name__ in _CONTAINERS or holds_blocks(child):
-                visit(path + ".", child)
-            else:
-                out.append((path, child))
-
-    visit("", module)
-    return out
-
-
-def _block_types(module: Any) -> tuple[type, ...]:
-    """The model's repeated blocks: the classes a Hugging Face model names in
-    ``_no_split_modules`` (its decoder layers), else the class of every
-    ``ModuleList`` or ``Sequential`` whose children, two or more, are all of one
-    class (as accelerate's and FSDP's transformer auto-wrap policies find them)."""
-    named = set(getattr(module, "_no_split_modules", None) or ())
-    found = set()
-    for m in module.modules():
-        if named:
-            if type(m).__name__ in named:
-                found.add(type(m))
-        elif type(m).__name__ in ("ModuleList", "Sequential"):
-            children = list(m.children())
-            kinds = {type(c) for c in children}
-            # blocks are made of modules: a list of Linear layers is not a stack of blocks
-            if (len(children) >= 2 and len(kinds) == 1 and any(True for _ in children[0].children())
-                    and children[0].__class__.__name__ not in _CONTAINERS):
-                found.add(kinds.pop())
-    return tuple(found)
-
 
 def functional(module: Any, *, loss: Callable[[Any, Any], Any],
                units: Sequence[Any] | None = None,
@@ -198,8 +156,8 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
     named = dict(module.named_parameters())
     if not named:
         raise ValueError("functional: the module has no parameters")
-    unit_modules = ([(_name_of(module, m), m) for m in units] if units is not None
-                    else _default_units(module))
+    unit_modules = ([(name_of(module, m), m) for m in units] if units is not None
+                    else default_units(module))
     meta = None
     if {p.device.type for p in named.values()} == {"meta"}:
         meta = MetaParams(module, unit_modules, param_init_fn, seed, device)
@@ -230,13 +188,6 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
     # a module split by parallelize: its params are this model rank's slices already
     fn.tensor_parallel = getattr(module, "_zeroshard_tensor_parallel", None)
     return params, fn
-
-
-def _name_of(root: Any, sub: Any) -> str:
-    for name, m in root.named_modules():
-        if m is sub:
-            return name
-    raise ValueError("functional: units must be submodules of the module")
 
 
 class TorchLoss(UnitHooks, BufferState):

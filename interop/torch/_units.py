@@ -9,14 +9,14 @@ gradients to the reducer.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from ops._tree import tree_util
+from interop.torch._outputs import loss_and_aux
+from interop.torch._unit_state import _ParamRef, _Persistent, _Plan, _Step
 from ops.device._dlpack import torch_view
 from shard.monitor._profile import timed
 
-__all__ = ["ROOT", "UnitHooks", "check_owner", "loss_and_aux"]
+__all__ = ["ROOT", "UnitHooks", "check_owner"]
 
 ROOT = "<root>"
 
@@ -29,39 +29,6 @@ def check_owner(owner: int | None, comm: Any, name: str, remedy: str) -> int:
         raise ValueError(f"{name}: this loss object belongs to rank {owner}, and rank "
                          f"{comm.rank} uses it too; every rank needs its own {remedy}")
     return comm.rank
-
-
-def loss_and_aux(out: Any, has_aux: bool, *, training: bool = True) -> tuple[Any, Any]:
-    """A torch loss's result as ``(loss, aux)``: a scalar tensor, ``(loss, aux)``
-    (with ``has_aux=True``), or a mapping with a ``"loss"`` entry, as a Hugging
-    Face model's ``ModelOutput`` (its other entries are the aux). Anything else
-    is refused here, after the forward and before the state changes, naming
-    what the loss returned."""
-    import torch
-
-    from shard.core._loss import split_aux
-
-    if isinstance(out, Mapping):
-        if out.get("loss") is None:
-            raise TypeError(f"the torch loss returned a {type(out).__name__} without a 'loss' "
-                            f"entry (keys {list(out)}); return the loss tensor, or pass the "
-                            "labels the model needs to compute one")
-        loss = out["loss"]
-        aux = {k: v for k, v in out.items() if k != "loss"} if has_aux else None
-    else:
-        loss, aux = split_aux(out, has_aux)
-    if not isinstance(loss, torch.Tensor):
-        raise TypeError(f"the torch loss must return a scalar torch.Tensor (or (loss, aux), or a "
-                        f"dict or ModelOutput with a 'loss' entry); it returned "
-                        f"{type(loss).__name__}")
-    if loss.numel() != 1:
-        raise ValueError(f"the torch loss must be a scalar; it returned a tensor of shape "
-                         f"{tuple(loss.shape)} (reduce it, e.g. with .mean())")
-    if training and not loss.requires_grad:
-        raise ValueError("the torch loss does not depend on any parameter that trains (its "
-                         "tensor has requires_grad=False): is every parameter frozen, or the "
-                         "loss computed under torch.no_grad?")
-    return loss, aux
 
 
 class UnitHooks:
@@ -371,84 +338,6 @@ class UnitHooks:
                 a.issued += 1
         if a.gathering and a.index.get(ROOT) != u and (u in a.past or u not in a.lingers):
             self._unbind(u)
-
-
-class _Persistent:
-    """Unit ``u``'s parameters bound to the state's own buffer ``flat``: torch
-    views of its leaves, their data pointers, and views of the reducer's
-    ``bucket`` as their ``.grad`` where it has the params' dtype."""
-
-    def __init__(self, hooks: UnitHooks, u: int, flat: Any, bucket: Any) -> None:
-        self.flat, self.bucket = flat, bucket
-        names = hooks._active.members[u]
-        self.params = [hooks.named[name] for name in names]
-        _, self.views = hooks._views_of(u, flat)
-        self.ptrs = [v.data_ptr() for v in self.views]
-        self.grads = (hooks._views_of(u, bucket)[1]
-                      if bucket is not None and bucket.dtype == flat.dtype else None)
-
-
-class _Plan:
-    """Unit indices by key, the units in forward order, each unit's param names,
-    its leaves' spans (start, end, shape) in its flat buffer, and its params
-    with the 0-size tensors they hold while unbound."""
-
-    def __init__(self, hooks: UnitHooks, layout: Any, full_layout: Any) -> None:
-        self.layout = layout
-        self.index = {u.name: i for i, u in enumerate(layout.units)}
-        names = [path[0].key for path, _ in tree_util().tree_flatten_with_path(
-            layout.treedef.unflatten(list(range(len(layout.leaves)))))[0]]
-        self.members = {i: [names[j] for j in u.leaves] for i, u in enumerate(layout.units)}
-        self.order = [self.index[key] for key, _ in hooks.unit_modules if key in self.index]
-        leaves = full_layout.leaves
-        self.spans = {i: [(leaves[j].offset, leaves[j].offset + leaves[j].size, leaves[j].shape)
-                          for j in u.leaves] for i, u in enumerate(full_layout.units)}
-        self.empties = {i: [(hooks.named[n], hooks._empty(hooks.named[n])) for n in names]
-                        for i, names in self.members.items()}
-        self.frozen = frozenset(n for n, p in hooks.named.items() if not p.requires_grad)
-        self.leaf_index = {name: j for j, name in enumerate(names)}  # in the layout's order
-
-
-class _Step:
-    """What :meth:`TorchLoss.run_units` tracks during one micro-batch."""
-
-    def __init__(self, units: Any, reducer: Any, plan: _Plan) -> None:
-        self.units, self.reducer = units, reducer
-        self.index, self.order, self.members = plan.index, plan.order, plan.members
-        self.spans, self.empties = plan.spans, plan.empties
-        self.leaf_index = plan.leaf_index
-        self.phase = "forward"
-        self.gathering = True  # stage 3: units are gathered and freed; else bound throughout
-        self.kept: int | None = None  # the unit that ran last in the forward, still bound
-        # the trainable params awaiting a gradient; frozen ones get none (see [Note: frozen
-        # leaves]), and a unit of frozen params alone is reduced (zeros) after the backward
-        self.pending = {i: set(m) - plan.frozen for i, m in plan.members.items()}
-        # The units with frozen params, with their place in the forward order (the root unit
-        # has none: it stays bound for the step). Their backward may still need the frozen
-        # params after the last trainable one's gradient is in (a LoRA layer's base weight,
-        # for its input's gradient): they are released once the gradient reaches a unit
-        # before them (past), not when their gradients are complete.
-        self.with_frozen = [(i, self.order.index(i)) for i, m in plan.members.items()
-                            if set(m) & plan.frozen and i in self.order]
-        self.lingers = {i for i, _ in self.with_frozen}
-        self.past: set[int] = set()
-        self.reduced: set[int] = set()  # units whose gradients are complete
-        # Every rank starts the reductions in one order, whatever its forward touched: the
-        # backward's (the forward's reversed, then the rest), each once the units before
-        # it have started; a unit complete early waits in ready with its gradients.
-        self.canon = self.order[::-1] + [i for i in plan.members if i not in self.order]
-        self.ready: dict[int, Any] = {}
-        self.issued = 0
-        self.bound: dict[int, Any] = {}  # gathered units bound now: the flat torch tensor
-        self.bucketed: set[int] = set()  # units whose .grad are views of the reducer's buffer
-
-
-class _ParamRef(tuple):
-    """A saved tensor that is (a view of) a gathered unit's parameters: (unit,
-    shape, stride, offset in the unit's flat buffer), re-gathered when the
-    backward needs it."""
-
-    __slots__ = ()
 
 
 def _torch_dtype(dtype: Any) -> Any:

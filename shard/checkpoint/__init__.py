@@ -15,6 +15,8 @@ The package (it may import :mod:`shard.core` and :mod:`ops`):
   ([Note: asynchronous saves]);
 - ``_load.py``: manifests read and checked, and :func:`shard.load`, which
   re-shards;
+- ``_sources.py``: where a saved leaf's rows are read from (rank files, a
+  pipeline's stages, a tensor-parallel checkpoint's parts);
 - ``_files.py``: what every part shares, its error and the file checksum;
 - ``_module.py``: a torch module's buffers and tied names in a checkpoint;
 - ``_tools.py``: :func:`consolidate`, :func:`inspect` and the command line;

@@ -185,8 +185,11 @@ def async_save(state: TrainState, path: str | os.PathLike, *, comm: Communicator
                 _commit(path, tmp, manifest, world, timeout)
         except BaseException as e:  # the other ranks learn of it from the files
             _receipt(tmp, rank, {"error": f"{type(e).__name__}: {e}"})
-            if rank == 0:
-                (tmp / _FAILED).write_text(f"{type(e).__name__}: {e}")
+            if rank == 0:  # whole (rename), so that a waiting rank never reads it half written
+                with contextlib.suppress(OSError):
+                    part = tmp / f"{_FAILED}.part"
+                    part.write_text(f"{type(e).__name__}: {e}")
+                    os.replace(part, tmp / _FAILED)
             raise
         if rank != 0:
             _await_commit(path, tmp, timeout)

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from shard.checkpoint._files import CheckpointError
-from shard.checkpoint._load import _verify_files, read_any_manifest, read_manifest, source_of
+from shard.checkpoint._load import read_any_manifest, read_manifest
 from shard.checkpoint._module import read_module_file
+from shard.checkpoint._sources import source_of, verify_files
 from shard.checkpoint._validate import optimizer_of
 
 __all__ = ["consolidate", "inspect", "run"]
@@ -42,7 +43,7 @@ def consolidate(path: str | os.PathLike, out: str | os.PathLike, *,
     handles = {}
     for where, m in parts.items():
         ranks = set(range(len(m["files"])))
-        _verify_files(where, m, ranks)
+        verify_files(where, m, ranks)
         handles.update({(where, r): safe_open(str(where / m["files"][r]["file"]),
                                               framework="numpy") for r in ranks})
     tensors = {}

@@ -39,7 +39,7 @@ import numpy as np
 from ops._tree import tree_util
 from shard.core._layout import Layout
 
-__all__ = ["Packing", "frozen_leaves", "trainable_runs", "views"]
+__all__ = ["Packing", "frozen_leaves", "outside", "trainable_runs", "views"]
 
 
 def frozen_leaves(trainable: Any, loss_fn: Any, params: Any, fn: str) -> frozenset[int]:
@@ -89,19 +89,26 @@ def _broadcast(mask: Any, params: Any, fn: str) -> Any:
 def trainable_runs(layout: Layout, frozen: frozenset[int]) -> tuple[tuple[tuple[int, int], ...],
                                                                      ...]:
     """Per unit, the ranges ``(start, end)`` of its local buffer outside its
-    frozen leaves, adjacent ranges joined (see [Note: frozen leaves])."""
+    frozen leaves (see [Note: frozen leaves])."""
+    return tuple(tuple(outside([(0, unit.local_size)], sorted(
+        (leaf.offset, leaf.offset + leaf.local_size)
+        for leaf in (layout.leaves[i] for i in unit.leaves if i in frozen))))
+        for unit in layout.units)
+
+
+def outside(sections: list[tuple[int, int]], cuts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The non-empty parts of ``sections`` outside every range of ``cuts`` (sorted)."""
     out = []
-    for unit in layout.units:
-        cuts = sorted((leaf.offset, leaf.offset + leaf.local_size)
-                      for leaf in (layout.leaves[i] for i in unit.leaves if i in frozen))
-        runs: list[tuple[int, int]] = []
-        start = 0
-        for a, b in [*cuts, (unit.local_size, unit.local_size)]:
-            if a > start:
-                runs.append((start, a))
-            start = max(start, b)
-        out.append(tuple(runs))
-    return tuple(out)
+    for a, b in sections:
+        for c, d in cuts:
+            if c >= b or d <= a:
+                continue
+            if c > a:
+                out.append((a, c))
+            a = max(a, d)
+        if b > a:
+            out.append((a, b))
+    return out
 
 
 def views(bufs: Any, runs: tuple) -> tuple:

@@ -269,7 +269,7 @@ class ZeroStep:
                               dtype=_grads.reduce_dtype(plan), device=device,
                               buffers=self._grad_buffers, plans=plan.copy_plans)
         units = _grads.unit_params(plan, state, self.tracker)
-        leaves = len(plan.layout.leaves) if _tracks_missing(c) else 0
+        leaves = len(plan.layout.leaves) if _update.tracks_missing(c) else 0
         totals = _update.fresh_totals(self.__dict__.setdefault("_totals_cache", {}), device,
                                       rows, leaves)
         missing: frozenset[int] | None = None  # see [Note: missing gradients]
@@ -318,8 +318,8 @@ class ZeroStep:
             known["aux"] = aux
 
         def finish(host: np.ndarray) -> dict[str, float]:
-            if not c.weight_by_rows and host[2] > 0:
-                self._check_rows(host)
+            if not c.weight_by_rows and host[2] > 0 and not self.__dict__.get("_rows_warned"):
+                self._rows_warned = _update.warn_if_rows_differ(c, host)
             sumsq = float(host[0])
             norm = math.sqrt(sumsq) * grad_scale if math.isfinite(sumsq) else sumsq
             return {"loss": float(host[1]) / (w * k), "grad_norm": norm}
@@ -364,21 +364,6 @@ class ZeroStep:
                              good_steps=np.asarray(good, np.int64),
                              hysteresis=np.asarray(left, np.int64)), StepMetrics(known)
 
-    def _check_rows(self, host: np.ndarray) -> None:
-        """Warn, once, that the ranks' rows differed in a step that weighs each
-        rank's mean the same (see [Note: rows across ranks])."""
-        c = self.config
-        n, total = c.ranks, float(host[2])
-        if (float(host[4]) != n or n * float(host[3]) == total * total
-                or hasattr(c.loss_fn, "norm_comm") or self.__dict__.get("_rows_warned")):
-            return  # some rank could not count, rows agreed, a pipeline, or said already
-        self._rows_warned = True
-        if c.comm.rank == 0:
-            log.warning("%s: the ranks' batches hold different numbers of rows (%d rows over %d "
-                        "ranks, not %d equal parts): each rank's mean loss weighs the same, so "
-                        "the update is not the mean over all %d rows; pass weight_by_rows=True "
-                        "for that, or give every rank the same rows", c.name, total, n, n, total)
-
     def _apply(self, plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
                grad_sumsq: Any, skip: frozenset[int] = frozenset()) -> TrainState:
         """The update where the state's masters live; returns the new state."""
@@ -409,10 +394,3 @@ class ZeroStep:
         _checks.check_batch(self.config.name, self.config.comm.rank, batch)
         return _eval.evaluate(plan, _grads.unit_params(plan, state, self.tracker), batch)
 
-
-def _tracks_missing(c: Any) -> bool:
-    """Whether the step asks its loss which leaves got no gradient: a torch
-    module's (a JAX gradient is always defined), outside a pipeline, whose
-    stages' all-reduce spans other layouts (see [Note: missing gradients])."""
-    return c.kind == "provider" and hasattr(c.loss_fn, "missing") and \
-        getattr(c.loss_fn, "norm_comm", None) is None

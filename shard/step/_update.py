@@ -63,10 +63,10 @@ import ops
 from ops.device._runs import copy_runs
 from shard.core._state import TrainState
 from shard.monitor._profile import timed
-from shard.step._frozen import trainable_runs, views
+from shard.step._frozen import outside, trainable_runs, views
 
 __all__ = ["add_skips", "apply", "count_missing", "fresh_totals", "norm_and_loss", "refresh",
-           "skipped_leaves", "weigh_by_rows"]
+           "skipped_leaves", "tracks_missing", "warn_if_rows_differ", "weigh_by_rows"]
 
 log = logging.getLogger("shard.step")
 
@@ -88,7 +88,7 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
     for unit, g in zip(layout.units, shards, strict=True):
         cuts = sorted((leaf.offset, leaf.offset + leaf.local_size) for leaf in
                       (layout.leaves[i] for i in unit.leaves if i in skip))
-        for a, b in _kept([(0, unit.sharded_size), (unit.sharded_size, unit.local_size)], cuts):
+        for a, b in outside([(0, unit.sharded_size), (unit.sharded_size, unit.local_size)], cuts):
             (sharded if b <= unit.sharded_size else replicated).append(g[a:b])
     if c.stage == 0:  # everything is whole (and the same) on every rank
         replicated, sharded = sharded + replicated, []
@@ -125,6 +125,29 @@ def fresh_totals(kept: dict, device: Any, rows: int, leaves: int = 0) -> Any:
             np.concatenate([[0.0, 0.0, rows, rows * rows, 1.0 if rows else 0.0],
                             np.zeros(leaves)]))
     return base.copy()
+
+
+def warn_if_rows_differ(c: Any, host: np.ndarray) -> bool:
+    """Warn that the ranks' rows differed in a step that weighs each rank's mean
+    the same (see [Note: rows across ranks]); whether it did."""
+    n, total = c.ranks, float(host[2])
+    if (float(host[4]) != n or n * float(host[3]) == total * total
+            or hasattr(c.loss_fn, "norm_comm")):
+        return False  # some rank could not count, rows agreed, or a pipeline
+    if c.comm.rank == 0:
+        log.warning("%s: the ranks' batches hold different numbers of rows (%d rows over %d "
+                    "ranks, not %d equal parts): each rank's mean loss weighs the same, so "
+                    "the update is not the mean over all %d rows; pass weight_by_rows=True "
+                    "for that, or give every rank the same rows", c.name, total, n, n, total)
+    return True
+
+
+def tracks_missing(c: Any) -> bool:
+    """Whether the step asks its loss which leaves got no gradient: a torch
+    module's (a JAX gradient is always defined), outside a pipeline, whose
+    stages' all-reduce spans other layouts (see [Note: missing gradients])."""
+    return c.kind == "provider" and hasattr(c.loss_fn, "missing") and \
+        getattr(c.loss_fn, "norm_comm", None) is None
 
 
 def count_missing(totals: Any, missing: frozenset[int], device: Any) -> None:
@@ -227,7 +250,7 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
         if fused.per_tensor:
             _per_leaf(plan, state, shards, grad_scale, grad_sumsq, copies, skip)
         elif groups is not None or plan.runs is not None:  # see [Note: frozen leaves]
-            for count, runs in groups or [(state.step, plan.runs)]:
+            for count, runs in groups if groups is not None else [(state.step, plan.runs)]:
                 c.optimizer.apply(
                     views(shards, runs),
                     fused.state(count, *(_moment_views(plan, m, runs) for m in state.moments)),
@@ -336,17 +359,3 @@ def refresh(plan: Any, state: TrainState, copies: tuple | None) -> None:
         for runs, source in zip(plan.copy_plans.gather(u), (gathered, src[u]), strict=True):
             copy_runs(state.compute[u], runs, runs.table(device), device=device, src=source)
 
-
-def _kept(sections: list[tuple[int, int]], cuts: list[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The non-empty parts of ``sections`` outside every ``cuts`` range."""
-    out = []
-    for a, b in sections:
-        for c, d in cuts:
-            if c >= b or d <= a:
-                continue
-            if c > a:
-                out.append((a, c))
-            a = max(a, d)
-        if b > a:
-            out.append((a, b))
-    return out
