@@ -18,8 +18,10 @@ as FSDP2's root does), hands the layer's VJP its params again (so no residual
 pins a unit's params; with ``activation_checkpointing=True`` it recomputes
 the layer's forward from its input instead), and hands the unit's gradient
 (one flat buffer) to :class:`~shard.step._reduce.GradReducer`, whose
-reduce-scatter runs asynchronously while the next unit computes. A monolithic
-loss gathers every unit first (it cannot be split), as the docs say.
+reduce-scatter runs asynchronously while the next unit computes. A JAX loss
+function runs the same way, its traced program cut into one segment per
+unit (see [Note: traced units] in ``shard/step/_traced.py``); a loss object
+without the unit-by-unit protocol gathers every unit first.
 At stages 0-2 the whole compute params are the state's, and at stage 3 on
 one rank the shards are the whole params: :meth:`Units.flat` returns those
 buffers themselves, the same every step, and nothing is gathered, copied or
@@ -127,6 +129,7 @@ class Units:
         self.tracker = tracker if tracker is not None else LiveBytes()
         self.bounded = True  # False: gather everything (a monolithic loss)
         self.pinned_bytes = 0
+        self._in_use = 0  # bytes of the unit in use, as the schedule counts them
         self._warned = False
         self._inflight: dict[int, tuple[Any, Any, Any]] = {}  # u: (gathered, work, shard)
         self._unit_bytes = max((self._gather_bytes(u) for u in range(len(layout.units))),
@@ -161,9 +164,21 @@ class Units:
             time.sleep(2e-5)
 
     def _fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more fit in ``1 + prefetch`` units beyond the pinned ones."""
+        """Whether ``nbytes`` more fit in ``1 + prefetch`` units beyond the pinned
+        ones, counting what is alive now (for waiting only: see :meth:`_planned`)."""
         limit = self.pinned_bytes + self._unit_bytes * (1 + self.prefetch)
         return not self.bounded or self.tracker.live + nbytes <= limit
+
+    def _planned(self, nbytes: int) -> bool:
+        """Whether ``nbytes`` more fit in the same bound, counting what the
+        schedule holds beyond the pinned units: the unit in use and the gathers
+        in flight. Which units
+        are prefetched or dropped starts or skips collectives, so it is decided
+        from this count, the same on every rank, never from the bytes alive
+        (those depend on when each rank's arrays are freed)."""
+        inflight = sum(out.nbytes for out, _, _ in self._inflight.values())
+        return not self.bounded or (self._in_use + inflight + nbytes
+                                    <= self._unit_bytes * (1 + self.prefetch))
 
     def start(self, u: int, *, wait: bool = True) -> bool:
         """Begin all-gathering unit ``u`` (stage 3; no-op otherwise). With
@@ -177,7 +192,7 @@ class Units:
         # an extra prefetch leaves room for the copy-out of every unit in flight,
         # which briefly holds that unit twice
         copies = sum(out.nbytes for out, _, _ in self._inflight.values())
-        if not wait and not self._fits(self._gather_bytes(u) + copies):
+        if not wait and not self._planned(self._gather_bytes(u) + copies):
             return False
         self._wait_for_room(self._gather_bytes(u))
         out = self.tracker.track(self.device.empty(unit.sharded_size * self.comm.world_size,
@@ -240,7 +255,8 @@ class Units:
     def _gather(self, u: int, upcoming: Any, pinned: bool) -> Any:
         if pinned:
             self.pinned_bytes += self._gather_bytes(u)
-        if u not in self._inflight and not self._fits(self._gather_bytes(u)):
+        self._in_use = 0  # the caller is done with the unit before (pinned ones aside)
+        if u not in self._inflight and not self._planned(self._gather_bytes(u)):
             self._drop_prefetches({u, *list(upcoming)[:self.prefetch]})
         self.start(u)
         gathered, work, shard = self._inflight.pop(u)
@@ -248,7 +264,8 @@ class Units:
             with timed("all_gather_wait"):
                 work.wait()
         del work  # the handle references the buffer; the copy-out below is its last use
-        if not self._fits(gathered.nbytes):
+        self._in_use = gathered.nbytes  # and its copy-out, next
+        if not self._planned(gathered.nbytes):
             self._drop_prefetches(set(list(upcoming)[:self.prefetch]))
         self._wait_for_room(gathered.nbytes)
         # one buffer for the unit, tracked once: its views keep it alive
@@ -268,7 +285,7 @@ class Units:
         behind)."""
         upcoming = list(upcoming)
         if upcoming and upcoming[0] not in self._inflight and not self.persistent and \
-                not self._fits(self._gather_bytes(upcoming[0])):
+                not self._planned(self._gather_bytes(upcoming[0])):
             self._drop_prefetches(set(upcoming[:self.prefetch]))
         for i, v in enumerate(upcoming):
             if not self.start(v, wait=i < self.prefetch):
