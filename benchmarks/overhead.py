@@ -18,6 +18,9 @@ interleaved pass by pass; the table gives medians:
             first dimension (NamedSharding), the batch on its rows, one jit
   layered3  shard.zero3 on the GPT as a shard.Layered (one JAX layer a unit),
             world 1; layered3x2 on 2 thread ranks
+  fn3       shard.zero3 on the GPT's plain JAX loss function, world 1 (one
+            program); fn3x2 on 2 thread ranks, where the traced program is cut
+            into one segment a unit (see [Note: traced units])
 
 Columns besides the time:
 
@@ -65,7 +68,7 @@ sys.path.insert(0, str(ROOT))
 LR, WD = 3e-4, 0.1
 PEERS = ("torch", "ddp", "fsdp2")
 OURS = ("zero0", "zero1", "zero2", "zero3")
-JAX = ("jax", "jax_fsdp", "layered3", "layered3x2")
+JAX = ("jax", "jax_fsdp", "layered3", "layered3x2", "fn3", "fn3x2")
 KINDS = ("alloc", "copy", "kernel", "collective", "host_read", "dlpack")
 
 
@@ -379,13 +382,16 @@ def jax_step(mode: str, args: argparse.Namespace) -> tuple[Any, Any]:
     return step, place
 
 
-def layered_step(args: argparse.Namespace, comm: Any) -> tuple[Any, int, list]:
+def layered_step(args: argparse.Namespace, comm: Any,
+                 plain: bool = False) -> tuple[Any, int, list]:
+    """shard.zero3 on the JAX GPT as a ``shard.Layered``, or (``plain``) on its
+    loss function as written."""
     import ops
     import shard
 
-    params, layers, _ = jax_gpt(args)
-    train = shard.zero3(shard.Layered(layers), optimizer=ops.adamw(LR, weight_decay=WD),
-                        comm=comm)
+    params, layers, loss = jax_gpt(args)
+    train = shard.zero3(loss if plain else shard.Layered(layers),
+                        optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)
     holder = [train.init(params)]
     splits: list[dict] = []
 
@@ -408,7 +414,7 @@ def jax_worker(args: argparse.Namespace) -> dict[str, Any]:
     world = 2 if mode.endswith("x2") else 1
 
     def run(comm: Any) -> dict[str, Any]:
-        step, units, splits = layered_step(args, comm)
+        step, units, splits = layered_step(args, comm, plain=mode.startswith("fn"))
         part = [halves(b, comm.rank, world) for b in data]
         times = timed(step, part, args.warmup)
         split = {k: statistics.median(s.get(k, 0.0) for s in splits[args.warmup:])

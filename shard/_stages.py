@@ -43,6 +43,10 @@ Args:
   loss_fn: a JAX function ``(params, batch) -> scalar loss``, a
     :class:`shard.Layered` chain of per-unit layers, or an object with
     ``value_and_grad(params, batch) -> (loss, grads)`` (e.g. the torch adapter).
+    At stage 3 on several ranks a JAX function runs unit by unit as a
+    ``Layered`` does: its program is traced once per batch shape and cut at
+    the first use of each unit, so a flax, equinox or plain-dict model holds
+    about two units' full params at a time (see [Note: traced units]).
   optimizer: ``ops.adamw(...)``, ``ops.adam(...)`` or ``ops.lion(...)`` (fused
     kernels, host or device state), or any optax ``GradientTransformation`` on
     host state
@@ -120,7 +124,8 @@ Returns:
   of the global batch (any pytree: a dict, a tuple or list of arrays...);
   ``step(state, shard.MicroBatches([b1, b2]))`` is one step with gradient
   accumulation; ``step(state, batch, tokens=n)`` adds ``tokens_per_s``;
-  ``step.evaluate(state, batch)`` is the loss with no gradients and no update.
+  ``step.evaluate(state, batch)`` is the loss with no gradients and no update
+  (``(loss, aux)`` with ``has_aux``; ``loss_fn=`` an eval-mode JAX loss).
   metrics: loss (mean over ranks), grad_norm (before clipping), lr,
   loss_scale, skipped, time_ms (this rank's step time and its split: forward,
   backward, all_gather_wait, reduce_wait, optimizer, ...; see

@@ -99,7 +99,9 @@ def test_torch_losses_return_aux_too(stage):
     for out, evaluated in ops.spawn(run, 2):
         for mse, loss_value in out:
             np.testing.assert_allclose(mse, 2 * loss_value, rtol=1e-6)
-        assert np.isfinite(evaluated)
+        value, aux = evaluated  # has_aux: (loss, aux), as the step's metrics
+        assert np.isfinite(value) and aux["tag"] == "train"
+        np.testing.assert_allclose(aux["mse"], 2 * value, rtol=1e-5)
 
 
 def test_a_torch_loss_object_takes_the_flag_of_the_step_built_last():

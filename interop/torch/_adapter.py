@@ -319,9 +319,9 @@ class TorchLoss(UnitHooks, BufferState):
         return ((out.detach(), aux) if self.has_aux else out.detach()), grads
 
     def loss_value(self, params: dict[str, Any], batch: Any) -> Any:
-        """The loss at ``params`` in eval mode under ``torch.no_grad``, with rank
-        0's buffers (for ``ZeroStep.evaluate``, a collective); the module's
-        parameters and mode are restored."""
+        """The loss (with ``has_aux``, ``(loss, aux)``) at ``params`` in eval mode
+        under ``torch.no_grad``, with rank 0's buffers (for ``ZeroStep.evaluate``,
+        a collective); the module's parameters and mode are restored."""
         import torch
 
         self.sync_buffers()
@@ -333,7 +333,8 @@ class TorchLoss(UnitHooks, BufferState):
                 p.data = torch_view(params[name])
             self.module.eval()
             with torch.no_grad():
-                return self._call_loss(batch, training=False)[0].detach()
+                loss, aux = self._call_loss(batch, training=False)
+                return (loss.detach(), aux) if self.has_aux else loss.detach()
         finally:
             self._compute_dtype = None
             self.module.train(training)

@@ -2,7 +2,9 @@
 
 Three forms:
 - a JAX function ``loss_fn(params, batch) -> scalar``: gradients by
-  ``jax.value_and_grad``. At stage 3 every unit is gathered before it runs.
+  ``jax.value_and_grad``. At stage 3 on several ranks its traced program is
+  cut into one segment per unit and run as a ``Layered`` loss is (see [Note:
+  traced units] in ``shard/step/_traced.py``).
 - :class:`Layered`: a chain of per-unit JAX layers. At stage 3 each unit is
   gathered just before its layer runs and freed after (see [Note: ZeRO-3
   schedule] in ``shard/step/_runtime.py``).
@@ -22,6 +24,7 @@ None for zero), and the loss is a number or a scalar array.
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -277,7 +280,21 @@ class JaxLoss:
     """A monolithic JAX loss with a jitted, loss-scaled value_and_grad. With
     ``has_aux`` the function returns ``(loss, aux)``, as for
     ``jax.value_and_grad(..., has_aux=True)``, and so does ``value_and_grad``'s
-    loss."""
+    loss. :meth:`shared` gives every step of one function the same object, so
+    thread ranks and later steps share its compiled programs."""
+
+    @classmethod
+    def shared(cls, fn: Callable[..., Any], has_aux: bool = False) -> JaxLoss:
+        """The one ``JaxLoss`` of ``fn`` (made on first use; a function that
+        cannot be weakly referenced gets its own)."""
+        with _SHARED_LOCK:
+            try:
+                by_aux = _SHARED.setdefault(fn, {})
+            except TypeError:
+                return cls(fn, has_aux)
+            if has_aux not in by_aux:
+                by_aux[has_aux] = cls(fn, has_aux)
+            return by_aux[has_aux]
 
     def __init__(self, fn: Callable[..., Any], has_aux: bool = False) -> None:
         import jax
@@ -286,10 +303,12 @@ class JaxLoss:
 
         def scaled(p: Any, b: Any, s: Any) -> Any:
             loss, aux = split_aux(fn(p, b), has_aux)
+            check_scalar(loss)
             return (loss * s, aux) if has_aux else loss * s
 
         self._vg = jax.jit(jax.value_and_grad(scaled, has_aux=has_aux))
-        self.loss_value = jax.jit(lambda p, b: split_aux(fn(p, b), has_aux)[0])
+        # the loss, and with has_aux (loss, aux): for ZeroStep.evaluate
+        self.loss_value = jax.jit(lambda p, b: _checked(split_aux(fn(p, b), has_aux), has_aux))
 
     def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> tuple[Any, Any]:
         out, grads = self._vg(params, batch, loss_scale)
@@ -309,6 +328,24 @@ def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
         raise TypeError(f"the loss returned a {type(out).__name__} of {len(out)}; a loss that "
                         "returns (loss, aux) needs has_aux=True in the transform")
     return (out[0], out[1]) if has_aux else (out, None)
+
+
+_SHARED: weakref.WeakKeyDictionary[Any, dict[bool, JaxLoss]] = weakref.WeakKeyDictionary()
+_SHARED_LOCK = threading.Lock()
+
+
+def _checked(pair: tuple[Any, Any], has_aux: bool) -> Any:
+    check_scalar(pair[0])
+    return pair if has_aux else pair[0]
+
+
+def check_scalar(loss: Any) -> None:
+    """A TypeError unless the loss is a scalar (before JAX's own, which does
+    not say what to do)."""
+    shape = getattr(loss, "shape", ())
+    if tuple(shape) != ():
+        raise TypeError(f"the loss must return a scalar; it returned shape {tuple(shape)} "
+                        "(reduce it, for example with .mean())")
 
 
 def classify(loss_fn: Any) -> str:

@@ -11,7 +11,8 @@
 - ``_grads.py``: the gradient phase, each micro-batch's loss and gradients;
 - ``_runtime.py``: units' full params gathered and their gradients reduced
   ([Note: ZeRO-3 schedule]); ``_reduce.py``: the gradients' reduction into
-  the shards the optimizer reads;
+  the shards the optimizer reads; ``_traced.py``: a JAX loss cut into one
+  segment per unit, so stage 3 runs it unit by unit ([Note: traced units]);
 - ``_update.py``: the gradients' norm, the fused optimizer and the new
   compute params ([Note: missing gradients]);
 - ``_frozen.py``: which leaves train, their runs and their packed moments

@@ -17,7 +17,8 @@ from shard.core._layout import Layout
 from shard.core._state import TrainState
 
 __all__ = ["agree_on_layout", "agree_on_values", "cast_inputs", "check_batch", "check_fits",
-           "check_is_state", "counted_rows", "digest", "learning_rate", "total_rows", "weights"]
+           "check_is_state", "counted_rows", "digest", "eval_loss", "learning_rate", "refuse_keys",
+           "total_rows", "weights"]
 
 
 def digest(device: Device, arrays: list[Any], start: int = 1) -> int:
@@ -202,3 +203,33 @@ def layout_difference(have: Any, want: Any, limit: int = 5) -> str:
         else:
             parts.append("the same leaves, laid out otherwise (another specs= or units=)")
     return "; ".join(parts)
+
+
+def eval_loss(c: Any, loss_fn: Any) -> Any:
+    """``ZeroStep.evaluate``'s ``loss_fn``: a JAX function of the step's params,
+    for a step on a JAX loss."""
+    from shard.core._loss import JaxLoss
+
+    if c.kind != "jax":
+        raise TypeError(f"{c.name}.evaluate: loss_fn= is for a step on a JAX loss function; "
+                        "this step's loss is a "
+                        f"{'shard.Layered' if c.kind == 'layered' else 'loss object'} (a torch "
+                        "module already evaluates in eval mode)")
+    if not callable(loss_fn) or hasattr(loss_fn, "value_and_grad"):
+        raise TypeError(f"{c.name}.evaluate: loss_fn must be a JAX function (params, batch) -> "
+                        f"loss; got {type(loss_fn).__name__}")
+    return JaxLoss.shared(loss_fn, c.has_aux)
+
+
+def refuse_keys(params: Any, fn: str) -> None:
+    """A TypeError naming the first leaf that is a typed JAX PRNG key: a key is
+    state of the model, not a parameter the optimizer can train."""
+    tu = ops._tree.tree_util()
+    for path, x in tu.tree_leaves_with_path(params):
+        dtype = str(getattr(x, "dtype", ""))
+        if dtype.startswith("key<"):
+            raise TypeError(f"{fn}: params{tu.keystr(path)} is a JAX PRNG key ({dtype}), not a "
+                            "trainable parameter; pass keys in the batch or close over them in "
+                            "the loss (with flax nnx, split the parameters apart: graphdef, "
+                            "params, rest = nnx.split(model, nnx.Param, ...))")
+

@@ -155,11 +155,12 @@ class StepConfig:
             loss_fn.has_aux = has_aux
         if units is None:  # a loss object may know its model's units (interop.torch does)
             units = getattr(loss_fn, "units", None) if kind == "provider" else None
-        return cls(name, stage, JaxLoss(loss_fn, has_aux) if kind == "jax" else loss_fn, kind,
-                   optimizer, comm, specs, units, precision or Precision(), clip_norm,
-                   loss_scale, prefetch, loggers, offload, gradient_accumulation_steps,
-                   has_aux, weight_by_rows, replicate, tensor_parallel, reshard_after_forward,
-                   secondary, trainable, None if f is None else float(f))
+        loss = JaxLoss.shared(loss_fn, has_aux) if kind == "jax" else loss_fn
+        return cls(name, stage, loss, kind, optimizer, comm, specs, units,
+                   precision or Precision(), clip_norm, loss_scale, prefetch, loggers, offload,
+                   gradient_accumulation_steps, has_aux, weight_by_rows, replicate,
+                   tensor_parallel, reshard_after_forward, secondary, trainable,
+                   None if f is None else float(f))
 
 
 def _secondary(name: str, stage: int, comm: Communicator, reshard: Any, *, replicate: Any,

@@ -8,28 +8,35 @@ from typing import Any
 import numpy as np
 
 import ops
-from shard.step import _grads
+from shard.step import _grads, _traced
 from shard.step._runtime import Units
 
 __all__ = ["evaluate"]
 
 
-def evaluate(plan: Any, units: Units, batch: Any) -> float:
+def evaluate(plan: Any, units: Units, batch: Any, loss_fn: Any = None) -> Any:
     """The loss at ``units``' params on this rank's ``batch``, averaged over the
-    ranks (a collective). A ``Layered`` loss, ``interop.torch.layered``'s and a
-    pipeline's run unit by unit; other losses see the whole params at once."""
+    ranks (a collective); with ``has_aux``, ``(loss, aux)``, aux averaged as the
+    step's metrics are. ``loss_fn`` (a ``JaxLoss``) replaces the step's loss. A
+    ``Layered`` loss, ``interop.torch.layered``'s and a pipeline's run unit by
+    unit, a JAX loss at stage 3 segment by segment (see [Note: traced units]);
+    other losses see the whole params at once."""
     c = plan.config
+    fn = c.loss_fn if loss_fn is None else loss_fn
+    aux = None
     with _grads.placement(plan):
-        if c.kind == "layered" or hasattr(c.loss_fn, "loss_units"):
-            loss = c.loss_fn.loss_units(units, batch)  # unit by unit
+        if loss_fn is None and (c.kind == "layered" or hasattr(fn, "loss_units")):
+            loss = fn.loss_units(units, batch)  # unit by unit
+        elif c.kind == "jax" and not units.persistent:  # see [Note: traced units]
+            loss = _traced.traced(fn).loss_units(units, batch)
         else:
             params = _grads.whole_params(plan, units)
-            value = getattr(c.loss_fn, "loss_value", None)
+            value = getattr(fn, "loss_value", None)
             loss = value(params, batch) if value is not None else \
-                c.loss_fn.value_and_grad(params, batch)[0]
-            if c.has_aux and isinstance(loss, tuple):  # a provider's (loss, aux)
-                loss = loss[0]
+                fn.value_and_grad(params, batch)[0]
             del params
+        if c.has_aux and isinstance(loss, tuple):
+            loss, aux = loss
         total = _grads.on_device(plan, loss, "the loss").astype(np.float64)
     # a pipeline's loss is its last stage's: summed over the whole mesh, where
     # each model rank holds the same loss (counted at model rank 0)
@@ -39,4 +46,5 @@ def evaluate(plan: Any, units: Units, batch: Any) -> float:
     total = ops.all_reduce(mesh or c.comm, total)
     if c.replicate is not None:
         total = ops.all_reduce(c.replicate, total)
-    return float(plan.device.to_host(total)[0]) / c.ranks
+    value = float(plan.device.to_host(total)[0]) / c.ranks
+    return (value, _grads.mean_aux(plan, [aux])) if c.has_aux else value

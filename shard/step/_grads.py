@@ -15,6 +15,7 @@ from ops.device._device import device_of_or_none
 from ops.device._dlpack import jax_view
 from shard.core._state import TrainState
 from shard.monitor._profile import timed
+from shard.step import _traced
 from shard.step._reduce import GradBuffers, GradReducer
 from shard.step._runtime import LiveBytes, Units
 
@@ -86,6 +87,8 @@ def loss_and_grads(plan: Any, units: Units, reducer: GradReducer, batch: Any,
     loss_fn = c.loss_fn
     if c.kind == "layered":
         return loss_fn.run_units(units, reducer, batch, scale)
+    if c.kind == "jax" and not units.persistent:  # see [Note: traced units]
+        return _traced.traced(loss_fn).run_units(units, reducer, batch, scale)
     # Unit by unit: stage 3 within its memory bound, each reduction overlapped
     if hasattr(loss_fn, "run_units") and (
             getattr(loss_fn, "hooks_usable", lambda comm: True)(c.comm)):

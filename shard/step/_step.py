@@ -377,20 +377,30 @@ class ZeroStep:
         return state
 
     # -- evaluation -------------------------------------------------------------
-    def evaluate(self, state: Any, batch: Any) -> float:
+    def evaluate(self, state: Any, batch: Any, *, loss_fn: Any = None) -> Any:
         """The loss at ``state``'s params on this rank's ``batch``, averaged over
         the ranks (a collective: every rank calls it); no gradients, no update,
-        the state stays usable.
+        the state stays usable. With ``has_aux=True`` it returns ``(loss, aux)``,
+        aux averaged over the ranks as ``metrics["aux"]`` is.
+
+        ``loss_fn``: for a JAX loss, another function of the same params, such
+        as the model in eval mode (``functools.partial(loss, train=False)``,
+        flax's ``deterministic=True``); it returns ``(loss, aux)`` where the
+        step's loss does. A torch module runs in eval mode already.
 
         A ``Layered`` loss, ``interop.torch.layered``'s and a pipeline's run
-        unit by unit (at stage 3 within the training step's memory bound; a
-        pipeline passes each micro-batch's activations forward through its
-        stages); other losses see the whole params at once, as FSDP's
-        ``summon_full_params``. A torch module runs in eval mode (BatchNorm's
-        running statistics, no dropout) under ``torch.no_grad``.
+        unit by unit, and a JAX loss at stage 3 segment by segment (each within
+        the training step's memory bound; a pipeline passes each micro-batch's
+        activations forward through its stages); other losses see the whole
+        params at once, as FSDP's ``summon_full_params``. A torch module runs in
+        eval mode (BatchNorm's running statistics, no dropout) under
+        ``torch.no_grad``.
         """
         plan = self._plan_for(state)
         state.check_live()
         _checks.check_batch(self.config.name, self.config.comm.rank, batch)
-        return _eval.evaluate(plan, _grads.unit_params(plan, state, self.tracker), batch)
+        if loss_fn is not None:
+            loss_fn = _checks.eval_loss(self.config, loss_fn)
+        return _eval.evaluate(plan, _grads.unit_params(plan, state, self.tracker), batch,
+                              loss_fn)
 

@@ -1,0 +1,420 @@
+"""ZeRO-3 for any JAX loss: the traced program cut into one piece per unit.
+
+[Note: traced units]
+A JAX loss ``loss_fn(params, batch)`` is written as one function, but ZeRO-3
+needs each unit's full params only while that unit computes. At stage 3 on
+several ranks the loss is traced once per batch structure and shapes
+(``jax.make_jaxpr``, with nested ``jax.jit`` calls inlined so a jitted model
+is cut too), and its equations are cut into one segment per unit, in the
+order the program first uses the units: segment ``k`` runs from the first
+equation that reads unit ``order[k]``'s params to the equation before the
+next unit's first use (the equations before any use go with the first).
+What a later segment reads from an earlier one (activations, and the params
+of an earlier unit that it reads again, such as a tied embedding) is
+carried between them; the batch and the program's constants reach every
+segment directly.
+
+Each segment then runs as a :class:`~shard.core._loss.Layered` layer does
+(see [Note: ZeRO-3 schedule] in ``shard/step/_runtime.py``): its unit is
+gathered just before it runs with the next unit's gather in flight, its
+forward keeps its VJP residuals less its own inputs, and the backward
+gathers the unit again, runs the segment's VJP and hands the unit's
+gradient to the reduction while the next segment's backward computes. So a
+rank holds its shards plus about two units, whatever the model library (a
+flax, equinox or plain-dict model as its authors wrote it).
+
+What this costs and where it does not reach: each segment is two compiled
+calls (forward and backward), like ``Layered``; a unit's params read again
+later are carried (kept alive) until their last use; an equation that reads
+several units at once (a ``lax.scan`` over stacked layers, a
+``jax.checkpoint`` or custom-derivative call taking the params of several
+units) puts those units in one segment, gathered together. Units that the
+program never reads get a zero gradient.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ops.device._dlpack import jax_view
+from shard.core._loss import _placed, _UnitLayer, check_scalar, split_aux
+from shard.monitor._profile import timed
+
+__all__ = ["TracedUnits", "traced"]
+
+_CALLS = ("jit", "pjit", "closed_call", "core_call")
+KEEP = 8  # programs kept per loss function
+
+
+_TRACED: weakref.WeakKeyDictionary[Any, TracedUnits] = weakref.WeakKeyDictionary()
+_TRACED_LOCK = threading.Lock()
+
+
+def traced(loss: Any) -> TracedUnits:
+    """The one :class:`TracedUnits` of a ``JaxLoss`` (shared, as the loss is,
+    by every step and thread rank of its function)."""
+    with _TRACED_LOCK:
+        found = _TRACED.get(loss)
+        if found is None:
+            found = _TRACED[loss] = TracedUnits(loss.fn, loss.has_aux)
+        return found
+
+
+class TracedUnits:
+    """A JAX loss run segment by segment at stage 3 (see [Note: traced units]).
+
+    One per loss function; thread ranks share it, so each program is traced
+    and each segment compiled once per (layout, batch shapes and dtypes).
+    """
+
+    def __init__(self, fn: Callable[..., Any], has_aux: bool) -> None:
+        self.fn, self.has_aux = fn, has_aux
+        self._programs: dict[Any, _Program] = {}
+        self._by_id: dict[Any, tuple[Any, _Program]] = {}
+        self._lock = threading.Lock()
+
+    def program(self, units: Any, batch: Any) -> _Program:
+        """The cut program for this layout and batch (traced on first use; the
+        last :data:`KEEP` are kept, keyed by value, so step objects of equal
+        layouts share them)."""
+        import jax
+
+        layout = units.full_layout
+        dtypes = tuple(np.dtype(x.dtype) for x in units.local)
+        leaves, tree = jax.tree_util.tree_flatten(batch)
+        signature = (dtypes, tree, tuple((np.shape(x), _dtype_of(x)) for x in leaves))
+        with self._lock:
+            seen = self._by_id.get((id(layout), signature))
+            if seen is not None and seen[0] is layout:
+                return seen[1]
+            key = (layout, signature)
+            found = self._programs.pop(key, None)
+            if found is None:
+                found = _Program(self.fn, self.has_aux, layout, dtypes, batch)
+            self._programs[key] = found  # the most recent last
+            while len(self._programs) > KEEP:
+                self._programs.pop(next(iter(self._programs)))
+            self._by_id = {k: v for k, v in self._by_id.items()
+                           if (v[0], k[1]) in self._programs}
+            self._by_id[(id(layout), signature)] = (layout, found)
+        return found
+
+    def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
+        """One micro-batch segment by segment: returns the loss (and aux, with
+        ``has_aux``); each unit's gradient of ``scale * loss`` goes to
+        ``reducer``."""
+        batch = _placed(batch)
+        return self.program(units, batch).run(units, reducer, batch, scale)
+
+    def loss_units(self, units: Any, batch: Any) -> Any:
+        """The loss (and aux), forward only, segment by segment."""
+        batch = _placed(batch)
+        return self.program(units, batch).forward_only(units, batch)
+
+
+def _dtype_of(x: Any) -> Any:
+    return getattr(x, "dtype", type(x))
+
+
+def _inlined(jaxpr: Any, consts: list[Any], *args: Any) -> list[Any]:
+    """Evaluate ``jaxpr``, binding every primitive again except nested jit
+    calls, whose bodies are evaluated in place: traced by ``jax.make_jaxpr``,
+    the result is the same program with those calls inlined."""
+    from jax.extend.core import Literal
+
+    env: dict[Any, Any] = {}
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    env.update(zip(jaxpr.constvars, consts, strict=True))
+    env.update(zip(jaxpr.invars, args, strict=True))
+    for eqn in jaxpr.eqns:
+        ins = [read(v) for v in eqn.invars]
+        inner = eqn.params.get("jaxpr") if eqn.primitive.name in _CALLS else None
+        if inner is not None and hasattr(inner, "consts"):
+            outs = _inlined(inner.jaxpr, list(inner.consts), *ins)
+        else:
+            with eqn.ctx.manager:
+                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
+            if not eqn.primitive.multiple_results:
+                outs = [outs]
+        env.update(zip(eqn.outvars, outs, strict=True))
+    return [read(v) for v in jaxpr.outvars]
+
+
+def _inexact(v: Any) -> bool:
+    import jax.numpy as jnp
+
+    dtype = v.aval.dtype
+    return not jax_extended(dtype) and jnp.issubdtype(dtype, jnp.inexact)
+
+
+def jax_extended(dtype: Any) -> bool:
+    import jax
+
+    return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
+
+
+class _Program:
+    """The loss's program for one layout and batch signature, cut into segments."""
+
+    def __init__(self, fn: Callable[..., Any], has_aux: bool, layout: Any,
+                 dtypes: tuple[np.dtype, ...], batch: Any) -> None:
+        import jax
+        from jax.extend.core import Literal
+
+        self.layout, self.has_aux = layout, has_aux
+        n_units = len(layout.units)
+        leaf_unit = [0] * len(layout.leaves)
+        for u, unit in enumerate(layout.units):
+            for i in unit.leaves:
+                leaf_unit[i] = u
+        params = layout.treedef.unflatten([
+            jax.ShapeDtypeStruct(leaf.shape, dtypes[leaf_unit[i]])
+            for i, leaf in enumerate(layout.leaves)])
+        b_leaves, b_tree = jax.tree_util.tree_flatten(batch)
+        n_p = len(layout.leaves)
+
+        def flat_fn(*xs: Any) -> Any:
+            p = layout.treedef.unflatten(list(xs[:n_p]))
+            out = fn(p, jax.tree_util.tree_unflatten(b_tree, list(xs[n_p:])))
+            loss, aux = split_aux(out, has_aux)
+            check_scalar(loss)
+            self.aux_tree = jax.tree_util.tree_structure(aux)
+            return [loss, *jax.tree_util.tree_leaves(aux)]
+
+        with timed("forward"):
+            closed = jax.make_jaxpr(flat_fn)(*jax.tree_util.tree_leaves(params), *b_leaves)
+            closed = jax.make_jaxpr(lambda *xs: _inlined(closed.jaxpr, list(closed.consts), *xs))(
+                *jax.tree_util.tree_leaves(params), *b_leaves)
+        jaxpr = closed.jaxpr
+        self.consts = list(closed.consts)
+        self.constvars = list(jaxpr.constvars)
+        self.param_vars = list(jaxpr.invars[:n_p])
+        self.batch_vars = list(jaxpr.invars[n_p:])
+        unit_of = {v: leaf_unit[i] for i, v in enumerate(self.param_vars)}
+
+        # the units in the order of first use, and where each one's segment starts
+        order: list[int] = []
+        starts: list[int] = []
+        for e, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.invars:
+                u = unit_of.get(v) if not isinstance(v, Literal) else None
+                if u is not None and u not in order:
+                    order.append(u)
+                    starts.append(e)
+        if order:
+            starts[0] = 0
+        self.order = order
+        self.unused = [u for u in range(n_units) if u not in order]
+        bounds = [*starts, len(jaxpr.eqns)]
+        seg_of_eqn = np.zeros(len(jaxpr.eqns), np.int64)
+        for k in range(len(order)):
+            seg_of_eqn[bounds[k]:bounds[k + 1]] = k
+        position = {u: k for k, u in enumerate(order)}
+        n = len(order)
+
+        # where each value is made (segment), and the last segment reading it
+        made: dict[Any, int] = {v: position[unit_of[v]] for v in self.param_vars
+                                if unit_of[v] in position}
+        last: dict[Any, int] = {}
+        for e, eqn in enumerate(jaxpr.eqns):
+            k = int(seg_of_eqn[e])
+            for v in eqn.invars:
+                if not isinstance(v, Literal):
+                    last[v] = max(last.get(v, k), k)
+            for v in eqn.outvars:
+                made[v] = k
+        outs = list(jaxpr.outvars)
+        self._eqns, self._outvars = list(jaxpr.eqns), outs
+        for v in outs:
+            if not isinstance(v, Literal):
+                last[v] = n  # read after the last segment
+        carried = [v for v in made if last.get(v, -1) > made[v]]
+        self.segments = []
+        for k, u in enumerate(order):
+            ins = [v for v in carried if made[v] < k <= last[v]]
+            keep = [v for v in carried if made[v] <= k < last[v]]
+            own = [self.param_vars[i] for i in layout.units[u].leaves]
+            self.segments.append(_Cut(k, u, jaxpr.eqns[bounds[k]:bounds[k + 1]], own,
+                                      [v for v in ins if _inexact(v)],
+                                      [v for v in ins if not _inexact(v)],
+                                      [v for v in keep if _inexact(v)],
+                                      [v for v in keep if not _inexact(v)]))
+        if self.segments:  # the last one returns the program's outputs
+            final = self.segments[-1]
+            final.out_d, final.out_nd = [outs[0]], outs[1:]
+        self.layers = [_Segment(self, cut, layout) for cut in self.segments]
+
+    # -- running ---------------------------------------------------------------
+
+    def _finish(self, loss: Any, aux: list[Any]) -> Any:
+        import jax
+
+        if not self.has_aux:
+            return loss
+        return loss, jax.tree_util.tree_unflatten(self.aux_tree, aux)
+
+    def run(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
+        import jax
+        import jax.numpy as jnp
+
+        b = tuple(jax.tree_util.tree_leaves(batch))
+        n = len(self.layers)
+        if n == 0:
+            return self._without_params(units, reducer, b)
+        carries: list[tuple[Any, Any]] = [((), ())]
+        saved: list[Any] = [None] * n
+        order = self.order
+        for k in range(n):
+            u = order[k]
+            flat = jax_view(units.flat(u, order[k + 1:] if k < n - 1 else
+                                       order[n - 2::-1] if n > 1 else ()))
+            with timed("forward"):
+                out_d, out_nd, saved[k] = self.layers[k].forward(flat, *carries[-1], b)
+                carries.append(jax.block_until_ready((out_d, out_nd)))
+            if k < n - 1:
+                del flat
+        (loss,), aux = carries.pop()
+        ct: Any = (jnp.asarray(scale, dtype=jnp.result_type(loss)),)
+        for k in reversed(range(n)):
+            u = order[k]
+            if k < n - 1:
+                flat = jax_view(units.flat(u, order[k - 1::-1] if k > 0 else ()))
+            with timed("backward"):
+                grad, ct = self.layers[k].backward(saved[k], flat, *carries[k], b, ct)
+                saved[k] = None
+                jax.block_until_ready((grad, ct))
+            del flat
+            carries[k] = ((), ())
+            reducer.add(u, units.leaf_views(u, units.device.from_jax(grad)))
+        for u in self.unused:
+            reducer.add(u, [None] * len(self.layout.units[u].leaves))
+        return self._finish(loss, list(aux))
+
+    def _without_params(self, units: Any, reducer: Any, b: tuple[Any, ...]) -> Any:
+        outs = _evaluate([], self.constvars, self.consts, self.batch_vars, b, self._eqns,
+                         self._outvars)
+        for u in self.unused:
+            reducer.add(u, [None] * len(self.layout.units[u].leaves))
+        return self._finish(outs[0], outs[1:])
+
+    def forward_only(self, units: Any, batch: Any) -> Any:
+        import jax
+
+        b = tuple(jax.tree_util.tree_leaves(batch))
+        n = len(self.layers)
+        carry: tuple[Any, Any] = ((), ())
+        for k in range(n):
+            flat = jax_view(units.flat(self.order[k], self.order[k + 1:]))
+            carry = jax.block_until_ready(self.layers[k].apply(flat, carry, b))
+            del flat  # (waited for: async dispatch would keep it alive)
+        (loss,), aux = carry
+        return self._finish(loss, list(aux))
+
+
+class _Cut:
+    """Segment ``k``: unit ``u``'s equations, its own params, what it reads from
+    earlier segments (float ``in_d``, others ``in_nd``) and what it passes on."""
+
+    def __init__(self, k: int, u: int, eqns: list[Any], own: list[Any], in_d: list[Any],
+                 in_nd: list[Any], out_d: list[Any], out_nd: list[Any]) -> None:
+        self.k, self.u, self.eqns, self.own = k, u, eqns, own
+        self.in_d, self.in_nd, self.out_d, self.out_nd = in_d, in_nd, out_d, out_nd
+
+
+def _evaluate(pairs: list[tuple[Any, Any]], constvars: list[Any], consts: list[Any],
+              batch_vars: list[Any], batch: tuple[Any, ...], eqns: list[Any],
+              outvars: list[Any]) -> list[Any]:
+    from jax.extend.core import Literal
+
+    env: dict[Any, Any] = dict(zip(constvars, consts, strict=True))
+    env.update(zip(batch_vars, batch, strict=True))
+    env.update(pairs)
+
+    def read(v: Any) -> Any:
+        return v.val if isinstance(v, Literal) else env[v]
+
+    for eqn in eqns:
+        with eqn.ctx.manager:
+            outs = eqn.primitive.bind(*[read(v) for v in eqn.invars],
+                                      **eqn.primitive.get_bind_params(eqn.params))
+        env.update(zip(eqn.outvars, outs if eqn.primitive.multiple_results else [outs],
+                       strict=True))
+    return [read(v) for v in outvars]
+
+
+class _Segment(_UnitLayer):
+    """One segment over its unit's flat params buffer, compiled as a
+    :class:`~shard.core._loss.Layered` layer is: ``apply`` (forward only),
+    ``forward`` keeping its VJP residuals less its own inputs, ``backward``."""
+
+    def __init__(self, program: _Program, cut: _Cut, layout: Any) -> None:
+        import jax
+
+        unit = layout.units[cut.u]
+        pieces = tuple((layout.leaves[i].offset, layout.leaves[i].size, layout.leaves[i].shape)
+                       for i in unit.leaves)
+        self.cut = cut
+
+        def f(ls: list[Any], carry: tuple[Any, Any], b: tuple[Any, ...]) -> Any:
+            cd, cnd = carry
+            pairs = [*zip(cut.own, ls, strict=True), *zip(cut.in_d, cd, strict=True),
+                     *zip(cut.in_nd, cnd, strict=True)]
+            outs = _evaluate(pairs, program.constvars, program.consts, program.batch_vars, b,
+                             cut.eqns, [*cut.out_d, *cut.out_nd])
+            return tuple(outs[:len(cut.out_d)]), tuple(outs[len(cut.out_d):])
+
+        super().__init__(f, jax.tree_util.tree_structure(list(range(len(pieces)))), pieces,
+                         unit.local_size)
+        self._kept: Any = None
+
+    def forward(self, flat: Any, cd: Any, cnd: Any, b: Any) -> tuple[Any, Any, Any]:
+        """``(float outputs, other outputs, saved)`` (``saved`` for :meth:`backward`)."""
+        plan = self._kept
+        if plan is None:
+            with self._lock:  # thread ranks: one of them traces, the others wait
+                plan = self._kept
+                if plan is None:
+                    plan = self._plan()
+                    out_d, out_nd, kept = plan[0](flat, cd, cnd, b)  # traces
+                    self._kept = plan
+                    return out_d, out_nd, (plan, kept)
+        out_d, out_nd, kept = plan[0](flat, cd, cnd, b)
+        return out_d, out_nd, (plan, kept)
+
+    def _plan(self) -> tuple[Any, Any]:
+        import jax
+
+        sources: list[int | None] = []
+        meta: list[Any] = []
+
+        def fwd(flat: Any, cd: Any, cnd: Any, b: Any) -> Any:
+            ls = self.leaves(flat)
+            out_d, vjp, out_nd = jax.vjp(lambda ls, cd: self.f(ls, (cd, cnd), b), ls, cd,
+                                         has_aux=True)
+            res, structure = jax.tree_util.tree_flatten(vjp)
+            ins = {id(x): k for k, x in enumerate(jax.tree_util.tree_leaves((ls, cd, cnd, b)))}
+            sources[:] = [ins.get(id(r)) for r in res]
+            meta[:] = [structure]
+            return out_d, out_nd, [r for r, s in zip(res, sources, strict=True) if s is None]
+
+        def bwd(kept: Any, flat: Any, cd: Any, cnd: Any, b: Any, ct: Any) -> Any:
+            ins = jax.tree_util.tree_leaves((self.leaves(flat), cd, cnd, b))
+            rest = iter(kept)
+            res = [next(rest) if s is None else ins[s] for s in sources]
+            g, dcd = jax.tree_util.tree_unflatten(meta[0], res)(ct)
+            return self.flat_grad(g, flat.dtype), dcd
+
+        return jax.jit(fwd), jax.jit(bwd)
+
+    def backward(self, saved: Any, flat: Any, cd: Any, cnd: Any, b: Any,
+                 ct: Any) -> tuple[Any, Any]:
+        (_, bwd), kept = saved
+        return bwd(kept, flat, cd, cnd, b, ct)

@@ -1,0 +1,288 @@
+"""ZeRO-3 for any JAX loss (see [Note: traced units] in shard/step/_traced.py):
+the program is cut into one segment per unit, so a plain-dict, flax nnx or
+equinox model as its authors wrote it holds about two units at a time, and
+every rank's shards equal the single-process optax reference's slice."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import ops
+import shard
+
+LR, WD = 1e-2, 0.01
+
+
+def optax_reference(params, loss, batches, has_aux=False):
+    tx = optax.adamw(LR, weight_decay=WD)
+    opt = tx.init(params)
+    losses = []
+    for b in batches:
+        value, grads = jax.value_and_grad(loss, has_aux=has_aux)(params, b)
+        losses.append(float(value[0] if has_aux else value))
+        updates, opt = tx.update(grads, opt, params)
+        params = optax.apply_updates(params, updates)
+    return params, losses
+
+
+def train(loss, params, batches, world, *, has_aux=False, units=None, check=None):
+    """Each rank's shards, metrics and peak of full params after the batches."""
+
+    def run(comm):
+        step = shard.zero3(loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
+                           has_aux=has_aux, units=units)
+        state = step.init(params)
+        metrics = []
+        for b in batches:
+            state, m = step(state, shard.split_batch(b, rank=comm.rank, world_size=world))
+            metrics.append(m)
+        out = check(step, state, comm) if check else None
+        return state, metrics, step.tracker, out
+
+    return ops.spawn(run, world)
+
+
+def assert_shards_equal(states, want, world, rtol=2e-5, atol=2e-6):
+    for rank, state in enumerate(states):
+        ref = shard.partition(want, rank=rank, world_size=world)
+        for path, g, w in zip(jax.tree_util.tree_leaves_with_path(state.params),
+                              jax.tree_util.tree_leaves(state.params),
+                              jax.tree_util.tree_leaves(ref), strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol,
+                                       err_msg=f"rank {rank} {jax.tree_util.keystr(path[0])}")
+
+
+# -- a plain-dict model with what real programs do -----------------------------------------
+
+D, V = 10, 7  # rows of 10 and 7 do not divide 3 ranks
+
+
+def plain_params():
+    rng = np.random.default_rng(0)
+    return {"embed": {"w": rng.standard_normal((V, D)).astype(np.float32) * 0.3},
+            "block": {"w": rng.standard_normal((D, D)).astype(np.float32) * 0.3,
+                      "b": np.zeros(D, np.float32)},
+            "mix": {"w": rng.standard_normal((D, D)).astype(np.float32) * 0.3},
+            "unused": {"w": np.ones(5, np.float32)}}
+
+
+@jax.jit  # a jitted piece of the model: inlined, so its unit is cut out on its own
+def block(p, h):
+    return jnp.tanh(h @ p["w"] + p["b"])
+
+
+def plain_loss(p, b):
+    h = p["embed"]["w"][b["ids"]]  # a gather of rows by integer ids
+    labels = jnp.argmax(b["target"], axis=-1)  # an integer value carried to the end
+    h = block(p["block"], h)
+    h = jnp.tanh(h @ p["mix"]["w"])
+    logits = h @ p["embed"]["w"].T  # the embedding again: tied weights
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+    return loss, {"accuracy": jnp.mean(jnp.argmax(logits, -1) == labels), "h": h.mean()}
+
+
+def plain_batches(rows=6, steps=3):
+    rng = np.random.default_rng(1)
+    return [{"ids": rng.integers(0, V, rows).astype(np.int32),
+             "target": rng.standard_normal((rows, V)).astype(np.float32)}
+            for _ in range(steps)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_plain_loss_at_stage_3_matches_single_process_optax(world):
+    params, batches = plain_params(), plain_batches()
+    want, losses = optax_reference(params, plain_loss, batches, has_aux=True)
+    got = train(plain_loss, params, batches, world, has_aux=True)
+    assert_shards_equal([s for s, *_ in got], want, world)
+    for _, metrics, tracker, _ in got:
+        np.testing.assert_allclose([m["loss"] for m in metrics], losses, rtol=1e-5)
+        assert set(metrics[-1]["aux"]) == {"accuracy", "h"}
+        assert tracker.live == 0
+
+
+def test_segments_follow_first_use_and_carry_what_later_ones_read():
+    from shard.core._loss import JaxLoss
+
+    params, batches = plain_params(), plain_batches()
+    seen = {}
+
+    def check(step, state, comm):
+        traced = shard.step._traced.traced(step.config.loss_fn)
+        (program,) = [p for (layout, (_, _, shapes)), p in traced._programs.items()
+                      if layout == step.plan.full_layout and shapes[0][0] == (3,)]
+        seen["order"] = [list(program.layout.units[u].leaves) for u in program.order]
+        seen["unused"] = program.unused
+        seen["same"] = traced is shard.step._traced.traced(JaxLoss.shared(plain_loss, True))
+        return len(program.segments)
+
+    got = train(plain_loss, params, batches, 2, has_aux=True, check=check)
+    assert {out for *_, out in got} == {3}  # embed, block, mix; "unused" has none
+    names = [k for k, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    order = [[jax.tree_util.keystr(names[i]) for i in leaves] for leaves in seen["order"]]
+    assert order == [["['embed']['w']"], ["['block']['b']", "['block']['w']"], ["['mix']['w']"]]
+    assert seen["unused"] == [3] and seen["same"]
+
+
+def test_the_loss_is_traced_once_for_all_thread_ranks_and_steps():
+    traces = []
+
+    def loss(p, b):
+        traces.append(1)
+        return plain_loss(p, b)[0]
+
+    train(loss, plain_params(), plain_batches(rows=8, steps=2), 4)
+    assert len(traces) == 1
+
+
+def test_a_non_scalar_loss_is_named_at_every_stage():
+    def per_row(p, b):
+        return jnp.sum((b["x"] @ p["w"]) ** 2, axis=1)
+
+    params = {"w": np.ones((3, 2), np.float32)}
+    b = {"x": np.ones((4, 3), np.float32)}
+    for stage in (2, 3):
+        def run(comm, stage=stage):
+            step = getattr(shard, f"zero{stage}")(per_row, optimizer=ops.adamw(LR), comm=comm)
+            with pytest.raises(TypeError, match=r"scalar; it returned shape \(2,\)"):
+                step(step.init(params), shard.split_batch(b, rank=comm.rank, world_size=2))
+        ops.spawn(run, 2)
+
+
+# -- models written with flax nnx and equinox ----------------------------------------------
+
+flax = pytest.importorskip("flax")
+eqx = pytest.importorskip("equinox")
+from flax import nnx  # noqa: E402
+
+
+class CNN(nnx.Module):
+    """flax's MNIST tutorial CNN (smaller channels and images)."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.conv1 = nnx.Conv(1, 4, kernel_size=(3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(4, 8, kernel_size=(3, 3), rngs=rngs)
+        self.avg_pool = lambda x: nnx.avg_pool(x, window_shape=(2, 2), strides=(2, 2))
+        self.linear1 = nnx.Linear(2 * 2 * 8, 32, rngs=rngs)
+        self.linear2 = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = self.avg_pool(nnx.relu(self.conv1(x)))
+        x = self.avg_pool(nnx.relu(self.conv2(x)))
+        x = x.reshape(x.shape[0], -1)
+        return self.linear2(nnx.relu(self.linear1(x)))
+
+
+class Block(eqx.Module):
+    attention: eqx.nn.MultiheadAttention
+    norm: eqx.nn.LayerNorm
+    mlp: eqx.nn.MLP
+
+    def __init__(self, d, key):
+        k1, k2 = jax.random.split(key)
+        self.attention = eqx.nn.MultiheadAttention(2, d, key=k1)
+        self.norm = eqx.nn.LayerNorm(d)
+        self.mlp = eqx.nn.MLP(d, d, 2 * d, 1, key=k2)
+
+    def __call__(self, x):
+        x = x + self.attention(x, x, x)
+        return x + jax.vmap(self.mlp)(jax.vmap(self.norm)(x))
+
+
+class Encoder(eqx.Module):
+    embed: eqx.nn.Embedding
+    layers: list
+    head: eqx.nn.Linear
+
+    def __init__(self, key, d=12, vocab=11, depth=3):
+        keys = jax.random.split(key, depth + 2)
+        self.embed = eqx.nn.Embedding(vocab, d, key=keys[0])
+        self.layers = [Block(d, k) for k in keys[1:-1]]
+        self.head = eqx.nn.Linear(d, 2, key=keys[-1])
+
+    def __call__(self, ids):
+        x = jax.vmap(self.embed)(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x.mean(axis=0))
+
+
+def cnn_case():
+    graphdef, state = nnx.split(CNN(rngs=nnx.Rngs(0)))
+
+    def loss(s, b):
+        logits = nnx.merge(graphdef, s)(b["x"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    rng = np.random.default_rng(2)
+    batches = [{"x": rng.standard_normal((4, 8, 8, 1)).astype(np.float32),
+                "y": rng.integers(0, 10, 4).astype(np.int32)} for _ in range(2)]
+    return state, loss, batches, None
+
+
+def encoder_case():
+    params, static = eqx.partition(Encoder(jax.random.key(0)), eqx.is_array)
+
+    def loss(p, b):
+        model = eqx.combine(p, static)
+        logits = jax.vmap(model)(b["ids"])
+        return optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+
+    rng = np.random.default_rng(3)
+    batches = [{"ids": rng.integers(0, 11, (4, 5)).astype(np.int32),
+                "y": rng.integers(0, 2, 4).astype(np.int32)} for _ in range(2)]
+    return params, loss, batches, 2  # a unit per field and per layer
+
+
+def full_unit_bytes(params, units):
+    layout = shard.core._layout.make_layout(params, world_size=1, units=units)
+    return [u.local_size * 4 for u in layout.units]
+
+
+@pytest.mark.parametrize("case", [cnn_case, encoder_case], ids=["flax-nnx-cnn", "equinox"])
+def test_library_models_hold_about_two_units_and_match_optax(case):
+    params, loss, batches, units = case()
+    want, losses = optax_reference(params, loss, batches)
+    sizes = full_unit_bytes(params, units)
+    got = train(loss, params, batches, 2, units=units,
+                check=lambda step, state, comm: step.evaluate(state, batches[0]))
+    assert_shards_equal([s for s, *_ in got], want, 2, rtol=1e-4, atol=1e-5)
+    for _, metrics, tracker, evaluated in got:
+        np.testing.assert_allclose([m["loss"] for m in metrics], losses, rtol=1e-5)
+        # a unit's gather buffer and its copy-out, or two units; every unit
+        # gathered at once holds them all plus the largest gather buffer
+        assert tracker.peak <= 2 * max(sizes), (tracker.peak, sizes)
+        assert tracker.peak < sum(sizes) + max(sizes), (tracker.peak, sizes)
+        np.testing.assert_allclose(evaluated, float(loss(want, batches[0])), rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_evaluate_returns_aux_and_takes_an_eval_mode_loss(stage):
+    import functools
+
+    params, batches = plain_params(), plain_batches()
+
+    def loss(p, b, train=True):
+        value, aux = plain_loss(p, b)
+        return (value * 1.5 if train else value), {**aux, "train": train}
+
+    def run(comm):
+        step = getattr(shard, f"zero{stage}")(loss, optimizer=ops.adamw(LR), comm=comm,
+                                              has_aux=True)
+        state = step.init(params)
+        mine = shard.split_batch(batches[0], rank=comm.rank, world_size=2)
+        with pytest.raises(TypeError, match="loss_fn must be a JAX function"):
+            step.evaluate(state, mine, loss_fn=object())
+        return (step.evaluate(state, mine),
+                step.evaluate(state, mine, loss_fn=functools.partial(loss, train=False)))
+
+    want_train, _ = loss(params, batches[0])
+    want_eval, want_aux = loss(params, batches[0], train=False)
+    for (train_value, train_aux), (eval_value, eval_aux) in ops.spawn(run, 2):
+        np.testing.assert_allclose(train_value, float(want_train), rtol=1e-5)
+        np.testing.assert_allclose(eval_value, float(want_eval), rtol=1e-5)
+        assert train_aux["train"] == 1.0 and eval_aux["train"] == 0.0  # bools average as numbers
+        np.testing.assert_allclose(eval_aux["accuracy"], float(want_aux["accuracy"]), rtol=1e-6)
