@@ -20,7 +20,8 @@ DP_AXIS = "dp"
 
 @dataclass(frozen=True)
 class Shard:
-    """Split the leaf along dimension ``dim`` (only 0 is supported) over the ranks.
+    """Split the leaf along dimension ``dim`` over the ranks (dimension 0; a
+    step refuses another, naming the leaf).
 
     Rank r holds rows ``[r * R, (r + 1) * R)`` with ``R = ceil(shape[0] / W)``;
     the rows past the end of the leaf on the last ranks are zero padding, so a
@@ -30,9 +31,8 @@ class Shard:
     dim: int = 0
 
     def __post_init__(self) -> None:
-        if self.dim != 0:
-            raise NotImplementedError(f"Shard(dim={self.dim}): only dim 0 is supported; "
-                                      "transpose the leaf or use Replicate()")
+        if not isinstance(self.dim, int) or self.dim < 0:
+            raise ValueError(f"Shard(dim={self.dim!r}): dim must be an int >= 0")
 
     def __repr__(self) -> str:
         return f"Shard({self.dim})"
@@ -50,7 +50,39 @@ Spec = Shard | Replicate
 
 
 def _is_spec(x: Any) -> bool:
-    return isinstance(x, (Shard, Replicate))
+    return isinstance(x, (Shard, Replicate)) or _is_partition_spec(x)
+
+
+def _is_partition_spec(x: Any) -> bool:
+    """A ``jax.sharding.PartitionSpec`` (without importing jax for other specs)."""
+    module = type(x).__module__
+    if module != "jax" and not module.startswith("jax."):
+        return False
+    from jax.sharding import PartitionSpec
+
+    return isinstance(x, PartitionSpec)
+
+
+def _spec_of(path: str, spec: Any, fn: str) -> Spec:
+    """``spec`` as a ``Shard``/``Replicate`` (a ``PartitionSpec`` converted: any
+    one mesh axis on dimension 0 is ``Shard(0)``); NotImplementedError naming
+    the leaf for a split of another dimension."""
+    if _is_partition_spec(spec):
+        entries = tuple(spec)
+        if not entries or all(e is None for e in entries):
+            return Replicate()
+        if entries[0] is not None and all(e is None for e in entries[1:]):
+            return Shard(0)
+        dims = [d for d, e in enumerate(entries) if e is not None]
+        raise NotImplementedError(f"{fn}: params{path}: {spec} splits dimension(s) {dims}; ZeRO "
+                                  "shards split dimension 0 only: PartitionSpec('data') (or "
+                                  "shard.Shard(0)), PartitionSpec() to replicate, or transpose "
+                                  "the leaf")
+    if isinstance(spec, Shard) and spec.dim != 0:
+        raise NotImplementedError(f"{fn}: params{path}: Shard({spec.dim}) splits dimension "
+                                  f"{spec.dim}; ZeRO shards split dimension 0 only: Shard(0), "
+                                  "Replicate(), or transpose the leaf")
+    return spec
 
 
 def resolve_specs(params: Any, specs: Any = None, *, fn: str = "specs") -> Any:
@@ -73,13 +105,15 @@ def resolve_specs(params: Any, specs: Any = None, *, fn: str = "specs") -> Any:
                              "spec per leaf, a prefix of the params tree, or one spec") from None
         bad = [p for p, s in tu.tree_leaves_with_path(specs, is_leaf=_is_spec) if not _is_spec(s)]
         if bad:
-            raise TypeError(f"{fn}: {tu.keystr(bad[0])} is not a Shard() or Replicate() spec")
+            raise TypeError(f"{fn}: {tu.keystr(bad[0])} is not a spec: Shard(0), Replicate() or "
+                            "a jax.sharding.PartitionSpec (shard.from_partition_spec)")
 
-    def fix(leaf: Any, spec: Any) -> Any:
+    def fix(path: Any, leaf: Any, spec: Any) -> Any:
+        spec = _spec_of(tu.keystr(path), spec, fn)
         shape = getattr(leaf, "shape", ())
         return Replicate() if len(shape) == 0 or shape[0] == 0 else spec
 
-    return tu.tree_map(fix, params, full)
+    return tu.tree_map_with_path(fix, params, full)
 
 
 def to_partition_spec(spec: Spec, axis: str = DP_AXIS) -> Any:

@@ -33,6 +33,7 @@ def from_params(c: StepConfig, params: Any, device: Device | None, current: Devi
     tu = ops._tree.tree_util()
     if c.tensor_parallel is not None and getattr(c.loss_fn, "tensor_parallel", None) is None:
         params = c.tensor_parallel.shard(params)  # this model rank's slices of the whole params
+    _checks.refuse_keys(params, fn)
     raw, treedef = tu.tree_flatten(params)
     _, leaves = native_leaves(raw, fn)
     if not any(is_shape(x) for x in leaves):
@@ -43,8 +44,11 @@ def from_params(c: StepConfig, params: Any, device: Device | None, current: Devi
         leaves = [plan.device.asarray(x) for x in native_leaves(
             plan.layout.treedef.flatten_up_to(params), fn)[1]]
         digest = _checks.digest(plan.device, leaves)
+        remedy = () if c.kind == "provider" else (
+            "make them from the same PRNG key on every rank (jax.random.key(seed)), or give "
+            "every rank rank 0's params",)
         for comm in (c.comm, c.replicate) if c.replicate is not None else (c.comm,):
-            _checks.agree_on_values(comm, digest, fn)
+            _checks.agree_on_values(comm, digest, fn, *remedy)
         return by_units(c, plan, lambda u, i: [leaves[j] for j in i], check=False)
     materialize = getattr(c.loss_fn, "materialize", None)
     if materialize is None:
