@@ -196,3 +196,31 @@ def test_save_after_async_save_waits_for_it_and_disk_tiers_are_refused(tmp_path)
         return extra
 
     assert ops.spawn(run, 2) == [{"which": "sync"}] * 2
+
+
+def test_a_rank_that_sees_the_async_commit_late_is_waited_for_by_the_next_save(
+        tmp_path, monkeypatch):
+    """Rank 1 looks for rank 0's commit of an async_save only after rank 0 has
+    committed it and gone on to a save of the same path: that save's fresh
+    <path>.tmp must not be taken for the old one's (rank 1 would wait for it)."""
+    from shard.checkpoint import _async
+
+    real = _async._await_commit
+
+    def late(path, tmp, timeout):
+        if not (tmp.parent / "looked").exists():
+            time.sleep(0.5)
+        (tmp.parent / "looked").touch()
+        return real(path, tmp, timeout)
+
+    monkeypatch.setattr(_async, "_await_commit", late)
+    path = tmp_path / "ckpt"
+
+    def run(comm):
+        step = shard.zero2(M.loss, optimizer=ops.adamw(M.LR), comm=comm)
+        state = step.init(M.init_params())
+        shard.async_save(state, path, comm=comm, extra={"which": "async"}, timeout=3.0)
+        shard.save(state, path, comm=comm, extra={"which": "sync"})
+        return shard.load(path, step, comm=comm)[1]
+
+    assert ops.spawn(run, 2) == [{"which": "sync"}] * 2

@@ -92,13 +92,14 @@ class AsyncSave:
     result = wait  # concurrent.futures' name for it
 
 
-def wait_pending(path: Path, comm: Communicator) -> None:
+def wait_pending(path: Path, comm: Communicator) -> bool:
     """Wait for this rank's last asynchronous save of ``path``, if any, and raise
-    its error unless its ``wait()`` already has."""
+    its error unless its ``wait()`` already has; whether there was one."""
     with _lock:
         pending = _pending.pop((str(path.absolute()), id(comm)), None)
     if pending is not None and not pending._reported:
         pending.wait()
+    return pending is not None
 
 
 def async_save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,

@@ -186,7 +186,13 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
 
     check_savable(state, extra, "save")
     path = Path(path)
-    wait_pending(path, comm)
+    # After an async_save of this path (every rank called it, so every rank has
+    # one), no rank starts this save until every rank has seen that one
+    # committed: a rank that looked late would take this save's fresh
+    # <path>.tmp for the old one's and wait for it forever.
+    if wait_pending(path, comm):
+        with every_rank("save", comm):
+            comm.barrier()
     plan = state.meta.plan
     replicas = plan.config.replicate if plan is not None else None
     tp = plan.config.tensor_parallel if plan is not None else None
