@@ -174,7 +174,7 @@ def async_save(state: TrainState, path: str | os.PathLike, *, comm: Communicator
     manifest = None
     if comm.rank == 0:
         module = ck.write_module_file(state, tmp)
-        manifest = ck.manifest(state, [], extra, module)
+        manifest = ck.manifest(state, [], extra, module, ck.write_model_state_file(state, tmp))
     rank, world = comm.rank, comm.world_size
 
     def work() -> None:

@@ -47,6 +47,7 @@ from ops._tree import tree_util
 from ops.comm._collectives import all_gather_host
 from ops.device._device import device_named
 from shard.checkpoint._files import CheckpointError, _sha256
+from shard.checkpoint._module import _write_model_state_file as write_model_state_file
 from shard.checkpoint._module import _write_module_file as write_module_file
 from shard.checkpoint._module import read_module_file
 from shard.checkpoint._validate import REST_DTYPES
@@ -54,7 +55,8 @@ from shard.core._layout import Layout
 from shard.core._state import TrainState
 
 __all__ = ["CheckpointError", "check_savable", "commit", "every_rank", "kinds", "leaf_names",
-           "manifest", "rank_tensors", "read_module_file", "save", "write_module_file",
+           "manifest", "rank_tensors", "read_module_file", "save", "write_model_state_file",
+           "write_module_file",
            "write_tensors"]
 
 log = logging.getLogger(__name__)
@@ -129,7 +131,7 @@ def write_tensors(tensors: dict[str, np.ndarray], path: Path) -> tuple[str, int]
 
 
 def manifest(state: TrainState, files: list[dict], extra: Any,
-             module: dict | None = None) -> dict:
+             module: dict | None = None, model_state: dict | None = None) -> dict:
     m = state.meta
     names = leaf_names(m.layout)
     return {
@@ -150,6 +152,7 @@ def manifest(state: TrainState, files: list[dict], extra: Any,
                       "rest": [{"shape": list(np.shape(x)), "dtype": str(np.asarray(x).dtype)}
                                for x in state.opt_rest]},
         "files": files, "extra": extra, **({"module": module} if module else {}),
+        **({"model_state": model_state} if model_state else {}),
     }
 
 
@@ -254,7 +257,8 @@ def _save(state: TrainState, path: Path, comm: Communicator, extra: Any) -> Path
         files = [{"file": f"rank-{r:05d}.safetensors", "sha256": digests[r].tobytes().hex(),
                   "bytes": int(sizes[r])} for r in range(comm.world_size) if sizes[r] > 0]
         module = write_module_file(state, tmp)
-        commit(path, tmp, manifest(state, files, extra, module))
+        commit(path, tmp, manifest(state, files, extra, module,
+                                   write_model_state_file(state, tmp)))
     comm.barrier()
     return path
 

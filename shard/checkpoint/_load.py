@@ -15,7 +15,7 @@ from ops import Communicator, Device
 from ops.device._device import device_named
 from shard.checkpoint._checkpoint import FORMAT, KINDS, TP_FORMAT, TP_INDEX, VERSION, every_rank
 from shard.checkpoint._files import CheckpointError
-from shard.checkpoint._module import _load_module
+from shard.checkpoint._module import _load_module, read_model_state
 from shard.checkpoint._sources import Joined, Sliced, source_of, verify_files
 from shard.checkpoint._validate import check_manifest, check_part_names, optimizer_of
 from shard.core._layout import LeafLayout, alloc_units
@@ -289,6 +289,9 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
                              for leaf in layout.leaves],
                       copies=copies)
     _load_module(path, manifest, step)
+    model_state = read_model_state(path, manifest, getattr(step, "model_state_like", None))
+    if model_state is not None:
+        state = state.replace(model_state=model_state)
     comm.barrier()
     return state, manifest.get("extra")
 

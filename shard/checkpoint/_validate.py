@@ -150,6 +150,23 @@ def check_manifest(directory: Path, manifest: dict) -> None:
         if not isinstance(aliases, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in aliases.items()):
             raise CheckpointError(f"{at}.aliases must map names to names")
+    _check_model_state(directory, manifest, where)
+
+
+def _check_model_state(directory: Path, manifest: dict, where: str) -> None:
+    """The manifest's ``model_state`` entry (see [Note: model state])."""
+    entry = manifest.get("model_state")
+    if entry is None:
+        return
+    at = f"{where}: model_state"
+    if not isinstance(entry, dict):
+        raise CheckpointError(f"{at} must be an object; got {type(entry).__name__}")
+    plain_file(entry.get("file"), f"{at}.file")
+    _file_entry(directory, entry, at)
+    leaves = entry.get("leaves")
+    if not isinstance(leaves, list) or len(leaves) > 1 << 16 or not all(
+            isinstance(x, str) and len(x) < 4096 for x in leaves):
+        raise CheckpointError(f"{at}.leaves must be a list of key paths")
 
 
 def optimizer_of(manifest: dict, where: str) -> tuple[tuple[str, ...], list[tuple]]:

@@ -296,6 +296,21 @@ class JaxLoss:
                 by_aux[has_aux] = cls(fn, has_aux)
             return by_aux[has_aux]
 
+    @classmethod
+    def with_state(cls, fn: Callable[..., Any], has_aux: bool = False) -> JaxLoss:
+        """The one ``JaxLoss`` of a loss with a model state (see [Note: model
+        state]): ``fn(params, batch, model_state)`` seen as a loss of
+        ``(batch, model_state)`` whose aux is ``(new_model_state, aux)``."""
+        with _SHARED_LOCK:
+            try:
+                by_kind = _SHARED.setdefault(fn, {})
+            except TypeError:
+                return cls(_threading_state(fn, has_aux), True)
+            key = ("model_state", has_aux)
+            if key not in by_kind:
+                by_kind[key] = cls(_threading_state(fn, has_aux), True)
+            return by_kind[key]
+
     def __init__(self, fn: Callable[..., Any], has_aux: bool = False) -> None:
         import jax
 
@@ -330,8 +345,52 @@ def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
     return (out[0], out[1]) if has_aux else (out, None)
 
 
-_SHARED: weakref.WeakKeyDictionary[Any, dict[bool, JaxLoss]] = weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary[Any, dict[Any, JaxLoss]] = weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
+
+
+def _threading_state(fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+    """[Note: model state]
+    A model's non-trainable state (batch-norm statistics) lives in the train
+    state (``step.init(params, model_state=...)``, ``state.model_state``).
+    The loss then takes it as a third argument and returns the new one:
+    ``loss_fn(params, batch, model_state) -> (loss, new_model_state)``, or
+    ``(loss, (new_model_state, aux))`` with ``has_aux`` (as a flax or haiku
+    loss returns its updated collections through ``value_and_grad``'s aux).
+    Inside the step the pair ``(batch, model_state)`` is the loss's batch and
+    ``(new_model_state, aux)`` its aux, so every path (a monolithic program,
+    the traced units at stage 3, micro-batches) carries it unchanged: each
+    micro-batch starts from the state the one before returned. After the
+    step every rank holds the mean over the data ranks of its floating-point
+    leaves and rank 0's other leaves, so the state stays the same everywhere
+    (a running mean averaged so is the running mean of the global batch; a
+    running variance is the mean of the ranks' variances). Within a forward
+    each rank normalises with its own batch's statistics, as torch's
+    ``BatchNorm`` under DDP does (torch's ``SyncBatchNorm``, statistics of
+    the global batch inside the forward, is not built). It is checkpointed
+    beside the params."""
+
+    def loss(params: Any, batch_and_state: Any) -> Any:
+        import jax
+
+        batch, model_state = batch_and_state
+        # rebuilt here, inside the differentiated function, so that containers
+        # that remember the trace that made them (flax nnx Variables) accept
+        # the updates the loss makes: nnx.merge(graphdef, params, stats) as written
+        model_state = jax.tree_util.tree_map(lambda x: x, model_state)
+        out = fn(params, batch, model_state)
+        what = "(loss, (new_model_state, aux))" if has_aux else "(loss, new_model_state)"
+        if not (isinstance(out, (tuple, list)) and len(out) == 2):
+            raise TypeError(f"with a model state the loss must return {what}; got "
+                            f"{type(out).__name__}")
+        value, rest = out
+        if not has_aux:
+            return value, (rest, None)
+        if not (isinstance(rest, (tuple, list)) and len(rest) == 2):
+            raise TypeError(f"with a model state and has_aux=True the loss must return {what}")
+        return value, (rest[0], rest[1])
+
+    return loss
 
 
 def _checked(pair: tuple[Any, Any], has_aux: bool) -> Any:

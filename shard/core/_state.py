@@ -87,6 +87,9 @@ class TrainState:
         as torch's optimizers count each parameter's steps (see [Note:
         missing gradients]).
       meta: static metadata (aux data).
+      model_state: the model's non-trainable state (batch-norm statistics: flax
+        nnx ``BatchStat``, equinox ``State``, any pytree of arrays), the same
+        on every rank; None without one (see [Note: model state]).
     """
 
     master: tuple[np.ndarray, ...]
@@ -99,10 +102,11 @@ class TrainState:
     hysteresis: np.ndarray
     skips: np.ndarray
     meta: StateMeta
+    model_state: Any = None
     _live: list = field(default_factory=lambda: [True], compare=False, repr=False)
 
     _FIELDS = ("master", "moments", "opt_rest", "compute", "step", "loss_scale", "good_steps",
-               "hysteresis", "skips")
+               "hysteresis", "skips", "model_state")
 
     # -- views ----------------------------------------------------------------
     @property
@@ -244,7 +248,7 @@ def _flatten_with_keys(s: TrainState) -> tuple[tuple, StateMeta]:
 
 
 def _unflatten(meta: StateMeta, children: tuple) -> TrainState:
-    return TrainState(*children, meta=meta)
+    return TrainState(**dict(zip(TrainState._FIELDS, children, strict=True)), meta=meta)
 
 
 tree_util().register_pytree_with_keys(TrainState, _flatten_with_keys, _unflatten, _flatten)

@@ -17,8 +17,8 @@ from shard.core._layout import Layout
 from shard.core._state import TrainState
 
 __all__ = ["agree_on_layout", "agree_on_values", "cast_inputs", "check_batch", "check_fits",
-           "check_is_state", "counted_rows", "digest", "eval_loss", "learning_rate", "refuse_keys",
-           "total_rows", "weights"]
+           "check_is_state", "counted_rows", "digest", "eval_loss", "learning_rate", "model_state",
+           "refuse_keys", "total_rows", "weights"]
 
 
 def digest(device: Device, arrays: list[Any], start: int = 1) -> int:
@@ -232,4 +232,30 @@ def refuse_keys(params: Any, fn: str) -> None:
                             "trainable parameter; pass keys in the batch or close over them in "
                             "the loss (with flax nnx, split the parameters apart: graphdef, "
                             "params, rest = nnx.split(model, nnx.Param, ...))")
+
+
+def model_state(c: Any, tree: Any) -> Any:
+    """``init``'s ``model_state``: for a JAX loss; arrays (numpy, as every rank
+    holds its own copy), no PRNG keys, the same on every rank (a checksum is
+    compared: a collective)."""
+    fn = f"{c.name}.init"
+    if c.kind != "jax":
+        raise TypeError(f"{fn}: model_state= is for a JAX loss function; a torch module's "
+                        "buffers are its model state already")
+    tu = ops._tree.tree_util()
+    for path, x in tu.tree_leaves_with_path(tree):
+        if str(getattr(x, "dtype", "")).startswith("key<"):
+            raise TypeError(f"{fn}: model_state{tu.keystr(path)} is a JAX PRNG key; keep keys "
+                            "out of the model state (pass them in the batch)")
+        if not hasattr(x, "shape") and not isinstance(x, (int, float, bool, np.generic)):
+            raise TypeError(f"{fn}: model_state{tu.keystr(path)} is a {type(x).__name__}, not "
+                            "an array")
+    tree = tu.tree_map(lambda x: np.array(x), tree)
+    leaves = tu.tree_leaves(tree)
+    from ops import HOST
+
+    for comm in (c.comm, c.replicate) if c.replicate is not None else (c.comm,):
+        agree_on_values(comm, digest(HOST, leaves) if leaves else 1, fn,
+                        "give every rank the same model_state (rank 0's)")
+    return tree
 

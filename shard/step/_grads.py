@@ -19,8 +19,17 @@ from shard.step import _traced
 from shard.step._reduce import GradBuffers, GradReducer
 from shard.step._runtime import LiveBytes, Units
 
-__all__ = ["grad_buffers", "loss_and_grads", "on_device", "placement", "reduce_dtype",
-           "unit_params", "whole_params"]
+__all__ = [
+    "grad_buffers",
+    "loss_and_grads",
+    "mean_model_state",
+    "on_device",
+    "placement",
+    "reduce_dtype",
+    "same_model_state",
+    "unit_params",
+    "whole_params",
+]
 
 
 def reduce_dtype(plan: Any) -> np.dtype:
@@ -80,11 +89,12 @@ def placement(plan: Any) -> Any:
 
 
 def loss_and_grads(plan: Any, units: Units, reducer: GradReducer, batch: Any,
-                   scale: float) -> Any:
+                   scale: float, loss_fn: Any = None) -> Any:
     """Loss of one micro-batch (a number or a scalar array); its gradients (of
-    loss * scale) go to ``reducer``."""
+    loss * scale) go to ``reducer``. ``loss_fn``: a JAX loss in place of the
+    step's (one that threads a model state)."""
     c, layout = plan.config, plan.layout
-    loss_fn = c.loss_fn
+    loss_fn = c.loss_fn if loss_fn is None else loss_fn
     if c.kind == "layered":
         return loss_fn.run_units(units, reducer, batch, scale)
     if c.kind == "jax" and not units.persistent:  # see [Note: traced units]
@@ -149,3 +159,55 @@ def _host(plan: Any, x: Any) -> np.ndarray:
     elif device_of_or_none(x) is not None and not device_of_or_none(x).host:
         x = device_of_or_none(x).to_host(x)
     return np.asarray(x, np.float64)
+
+
+def same_model_state(plan: Any, old: Any, new: Any) -> Any:
+    """The loss's new model state, checked against the old one's structure,
+    shapes and dtypes (a TypeError naming the leaf), as numpy arrays."""
+    c = plan.config
+    tu = ops._tree.tree_util()
+    before, tree = tu.tree_flatten_with_path(old)
+    after, new_tree = tu.tree_flatten(new)
+    if new_tree != tree:
+        raise TypeError(f"{c.name}: the loss returned a model state of structure {new_tree}; "
+                        f"the state's is {tree}")
+    out = []
+    for (path, a), b in zip(before, after, strict=True):
+        b = np.asarray(b)
+        if b.shape != np.shape(a) or b.dtype != np.asarray(a).dtype:
+            raise TypeError(f"{c.name}: model_state{tu.keystr(path)} came back as "
+                            f"{b.dtype}{list(b.shape)}; it was {np.asarray(a).dtype}"
+                            f"{list(np.shape(a))}")
+        out.append(b)
+    return tu.tree_unflatten(tree, out)
+
+
+def mean_model_state(plan: Any, model_state: Any) -> Any:
+    """Every rank's model state made the same (see [Note: model state]): its
+    floating-point leaves averaged over the data ranks, its others rank 0's
+    (one host all-gather each)."""
+    c = plan.config
+    tu = ops._tree.tree_util()
+    leaves, tree = tu.tree_flatten(model_state)
+    if not leaves or (c.ranks == 1):
+        return model_state
+    floats = [i for i, x in enumerate(leaves) if np.issubdtype(x.dtype, np.floating)]
+    others = [i for i in range(len(leaves)) if i not in set(floats)]
+    out = list(leaves)
+    for group, mean in ((floats, True), (others, False)):
+        if not group:
+            continue
+        vec = np.concatenate([leaves[i].reshape(-1).astype(np.float64 if mean else np.int64)
+                              for i in group])
+        every = all_gather_host(c.comm, vec).reshape(c.comm.world_size, -1)
+        vec = every.mean(axis=0) if mean else every[0]
+        if c.replicate is not None:
+            every = all_gather_host(c.replicate, vec).reshape(-1, vec.size)
+            vec = every.mean(axis=0) if mean else every[0]
+        at = 0
+        for i in group:
+            n = leaves[i].size
+            out[i] = vec[at:at + n].reshape(leaves[i].shape).astype(leaves[i].dtype)
+            at += n
+    return tu.tree_unflatten(tree, out)
+

@@ -78,6 +78,7 @@ import numpy as np
 from ops import HOST, Device
 from shard.core._gather import MicroBatches
 from shard.core._layout import Layout
+from shard.core._loss import JaxLoss
 from shard.core._policy import Precision
 from shard.core._state import TrainState
 from shard.monitor._metrics import StepMetrics
@@ -113,6 +114,7 @@ class ZeroStep:
         self._plan: Plan | None = None
         self._grad_buffers: GradBuffers | None = None
         self._offloader: Offloader | None = None
+        self.model_state_like: Any = None  # init's model_state: what shard.load restores
 
     def __getattr__(self, name: str) -> Any:
         """The configuration's fields as the step's (``step.stage``,
@@ -146,8 +148,14 @@ class ZeroStep:
         return self._plan.precision if self._plan else self.config.precision
 
     # -- init -----------------------------------------------------------------
-    def init(self, params: Any, *, device: Device | None = None) -> TrainState:
+    def init(self, params: Any, *, model_state: Any = None,
+             device: Device | None = None) -> TrainState:
         """Partition full ``params`` (the same on every rank) into this rank's state.
+
+        ``model_state``: a JAX loss's non-trainable state (batch-norm
+        statistics: flax nnx ``BatchStat``, equinox ``State``, any pytree of
+        arrays), the same on every rank; the loss then takes it as a third
+        argument and returns the new one (see [Note: model state]).
 
         ``params`` may also be shapes only: those of a torch module built on the
         meta device (``interop.torch.functional`` materialises it one unit at a
@@ -157,9 +165,12 @@ class ZeroStep:
         Raises ValueError if the ranks' params differ (a checksum is compared):
         seed the model's initialisation identically on every rank.
         """
+        if model_state is not None:
+            model_state = _checks.model_state(self.config, model_state)
+            self.model_state_like = model_state
         state, plan, offloader = _init.from_params(self.config, params, device, self.device)
         self._use(plan, offloader)
-        return state
+        return state if model_state is None else state.replace(model_state=model_state)
 
     def init_from(self, init_fn: Any, *args: Any, device: Device | None = None) -> TrainState:
         """This rank's state from ``init_fn(*args)``, a JAX function returning the
@@ -278,16 +289,26 @@ class ZeroStep:
         offloader = self._offloader
         overlap = offloader.start_overlap(state, reducer, grad_scale) if offloader else None
         auxes = []
+        model_state = state.model_state  # see [Note: model state]
+        threading = JaxLoss.with_state(c.loss_fn.fn, c.has_aux) if model_state is not None \
+            else None
         try:
             with _grads.placement(plan):
                 for i, b in enumerate(micro):
                     reducer.final = i == len(micro) - 1
                     weight = weights[i] if weights else 1.0  # micro-batches of unequal rows
-                    loss = _grads.loss_and_grads(plan, units, reducer, b, scale * weight)
+                    if threading is not None:
+                        loss, (new, aux) = _grads.loss_and_grads(
+                            plan, units, reducer, (b, model_state), scale * weight, threading)
+                        model_state = _grads.same_model_state(plan, model_state, new)
+                        if c.has_aux:
+                            auxes.append(aux)
+                    else:
+                        loss = _grads.loss_and_grads(plan, units, reducer, b, scale * weight)
                     if leaves:  # no gradient in the step: none in any of its micro-batches
                         got = c.loss_fn.missing
                         missing = got if missing is None else missing & got
-                    if c.has_aux:
+                    if c.has_aux and threading is None:
                         loss, aux = loss
                         auxes.append(aux)
                     loss = _grads.on_device(plan, loss, "the loss")
@@ -304,6 +325,8 @@ class ZeroStep:
                 if c.weight_by_rows:
                     _update.weigh_by_rows(shards, totals, w * k)
             aux = _grads.mean_aux(plan, auxes) if c.has_aux else None
+            if model_state is not None:
+                model_state = _grads.mean_model_state(plan, model_state)
             skip = _update.skipped_leaves(totals, missing, c.ranks, device) if missing else \
                 frozenset()
         except BaseException:
@@ -311,6 +334,8 @@ class ZeroStep:
             reducer.drain()
             raise
         state.donate()  # from here on the update reuses its buffers
+        if model_state is not None:
+            state = state.replace(model_state=model_state)
         known = {"lr": lr, "loss_scale": scale, "skipped": False}
         if lr is None:  # an optax transformation's rate is its own
             del known["lr"]
@@ -401,6 +426,13 @@ class ZeroStep:
         _checks.check_batch(self.config.name, self.config.comm.rank, batch)
         if loss_fn is not None:
             loss_fn = _checks.eval_loss(self.config, loss_fn)
-        return _eval.evaluate(plan, _grads.unit_params(plan, state, self.tracker), batch,
-                              loss_fn)
+        if state.model_state is not None:  # see [Note: model state]
+            fn = self.config.loss_fn.fn if loss_fn is None else loss_fn.fn
+            loss_fn, batch = JaxLoss.with_state(fn, self.config.has_aux), (batch,
+                                                                           state.model_state)
+        out = _eval.evaluate(plan, _grads.unit_params(plan, state, self.tracker), batch, loss_fn)
+        if state.model_state is None:
+            return out
+        value, (_, aux) = out if isinstance(out, tuple) else (out, (None, None))
+        return (value, aux) if self.config.has_aux else value
 

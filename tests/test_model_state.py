@@ -1,0 +1,219 @@
+"""A JAX model's non-trainable state (see [Note: model state] in
+shard/core/_loss.py): flax nnx BatchNorm statistics live in the train state,
+thread through micro-batches, are averaged over the data ranks after each
+step, and match a per-rank reference of the same algorithm with optax."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import ops
+import shard
+
+nnx = pytest.importorskip("flax.nnx")
+
+LR, WD = 1e-2, 0.01
+
+
+class CNN(nnx.Module):
+    """flax's MNIST CNN with BatchNorm (small channels and images; no bias before
+    a BatchNorm, which removes it: its gradient is rounding noise that Adam
+    would scale up)."""
+
+    def __init__(self, *, rngs):
+        self.conv1 = nnx.Conv(1, 4, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+        self.bn1 = nnx.BatchNorm(4, rngs=rngs)
+        self.conv2 = nnx.Conv(4, 8, kernel_size=(3, 3), use_bias=False, rngs=rngs)
+        self.bn2 = nnx.BatchNorm(8, rngs=rngs)
+        self.linear = nnx.Linear(4 * 4 * 8, 10, rngs=rngs)
+
+    def __call__(self, x):
+        x = nnx.avg_pool(nnx.relu(self.bn1(self.conv1(x))), window_shape=(2, 2), strides=(2, 2))
+        x = nnx.relu(self.bn2(self.conv2(x)))
+        return self.linear(x.reshape(x.shape[0], -1))
+
+
+GRAPHDEF, PARAMS, STATS = nnx.split(CNN(rngs=nnx.Rngs(0)), nnx.Param, nnx.BatchStat)
+
+
+def loss(params, batch, stats, train=True):
+    model = nnx.merge(GRAPHDEF, params, stats)
+    model.train() if train else model.eval()
+    logits = model(batch["x"])
+    value = optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+    return value, nnx.state(model, nnx.BatchStat)
+
+
+def aux_loss(params, batch, stats):
+    value, new = loss(params, batch, stats)
+    return value, (new, {"doubled": 2 * value})
+
+
+def data(steps=3, rows=8):
+    rng = np.random.default_rng(0)
+    return [{"x": rng.standard_normal((rows, 8, 8, 1)).astype(np.float32),
+             "y": rng.integers(0, 10, rows).astype(np.int32)} for _ in range(steps)]
+
+
+# the statistics rebuilt inside the differentiated function (nnx Variables made
+# outside it refuse the update), as the step does
+GRAD = jax.jit(jax.value_and_grad(
+    lambda p, b, s: loss(p, b, jax.tree_util.tree_map(lambda x: x, s)), has_aux=True))
+
+
+def reference(batches, world, micro):
+    """The algorithm in one process: each rank's micro-batches in turn from its
+    statistics, gradients averaged, statistics averaged over the ranks."""
+    tx = optax.adamw(LR, weight_decay=WD)
+    params, stats = PARAMS, STATS
+    opt = tx.init(params)
+    for b in batches:
+        grads, news = [], []
+        for r in range(world):
+            mine = shard.split_batch(b, rank=r, world_size=world)
+            own = stats
+            for m in range(micro):
+                part = shard.split_batch(mine, rank=m, world_size=micro)
+                (_, own), g = GRAD(params, part, own)
+                grads.append(g)
+            news.append(own)
+        grads = jax.tree_util.tree_map(lambda *g: sum(g) / len(g), *grads)
+        stats = jax.tree_util.tree_map(lambda *s: sum(s) / len(s), *news)
+        updates, opt = tx.update(grads, opt, params)
+        params = optax.apply_updates(params, updates)
+    return params, stats
+
+
+def train(fn, batches, world, stage, micro=1, has_aux=False, check=None):
+    def run(comm):
+        step = getattr(shard, f"zero{stage}")(fn, optimizer=ops.adamw(LR, weight_decay=WD),
+                                              comm=comm, has_aux=has_aux)
+        state = step.init(PARAMS, model_state=STATS)
+        metrics = []
+        for b in batches:
+            mine = shard.split_batch(b, rank=comm.rank, world_size=world)
+            if micro > 1:
+                mine = shard.MicroBatches([shard.split_batch(mine, rank=m, world_size=micro)
+                                           for m in range(micro)])
+            state, m = step(state, mine)
+            metrics.append(m)
+        return state, metrics, check(step, state, comm) if check else None
+
+    return ops.spawn(run, world)
+
+
+def assert_tree_close(got, want, rtol=1e-4, atol=1e-5):
+    for (path, g), w in zip(jax.tree_util.tree_leaves_with_path(got),
+                            jax.tree_util.tree_leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol,
+                                   err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("stage, micro", [(1, 2), (3, 1)])
+def test_batch_norm_statistics_train_with_the_params(stage, micro):
+    batches = data()
+    want_params, want_stats = reference(batches, 2, micro)
+    for rank, (state, _, _) in enumerate(train(loss, batches, 2, stage, micro)):
+        assert_tree_close(state.model_state, want_stats)  # the same on every rank
+        assert_tree_close(state.params, shard.partition(want_params, rank=rank, world_size=2))
+
+
+def test_the_model_state_changes_every_step_and_the_old_state_keeps_its_own():
+    batches = data(steps=1)
+
+    def run(comm):
+        step = shard.zero2(loss, optimizer=ops.adamw(LR), comm=comm)
+        first = step.init(PARAMS, model_state=STATS)
+        before = jax.tree_util.tree_map(np.copy, first.model_state)
+        second, _ = step(first, shard.split_batch(batches[0], rank=comm.rank, world_size=2))
+        for a, b in zip(jax.tree_util.tree_leaves(before),
+                        jax.tree_util.tree_leaves(first.model_state), strict=True):
+            np.testing.assert_array_equal(a, b)
+        moved = [not np.allclose(a, b) for a, b in zip(
+            jax.tree_util.tree_leaves(before), jax.tree_util.tree_leaves(second.model_state),
+            strict=True)]
+        return all(moved)
+
+    assert all(ops.spawn(run, 2))
+
+
+def test_aux_and_evaluation_in_eval_mode_with_the_running_statistics():
+    batches = data(steps=2)
+    want_params, want_stats = reference(batches, 2, 1)
+    want_eval = float(jax.jit(functools.partial(loss, train=False))(want_params, batches[0],
+                                                                     want_stats)[0])
+
+    def check(step, state, comm):
+        mine = shard.split_batch(batches[0], rank=comm.rank, world_size=2)
+        def eval_loss(p, b, s):
+            value, new = loss(p, b, s, train=False)
+            return value, (new, {"doubled": 0.0})
+
+        return step.evaluate(state, mine, loss_fn=eval_loss)
+
+    for _, metrics, (value, aux) in train(aux_loss, batches, 2, 3, has_aux=True, check=check):
+        np.testing.assert_allclose(metrics[-1]["aux"]["doubled"], 2 * metrics[-1]["loss"],
+                                   rtol=1e-5)
+        np.testing.assert_allclose(value, want_eval, rtol=1e-4)
+        assert aux == {"doubled": 0.0}
+
+
+def test_what_is_refused_is_named():
+    def run(comm):
+        step = shard.zero2(loss, optimizer=ops.adamw(LR), comm=comm)
+        with pytest.raises(TypeError, match=r"model_state.*PRNG key"):
+            step.init(PARAMS, model_state={"key": jax.random.key(0)})
+
+        def wrong(p, b, s):
+            return loss(p, b, s)[0]
+
+        bad = shard.zero2(wrong, optimizer=ops.adamw(LR), comm=comm)
+        state = bad.init(PARAMS, model_state=STATS)
+        mine = shard.split_batch(data(1)[0], rank=comm.rank, world_size=2)
+        with pytest.raises(TypeError, match=r"must return \(loss, new_model_state\)"):
+            bad(state, mine)
+
+        def reshaped(p, b, s):
+            value, new = loss(p, b, s)
+            return value, jax.tree_util.tree_map(lambda x: x[:1], new)
+
+        odd = shard.zero2(reshaped, optimizer=ops.adamw(LR), comm=comm)
+        state = odd.init(PARAMS, model_state=STATS)
+        with pytest.raises(TypeError, match=r"model_state.*came back as float32\[1\]"):
+            odd(state, mine)
+        state.check_live()  # refused before anything changed
+
+    ops.spawn(run, 2)
+
+
+def test_the_model_state_is_checkpointed_and_resumes_at_another_world_size(tmp_path):
+    batches = data(steps=2)
+    saved = train(loss, batches[:1], 2, 3, check=lambda step, state, comm: shard.save(
+        state, tmp_path / "ck", comm=comm))
+    want = saved[0][0].model_state
+
+    def resume(comm):
+        step = shard.zero1(loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)
+        step.init(PARAMS, model_state=STATS)
+        state, _ = shard.load(tmp_path / "ck", step, comm=comm)
+        assert_tree_close(state.model_state, want, rtol=0, atol=0)
+        assert jax.tree_util.tree_structure(state.model_state) == \
+            jax.tree_util.tree_structure(STATS)
+        state, _ = step(state, batches[1])
+        return state
+
+    ops.spawn(resume, 1)
+    bad = {"other": np.zeros(3, np.float32)}
+
+    def mismatched(comm):
+        step = shard.zero1(loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)
+        step.init(PARAMS, model_state=bad)
+        with pytest.raises(shard.CheckpointError, match=r"model state has leaves"):
+            shard.load(tmp_path / "ck", step, comm=comm)
+
+    ops.spawn(mismatched, 1)
