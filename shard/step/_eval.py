@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 import ops
+from shard.core._loss import JaxLoss
 from shard.step import _grads, _traced
 from shard.step._runtime import Units
 
@@ -35,7 +36,8 @@ def evaluate(plan: Any, units: Units, batch: Any, loss_fn: Any = None) -> Any:
             loss = value(params, batch) if value is not None else \
                 fn.value_and_grad(params, batch)[0]
             del params
-        if c.has_aux and isinstance(loss, tuple):
+        with_aux = fn.has_aux if isinstance(fn, JaxLoss) else c.has_aux
+        if with_aux and isinstance(loss, tuple):
             loss, aux = loss
         total = _grads.on_device(plan, loss, "the loss").astype(np.float64)
     # a pipeline's loss is its last stage's: summed over the whole mesh, where
@@ -47,4 +49,4 @@ def evaluate(plan: Any, units: Units, batch: Any, loss_fn: Any = None) -> Any:
     if c.replicate is not None:
         total = ops.all_reduce(c.replicate, total)
     value = float(plan.device.to_host(total)[0]) / c.ranks
-    return (value, _grads.mean_aux(plan, [aux])) if c.has_aux else value
+    return (value, _grads.mean_aux(plan, [aux])) if with_aux else value

@@ -433,6 +433,6 @@ class ZeroStep:
         out = _eval.evaluate(plan, _grads.unit_params(plan, state, self.tracker), batch, loss_fn)
         if state.model_state is None:
             return out
-        value, (_, aux) = out if isinstance(out, tuple) else (out, (None, None))
+        value, (_, aux) = out  # (loss, (new model state, aux)): the state stays as it was
         return (value, aux) if self.config.has_aux else value
 
