@@ -19,7 +19,7 @@ from shard.step import _checks
 from shard.step._config import StepConfig
 from shard.step._plan import Plan, make_plan, moment_buffers, new_state
 
-__all__ = ["from_function", "from_params"]
+__all__ = ["from_function", "from_params", "with_optax_state"]
 
 log = logging.getLogger("shard.step")
 
@@ -135,3 +135,81 @@ def by_units(c: StepConfig, plan: Plan, values: Any, *, check: bool = True,
     log.info("%s: %d units, %d of %d elements on rank %d", c.name, len(layout.units),
              layout.local_size(), plan.full_layout.local_size(), c.comm.rank)
     return state, plan, offloader
+
+
+_OPTAX_FIELDS = {"exp_avg": "mu", "exp_avg_sq": "nu"}  # a fused moment: optax's field
+
+
+def _has(x: Any, field: str) -> bool:
+    """Whether ``x`` is a named tuple with ``field`` (optax's states are)."""
+    return field in getattr(type(x), "_fields", ())
+
+
+def with_optax_state(c: StepConfig, plan: Plan, state: TrainState, opt_state: Any) -> TrainState:
+    """``init(params, opt_state=...)``: ``state`` continuing an optax optimizer's
+    state for the whole params (``tx.init(params)``'s structure, after any
+    number of updates): this rank's part of its moments, and its count as the
+    state's step, so Adam's bias correction and a schedule go on where they
+    were. For the fused optimizers the first node with ``mu`` (and ``nu``) and
+    ``count`` is read (``optax.adam``'s, ``adamw``'s, ``lion``'s, ``lamb``'s);
+    for an optax transformation, the whole state."""
+    fn = f"{c.name}.init"
+    if c.offload is not None:
+        raise NotImplementedError(f"{fn}: opt_state= with offload= is not built; init without "
+                                  "it and load a checkpoint instead")
+    tu = ops._tree.tree_util()
+    layout, opt = plan.layout, plan.optimizer
+    rank = c.comm.rank if c.stage > 0 else 0
+    found = [x for x in tu.tree_leaves(opt_state, is_leaf=lambda x: _has(x, "count"))
+             if _has(x, "count")]
+    count = int(np.asarray(found[0].count)) if found else None
+    rest = state.opt_rest
+    if opt.fused is None:  # an optax transformation: its own structure
+        try:
+            tops = opt._treedef.flatten_up_to(opt_state)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{fn}: opt_state does not have the structure of the optimizer's "
+                            f"init(params): {e}") from None
+        full = [t for t, m in zip(tops, opt._is_moment, strict=True) if m]
+        rest = tuple(np.array(t) for t, m in zip(tops, opt._is_moment, strict=True) if not m)
+        for x, (shape, dtype) in zip(rest, opt.rest, strict=True):
+            if tuple(x.shape) != tuple(shape) or str(x.dtype) != dtype:
+                raise TypeError(f"{fn}: opt_state has a {x.dtype}{list(x.shape)} leaf where "
+                                f"the optimizer keeps {dtype}{list(shape)}")
+    else:
+        adam = [x for x in tu.tree_leaves(opt_state, is_leaf=lambda x: _has(x, "mu"))
+                if _has(x, "mu")]
+        fields = [_OPTAX_FIELDS[m] for m in opt.moments]
+        if not adam or not all(_has(adam[0], f) for f in fields) or count is None:
+            raise TypeError(f"{fn}: opt_state holds no optax state with "
+                            f"{', '.join(fields)} and count (optax.adam's, adamw's, lion's or "
+                            f"lamb's) for this step's {'/'.join(opt.moments)}")
+        full = [getattr(adam[0], f) for f in fields]
+    if count is None:
+        raise TypeError(f"{fn}: opt_state holds no count: without it the state's step, and "
+                        "with it Adam's bias correction and the schedule, would start again")
+    buffers = [alloc_units(layout, plan.master_dtype) for _ in full]
+    checksum = count + 1
+    for tree, bufs in zip(full, buffers, strict=True):
+        try:
+            leaves = layout.treedef.flatten_up_to(tree)
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"{fn}: opt_state's moments are not shaped like the params: "
+                            f"{e}") from None
+        for leaf, x, view in zip(layout.leaves, leaves, layout.local_views(bufs), strict=True):
+            x = np.asarray(x)
+            if tuple(x.shape) != leaf.shape:
+                raise TypeError(f"{fn}: opt_state's moment of params{leaf.path} has shape "
+                                f"{list(x.shape)}; the leaf has {list(leaf.shape)}")
+            x = x.astype(plan.master_dtype, copy=False)
+            checksum = _checks.digest(ops.HOST, [x], checksum)
+            layout.scatter_leaf(leaf, x, rank, view)
+    for comm in (c.comm, c.replicate) if c.replicate is not None else (c.comm,):
+        _checks.agree_on_values(comm, checksum, fn, "give every rank the same opt_state")
+    if opt.fused is not None:
+        buffers = [[plan.device.asarray(b) for b in bufs] for bufs in buffers]
+        moments = plan.packed_moments(buffers)
+    else:
+        moments = buffers
+    return state.replace(moments=tuple(tuple(m) for m in moments), opt_rest=rest,
+                         step=np.asarray(count, np.int64))

@@ -148,7 +148,7 @@ class ZeroStep:
         return self._plan.precision if self._plan else self.config.precision
 
     # -- init -----------------------------------------------------------------
-    def init(self, params: Any, *, model_state: Any = None,
+    def init(self, params: Any, *, model_state: Any = None, opt_state: Any = None,
              device: Device | None = None) -> TrainState:
         """Partition full ``params`` (the same on every rank) into this rank's state.
 
@@ -156,6 +156,12 @@ class ZeroStep:
         statistics: flax nnx ``BatchStat``, equinox ``State``, any pytree of
         arrays), the same on every rank; the loss then takes it as a third
         argument and returns the new one (see [Note: model state]).
+
+        ``opt_state``: an optax optimizer's state for the whole ``params``
+        (``tx.init(params)`` after any number of updates: ``optax.adamw``'s
+        for ``ops.adamw``, or the optax transformation's own), to continue
+        from; its count becomes the state's step, so Adam's bias correction
+        and the schedule go on where they were.
 
         ``params`` may also be shapes only: those of a torch module built on the
         meta device (``interop.torch.functional`` materialises it one unit at a
@@ -170,6 +176,8 @@ class ZeroStep:
             self.model_state_like = model_state
         state, plan, offloader = _init.from_params(self.config, params, device, self.device)
         self._use(plan, offloader)
+        if opt_state is not None:
+            state = _init.with_optax_state(self.config, plan, state, opt_state)
         return state if model_state is None else state.replace(model_state=model_state)
 
     def init_from(self, init_fn: Any, *args: Any, device: Device | None = None) -> TrainState:
