@@ -71,3 +71,36 @@ def test_a_gathered_state_runs_in_jit_on_a_mesh():
     np.testing.assert_allclose(float(value), float(M.loss(full, batch)), rtol=1e-6)
     with pytest.raises(ValueError, match="xla_force_host_platform_device_count"):
         ij.mesh(64)
+
+
+def test_named_params_are_built_shard_by_shard_from_the_ranks_states(caplog):
+    mesh = ij.mesh(4, backend="cpu")
+    params = {"wide": np.arange(8 * 3, dtype=np.float32).reshape(8, 3),
+              "odd": np.arange(5 * 2, dtype=np.float32).reshape(5, 2),
+              "scale": np.float32(2.0)}
+
+    def loss(p, b):
+        return jnp.sum(p["wide"]) * p["scale"] + jnp.sum(p["odd"] * b["x"])
+
+    def run(comm):
+        step = shard.zero3(loss, optimizer=ops.adamw(1e-3), comm=comm)
+        return step.init(params), shard.gather(step.init(params), comm)
+
+    out = ops.spawn(run, 4)
+    states = [s for s, _ in out]
+    with caplog.at_level("WARNING", logger="interop.jax"):
+        named = ij.named_params(states, mesh)
+    assert "['odd'][5, 2]" in caplog.text and "wide" not in caplog.text
+    assert named["wide"].sharding.spec == jax.sharding.PartitionSpec("dp")
+    for piece in named["wide"].addressable_shards:  # device r holds rank r's rows
+        r = list(mesh.devices.flat).index(piece.device)
+        np.testing.assert_array_equal(np.asarray(piece.data), states[r].params["wide"])
+    for k in params:
+        np.testing.assert_array_equal(np.asarray(named[k]), np.asarray(out[0][1][k]))
+    b = {"x": np.ones((5, 2), np.float32)}
+    np.testing.assert_allclose(float(jax.jit(loss)(named, b)), float(loss(params, b)))
+    with pytest.raises(ValueError, match="give every rank's state"):
+        ij.named_params(states[:2], mesh)
+    with caplog.at_level("WARNING", logger="interop.jax"):
+        ij.shardings(params, None, mesh)
+    assert "shardings: 1 leaves" in caplog.text

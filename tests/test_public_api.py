@@ -30,7 +30,7 @@ PUBLIC = {
     "interop": ["data_ptr", "shares_memory", "to_cupy", "to_jax", "to_numpy", "to_torch"],
     "interop.torch": ["TorchLayered", "TorchLoss", "functional", "layered", "load_state",
                       "parallelize", "state_dict"],
-    "interop.jax": ["global_params", "local_params", "mesh", "shardings"],
+    "interop.jax": ["global_params", "local_params", "mesh", "named_params", "shardings"],
 }
 
 
