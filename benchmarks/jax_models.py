@@ -164,17 +164,12 @@ def nbytes(tree: Any) -> int:
 def run_jax_fsdp(model: str, steps: int) -> dict[str, Any]:
     import jax
     import optax
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from overhead import fsdp_placed
 
     params, loss, batch, _ = BUILD[model]()
-    mesh = Mesh(jax.devices()[:2], ("data",))
-
-    def spec(x: Any) -> Any:
-        split = x.ndim and x.shape[0] % 2 == 0
-        return NamedSharding(mesh, PartitionSpec("data") if split else PartitionSpec())
-
-    params = jax.tree_util.tree_map(lambda x: jax.device_put(x, spec(x)), params)
-    rows = NamedSharding(mesh, PartitionSpec("data"))
+    params, place = fsdp_placed(params)
     opt = optax.adamw(LR, weight_decay=WD)
     state = [params, opt.init(params)]
 
@@ -186,7 +181,7 @@ def run_jax_fsdp(model: str, steps: int) -> dict[str, Any]:
 
     times = []
     for i in range(steps + 1):
-        b = jax.device_put(batch(i), rows)
+        b = place(batch(i))
         t = time.perf_counter()
         state[0], state[1], value = update(state[0], state[1], b)
         jax.block_until_ready(value)

@@ -347,6 +347,24 @@ def jax_data(args: argparse.Namespace, n: int) -> list:
     return [tuple(t.numpy().astype("int32") for t in b) for b in model_and_data(args, n)[1]]
 
 
+def fsdp_placed(params: Any, devices: int = 2) -> tuple[Any, Any]:
+    """``params`` sharded FSDP-style over ``devices`` host devices (a "data"
+    mesh axis; each leaf on its first dimension where it divides, else
+    replicated), and a function placing a batch on its rows."""
+    import jax
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    mesh = Mesh(jax.devices()[:devices], ("data",))
+
+    def spec(x: Any) -> Any:
+        split = x.ndim and x.shape[0] % devices == 0
+        return NamedSharding(mesh, PartitionSpec("data") if split else PartitionSpec())
+
+    rows = NamedSharding(mesh, PartitionSpec("data"))
+    return (jax.tree_util.tree_map(lambda x: jax.device_put(x, spec(x)), params),
+            lambda batch: jax.device_put(batch, rows))
+
+
 def jax_step(mode: str, args: argparse.Namespace) -> tuple[Any, Any]:
     """A jitted training step of the JAX GPT (one device, or FSDP-style over two)."""
     import jax
@@ -356,17 +374,7 @@ def jax_step(mode: str, args: argparse.Namespace) -> tuple[Any, Any]:
     opt = optax.adamw(LR, weight_decay=WD)
     place = lambda tree: tree  # noqa: E731
     if mode == "jax_fsdp":
-        from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-        mesh = Mesh(jax.devices()[:2], ("data",))
-
-        def spec(x: Any) -> Any:
-            split = x.ndim and x.shape[0] % 2 == 0
-            return NamedSharding(mesh, PartitionSpec("data") if split else PartitionSpec())
-
-        params = jax.tree_util.tree_map(lambda x: jax.device_put(x, spec(x)), params)
-        rows = NamedSharding(mesh, PartitionSpec("data"))
-        place = lambda batch: jax.device_put(batch, rows)  # noqa: E731
+        params, place = fsdp_placed(params)
     state = [params, opt.init(params)]
 
     @jax.jit
