@@ -290,8 +290,11 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
                       copies=copies)
     _load_module(path, manifest, step)
     model_state = read_model_state(path, manifest, getattr(step, "model_state_like", None))
-    if model_state is not None:
+    if model_state is not None and config.kind == "jax":  # see [Note: model state]
         state = state.replace(model_state=model_state)
+    elif model_state is not None:
+        log.warning("%s: the checkpoint holds a JAX model state, which this step's loss has "
+                    "nowhere to put", path)
     comm.barrier()
     return state, manifest.get("extra")
 

@@ -435,9 +435,9 @@ class ZeroStep:
         if loss_fn is not None:
             loss_fn = _checks.eval_loss(self.config, loss_fn)
         if state.model_state is not None:  # see [Note: model state]
-            fn = self.config.loss_fn.fn if loss_fn is None else loss_fn.fn
-            loss_fn, batch = JaxLoss.with_state(fn, self.config.has_aux), (batch,
-                                                                           state.model_state)
+            fn = (self.config.loss_fn if loss_fn is None else loss_fn).fn
+            loss_fn = JaxLoss.with_state(fn, self.config.has_aux)
+            batch = (batch, state.model_state)
         out = _eval.evaluate(plan, _grads.unit_params(plan, state, self.tracker), batch, loss_fn)
         if state.model_state is None:
             return out
