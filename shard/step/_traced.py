@@ -203,16 +203,18 @@ class _Program:
         # the units in the order of first use, and where each one's segment starts
         order: list[int] = []
         starts: list[int] = []
+        seen: set[int] = set()
         for e, eqn in enumerate(jaxpr.eqns):
             for v in eqn.invars:
                 u = unit_of.get(v) if not isinstance(v, Literal) else None
-                if u is not None and u not in order:
+                if u is not None and u not in seen:
+                    seen.add(u)
                     order.append(u)
                     starts.append(e)
         if order:
             starts[0] = 0
         self.order = order
-        self.unused = [u for u in range(n_units) if u not in order]
+        self.unused = [u for u in range(n_units) if u not in seen]
         bounds = [*starts, len(jaxpr.eqns)]
         seg_of_eqn = np.zeros(len(jaxpr.eqns), np.int64)
         for k in range(len(order)):
