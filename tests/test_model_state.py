@@ -8,6 +8,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -217,3 +218,22 @@ def test_the_model_state_is_checkpointed_and_resumes_at_another_world_size(tmp_p
             shard.load(tmp_path / "ck", step, comm=comm)
 
     ops.spawn(mismatched, 1)
+
+
+def test_every_floating_leaf_is_averaged_bfloat16_too():
+    from types import SimpleNamespace
+
+    from shard.step._grads import mean_model_state
+
+    def run(comm):
+        plan = SimpleNamespace(config=SimpleNamespace(comm=comm, replicate=None, ranks=2))
+        tree = {"mean": np.full(3, 1.0 + comm.rank, jnp.bfloat16),
+                "var": np.full(2, 2.0 * comm.rank, np.float32),
+                "count": np.asarray(10 + comm.rank, np.int32)}
+        return mean_model_state(plan, tree)
+
+    for out in ops.spawn(run, 2):
+        assert out["mean"].dtype == jnp.bfloat16
+        np.testing.assert_array_equal(out["mean"].astype(np.float32), [1.5] * 3)
+        np.testing.assert_array_equal(out["var"], [1.0, 1.0])
+        assert int(out["count"]) == 10  # rank 0's

@@ -191,7 +191,9 @@ def mean_model_state(plan: Any, model_state: Any) -> Any:
     leaves, tree = tu.tree_flatten(model_state)
     if not leaves or (c.ranks == 1):
         return model_state
-    floats = [i for i, x in enumerate(leaves) if np.issubdtype(x.dtype, np.floating)]
+    import jax.numpy as jnp
+
+    floats = [i for i, x in enumerate(leaves) if jnp.issubdtype(x.dtype, jnp.floating)]  # bf16 too
     others = [i for i in range(len(leaves)) if i not in set(floats)]
     out = list(leaves)
     for group, mean in ((floats, True), (others, False)):
