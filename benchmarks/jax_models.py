@@ -162,29 +162,17 @@ def nbytes(tree: Any) -> int:
 
 
 def run_jax_fsdp(model: str, steps: int) -> dict[str, Any]:
-    import jax
-    import optax
-
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from overhead import fsdp_placed
+    from overhead import fsdp_placed, optax_step
 
     params, loss, batch, _ = BUILD[model]()
     params, place = fsdp_placed(params)
-    opt = optax.adamw(LR, weight_decay=WD)
-    state = [params, opt.init(params)]
-
-    @jax.jit
-    def update(p: Any, o: Any, b: Any) -> Any:
-        value, grads = jax.value_and_grad(loss)(p, b)
-        updates, o = opt.update(grads, o, p)
-        return optax.apply_updates(p, updates), o, value
-
+    step = optax_step(params, loss, lambda b: b)  # the batch placed before the clock
     times = []
     for i in range(steps + 1):
         b = place(batch(i))
         t = time.perf_counter()
-        state[0], state[1], value = update(state[0], state[1], b)
-        jax.block_until_ready(value)
+        step(b)
         times.append(time.perf_counter() - t)
     return {"first": times[0], "times": times[1:]}
 

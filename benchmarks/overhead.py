@@ -367,14 +367,20 @@ def fsdp_placed(params: Any, devices: int = 2) -> tuple[Any, Any]:
 
 def jax_step(mode: str, args: argparse.Namespace) -> tuple[Any, Any]:
     """A jitted training step of the JAX GPT (one device, or FSDP-style over two)."""
-    import jax
-    import optax
-
     params, _, loss = jax_gpt(args)
-    opt = optax.adamw(LR, weight_decay=WD)
     place = lambda tree: tree  # noqa: E731
     if mode == "jax_fsdp":
         params, place = fsdp_placed(params)
+    return optax_step(params, loss, place), place
+
+
+def optax_step(params: Any, loss: Any, place: Any) -> Any:
+    """``step(batch) -> loss``: value_and_grad and optax.adamw under one
+    ``jax.jit``, the batch placed by ``place`` first."""
+    import jax
+    import optax
+
+    opt = optax.adamw(LR, weight_decay=WD)
     state = [params, opt.init(params)]
 
     @jax.jit
@@ -387,7 +393,7 @@ def jax_step(mode: str, args: argparse.Namespace) -> tuple[Any, Any]:
         state[0], state[1], value = update(state[0], state[1], place(batch))
         return jax.block_until_ready(value)
 
-    return step, place
+    return step
 
 
 def layered_step(args: argparse.Namespace, comm: Any,
