@@ -36,7 +36,8 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
       the compute-dtype shard at stage 3 (none when it is fp32: the masters
       are gathered directly);
     - grads: the gradient buffer a step accumulates into, in the reduce
-      dtype: whole at stages 0-1, this rank's shard at stages 2-3;
+      dtype: whole at stages 0-1, this rank's shard at stages 2-3; the
+      trainable leaves' alone;
     - total: their sum. Live units at stage 3 (at most ``1 + prefetch`` full
       units), with ``reshard_after_forward=L`` the step's secondary shards
       (``1/L`` of the compute params), and activations come on top.
@@ -62,8 +63,8 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
         that stage's params.
       trainable: the transform's ``trainable=`` (a pytree of bools, or a
         function of the params returning one): frozen leaves keep no moments
-        (see [Note: frozen leaves]). For a torch module, its parameters'
-        ``requires_grad``: ``{n: p.requires_grad for n, p in
+        and no gradients (see [Note: frozen leaves]). For a torch module, its
+        parameters' ``requires_grad``: ``{n: p.requires_grad for n, p in
         model.named_parameters()}``.
 
     Example:
@@ -96,10 +97,12 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
         compute_n = full if separate else 0
     else:
         compute_n = local if separate or offload is not None else 0
-    grads_n = full if stage <= 1 else local
     moments = 2 if optimizer is None else len(moment_names(optimizer, layout))
     frozen = frozen_leaves(trainable, None, params, "estimate_memory")
     kept = sum(layout.leaves[i].local_size for i in range(len(layout.leaves)) if i not in frozen)
+    # the gradients of the trainable leaves alone (see [Note: frozen leaves])
+    grads_n = (sum(leaf.size for i, leaf in enumerate(layout.leaves) if i not in frozen)
+               if stage <= 1 else kept)
     out = {"params": master.itemsize * local, "optimizer": moments * master.itemsize * kept,
            "compute_params": compute_n * compute.itemsize, "grads": grads_n * reduce.itemsize}
     out["total"] = sum(out.values())

@@ -159,6 +159,36 @@ def test_trainable_mask_matches_optax_set_to_zero_on_one_process(stage, trainabl
                                    err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_frozen_params_in_mixed_precision_keep_their_compute_copies(stage):
+    """bfloat16 compute params over float32 masters: stages 1-2 write each
+    step's compute params afresh, the frozen leaves' included (cast from their
+    masters), so the trajectory is stage 3's, whose compute shards persist."""
+    r = np.random.default_rng(4)
+    data = [{"x": r.normal(size=(10, 7)).astype(np.float32),
+             "y": r.normal(size=(10, 5)).astype(np.float32)} for _ in range(4)]
+    mask = {"base": {"w": False}, "lora": True, "head": True}
+
+    def run(comm, stage):
+        step = ZERO[stage](jax_loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
+                           trainable=mask, precision=shard.Precision(param_dtype="bf16"))
+        state, losses = step.init(jax_params()), []
+        n = 10 // comm.world_size
+        for b in data:
+            state, m = step(state, {k: v[comm.rank * n:(comm.rank + 1) * n]
+                                    for k, v in b.items()})
+            losses.append(m["loss"])
+        return losses, shard.gather(state, comm)
+
+    want, want_params = ops.spawn(lambda c: run(c, 3), 2)[0]
+    got, got_params = ops.spawn(lambda c: run(c, stage), 2)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(got_params), jax.tree_util.tree_leaves(want_params),
+                    strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+    np.testing.assert_array_equal(got_params["base"]["w"], jax_params()["base"]["w"])
+
+
 def test_trainable_refusals_name_the_problem():
     def run(comm, trainable):
         step = shard.zero3(jax_loss, optimizer=ops.adamw(LR), comm=comm, trainable=trainable)
@@ -496,6 +526,57 @@ def test_lora_state_per_rank_equals_estimate_memory_and_keeps_no_frozen_moments(
         assert have == {k: est[k] for k in have}
         assert est["optimizer"] < full["optimizer"] / 10  # the adapters' moments alone
         assert est["params"] == full["params"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_only_the_trainable_leaves_gradients_are_reduced(stage, monkeypatch):
+    """A LoRA Llama's gradient reductions carry its adapters alone: the
+    elements reduce-scattered (stages 1-3) or all-reduced (stage 0) are the
+    trainable params' rows padded to the world size, not the frozen base's, and
+    the gradient buffer ``estimate_memory`` counts is that size."""
+    pytest.importorskip("peft")
+    from ops.comm._threads import ThreadCommunicator
+
+    model, world = lora_llama(), 2
+    data = tokens(steps=1)
+    trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+    padded = sum(-(-p.shape[0] // world) * world * p[0].numel() if p.dim() else p.numel()
+                 for p in model.parameters() if p.requires_grad)
+    moved = {"reduce_scatter": [], "all_reduce": []}
+    start = ThreadCommunicator._start
+
+    def spy(self, name, out, x, arg=None):  # every thread-rank collective enters here
+        if name in moved:
+            moved[name].append(x.size)
+        return start(self, name, out, x, arg)
+
+    monkeypatch.setattr(ThreadCommunicator, "_start", spy)
+
+    def run(comm):
+        params, fn = it.functional(copy.deepcopy(model), loss=lm_loss)
+        step = ZERO[stage](fn, optimizer=ops.adamw(LR), comm=comm)
+        state = step.init(params)
+        moved["reduce_scatter"].clear()
+        moved["all_reduce"].clear()
+        comm.barrier()
+        n = data[0][0].shape[0] // world
+        step(state, (data[0][0][comm.rank * n:(comm.rank + 1) * n],))
+        comm.barrier()
+        return shard.estimate_memory(params, stage=stage, world_size=world,
+                                     trainable=trainable)["grads"]
+
+    grads_bytes = ops.spawn(run, world)[0]
+    totals = 5 + len(trainable)  # the step's one all-reduce of its numbers
+    gradients = [n for n in moved["all_reduce"] if n != totals]
+    if stage == 0:  # each rank all-reduces the whole trainable gradient
+        assert sum(gradients) == world * sum(p.numel() for p in model.parameters()
+                                             if p.requires_grad)
+        assert not moved["reduce_scatter"]
+    else:
+        assert sum(moved["reduce_scatter"]) == world * padded  # each rank's input
+        assert not gradients
+    whole = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert grads_bytes == 4 * (whole if stage <= 1 else padded // world)
 
 
 def test_frozen_params_checkpoint_and_resume_at_another_world_size(tmp_path):

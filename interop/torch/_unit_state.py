@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ops._tree import tree_util
+from ops.device._dlpack import torch_view
 
 __all__ = ["_ParamRef", "_Persistent", "_Plan", "_Step"]
 
@@ -16,16 +17,22 @@ __all__ = ["_ParamRef", "_Persistent", "_Plan", "_Step"]
 class _Persistent:
     """Unit ``u``'s parameters bound to the state's own buffer ``flat``: torch
     views of its leaves, their data pointers, and views of the reducer's
-    ``bucket`` as their ``.grad`` where it has the params' dtype."""
+    ``bucket`` as their ``.grad`` where it has the params' dtype, laid out by
+    the gradients' layout ``grads`` (None for a frozen parameter, which has no
+    place there; see [Note: frozen leaves])."""
 
-    def __init__(self, hooks: Any, u: int, flat: Any, bucket: Any) -> None:
+    def __init__(self, hooks: Any, u: int, flat: Any, bucket: Any, grads: Any) -> None:
         self.flat, self.bucket = flat, bucket
         names = hooks._active.members[u]
         self.params = [hooks.named[name] for name in names]
         _, self.views = hooks._views_of(u, flat)
         self.ptrs = [v.data_ptr() for v in self.views]
-        self.grads = (hooks._views_of(u, bucket)[1]
-                      if bucket is not None and bucket.dtype == flat.dtype else None)
+        self.grads = None
+        if bucket is not None and bucket.dtype == flat.dtype:
+            base = torch_view(bucket)
+            leaves = [grads.leaves[j] for j in grads.units[u].leaves]
+            self.grads = [base[leaf.offset:leaf.offset + leaf.size].view(leaf.shape)
+                          if leaf.local_size else None for leaf in leaves]
 
 
 class _Plan:

@@ -262,7 +262,7 @@ class UnitHooks:
         kept = self._kept.get(u)
         if kept is None or kept.flat is not flat or kept.bucket is not bucket:
             with timed("library"):
-                kept = self._kept[u] = _Persistent(self, u, flat, bucket)
+                kept = self._kept[u] = _Persistent(self, u, flat, bucket, a.reducer.layout)
         for p, view, ptr in zip(kept.params, kept.views, kept.ptrs, strict=True):
             if p.data_ptr() != ptr:
                 p.data = view

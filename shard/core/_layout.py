@@ -193,6 +193,8 @@ class Layout:
         (see [Note: unit buffers]); the padding rows are left at zero. ``g`` is an
         array of the buffers' device, or None for a zero gradient."""
         unit = self.units[leaf.unit]
+        if not leaf.local_size:  # no rows here (a frozen leaf's gradient: dropped)
+            return
         if g is None:
             if not add:
                 self.pack_grad(leaf, device_of(sharded).zeros(leaf.size, sharded.dtype), sharded,

@@ -17,20 +17,34 @@ or two ranges for a unit whose frozen leaves sit together, as a LoRA block's
 base weights do). The per-step cost is then a fixed list of views, whatever
 the number of leaves (see ``_update.apply``).
 
-Frozen leaves keep no optimizer moments: each moment's unit buffer holds the
-unit's trainable runs alone, packed end to end (:class:`Packing`), so a LoRA
-model's moments are those of its adapters. An optax transformation updates
-every leaf of the tree it was given: there the frozen leaves' gradients are
-zeroed before it (its state for them stays zero) and their masters put back
+Frozen leaves keep no optimizer moments and no gradients: each moment's
+unit buffer holds the unit's trainable runs alone, packed end to end
+(:class:`Packing`), so a LoRA model's moments are those of its adapters; and
+the step's gradients are laid out by :func:`gradient_layout`, the params'
+layout with every frozen leaf of size zero, whose unit buffers are those same
+packed runs. The reducer then copies in, reduce-scatters and all-reduces the
+trainable leaves alone (a LoRA model's adapters, not its base weights), a
+frozen leaf's gradient, if the loss makes one, is dropped at the copy-in, and
+the optimizer reads gradients and moments through the same packed views. An
+optax transformation updates every leaf of the tree it was given: there the
+gradients are expanded to the masters' layout with zeros for the frozen
+leaves (its state for them stays zero) and the frozen masters are put back
 after it. Everything outside the step sees
 moments in the layout of the masters: ``state.opt`` and checkpoints expand
 them (frozen leaves' entries zero), and a checkpoint's are packed again on
 load, so a checkpoint is the same with frozen leaves or without.
+
+Where the optimizer writes the compute-dtype params (mixed precision), it
+writes them on the trainable runs: at stages 0 and 3 the compute copies
+persist and the frozen leaves' stay as they were; stages 1-2 write fresh
+buffers each step, so the frozen leaves' copies are cast from their masters
+there (``_update._copy_left``).
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +53,7 @@ import numpy as np
 from ops._tree import tree_util
 from shard.core._layout import Layout
 
-__all__ = ["Packing", "frozen_leaves", "outside", "trainable_runs", "views"]
+__all__ = ["Packing", "frozen_leaves", "gradient_layout", "outside", "trainable_runs", "views"]
 
 
 def frozen_leaves(trainable: Any, loss_fn: Any, params: Any, fn: str) -> frozenset[int]:
@@ -94,6 +108,32 @@ def trainable_runs(layout: Layout, frozen: frozenset[int]) -> tuple[tuple[tuple[
         (leaf.offset, leaf.offset + leaf.local_size)
         for leaf in (layout.leaves[i] for i in unit.leaves if i in frozen))))
         for unit in layout.units)
+
+
+def gradient_layout(layout: Layout, frozen: frozenset[int]) -> Layout:
+    """``layout`` with every frozen leaf of size zero: the layout of the step's
+    gradients (see [Note: frozen leaves]). Leaf and unit indices stay those of
+    ``layout``; a frozen leaf keeps its shape but holds no rows on any rank
+    (sharded, ``rows_per_rank`` 0), so its copy-in drops it. Each unit's local
+    buffer is its trainable runs packed end to end, as :class:`Packing` packs
+    them."""
+    if not frozen:
+        return layout
+    leaves = list(layout.leaves)
+    units = []
+    for unit in layout.units:
+        offset, sections = 0, [0, 0]  # the trainable sharded and replicated sizes
+        for i in sorted(unit.leaves, key=lambda i: layout.leaves[i].offset):
+            leaf = layout.leaves[i]
+            if i in frozen:
+                leaves[i] = dataclasses.replace(leaf, sharded=True, rows_per_rank=0, offset=offset)
+                continue
+            leaves[i] = dataclasses.replace(leaf, offset=offset)
+            offset += leaf.local_size
+            sections[not leaf.sharded] += leaf.local_size
+        units.append(dataclasses.replace(unit, sharded_size=sections[0],
+                                         replicated_size=sections[1]))
+    return dataclasses.replace(layout, leaves=tuple(leaves), units=tuple(units))
 
 
 def outside(sections: list[tuple[int, int]], cuts: list[tuple[int, int]]) -> list[tuple[int, int]]:

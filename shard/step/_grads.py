@@ -41,9 +41,9 @@ def grad_buffers(plan: Any, kept: GradBuffers | None) -> GradBuffers:
     """The gradient shards, kept across steps (see :class:`GradBuffers`):
     ``kept`` where it serves ``plan``, else new ones."""
     dtype = reduce_dtype(plan)
-    if kept is not None and kept.serves(plan.layout, dtype, plan.device):
+    if kept is not None and kept.serves(plan.grad_layout, dtype, plan.device):
         return kept
-    return GradBuffers(plan.layout, dtype, plan.device)
+    return GradBuffers(plan.grad_layout, dtype, plan.device)
 
 
 def unit_params(plan: Any, state: TrainState, tracker: LiveBytes) -> Units:

@@ -26,7 +26,7 @@ from shard.core._state import StateMeta, TrainState
 from shard.offload._step import Offloader
 from shard.step._checks import agree_on_layout
 from shard.step._config import StepConfig
-from shard.step._frozen import Packing, frozen_leaves, trainable_runs
+from shard.step._frozen import Packing, frozen_leaves, gradient_layout, trainable_runs
 from shard.step._reduce import CopyPlans
 
 __all__ = ["Plan", "make_plan", "moment_buffers", "new_state"]
@@ -68,7 +68,12 @@ class Plan:
       runs: with frozen leaves, each unit's trainable ranges of its local
         buffer, which the optimizer updates; None without.
       packing: with frozen leaves, where those ranges live in the units'
-        packed moment buffers; None without.
+        packed gradient buffers (and a fused optimizer's moment buffers);
+        None without.
+      grad_layout: the gradients' layout: ``layout``, or with frozen leaves
+        the same leaves with the frozen ones of size zero, whose unit buffers
+        are the packed trainable runs (see [Note: frozen leaves]).
+      grad_plans: ``grad_layout``'s run tables.
     """
 
     config: StepConfig
@@ -86,6 +91,15 @@ class Plan:
     frozen: frozenset[int] = frozenset()
     runs: tuple | None = None
     packing: Packing | None = None
+    grad_layout: Layout | None = None
+    grad_plans: CopyPlans | None = None
+
+    @property
+    def moment_packing(self) -> Packing | None:
+        """Where the moments' trainable runs live: packed for a fused optimizer
+        with frozen leaves; an optax transformation keeps its state in the
+        masters' layout."""
+        return self.packing if self.optimizer.fused is not None else None
 
     @property
     def compute_dtype(self) -> np.dtype:
@@ -109,19 +123,20 @@ class Plan:
         """Moment unit buffers in the masters' layout: ``moments`` themselves, or,
         where frozen leaves keep none, copies with their entries zero (see
         [Note: frozen leaves])."""
-        if self.packing is None:
+        if self.moment_packing is None:
             return tuple(moments)
-        return tuple(tuple(self.packing.expand(u, buf, self.device.zeros(
+        return tuple(tuple(self.moment_packing.expand(u, buf, self.device.zeros(
             unit.local_size, buf.dtype)) for u, (unit, buf) in enumerate(
                 zip(self.layout.units, bufs, strict=True))) for bufs in moments)
 
     def packed_moments(self, moments: Any) -> list:
         """Moment unit buffers in the masters' layout (a checkpoint's) as this
         plan keeps them: packed where leaves are frozen."""
-        if self.packing is None:
+        packing = self.moment_packing
+        if packing is None:
             return [list(bufs) for bufs in moments]
-        return [[self.packing.pack(u, buf, self.device.empty(n, buf.dtype))
-                 for u, (buf, n) in enumerate(zip(bufs, self.packing.sizes, strict=True))]
+        return [[packing.pack(u, buf, self.device.empty(n, buf.dtype))
+                 for u, (buf, n) in enumerate(zip(bufs, packing.sizes, strict=True))]
                 for bufs in moments]
 
     def offloader(self) -> Offloader | None:
@@ -191,17 +206,19 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
         raise NotImplementedError(
             f"{fn}: frozen params (requires_grad=False, or trainable=) do not train with "
             "offload= yet: drop offload=")
+    copy_plans = CopyPlans(layout, full_layout)
+    grads = gradient_layout(layout, frozen)
     return Plan(config, layout, full_layout, np.dtype(master_dtype), precision, where,
-                config.comm.unchecked(), CopyPlans(layout, full_layout), optimizer,
+                config.comm.unchecked(), copy_plans, optimizer,
                 config.replicate.unchecked() if config.replicate is not None else None,
                 model_whole,
                 tuple(c.unchecked() for c in config.secondary) if config.secondary else None,
-                frozen, *_frozen_runs(layout, frozen if optimizer.fused else frozenset()))
+                frozen, *_frozen_runs(layout, frozen), grads,
+                copy_plans if grads is layout else CopyPlans(grads, grads))
 
 
 def _frozen_runs(layout: Layout, frozen: frozenset[int]) -> tuple:
-    """``(runs, packing)`` for a layout with frozen leaves, else ``(None, None)``
-    (an optax transformation keeps its own state, in the masters' layout)."""
+    """``(runs, packing)`` for a layout with frozen leaves, else ``(None, None)``."""
     if not frozen:
         return None, None
     runs = trainable_runs(layout, frozen)
@@ -212,10 +229,10 @@ def moment_buffers(plan: Plan) -> list[list[Any]]:
     """Zeroed moment buffers for a fused optimizer: per moment, per unit, the
     unit's local size, or its trainable runs' where leaves are frozen (see
     [Note: frozen leaves])."""
-    if plan.packing is None:
+    if plan.moment_packing is None:
         return [alloc_units(plan.layout, plan.master_dtype, plan.device)
                 for _ in plan.optimizer.moments]
-    return [[plan.device.zeros(n, plan.master_dtype) for n in plan.packing.sizes]
+    return [[plan.device.zeros(n, plan.master_dtype) for n in plan.moment_packing.sizes]
             for _ in plan.optimizer.moments]
 
 

@@ -70,7 +70,8 @@ class GradReducer:
     def add(self, u: int, grads: list[Any]) -> None:
         """Add unit ``u``'s full leaf gradients (in the unit's leaf order): arrays of
         the state's device, or torch tensors and jax arrays on it (viewed through
-        DLPack, no copy); None is a zero gradient."""
+        DLPack, no copy); None is a zero gradient. A leaf the layout gives no
+        rows (a frozen one in the gradients' layout) takes nothing."""
         with timed("library"):
             self._add(u, grads)
 
@@ -138,7 +139,7 @@ class GradReducer:
         dtype = None
         for j, (i, g) in enumerate(zip(unit.leaves, grads, strict=True)):
             leaf = self.layout.leaves[i]
-            if g is None or not leaf.sharded:
+            if g is None or not leaf.sharded or not leaf.local_size:
                 continue
             found = contiguous_on(g, self.device)
             if found is None or found[2] != leaf.size or dtype not in (None, found[1]):
@@ -176,6 +177,8 @@ class GradReducer:
 
     def _on_device(self, i: int, g: Any) -> Any:
         leaf = self.layout.leaves[i]
+        if not leaf.local_size:  # no rows here: a frozen leaf's gradient is dropped
+            return None
         g = self.device.asarray(g, what=f"the gradient of {leaf.path}")
         if tuple(g.shape) != leaf.shape and g.size != leaf.size:
             raise ValueError(f"the gradient of {leaf.path} has shape {tuple(g.shape)}; the "

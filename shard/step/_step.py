@@ -284,9 +284,9 @@ class ZeroStep:
         c, device = self.config, plan.device
         scale = float(state.loss_scale)
         self._grad_buffers = _grads.grad_buffers(plan, self._grad_buffers)
-        reducer = GradReducer(plan.layout, plan.fast, stage=c.stage,
+        reducer = GradReducer(plan.grad_layout, plan.fast, stage=c.stage,
                               dtype=_grads.reduce_dtype(plan), device=device,
-                              buffers=self._grad_buffers, plans=plan.copy_plans)
+                              buffers=self._grad_buffers, plans=plan.grad_plans)
         units = _grads.unit_params(plan, state, self.tracker)
         leaves = len(plan.layout.leaves) if _update.tracks_missing(c) else 0
         totals = _update.fresh_totals(self.__dict__.setdefault("_totals_cache", {}), device,

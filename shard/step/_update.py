@@ -74,14 +74,13 @@ log = logging.getLogger("shard.step")
 def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
     """``totals`` (on the device) becomes [global sum of squares of the summed
     gradients, sum of the micro-batch losses over ranks]: one all-reduce."""
-    c, layout = plan.config, plan.layout
+    c, layout = plan.config, plan.grad_layout  # frozen leaves hold nothing there
     if plan.replica is not None:  # see [Note: replicas]
         with timed("reduce_wait"):
             for g in shards:
                 plan.replica.all_reduce_(g, "sum")
     sharded, replicated = [], []
     skip = set(getattr(c.loss_fn, "norm_skip", ()))  # copies of a tied weight
-    skip |= plan.frozen  # see [Note: frozen leaves]
     tp = c.tensor_parallel  # see [Note: tensor parallelism with ZeRO]
     if tp is not None and tp.rank > 0:
         skip |= plan.model_whole  # counted at model rank 0
@@ -231,7 +230,8 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
         if skip:
             warn_unskipped(plan, skip, "optax transformation")
         with timed("optimizer"):
-            held = _hold_frozen(plan, state, shards)
+            shards = _full_grads(plan, shards)
+            held = _hold_frozen(plan, state)
             rest = plan.optimizer.apply_optax(
                 plan.layout, state.master, state.moments, state.opt_rest, shards, grad_scale,
                 grad_sumsq, c.clip_norm, rank=c.comm.rank if c.stage else 0,
@@ -252,8 +252,8 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
         elif groups is not None or plan.runs is not None:  # see [Note: frozen leaves]
             for count, runs in groups if groups is not None else [(state.step, plan.runs)]:
                 c.optimizer.apply(
-                    views(shards, runs),
-                    fused.state(count, *(_moment_views(plan, m, runs) for m in state.moments)),
+                    _packed_views(plan, shards, runs),
+                    fused.state(count, *(_packed_views(plan, m, runs) for m in state.moments)),
                     views(state.master, runs), grad_scale=grad_scale, grad_sumsq=grad_sumsq,
                     max_norm=c.clip_norm, param_copies=views(copies, runs) if copies else None,
                     finite=True)
@@ -261,6 +261,8 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
             c.optimizer.apply(tuple(shards), fused.state(state.step, *state.moments),
                               state.master, grad_scale=grad_scale, grad_sumsq=grad_sumsq,
                               max_norm=c.clip_norm, param_copies=copies, finite=True)
+        if copies and c.stage in (1, 2) and (plan.frozen or skip):
+            _copy_left(plan, state, copies, plan.frozen | skip)
     refresh(plan, state, copies)
     return state
 
@@ -282,7 +284,7 @@ def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float
         return tuple(bufs[leaves[i].unit][leaves[i].offset:leaves[i].offset +
                                           leaves[i].local_size] for i in order)
 
-    def moment_views(bufs: Any) -> tuple:
+    def packed_views(bufs: Any) -> tuple:  # the gradients' and moments' layout
         if plan.packing is None:
             return views(bufs)
         out = []
@@ -298,28 +300,47 @@ def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float
                 plan.fast.all_reduce_(sums[:nsplit], "sum")
         return sums
 
-    c.optimizer.apply(views(shards), plan.optimizer.fused.state(
-        state.step, *(moment_views(m) for m in state.moments)), views(state.master),
+    c.optimizer.apply(packed_views(shards), plan.optimizer.fused.state(
+        state.step, *(packed_views(m) for m in state.moments)), views(state.master),
         grad_scale=grad_scale, grad_sumsq=grad_sumsq, max_norm=c.clip_norm,
         param_copies=views(copies) if copies else None, finite=True, reduce=reduce)
 
 
-def _hold_frozen(plan: Any, state: TrainState, shards: list[Any]) -> list:
+def _copy_left(plan: Any, state: TrainState, copies: tuple, left: frozenset[int]) -> None:
+    """Stages 1-2's compute copies are fresh buffers that the kernel writes on
+    the ranges it updates: the leaves it left (frozen, or without a gradient)
+    get their masters cast, one launch per run of such leaves."""
+    kept = frozenset(range(len(plan.layout.leaves))) - left
+    for u, runs in enumerate(trainable_runs(plan.layout, kept)):
+        for a, b in runs:
+            ops.cast(state.master[u][a:b], copies[u].dtype, out=copies[u][a:b])
+
+
+def _full_grads(plan: Any, shards: list[Any]) -> list[Any]:
+    """For an optax transformation, which takes gradients shaped like the
+    params: the packed gradient shards in the masters' layout, zero for the
+    frozen leaves, so that its state for them stays zero (see [Note: frozen
+    leaves])."""
+    if plan.packing is None:
+        return shards
+    return [plan.packing.expand(u, g, plan.device.zeros(unit.local_size, g.dtype))
+            for u, (unit, g) in enumerate(zip(plan.layout.units, shards, strict=True))]
+
+
+def _hold_frozen(plan: Any, state: TrainState) -> list:
     """For an optax transformation, which updates every leaf: the frozen leaves'
-    gradients zeroed (so their optax state stays zero) and their masters kept,
-    to be put back after the update (see [Note: frozen leaves])."""
+    masters, to be put back after the update (see [Note: frozen leaves])."""
     held = []
     for i in sorted(plan.frozen):
         leaf = plan.layout.leaves[i]
         a, b = leaf.offset, leaf.offset + leaf.local_size
-        shards[leaf.unit][a:b] = 0
         held.append(((leaf.unit, a, b), state.master[leaf.unit][a:b].copy()))
     return held
 
 
-def _moment_views(plan: Any, bufs: Any, runs: tuple) -> tuple:
-    """The moments' views of ``runs``: packed where leaves are frozen (see
-    [Note: frozen leaves])."""
+def _packed_views(plan: Any, bufs: Any, runs: tuple) -> tuple:
+    """The gradients' (and a fused optimizer's moments') views of ``runs``:
+    packed where leaves are frozen (see [Note: frozen leaves])."""
     return views(bufs, runs) if plan.packing is None else plan.packing.views(bufs, runs)
 
 
