@@ -30,7 +30,8 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     - optimizer: the optimizer's moments, in the masters' dtype and layout:
       Adam's two by default, or those of ``optimizer`` (an optax
       transformation's param-shaped state, e.g. one for Lion or SGD with
-      momentum, none for plain SGD); none for frozen leaves;
+      momentum, none for plain SGD); none for frozen leaves (zeros in the
+      offload tiers, which keep the masters' layout);
     - compute_params: the params the loss sees, kept between steps: whole at
       stages 1-2 (and at stage 0 when they differ in dtype from the masters);
       the compute-dtype shard at stage 3 (none when it is fp32: the masters
@@ -103,7 +104,8 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     # the gradients of the trainable leaves alone (see [Note: frozen leaves])
     grads_n = (sum(leaf.size for i, leaf in enumerate(layout.leaves) if i not in frozen)
                if stage <= 1 else kept)
-    out = {"params": master.itemsize * local, "optimizer": moments * master.itemsize * kept,
+    moments_n = local if offload is not None else kept  # the tiers keep the masters' layout
+    out = {"params": master.itemsize * local, "optimizer": moments * master.itemsize * moments_n,
            "compute_params": compute_n * compute.itemsize, "grads": grads_n * reduce.itemsize}
     out["total"] = sum(out.values())
     if offload is not None:

@@ -89,6 +89,41 @@ def test_offload_on_the_device_stand_in(device, tmp_path, tier, stage, world):
     assert all(isinstance(b, np.ndarray) for b in state.master)  # masters on the host
 
 
+# a frozen weight in each unit, beside trainable leaves (LoRA's shape)
+TRAINABLE = [{"w": False, "b": True}, {"w": True, "b": True, "gain": False}]
+FROZEN_TIERS = {"host": lambda _: shard.Offload("host"),
+                "overlap": lambda _: shard.Offload("host", overlap=True),
+                "disk": lambda path: policy("disk", path)}
+
+
+@pytest.mark.parametrize(("tier", "stage", "world", "kw"), [
+    ("host", 1, 2, {}), ("host", 3, 3, {}), ("overlap", 2, 2, {}), ("overlap", 3, 3, {}),
+    ("disk", 1, 3, {}), ("disk", 3, 2, {}), ("host", 3, 2, BF16), ("disk", 2, 2, BF16)])
+def test_frozen_params_offloaded_follow_the_unoffloaded_trajectory(tmp_path, tier, stage,
+                                                                   world, kw):
+    """Frozen leaves with every offload tier: the trainable ranges are updated
+    from the packed gradient shards, the frozen ones keep their values bit for
+    bit, and the trajectory is the unoffloaded one's."""
+    want = ops.spawn(lambda c: trajectory(c, stage, trainable=TRAINABLE, **kw), world)
+    got = ops.spawn(lambda c: trajectory(c, stage, offload=FROZEN_TIERS[tier](tmp_path),
+                                         trainable=TRAINABLE, **kw), world)
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+    start = jax.tree_util.tree_leaves(M.init_params())
+    flags = jax.tree_util.tree_leaves(TRAINABLE)
+    for leaf, before, trains in zip(got[0][0], start, flags, strict=True):
+        assert np.array_equal(leaf, before) != trains
+
+
+@pytest.mark.parametrize("tier", ["host", "overlap"])
+def test_frozen_params_offloaded_on_the_device_stand_in(device, tmp_path, tier):
+    want = ops.spawn(lambda c: trajectory(c, 3, device=device, trainable=TRAINABLE), 2)
+    got = ops.spawn(lambda c: trajectory(c, 3, offload=FROZEN_TIERS[tier](tmp_path),
+                                         device=device, trainable=TRAINABLE), 2)
+    for g, w in zip(got, want, strict=True):
+        assert_same(g, w)
+
+
 def test_disk_tier_checkpoints_are_hard_links_and_steps_never_rewrite_them(tmp_path):
     tier = shard.Offload("disk", path=tmp_path / "tier", chunk_mb=1)
 
@@ -198,21 +233,24 @@ def test_disk_tier_update_holds_a_few_chunks_not_the_state(tmp_path):
 
 
 def test_estimate_memory_reports_each_tier_as_the_state_holds_it(tmp_path):
+    """With frozen leaves too: the tiers keep their moments (zeros), the
+    gradients the trainable leaves' alone."""
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                     M.init_params())
-    for tier in ("host", "disk"):
-        for stage in (1, 2, 3):
-            off = policy(tier, tmp_path)
-            est = shard.estimate_memory(shapes, stage=stage, world_size=3, offload=off)
+    for tier, stage, trainable in [(t, s, m) for t in ("host", "disk") for s in (1, 2, 3)
+                                   for m in (None, TRAINABLE)]:
+        off = policy(tier, tmp_path)
+        est = shard.estimate_memory(shapes, stage=stage, world_size=3, offload=off,
+                                    trainable=trainable)
 
-            def held(comm, stage=stage, off=off):
-                return ZERO[stage](M.loss, optimizer=ops.adamw(M.LR), comm=comm,
-                                   offload=off).init(M.init_params()).tiers()
+        def held(comm, stage=stage, off=off, trainable=trainable):
+            return ZERO[stage](M.loss, optimizer=ops.adamw(M.LR), comm=comm, offload=off,
+                               trainable=trainable).init(M.init_params()).tiers()
 
-            got = ops.spawn(held, 3)[0]
-            assert got[tier] == est[f"on_{tier}"] == est["params"] + est["optimizer"]
-            assert got["device"] == est["compute_params"] > 0, (tier, stage)
-            assert est["on_device"] == est["compute_params"] + est["grads"]
+        got = ops.spawn(held, 3)[0]
+        assert got[tier] == est[f"on_{tier}"] == est["params"] + est["optimizer"]
+        assert got["device"] == est["compute_params"] > 0, (tier, stage)
+        assert est["on_device"] == est["compute_params"] + est["grads"]
 
 
 def test_bad_offload_arguments_are_refused():

@@ -54,20 +54,24 @@ class HostStaging:
     key: tuple
 
     @classmethod
-    def make(cls, device: Any, sizes: list[int], grad_dtype: Any,
-             out_dtype: Any) -> HostStaging:
-        """``grad_dtype`` / ``out_dtype`` None: that set is not needed."""
-        def bufs(dtype: Any) -> list[np.ndarray]:
+    def make(cls, device: Any, sizes: list[int], grad_dtype: Any, out_dtype: Any,
+             grad_sizes: list[int]) -> HostStaging:
+        """``grad_dtype`` / ``out_dtype`` None: that set is not needed;
+        ``grad_sizes``: the gradient shards' (the trainable leaves' alone, see
+        [Note: frozen leaves])."""
+        def bufs(dtype: Any, sizes: list[int]) -> list[np.ndarray]:
             return [] if dtype is None else [device.pinned_empty(n, dtype) for n in sizes]
 
-        return cls(bufs(grad_dtype), bufs(out_dtype), _key(sizes, grad_dtype, out_dtype))
+        return cls(bufs(grad_dtype, grad_sizes), bufs(out_dtype, sizes),
+                   _key(sizes, grad_dtype, out_dtype, grad_sizes))
 
-    def fits(self, sizes: list[int], grad_dtype: Any, out_dtype: Any) -> bool:
-        return self.key == _key(sizes, grad_dtype, out_dtype)
+    def fits(self, sizes: list[int], grad_dtype: Any, out_dtype: Any,
+             grad_sizes: list[int]) -> bool:
+        return self.key == _key(sizes, grad_dtype, out_dtype, grad_sizes)
 
 
-def _key(sizes: list[int], grad_dtype: Any, out_dtype: Any) -> tuple:
-    return (tuple(sizes), None if grad_dtype is None else np.dtype(grad_dtype),
+def _key(sizes: list[int], grad_dtype: Any, out_dtype: Any, grad_sizes: list[int]) -> tuple:
+    return (tuple(sizes), tuple(grad_sizes), None if grad_dtype is None else np.dtype(grad_dtype),
             None if out_dtype is None else np.dtype(out_dtype))
 
 

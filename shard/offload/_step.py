@@ -48,8 +48,12 @@ class Offloader:
 
     def __init__(self, policy: Offload, *, name: str, stage: int, layout: Any, device: Any,
                  master_dtype: Any, compute_dtype: Any, rank: int, optimizer: Any,
-                 clip_norm: float | None) -> None:
+                 clip_norm: float | None, runs: tuple | None = None,
+                 packing: Any = None) -> None:
         self.policy, self.name, self.stage, self.layout = policy, name, stage, layout
+        # with frozen leaves: each unit's trainable ranges, and where their
+        # gradients lie in the packed gradient shards (see [Note: frozen leaves])
+        self.runs, self.packing = runs, packing
         self.device, self.rank = device, rank
         self.master_dtype, self.compute_dtype = np.dtype(master_dtype), np.dtype(compute_dtype)
         self.optimizer, self.clip_norm = optimizer, clip_norm
@@ -147,26 +151,43 @@ class Offloader:
         """Host buffers for what crosses the bus: gradients from a device, and new
         compute params wherever the compute shards are not host memory."""
         sizes = [u.local_size for u in self.layout.units]
+        grad_sizes = [g.size for g in shards]  # the trainable leaves' (see [Note: frozen leaves])
         grad_dtype = None if self.device.host else shards[0].dtype
         out_dtype = None if self._resident(state) else np.dtype(state.meta.compute_dtype)
-        if self.host_staging is None or not self.host_staging.fits(sizes, grad_dtype, out_dtype):
-            self.host_staging = HostStaging.make(self.device, sizes, grad_dtype, out_dtype)
+        if self.host_staging is None or not self.host_staging.fits(sizes, grad_dtype, out_dtype,
+                                                                   grad_sizes):
+            self.host_staging = HostStaging.make(self.device, sizes, grad_dtype, out_dtype,
+                                                 grad_sizes)
         return self.host_staging
 
     def _unit_update(self, state: Any, grad_scale: float, host_sumsq: Any) -> Any:
-        """``run(grad, p, m, v, copy, read_from=None)``: the kernel on one unit's
-        host buffers (or a chunk of them), writing the new compute-dtype params
-        into ``copy``; with ``read_from=(p0, m0, v0)``, out of place."""
+        """``run(u, lo, grad, p, m, v, copy, read_from=None)``: the kernel on unit
+        ``u``'s host buffers from element ``lo`` (the whole unit, or a chunk of
+        it: ``p``, ``m``, ``v`` and ``copy`` are views of the same elements),
+        reading ``grad``, the unit's whole gradient shard, and writing the new
+        compute-dtype params into ``copy``; with ``read_from=(p0, m0, v0)``,
+        out of place. With frozen leaves the kernel runs on the trainable
+        ranges alone; the frozen ones keep their values (copied over, out of
+        place) and their compute-dtype copies."""
         separate = np.dtype(state.meta.compute_dtype) != np.dtype(state.meta.master_dtype)
         count = AdamState(state.step, (), ())
 
-        def run(grad: Any, p: Any, m: Any, v: Any, copy: Any, read_from: Any = None) -> None:
-            self.optimizer.apply((grad,), count._replace(mu=(m,), nu=(v,)), (p,),
+        def kernel(grads: tuple, p: tuple, m: tuple, v: tuple, copy: tuple,
+                   read_from: Any) -> None:
+            self.optimizer.apply(grads, count._replace(mu=m, nu=v), p,
                                  grad_scale=grad_scale, grad_sumsq=host_sumsq,
-                                 max_norm=self.clip_norm, param_copies=(copy,) if separate
-                                 else None, finite=True,
-                                 read_from=None if read_from is None else
-                                 tuple((x,) for x in read_from))
+                                 max_norm=self.clip_norm, param_copies=copy if separate
+                                 else None, finite=True, read_from=read_from)
+
+        def run(u: int, lo: int, grad: Any, p: Any, m: Any, v: Any, copy: Any,
+                read_from: Any = None) -> None:
+            hi = lo + p.size
+            if self.runs is None:
+                kernel((grad[lo:hi],), (p,), (m,), (v,), (copy,),
+                       None if read_from is None else tuple((x,) for x in read_from))
+            else:
+                _trainable_update(kernel, self.runs[u], self.packing, u, lo, hi, grad,
+                                  (p, m, v, copy), read_from, separate)
             if not separate:
                 copy[...] = p
 
@@ -177,11 +198,12 @@ class Offloader:
         run = self._unit_update(state, grad_scale, host_sumsq)
         if self.tier is None:
             for u in range(len(self.layout.units)):
-                run(grads[u], state.master[u], state.exp_avg[u], state.exp_avg_sq[u], out[u])
+                run(u, 0, grads[u], state.master[u], state.exp_avg[u], state.exp_avg_sq[u],
+                    out[u])
             return state
         src = _file_of(state.master)
         new = self.tier.update(src, lambda u, lo, hi, p, m, v: run(
-            grads[u][lo:hi], p, m, v, out[u][lo:hi]))
+            u, lo, grads[u], p, m, v, out[u][lo:hi]))
         maps = self.tier.maps(new)
         self.tier.retire(src)
         return state.replace(master=tuple(maps["master"]),
@@ -202,8 +224,9 @@ class Offloader:
         copy_out = spare.compute if resident else staging.out
 
         def run_unit(u: int, grad: np.ndarray, spare: Spare) -> None:
-            run(grad, spare.master[u], spare.exp_avg[u], spare.exp_avg_sq[u], copy_out[u],
-                read_from=(state.master[u], state.exp_avg[u], state.exp_avg_sq[u]))
+            run(u, 0, grad, spare.master[u], spare.exp_avg[u], spare.exp_avg_sq[u],
+                copy_out[u], read_from=(state.master[u], state.exp_avg[u],
+                                        state.exp_avg_sq[u]))
 
         self.overlap = OverlappedUpdate(self.device, reducer.shards, staging, spare, run_unit)
         reducer.on_final = self.overlap.submit
@@ -224,6 +247,31 @@ class Offloader:
             changes["compute"] = tuple(spare.compute)
         self.spare = old
         return state.replace(**changes)
+
+
+def _trainable_update(kernel: Any, runs: tuple, packing: Any, u: int, lo: int, hi: int,
+                      grad: Any, bufs: tuple, read_from: Any, separate: bool) -> None:
+    """The kernel on the trainable ranges of unit ``u``'s elements [lo, hi)
+    (``bufs``: the masters', moments' and copy's views of them); the frozen
+    ranges keep their masters and moments (copied from ``read_from`` out of
+    place) and get their compute-dtype copies (see [Note: frozen leaves])."""
+    parts = [(max(a, lo), min(b, hi)) for a, b in runs if a < hi and b > lo]
+    ends = [lo, *(x for part in parts for x in part), hi]
+    gaps = [(a - lo, b - lo) for a, b in zip(ends[::2], ends[1::2], strict=True) if b > a]
+    p, m, v, copy = bufs
+    for a, b in gaps:  # the frozen ranges
+        if read_from is not None:  # out of place: as they were
+            for dst, src in zip((p, m, v), read_from, strict=True):
+                dst[a:b] = src[a:b]
+        if separate:  # their compute-dtype copies
+            ops.cast(p[a:b], copy.dtype, out=copy[a:b])
+    if parts:
+        def local(x: Any) -> tuple:
+            return tuple(x[a - lo:b - lo] for a, b in parts)
+
+        kernel(tuple(grad[slice(*packing.where(u, a, b))] for a, b in parts), local(p),
+               local(m), local(v), local(copy),
+               None if read_from is None else tuple(local(x) for x in read_from))
 
 
 def _cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -38,7 +38,10 @@ Where the optimizer writes the compute-dtype params (mixed precision), it
 writes them on the trainable runs: at stages 0 and 3 the compute copies
 persist and the frozen leaves' stay as they were; stages 1-2 write fresh
 buffers each step, so the frozen leaves' copies are cast from their masters
-there (``_update._copy_left``).
+there (``_update._copy_left``). The offload tiers keep moments in the
+masters' layout (zero for frozen leaves) and run the kernel on the trainable
+ranges of each unit or chunk, reading the packed gradients
+(``shard/offload/_step.py``).
 """
 
 from __future__ import annotations

@@ -98,8 +98,9 @@ class Plan:
     def moment_packing(self) -> Packing | None:
         """Where the moments' trainable runs live: packed for a fused optimizer
         with frozen leaves; an optax transformation keeps its state in the
-        masters' layout."""
-        return self.packing if self.optimizer.fused is not None else None
+        masters' layout, and so do the offload tiers."""
+        return self.packing if self.optimizer.fused is not None and \
+            self.config.offload is None else None
 
     @property
     def compute_dtype(self) -> np.dtype:
@@ -147,7 +148,8 @@ class Plan:
         return Offloader(c.offload, name=c.name, stage=c.stage, layout=self.layout,
                          device=self.device, master_dtype=self.master_dtype,
                          compute_dtype=self.compute_dtype, rank=c.comm.rank,
-                         optimizer=c.optimizer, clip_norm=c.clip_norm)
+                         optimizer=c.optimizer, clip_norm=c.clip_norm, runs=self.runs,
+                         packing=self.packing)
 
 
 def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) -> Plan:
@@ -202,10 +204,6 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     optimizer = on_shards(config.optimizer, layout, stage=config.stage, master_dtype=master_dtype,
                           device_host=where.host, offload=config.offload is not None, fn=fn)
     frozen = frozen_leaves(config.trainable, loss_fn, params, fn)
-    if frozen and config.offload is not None:
-        raise NotImplementedError(
-            f"{fn}: frozen params (requires_grad=False, or trainable=) do not train with "
-            "offload= yet: drop offload=")
     copy_plans = CopyPlans(layout, full_layout)
     grads = gradient_layout(layout, frozen)
     return Plan(config, layout, full_layout, np.dtype(master_dtype), precision, where,
