@@ -153,6 +153,36 @@ def test_consolidated_file_loads_into_numpy_and_torch(saved_at_step5, tmp_path):
     assert cli.returncode == 0 and "0.w" in cli.stdout
 
 
+def test_orbax_reads_the_params_and_moments_a_checkpoint_holds(saved_at_step5, tmp_path):
+    """``to_orbax`` (and ``python -m shard.checkpoint orbax``) write the full
+    params, the step and the moments as an orbax checkpoint, in the params'
+    own structure, which orbax's StandardCheckpointer restores as they are."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    written = shard.checkpoint.to_orbax(saved_at_step5, tmp_path / "orbax", optimizer=True)
+    assert written["params"][0]["w"].shape == (7, 5)
+    got = ocp.StandardCheckpointer().restore((tmp_path / "orbax").absolute())
+
+    def run(comm):
+        state, _ = shard.load(saved_at_step5, _make(3, comm), comm=comm, like=M.init_params())
+        return _gather_all(state, comm)
+
+    full, exp_avg, exp_avg_sq = ops.spawn(run, 2)[0]
+    assert int(got["step"]) == 5 and isinstance(got["params"], list)
+    for have, want in [(got["params"], full), (got["opt"]["exp_avg"], exp_avg),
+                       (got["opt"]["exp_avg_sq"], exp_avg_sq)]:
+        assert jax.tree_util.tree_structure(have) == jax.tree_util.tree_structure(want)
+        for a, b in zip(jax.tree_util.tree_leaves(have), jax.tree_util.tree_leaves(want),
+                        strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b)
+    with pytest.raises(shard.CheckpointError, match="exists"):
+        shard.checkpoint.to_orbax(saved_at_step5, tmp_path / "orbax")
+    code, text = shard.checkpoint.run(["orbax", str(saved_at_step5), str(tmp_path / "cli")])
+    assert code == 0 and "6 arrays" in text  # 5 params and the step
+    again = ocp.StandardCheckpointer().restore((tmp_path / "cli").absolute())
+    assert "opt" not in again
+    np.testing.assert_array_equal(np.asarray(again["params"][1]["gain"]), full[1]["gain"])
+
+
 def _load_error(path):
     def run(comm):
         shard.load(path, _make(3, comm), comm=comm, like=M.init_params())

@@ -129,3 +129,30 @@ def test_jax_model_libraries_train_like_single_process_optax(case, stage):
     evals = ops.spawn(run, 3)
     assert seen and all(seen)
     np.testing.assert_allclose(evals[0], float(loss(want, batches[0])), rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_checkpoint_of_each_library_s_params_is_one_orbax_restores(case, tmp_path):
+    """``shard.checkpoint.to_orbax`` names each leaf by its key path, attributes
+    (an equinox module's fields, flax nnx's ``.value``) as dict keys, so orbax
+    restores every library's params as nested dicts and lists."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params, loss = CASES[case]()
+
+    def run(comm):
+        step = shard.zero3(loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)
+        state, _ = step(step.init(params), shard.split_batch(data()[0], rank=comm.rank,
+                                                              world_size=2))
+        shard.save(state, tmp_path / "ckpt", comm=comm)
+        return shard.gather(state, comm)
+
+    whole = ops.spawn(run, 2)[0]
+    shard.checkpoint.to_orbax(tmp_path / "ckpt", tmp_path / "orbax")
+    restored = ocp.StandardCheckpointer().restore((tmp_path / "orbax").absolute())["params"]
+    leaves = jax.tree_util.tree_leaves_with_path(whole)
+    assert len(jax.tree_util.tree_leaves(restored)) == len(leaves) > 0
+    for path, x in leaves:
+        have = restored
+        for key in path:
+            have = have[getattr(key, "key", getattr(key, "idx", getattr(key, "name", None)))]
+        np.testing.assert_array_equal(np.asarray(have), np.asarray(x))

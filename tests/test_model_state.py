@@ -209,6 +209,14 @@ def test_the_model_state_is_checkpointed_and_resumes_at_another_world_size(tmp_p
         return state
 
     ops.spawn(resume, 1)
+    ocp = pytest.importorskip("orbax.checkpoint")
+    shard.checkpoint.to_orbax(tmp_path / "ck", tmp_path / "orbax")
+    restored = ocp.StandardCheckpointer().restore((tmp_path / "orbax").absolute())
+    for path, x in jax.tree_util.tree_leaves_with_path(want):  # nested dicts, as saved
+        have = restored["model_state"]
+        for key in path:
+            have = have[getattr(key, "key", getattr(key, "idx", getattr(key, "name", None)))]
+        np.testing.assert_array_equal(np.asarray(have), np.asarray(x))
     bad = {"other": np.zeros(3, np.float32)}
 
     def mismatched(comm):

@@ -18,7 +18,7 @@ PUBLIC = {
         "estimate_memory", "from_deepspeed_config", "from_partition_spec", "gather",
         "init_from_env", "load", "make_layout", "partition", "pipeline", "profile", "save", "spawn",
         "split_batch", "to_partition_spec", "unpartition", "zero0", "zero1", "zero2", "zero3"],
-    "shard.checkpoint": ["consolidate", "inspect", "run"],
+    "shard.checkpoint": ["consolidate", "inspect", "run", "to_orbax"],
     "ops": [
         "AdamState", "BF16", "CollectiveError", "CollectiveTimeout", "Communicator", "Device",
         "FusedAdam", "FusedOptimizer", "HOST", "KernelBuildError", "LionState", "PeerFailed",

@@ -86,10 +86,11 @@ def _write_model_state_file(state: TrainState, directory: Path) -> dict | None:
             "leaves": [jax.tree_util.keystr(p) for p, _ in leaves]}
 
 
-def read_model_state(path: Path, manifest: dict, like: Any) -> Any:
+def read_model_state(path: Path, manifest: dict, like: Any, *, attributes: bool = False) -> Any:
     """A checkpoint's model state (None without one): in the structure of
     ``like`` (the model state the step's ``init`` was given) where there is
-    one, else as the nested dicts and lists its paths name."""
+    one, else as the nested dicts and lists its paths name (with
+    ``attributes``, an attribute such as flax nnx's ``.value`` is a dict key)."""
     entry = manifest.get("model_state")
     if not entry:
         return None
@@ -121,7 +122,7 @@ def read_model_state(path: Path, manifest: dict, like: Any) -> Any:
         return jax.tree_util.tree_unflatten(tree, [saved[n] for n in names])
     root: dict = {}
     for name in entry["leaves"]:
-        keys = parse_path(name)
+        keys = parse_path(name, attributes=attributes)
         if not keys:
             raise CheckpointError(f"{f}: model state leaf {name!r} is not a path of dict keys "
                                   "and list indices; init the step with its model_state first")

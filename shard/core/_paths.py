@@ -11,24 +11,33 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Shape", "is_shape", "meta_shape", "shapes_from_manifest"]
+__all__ = ["Shape", "is_shape", "meta_shape", "shapes_from_manifest", "tree_from_manifest"]
 
 _KEY = re.compile(r"\[('(?:[^'\\]|\\.)*'|\"(?:[^\"\\]|\\.)*\"|\d+)\]")
+_ATTR = re.compile(r"\.([A-Za-z_]\w*)")
 # CPython 3.11's parser keeps a process-wide recursion counter that threads
 # parsing at once corrupt ("AST constructor recursion depth mismatch"), as
 # thread ranks loading a checkpoint together do: one parse at a time.
 _PARSE = threading.Lock()
 
 
-def parse_path(path: str) -> list[str | int] | None:
+def parse_path(path: str, *, attributes: bool = False) -> list[str | int] | None:
     """A key path as JAX writes it (``"['a'][0]"``) -> ``['a', 0]``; None when it
-    holds anything but dict keys (strings) and list indices."""
+    holds anything but dict keys (strings) and list indices. With
+    ``attributes``, an attribute (``.value``, as flax nnx's and equinox's
+    paths hold) is a key too: ``"['bn']['mean'].value"`` -> ``['bn', 'mean',
+    'value']``."""
     keys: list[str | int] = []
     pos = 0
     while pos < len(path):
         m = _KEY.match(path, pos)
         if m is None:
-            return None
+            a = _ATTR.match(path, pos) if attributes else None
+            if a is None:
+                return None
+            keys.append(a.group(1))
+            pos = a.end()
+            continue
         token = m.group(1)
         if token.isdigit():
             keys.append(int(token))
@@ -47,19 +56,29 @@ def shapes_from_manifest(manifest: dict, where: str = "the manifest") -> Any:
 
     from ops.device._arrays import BF16
 
+    return tree_from_manifest(manifest, lambda entry: jax.ShapeDtypeStruct(
+        tuple(entry["shape"]), BF16 if entry["dtype"] == "bfloat16" else np.dtype(entry["dtype"])),
+        f"load: {where}")
+
+
+def tree_from_manifest(manifest: dict, leaf: Any, where: str = "the manifest", *,
+                       attributes: bool = False) -> Any:
+    """``leaf(entry)`` for each of a manifest's leaf entries, in the nested dicts
+    and lists their paths name (with ``attributes``, an attribute is a dict
+    key: see :func:`parse_path`)."""
     root: dict = {}
     for entry in manifest["leaves"]:
-        keys = parse_path(entry["path"])
+        keys = parse_path(entry["path"], attributes=attributes)
         if keys is None:
-            raise ValueError(f"load: {where} names leaf {entry['path']!r}, which is not a path of "
-                             "dict keys and list indices; pass like=params (or their shapes)")
-        dtype = BF16 if entry["dtype"] == "bfloat16" else np.dtype(entry["dtype"])
+            raise ValueError(f"{where} names leaf {entry['path']!r}, which is not a path of "
+                             "dict keys and list indices; pass like=params (or their shapes) "
+                             "to load")
         node = root
         for k in keys[:-1]:
             node = node.setdefault(k, {})
             if not isinstance(node, dict):
-                raise ValueError(f"load: {where}: leaf paths overlap at {entry['path']!r}")
-        node[keys[-1]] = jax.ShapeDtypeStruct(tuple(entry["shape"]), dtype)
+                raise ValueError(f"{where}: leaf paths overlap at {entry['path']!r}")
+        node[keys[-1]] = leaf(entry)
     return _lists(root, where)
 
 
@@ -69,7 +88,7 @@ def _lists(node: Any, where: str) -> Any:
         return node
     if node and all(isinstance(k, int) for k in node):
         if sorted(node) != list(range(len(node))):
-            raise ValueError(f"load: {where}: list indices {sorted(node)} have gaps")
+            raise ValueError(f"{where}: list indices {sorted(node)} have gaps")
         return [_lists(node[i], where) for i in range(len(node))]
     return {k: _lists(v, where) for k, v in node.items()}
 
