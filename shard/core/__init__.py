@@ -8,8 +8,8 @@
   ([Note: TrainState]);
 - ``_optim.py``: the step's optimizer on a rank's shards, a fused optimizer or
   an optax transformation ([Note: optax on shards]); ``_parts.py``: an optax
-  transformation's parts, and LAMB's and Adafactor's per-leaf reductions over
-  the ranks; ``_probe.py``: whether the other parts act element by element;
+  transformation's parts, LAMB's and Adafactor's per-leaf reductions over the
+  ranks, and the probe of whether the other parts act element by element;
 - ``_mesh.py``: :class:`~shard.Mesh`, a named grid of ranks with a communicator
   per axis ([Note: named mesh]); ``_split.py``: how a tensor-parallel leaf is cut
   along its model axis, in one piece or in packed blocks ([Note: packed splits]);

@@ -27,7 +27,7 @@ bound on every rank). Every other part is refused if it holds a reduction
 known by name (Adafactor's factored statistics on a split leaf, a
 ``clip_by_global_norm`` later in the chain, whose bound a small probe may
 never reach, a trust ratio hidden inside ``masked``...), and is otherwise
-tried before any state exists (``_probe.py``): a probe tree with the params'
+tried before any state exists (``_parts.py``): a probe tree with the params'
 structure and each leaf's rank, a few rows per split leaf, is updated over
 five steps as a whole and as two ranks' row blocks, with gradients from 1e-6
 to 1e12 (never NaN: the step skips non-finite gradients before any
@@ -53,8 +53,7 @@ import numpy as np
 from ops import FusedOptimizer
 from ops._adam import grad_multiplier
 from ops._tree import tree_util
-from shard.core._parts import PER_LEAF, Segments, parts_of
-from shard.core._probe import check_parts, clip_first, describe
+from shard.core._parts import PER_LEAF, Segments, check_parts, clip_first, describe, parts_of
 
 __all__ = ["ADAM_MOMENTS", "ShardOptimizer", "is_transformation", "moment_names", "on_shards"]
 

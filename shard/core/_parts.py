@@ -1,5 +1,7 @@
-"""An optax transformation as its parts, and the parts that reduce over whole
-leaves computed on shards (see [Note: optax on shards] in ``_optim.py``).
+"""An optax transformation as its parts, the parts that reduce over whole
+leaves computed on shards, and whether the others can run on ZeRO's shards:
+the element-wise probe and the names read from a transformation's closures
+(see [Note: optax on shards] in ``_optim.py``).
 
 Nested ``optax.chain`` s flatten into the transformations they apply in turn,
 each with the place of its state in the chains' state tuples. LAMB's
@@ -16,13 +18,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from ops._tree import tree_util
 
-__all__ = ["PER_LEAF", "Part", "Segments", "free_var", "parts_of"]
+__all__ = ["PER_LEAF", "Part", "Segments", "check_parts", "clip_first", "describe", "free_var",
+           "parts_of", "probe"]
 
 # per-leaf reductions computed here: their optax hyper-parameters, by closure name
 PER_LEAF = {"scale_by_trust_ratio": ("min_norm", "trust_coefficient", "eps"),
@@ -185,3 +188,188 @@ def _run_fn(parts: list[Part]) -> Callable:
         return u, new
 
     return run
+
+
+# optax transformations whose update reduces over a whole leaf or tree
+_REDUCERS = {
+    "clip_by_global_norm": "the whole tree's norm (first in a chain, the step provides it)",
+    "scale_by_trust_ratio": "each whole leaf's norm (LAMB, LARS)",
+    "scale_by_factored_rms": "each whole leaf's row and column means (Adafactor)",
+    "clip_by_block_rms": "each whole leaf's RMS",
+    "scale_by_param_block_rms": "each whole leaf's RMS",
+    "scale_by_param_block_norm": "each whole leaf's norm",
+    "adaptive_grad_clip": "each whole leaf's norm",
+    "normalize_by_update_norm": "the whole tree's norm",
+    "add_noise": "noise drawn for each whole leaf",
+    "scale_by_polyak": "the whole tree's norm",
+    "scale_by_lbfgs": "inner products over the whole tree",
+    "centralize": "each whole leaf's mean",
+}
+_PROBE_SCALES = (1.0, 1e12, 1e-6, 1.0, 3.0)
+
+
+def describe(tx: Any) -> str:
+    """``optax.chain(clip_by_global_norm, scale_by_adam, ...)``: the transformations a
+    GradientTransformation is built of, found in its functions' closures."""
+    names = _parts(tx.update)
+    return f"optax transformation ({', '.join(names)})" if names else type(tx).__name__
+
+
+def check_parts(tx: Any, parts: list[Part], layout: Any, what: str, fn: str) -> None:
+    """Refuse ``tx`` unless each of its parts is a per-leaf reduction computed on
+    shards (``PER_LEAF``), a ``clip_by_global_norm`` first in it, or acts
+    element by element: by the names of the reductions it holds, then by the
+    probe (see [Note: optax on shards])."""
+    for k, part in enumerate(parts):
+        if part.name in PER_LEAF or (k == 0 and clip_first(tx) is not None):
+            continue
+        found = [n for n in _parts(part.update) if n in _REDUCERS]
+        if found == ["scale_by_factored_rms"] and not _factors_a_split_leaf(part, layout):
+            found = []  # no split leaf is big enough to factor: Adafactor is element-wise
+        if found:
+            _refuse(tx, layout, None, what, fn, found)
+        probe(_Tx(part.init, part.update), layout, what, fn, tx)
+
+
+class _Tx(NamedTuple):
+    init: Any
+    update: Any
+
+
+def _factors_a_split_leaf(part: Part, layout: Any) -> bool:
+    """Whether Adafactor's ``scale_by_factored_rms`` keeps row and column
+    statistics (optax's ``_factored_dims``) for a leaf ZeRO splits."""
+    update = next((f for f in _functions(part.update)
+                   if f.__qualname__.startswith("scale_by_factored_rms.<locals>.")), None)
+    factored = free_var(update, "factored") if update is not None else None
+    least = free_var(update, "min_dim_size_to_factor") if update is not None else None
+    if factored is None or least is None:
+        return True  # cannot tell: assume it does
+    return bool(factored) and any(
+        leaf.sharded and len(leaf.shape) >= 2 and sorted(leaf.shape)[-2] >= least
+        for leaf in layout.leaves)
+
+
+# -- the element-wise probe ------------------------------------------------------
+def probe(tx: Any, layout: Any, what: str, fn: str, whole: Any = None) -> None:
+    """Refuse ``tx`` (a part of ``whole``) unless its update on two ranks' row
+    blocks equals its update on the whole leaves (see [Note: optax on shards])."""
+    tu = tree_util()
+    td, rng = layout.treedef, np.random.default_rng(0)
+    shapes = [(7, *(min(d, 3) for d in leaf.shape[1:])) if leaf.sharded else
+              tuple(min(d, 3) for d in leaf.shape) for leaf in layout.leaves]
+    params = [np.asarray(rng.standard_normal(s), np.float32) for s in shapes]
+    grads = [[np.asarray(scale * rng.standard_normal(s), np.float32) for s in shapes]
+             for scale in _PROBE_SCALES]
+
+    def part(xs: list[np.ndarray], r: int) -> list[np.ndarray]:
+        return [x[(0, 3, 7)[r]:(0, 3, 7)[r + 1]] if leaf.sharded else x
+                for x, leaf in zip(xs, layout.leaves, strict=True)]
+
+    def run(r: int | None) -> list[tuple]:
+        p = params if r is None else part(params, r)
+        out = []
+        try:
+            state = tx.init(td.unflatten(p))
+            step = _probe_step(tx, td)  # eager: tiny arrays, no compile
+            for g_all in grads:
+                g = g_all if r is None else part(g_all, r)
+                updates, state, p = step(td.unflatten(g), state, td.unflatten(p))
+                p = [np.asarray(x) for x in tu.tree_leaves(p)]
+                rest = [np.asarray(x) for x in tu.tree_leaves(state) if np.ndim(x) == 0]
+                out.append(([np.asarray(x) for x in tu.tree_leaves(updates)], rest))
+        except Exception as e:  # the user's transformation failed
+            raise TypeError(f"{fn}: optimizer= {what} failed on a probe of the params' "
+                            f"structure: {type(e).__name__}: {e}") from None
+        return out
+
+    whole_tx = tx if whole is None else whole
+    whole, ranks = run(None), [run(0), run(1)]
+    for k, (updates, rest) in enumerate(whole):
+        for r, got in enumerate(ranks):
+            same = all(_close(a, b) for a, b in zip(part(updates, r), got[k][0], strict=True))
+            same = same and all(_close(a, b) for a, b in zip(rest, got[k][1], strict=True))
+            if not same:
+                _refuse(whole_tx, layout, k, what, fn, part=outer_name(tx.update))
+
+
+def _probe_step(tx: Any, td: Any) -> Any:
+    def step(g: Any, state: Any, p: Any) -> tuple:
+        tu = tree_util()
+        updates, state = tx.update(g, state, p)
+        return updates, state, tu.tree_map(lambda a, u: a + u.astype(a.dtype), p, updates)
+
+    return step
+
+
+def _close(a: np.ndarray, b: np.ndarray) -> bool:
+    if a.shape != b.shape:
+        return False
+    scale = float(np.nanmax(np.abs(a), initial=0.0)) if a.size else 0.0
+    return bool(np.allclose(a, b, rtol=1e-4, atol=1e-6 * scale + 1e-30, equal_nan=True))
+
+
+def _refuse(tx: Any, layout: Any, k: int | None, what: str, fn: str,
+            found: list[str] = (), part: str = "") -> None:
+    """A ValueError naming the reductions ``found`` in ``tx``, or its ``part``
+    whose update differed on the probe's step ``k``."""
+    why = "; ".join(f"{n} needs {_REDUCERS[n]}" for n in found) or (
+        f"{part or 'its update'} updates a row by other rows, leaves or ranks")
+    seen = ("" if k is None else f": on a probe of the params' structure, its update of a "
+            f"rank's rows (step {k + 1}) differs from its update of the whole leaves")
+    raise ValueError(
+        f"{fn}: optimizer= {what} does not act element by element, so it cannot run on "
+        f"ZeRO's shards over {layout.world_size} ranks{seen}. {why}. Inside a chain, "
+        f"ZeRO computes {', '.join(sorted(PER_LEAF))} over the ranks, and a "
+        "clip_by_global_norm first (or clip_norm=); otherwise use stage 0 (whole leaves on "
+        "every rank)")
+
+
+# -- reading a GradientTransformation's parts -------------------------------------
+def _functions(f: Any, depth: int = 0, seen: set | None = None) -> list[Any]:
+    """``f`` and the functions its closure holds, depth first, in order."""
+    seen = set() if seen is None else seen
+    if depth > 8 or id(f) in seen or not callable(f):
+        return []
+    seen.add(id(f))
+    out = [f]
+    for cell in getattr(f, "__closure__", None) or ():
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        for x in (v if isinstance(v, (tuple, list)) else (v,)):
+            if callable(x) and hasattr(x, "__code__"):
+                out += _functions(x, depth + 1, seen)
+            elif _is_transformation(x):
+                out += _functions(x.update, depth + 1, seen)
+    return out
+
+
+def _parts(update: Any) -> list[str]:
+    names = []
+    for f in _functions(update):
+        qual = getattr(f, "__qualname__", "")
+        outer = qual.split(".<locals>.")[0] if ".<locals>." in qual else ""
+        if outer and outer not in ("chain", "with_extra_args_support", "named_chain") and \
+                outer not in names:
+            names.append(outer)
+    return names
+
+
+def clip_first(tx: Any) -> float | None:
+    """The max norm of a ``clip_by_global_norm`` that comes first in ``tx``."""
+    fs = [f for f in _functions(tx.update)
+          if ".<locals>." in getattr(f, "__qualname__", "")
+          and f.__qualname__.split(".<locals>.")[0] not in ("chain", "with_extra_args_support")]
+    if not fs or not fs[0].__qualname__.startswith("clip_by_global_norm.<locals>."):
+        return None
+    m = free_var(fs[0], "max_norm")
+    try:
+        return float(m)
+    except (TypeError, ValueError):
+        return None
+
+
+def _is_transformation(x: Any) -> bool:
+    return callable(getattr(x, "init", None)) and callable(getattr(x, "update", None))
