@@ -22,14 +22,15 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
                   gradient_accumulation_steps: int | None = None, has_aux: bool = False,
                   weight_by_rows: bool = False, replicate: Communicator | None = None,
                   tensor_parallel: Any = None, reshard_after_forward: bool | int = True,
-                  trainable: Any = None, gradient_divide_factor: float | None = None) -> Any:
+                  trainable: Any = None, gradient_divide_factor: float | None = None,
+                  key: Any = None) -> Any:
         kw = dict(stage=stage, optimizer=optimizer, comm=comm, specs=specs, units=units,
                   precision=precision, clip_norm=clip_norm, loss_scale=loss_scale,
                   prefetch=prefetch, loggers=loggers, offload=offload,
                   gradient_accumulation_steps=gradient_accumulation_steps, has_aux=has_aux,
                   weight_by_rows=weight_by_rows, replicate=replicate,
                   tensor_parallel=tensor_parallel, reshard_after_forward=reshard_after_forward,
-                  trainable=trainable, gradient_divide_factor=gradient_divide_factor)
+                  trainable=trainable, gradient_divide_factor=gradient_divide_factor, key=key)
         if loss_fn is None:  # used as a decorator with arguments
             return lambda fn: ZeroStep(fn, **kw)
         return ZeroStep(loss_fn, **kw)
@@ -117,6 +118,10 @@ Args:
     divided by (FSDP2's ``set_gradient_divide_factor``). Default: the number
     of data ranks, a mean; ``1.0`` keeps the sum (DeepSpeed's
     ``"gradient_allreduce_op": "sum"``). Micro-batches are averaged either way.
+  key: a JAX PRNG key (``jax.random.key(0)``) for a JAX loss that draws
+    random numbers (dropout): the loss is then called with a keyword argument
+    ``key``, a different key on every data rank, step and micro-batch, derived
+    from this one (``shard.step_key``; see [Note: per-rank keys]).
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then

@@ -17,7 +17,8 @@ PUBLIC = {
         "TensorParallel", "TrainState", "ZeroStep", "async_save", "balance_by_time",
         "estimate_memory", "from_deepspeed_config", "from_partition_spec", "gather",
         "init_from_env", "load", "make_layout", "partition", "pipeline", "profile", "save", "spawn",
-        "split_batch", "to_partition_spec", "unpartition", "zero0", "zero1", "zero2", "zero3"],
+        "split_batch", "step_key", "to_partition_spec", "unpartition", "zero0", "zero1", "zero2",
+        "zero3"],
     "shard.checkpoint": ["consolidate", "inspect", "run", "to_orbax"],
     "ops": [
         "AdamState", "BF16", "CollectiveError", "CollectiveTimeout", "Communicator", "Device",

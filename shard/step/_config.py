@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ops import Communicator, FusedOptimizer
+from shard.core._keys import check_key
 from shard.core._loss import JaxLoss, classify
 from shard.core._optim import is_transformation
 from shard.core._policy import LossScale, Precision
@@ -46,6 +47,7 @@ class StepConfig:
     secondary: tuple[Communicator, Communicator] | None = None
     trainable: Any = None  # which leaves train (see [Note: frozen leaves]); None: all
     gradient_divide_factor: float | None = None  # None: the data ranks (a mean)
+    key: tuple | None = None  # (raw data, impl or None): see [Note: per-rank keys]
 
     @property
     def ranks(self) -> int:
@@ -61,7 +63,7 @@ class StepConfig:
              has_aux: bool = False, weight_by_rows: bool = False,
              replicate: Communicator | None = None, tensor_parallel: Any = None,
              reshard_after_forward: bool | int = True, trainable: Any = None,
-             gradient_divide_factor: float | None = None) -> StepConfig:
+             gradient_divide_factor: float | None = None, key: Any = None) -> StepConfig:
         """The configuration of ``zero{stage}(loss_fn, ...)``; a TypeError or
         ValueError naming the argument for anything it cannot train with."""
         name = f"zero{stage}"
@@ -155,12 +157,18 @@ class StepConfig:
             loss_fn.has_aux = has_aux
         if units is None:  # a loss object may know its model's units (interop.torch does)
             units = getattr(loss_fn, "units", None) if kind == "provider" else None
+        if key is not None:  # see [Note: per-rank keys]
+            if kind != "jax":
+                raise NotImplementedError(f"{name}: key= gives a JAX loss function its "
+                                          "random keys; this "
+                                          f"{type(loss_fn).__name__} draws its own")
+            key = check_key(name, key)
         loss = JaxLoss.shared(loss_fn, has_aux) if kind == "jax" else loss_fn
         return cls(name, stage, loss, kind, optimizer, comm, specs, units,
                    precision or Precision(), clip_norm, loss_scale, prefetch, loggers, offload,
                    gradient_accumulation_steps, has_aux, weight_by_rows, replicate,
                    tensor_parallel, reshard_after_forward, secondary, trainable,
-                   None if f is None else float(f))
+                   None if f is None else float(f), key)
 
 
 def _secondary(name: str, stage: int, comm: Communicator, reshard: Any, *, replicate: Any,

@@ -13,6 +13,8 @@ import ops._tree
 from ops.comm._collectives import all_gather_host
 from ops.device._device import device_of_or_none
 from ops.device._dlpack import jax_view
+from shard.core._keys import derived_key, keyed
+from shard.core._loss import JaxLoss
 from shard.core._state import TrainState
 from shard.monitor._profile import timed
 from shard.step import _traced
@@ -21,12 +23,14 @@ from shard.step._runtime import LiveBytes, Units
 
 __all__ = [
     "grad_buffers",
+    "keyed_batch",
     "loss_and_grads",
     "mean_model_state",
     "on_device",
     "placement",
     "reduce_dtype",
     "same_model_state",
+    "step_loss",
     "unit_params",
     "whole_params",
 ]
@@ -86,6 +90,31 @@ def placement(plan: Any) -> Any:
     import jax
 
     return jax.default_device(jax.devices("cpu")[0])
+
+
+def step_loss(plan: Any, with_state: bool, loss_fn: Any = None) -> JaxLoss | None:
+    """The JAX loss the step calls in place of its own (or of ``loss_fn``, an
+    eval-mode one), or None where it calls it as it is: one that threads a
+    model state (see [Note: model state]) and takes a key (see [Note:
+    per-rank keys]), one of them or both."""
+    c = plan.config
+    if c.key is None and not with_state:
+        return loss_fn
+    fn = (c.loss_fn if loss_fn is None else loss_fn).fn
+    if c.key is not None:
+        fn = keyed(fn, c.key[1])
+    return JaxLoss.with_state(fn, c.has_aux) if with_state else JaxLoss.shared(fn, c.has_aux)
+
+
+def keyed_batch(plan: Any, batch: Any, step: int, micro_batch: int) -> Any:
+    """``(batch, key)`` with this data rank's key for ``micro_batch`` of step
+    ``step`` where the step was given ``key=`` (see [Note: per-rank keys]);
+    ``batch`` otherwise."""
+    c = plan.config
+    if c.key is None:
+        return batch
+    rank = c.comm.rank + (c.replicate.rank * c.comm.world_size if c.replicate else 0)
+    return batch, derived_key(*c.key, step=step, rank=rank, micro_batch=micro_batch)
 
 
 def loss_and_grads(plan: Any, units: Units, reducer: GradReducer, batch: Any,

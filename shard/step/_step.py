@@ -78,7 +78,6 @@ import numpy as np
 from ops import HOST, Device
 from shard.core._gather import MicroBatches
 from shard.core._layout import Layout
-from shard.core._loss import JaxLoss
 from shard.core._policy import Precision
 from shard.core._state import TrainState
 from shard.monitor._metrics import StepMetrics
@@ -298,25 +297,26 @@ class ZeroStep:
         overlap = offloader.start_overlap(state, reducer, grad_scale) if offloader else None
         auxes = []
         model_state = state.model_state  # see [Note: model state]
-        threading = JaxLoss.with_state(c.loss_fn.fn, c.has_aux) if model_state is not None \
-            else None
+        called = _grads.step_loss(plan, model_state is not None)  # see [Note: per-rank keys]
         try:
             with _grads.placement(plan):
                 for i, b in enumerate(micro):
                     reducer.final = i == len(micro) - 1
                     weight = weights[i] if weights else 1.0  # micro-batches of unequal rows
-                    if threading is not None:
+                    b = _grads.keyed_batch(plan, b, int(state.step), i)
+                    if model_state is not None:
                         loss, (new, aux) = _grads.loss_and_grads(
-                            plan, units, reducer, (b, model_state), scale * weight, threading)
+                            plan, units, reducer, (b, model_state), scale * weight, called)
                         model_state = _grads.same_model_state(plan, model_state, new)
                         if c.has_aux:
                             auxes.append(aux)
                     else:
-                        loss = _grads.loss_and_grads(plan, units, reducer, b, scale * weight)
+                        loss = _grads.loss_and_grads(plan, units, reducer, b, scale * weight,
+                                                     called)
                     if leaves:  # no gradient in the step: none in any of its micro-batches
                         got = c.loss_fn.missing
                         missing = got if missing is None else missing & got
-                    if c.has_aux and threading is None:
+                    if c.has_aux and model_state is None:
                         loss, aux = loss
                         auxes.append(aux)
                     loss = _grads.on_device(plan, loss, "the loss")
@@ -434,10 +434,12 @@ class ZeroStep:
         _checks.check_batch(self.config.name, self.config.comm.rank, batch)
         if loss_fn is not None:
             loss_fn = _checks.eval_loss(self.config, loss_fn)
-        if state.model_state is not None:  # see [Note: model state]
-            fn = (self.config.loss_fn if loss_fn is None else loss_fn).fn
-            loss_fn = JaxLoss.with_state(fn, self.config.has_aux)
-            batch = (batch, state.model_state)
+        with_state = state.model_state is not None  # see [Note: model state]
+        called = _grads.step_loss(plan, with_state, loss_fn)
+        if called is not None:  # a model state or a key (see [Note: per-rank keys])
+            loss_fn = called
+            batch = _grads.keyed_batch(plan, batch, int(state.step), 0)
+            batch = (batch, state.model_state) if with_state else batch
         out = _eval.evaluate(plan, _grads.unit_params(plan, state, self.tracker), batch, loss_fn)
         if state.model_state is None:
             return out
