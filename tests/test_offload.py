@@ -158,6 +158,20 @@ def test_disk_tier_checkpoints_are_hard_links_and_steps_never_rewrite_them(tmp_p
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
 
 
+def test_every_disk_tier_names_its_files_apart(tmp_path):
+    """A tier made after another was collected must not take the other's file
+    names: a step's second tier (its load, then its first step) once truncated
+    the first's generation file, whose collected maps then removed it."""
+    from shard.offload._offload import DiskTier
+
+    names = set()
+    for _ in range(20):
+        tier = DiskTier(shard.Offload("disk", path=tmp_path), 0, [4], np.float32)
+        names.add(tier.new_file().name)
+        del tier
+    assert len(names) == 20
+
+
 def test_a_failed_disk_update_leaves_the_previous_generation(tmp_path, monkeypatch):
     tier = shard.Offload("disk", path=tmp_path, chunk_mb=1)
     comm = ops.spawn(lambda c: c, 1)[0]

@@ -44,6 +44,7 @@ import json
 import os
 import queue
 import threading
+import uuid
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,7 +117,9 @@ class DiskTier:
         self.data_start = len(header)
         self.bytes = self.data_start + 3 * sum(self.sizes) * self.dtype.itemsize
         self.gen = 0
-        self.token = f"{os.getpid()}-{id(self):x}"  # this tier's files, beside any others'
+        # this tier's files, beside any others': an id() would be reused by a
+        # later tier once this one is collected, and its files taken for that one's
+        self.token = f"{os.getpid()}-{uuid.uuid4().hex[:16]}"
         self.dir.mkdir(parents=True, exist_ok=True)
 
     # -- files ------------------------------------------------------------------
