@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zeroshard-installed
 
-.PHONY: demo test bench lint clean
+.PHONY: demo test test-fast bench lint clean
 
 $(STAMP): pyproject.toml
 	@echo "== setting up $(VENV): torch 2.13.0 (CPU), JAX, CuPy and the test tools (a few minutes the first time)"
@@ -18,8 +18,16 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
+# Every test, the slowest 50 listed at the end.
 test: lint
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=50
+
+# The edit loop: no process launches, network namespaces, notebooks or slow
+# cases (see the markers in pyproject.toml and tests/conftest.py), on two
+# workers; `make test` stays CI's command.
+FAST := not multiprocess and not netns and not notebook and not slow
+test-fast: lint
+	$(PY) -m pytest -n 2 -m "$(FAST)" --durations=20
 
 # A real ZeRO-3 run: a GPT on Python's standard library sources, 2 CPU ranks (gloo),
 # stopped at step 1000 with a checkpoint, resumed from it to step 1500, then sampled.

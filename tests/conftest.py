@@ -59,3 +59,79 @@ def device(request):
     from ops.device._device import cupy_device
 
     return cupy_device()
+
+# The fast tier (`make test-fast`) leaves out the slow marker's tests. Besides
+# those marked in their files, these parametrized cases took 1.5 s or more on a
+# quiet 2-core machine (`make test` lists the slowest); their other cases stay.
+SLOW_CASES = frozenset([
+    "tests/test_device.py::test_bf16_clipping_and_loss_scaling_on_device_match_the_host[standin-3]",
+    "tests/test_device.py::test_jax_loss_on_device_matches_single_process_adamw[standin-0-1]",
+    "tests/test_device.py::test_jax_loss_on_device_matches_single_process_adamw[standin-1-3]",
+    "tests/test_device.py::test_jax_loss_on_device_matches_single_process_adamw[standin-2-3]",
+    "tests/test_device.py::test_jax_loss_on_device_matches_single_process_adamw[standin-3-3]",
+    "tests/test_device.py::test_layered_loss_on_device[standin-0]",
+    "tests/test_device.py::test_layered_loss_on_device[standin-3]",
+    "tests/test_device.py::test_torch_module_on_device_matches_torch_adamw[standin-1]",
+    "tests/test_device.py::test_torch_module_on_device_matches_torch_adamw[standin-2]",
+    "tests/test_device.py::test_torch_module_on_device_matches_torch_adamw[standin-3]",
+    "tests/test_device.py::test_zero3_on_device_keeps_at_most_two_units_alive[standin]",
+    "tests/test_device_ops.py::test_a_layered_units_operations_do_not_grow_with_its_leaves[2]",
+    "tests/test_device_ops.py::test_device_operations_do_not_grow_with_a_units_leaves[2-2]",
+    "tests/test_device_ops.py::test_device_operations_do_not_grow_with_a_units_leaves[3-2]",
+    "tests/test_device_ops.py::test_what_one_more_layered_unit_costs_on_two_ranks",
+    "tests/test_device_ops.py::test_what_one_more_unit_costs[2-1]",
+    "tests/test_device_ops.py::test_what_one_more_unit_costs[2-2]",
+    "tests/test_device_ops.py::test_what_one_more_unit_costs[2-3]",
+    "tests/test_finetune.py::test_trainable_mask_matches_optax_set_to_zero_on_one_process[1-tree-fused]",
+    "tests/test_finetune.py::test_trainable_mask_matches_optax_set_to_zero_on_one_process[1-tree-optax]",
+    "tests/test_hsdp.py::test_replicas_train_like_one_process_and_stay_identical[3-4-2-None]",
+    "tests/test_jax_model_libraries.py::test_jax_model_libraries_train_like_single_process_optax[equinox-module-1]",
+    "tests/test_jax_model_libraries.py::test_jax_model_libraries_train_like_single_process_optax[equinox-module-2]",
+    "tests/test_jax_model_libraries.py::test_jax_model_libraries_train_like_single_process_optax[flax-linen-1]",
+    "tests/test_kernel_races.py::test_lamb_stats_kernel_is_race_free_and_each_missing_barrier_is_caught[0]",
+    "tests/test_kernel_races.py::test_lamb_stats_kernel_is_race_free_and_each_missing_barrier_is_caught[1]",
+    "tests/test_kernel_races.py::test_lamb_stats_kernel_is_race_free_and_each_missing_barrier_is_caught[None]",
+    "tests/test_kernel_races.py::test_reduction_kernels_are_race_free_and_a_missing_barrier_is_caught",
+    "tests/test_lamb.py::test_zero_with_lamb_matches_single_process_optax[1-3-standin]",
+    "tests/test_lamb.py::test_zero_with_lamb_matches_single_process_optax[3-2-standin]",
+    "tests/test_mesh.py::test_a_pipeline_on_a_mesh_trains_like_one_process[axes0]",
+    "tests/test_meta_init.py::test_init_from_onto_device_state[standin]",
+    "tests/test_meta_init.py::test_init_from_refuses_ranks_with_different_keys",
+    "tests/test_model_state.py::test_aux_and_evaluation_in_eval_mode_with_the_running_statistics",
+    "tests/test_model_state.py::test_batch_norm_statistics_train_with_the_params[1-2]",
+    "tests/test_model_state.py::test_batch_norm_statistics_train_with_the_params[3-1]",
+    "tests/test_offload.py::test_frozen_params_offloaded_on_the_device_stand_in[standin-host]",
+    "tests/test_offload.py::test_frozen_params_offloaded_on_the_device_stand_in[standin-overlap]",
+    "tests/test_offload.py::test_offload_on_the_device_stand_in[standin-2-3-disk]",
+    "tests/test_offload.py::test_offload_on_the_device_stand_in[standin-2-3-host]",
+    "tests/test_offload.py::test_offload_on_the_device_stand_in[standin-3-1-disk]",
+    "tests/test_offload.py::test_offload_on_the_device_stand_in[standin-3-1-host]",
+    "tests/test_offload.py::test_offload_on_the_device_stand_in[standin-3-2-disk]",
+    "tests/test_offload.py::test_offload_on_the_device_stand_in[standin-3-2-host]",
+    "tests/test_offload.py::test_offload_on_the_device_stand_in[standin-3-3-disk]",
+    "tests/test_offload.py::test_offload_on_the_device_stand_in[standin-3-3-host]",
+    "tests/test_offload.py::test_zero3_compute_params_on_the_host_too[standin-3-disk]",
+    "tests/test_offload.py::test_zero3_compute_params_on_the_host_too[standin-3-host]",
+    "tests/test_offload_overlap.py::test_overlapped_offload_on_the_device_stand_in[standin-3-1]",
+    "tests/test_offload_overlap.py::test_overlapped_offload_on_the_device_stand_in[standin-3-3]",
+    "tests/test_offload_overlap.py::test_zero3_params_on_the_host_overlapped[standin]",
+    "tests/test_optax_on_shards.py::test_elementwise_transformations_match_single_process_optax[adabelief-schedule-1-3]",
+    "tests/test_optax_on_shards.py::test_elementwise_transformations_match_single_process_optax[adafactor-1-3]",
+    "tests/test_p2p.py::test_a_receive_times_out",
+    "tests/test_pipeline.py::test_bf16_pipeline_casts_the_batch_as_the_unpipelined_step_does",
+    "tests/test_step_keys.py::test_each_rank_step_and_micro_batch_draws_its_own_key[1-2-2-True]",
+    "tests/test_step_keys.py::test_each_rank_step_and_micro_batch_draws_its_own_key[3-2-1-True]",
+    "tests/test_step_keys.py::test_each_rank_step_and_micro_batch_draws_its_own_key[3-3-2-False]",
+    "tests/test_tensor_parallel.py::test_a_plain_checkpoint_loads_into_a_tensor_parallel_step",
+    "tests/test_tensor_parallel.py::test_the_vocabulary_parallel_loss_equals_the_loss_of_the_gathered_logits",
+    "tests/test_traced_units.py::test_a_plain_loss_at_stage_3_matches_single_process_optax[2]",
+    "tests/test_traced_units.py::test_a_plain_loss_at_stage_3_matches_single_process_optax[3]",
+    "tests/test_zero.py::test_float64_matches_the_reference_tightly[0]",
+    "tests/test_zero.py::test_float64_matches_the_reference_tightly[1]",
+])
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if item.nodeid in SLOW_CASES:
+            item.add_marker(pytest.mark.slow)

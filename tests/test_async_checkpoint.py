@@ -119,6 +119,7 @@ ops.spawn(run, 2)
 """
 
 
+@pytest.mark.multiprocess
 def test_sigkill_during_an_async_write_keeps_the_previous_checkpoint(tmp_path):
     from tests.multiproc import ROOT
 

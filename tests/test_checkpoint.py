@@ -112,6 +112,7 @@ ops.spawn(run, 2)
 """
 
 
+@pytest.mark.multiprocess
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     from tests.multiproc import ROOT
 
@@ -130,6 +131,7 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint(tmp_path):
     assert ops.spawn(run, 3) == [({"which": "first"}, 2)] * 3
 
 
+@pytest.mark.multiprocess
 def test_consolidated_file_loads_into_numpy_and_torch(saved_at_step5, tmp_path):
     out = tmp_path / "full.safetensors"
     names = consolidate(saved_at_step5, out, optimizer=True)
@@ -225,6 +227,7 @@ def test_bad_checkpoints_raise_naming_the_file(saved_at_step5, tmp_path):
         ops.spawn(wrong_model, 2)
 
 
+@pytest.mark.multiprocess
 def test_consolidated_gpt_checkpoint_gives_the_sharded_loss(tmp_path):
     """Train the torch GPT example with ZeRO-3, save, consolidate, load into a
     plain torch model: the same loss as the sharded state's."""

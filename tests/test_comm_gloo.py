@@ -7,6 +7,7 @@ import pytest
 from tests.multiproc import run_ranks
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_collective_matches_numpy(tmp_path, world):
     reports = run_ranks("tests/gloo_worker.py", world, tmp_path, {"ZS_SCENARIO": "collectives"})
@@ -15,6 +16,7 @@ def test_every_collective_matches_numpy(tmp_path, world):
         assert rep["failures"] == [], (r, rep["failures"])
 
 
+@pytest.mark.multiprocess
 def test_a_killed_process_fails_the_others_within_the_timeout(tmp_path):
     reports = run_ranks("tests/gloo_worker.py", 3, tmp_path,
                         {"ZS_SCENARIO": "kill", "ZS_TIMEOUT": "20"})
@@ -27,6 +29,7 @@ def test_a_killed_process_fails_the_others_within_the_timeout(tmp_path):
         assert rep["seconds"] < 25
 
 
+@pytest.mark.multiprocess
 def test_a_save_only_rank_0_calls_fails_every_rank_with_the_cause(tmp_path):
     reports = run_ranks("tests/gloo_worker.py", 2, tmp_path,
                         {"ZS_SCENARIO": "save0", "ZS_TIMEOUT": "4"})
@@ -39,6 +42,7 @@ def test_a_save_only_rank_0_calls_fails_every_rank_with_the_cause(tmp_path):
     assert all(r["seconds"] < 30 for r in reports)
 
 
+@pytest.mark.multiprocess
 def test_point_to_point_and_split_across_four_processes(tmp_path):
     reports = run_ranks("tests/gloo_worker.py", 4, tmp_path,
                         {"ZS_SCENARIO": "p2p", "ZS_TIMEOUT": "20"})
@@ -56,6 +60,7 @@ def test_point_to_point_and_split_across_four_processes(tmp_path):
     assert "send to rank 1" in reports[0]["message"]
 
 
+@pytest.mark.multiprocess
 def test_mismatched_sizes_across_processes_raise(tmp_path):
     reports = run_ranks("tests/gloo_worker.py", 2, tmp_path,
                         {"ZS_SCENARIO": "mismatch", "ZS_TIMEOUT": "20"})

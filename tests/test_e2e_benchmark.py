@@ -6,9 +6,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.multiprocess
 def test_e2e_benchmark_prints_its_table_and_profile():
     out = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/e2e.py"), "--sizes", "tiny", "--modes",

@@ -39,6 +39,7 @@ def straight(tmp_path_factory):
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("seed", [1])  # rank 0 killed before step 8 (seed 0: rank 1, step 7)
 def test_a_rank_killed_mid_run_restarts_and_ends_bit_identical(tmp_path, straight, seed):
     rng = random.Random(seed)
@@ -51,6 +52,7 @@ def test_a_rank_killed_mid_run_restarts_and_ends_bit_identical(tmp_path, straigh
     assert killed["params"] == straight["params"]  # bit for bit
 
 
+@pytest.mark.multiprocess
 def test_a_rank_killed_during_an_async_save_resumes_from_the_one_before(tmp_path, straight):
     """Asynchronous saves on a slow disk: the rank killed one step after the
     save of step 6 began takes the job down while that save's files are being

@@ -6,7 +6,10 @@ import json
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.multiprocess
 def test_gpu_benchmark_smoke_mode_trains_and_agrees_with_torch(tmp_path):
     out = tmp_path / "bench.json"
     proc = subprocess.run([sys.executable, "benchmarks/gpu.py", "--smoke", "--steps", "2",

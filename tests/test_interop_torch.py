@@ -277,6 +277,7 @@ def test_load_state_and_functional_share_memory():
         it.functional(copy.deepcopy, loss=mse)
 
 
+@pytest.mark.multiprocess
 def test_two_gloo_processes_train_torch_modules(tmp_path):
     from tests.multiproc import run_ranks
 

@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.multiprocess
 def test_the_jax_models_benchmark_prints_its_table():
     done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "jax_models.py"),
                            "--models", "cnn", "--passes", "1", "--steps", "1"],

@@ -316,6 +316,7 @@ def test_lamb_checkpoints_reshard_and_refuse_offload(tmp_path):
     ops.spawn(resume, 3)
 
 
+@pytest.mark.multiprocess
 def test_the_optimizer_benchmark_prints_lamb_rows_against_their_floor():
     import subprocess
     import sys

@@ -350,6 +350,7 @@ def jax_units(path):
     return f"layer{path[1].idx}" if path[0].key == "layers" else path[0].key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 3])
 @pytest.mark.parametrize("stage", [1, 3])
 def test_init_from_a_jax_init_function_equals_it_whole(stage, world):
@@ -391,6 +392,7 @@ def test_init_from_refuses_ranks_with_different_keys():
 
 # -- peak memory ----------------------------------------------------------------------
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("scenario", ["meta", "jax"])
 def test_peak_memory_of_an_init_is_the_state_plus_about_one_unit(tmp_path, scenario):
     """Two gloo processes each init a ZeRO-3 state of 8 units of 16 MiB; a rank's

@@ -81,6 +81,8 @@ def runs(tmp_path_factory):
             for k in ("one-host", "two-hosts", "hsdp", "hpz")}, sent
 
 
+@pytest.mark.multiprocess
+@pytest.mark.netns
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
 def test_two_hosts_of_two_processes_train_as_four_processes_on_one_host(runs):
     reports, sent = runs
@@ -95,6 +97,8 @@ def test_two_hosts_of_two_processes_train_as_four_processes_on_one_host(runs):
     assert min(sent["flat"]) >= STEPS * want["param_bytes"], (sent, want["param_bytes"])
 
 
+@pytest.mark.multiprocess
+@pytest.mark.netns
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
 def test_hierarchical_zero_sends_only_gradient_shards_between_hosts(runs):
     """ZeRO-3 inside each host and replicas across (``replicate=``): the same
@@ -117,6 +121,8 @@ def test_hierarchical_zero_sends_only_gradient_shards_between_hosts(runs):
           f"{want['param_bytes'] / 2**20:.3f} MiB")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.netns
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
 def test_four_hosts_through_a_switch_train_as_four_processes_on_one_host(runs, tmp_path):
     """Four namespaces of one process each, linked through a bridge: every gather
@@ -137,6 +143,8 @@ def test_four_hosts_through_a_switch_train_as_four_processes_on_one_host(runs, t
     print(f"four hosts: MiB sent per host and step: {[round(n / STEPS / 2**20, 3) for n in sent]}")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.netns
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
 def test_secondary_shards_gather_across_hosts_once_a_step(runs):
     """ZeRO-3 over all 4 ranks with ``reshard_after_forward=2`` (one secondary
@@ -158,6 +166,7 @@ def test_secondary_shards_gather_across_hosts_once_a_step(runs):
         assert hpz - p <= (flat - p) / 2, sent
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(WHY is not None or shutil.which("tc") is None,
                     reason=WHY or "no tc here to shape the link")
 def test_multinode_benchmark_prints_its_table():
@@ -184,6 +193,8 @@ def elastic_run(args: list[str]) -> list[str]:
             str(ROOT / "tests" / "elastic_worker.py")]
 
 
+@pytest.mark.multiprocess
+@pytest.mark.netns
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
 def test_a_killed_host_rejoins_and_the_run_ends_bit_identical(tmp_path):
     """Two hosts under ``torchrun --max-restarts 1``: once the first checkpoint is

@@ -8,6 +8,8 @@ import nbformat
 import pytest
 from nbclient import NotebookClient
 
+pytestmark = pytest.mark.notebook
+
 NOTEBOOKS = sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb"))
 # each notebook's closing check prints this once its assertions hold
 CHECKED = {"01_quickstart.ipynb": "largest difference from torch.optim.AdamW",

@@ -279,6 +279,7 @@ def test_bad_offload_arguments_are_refused():
         shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm, offload="cpu")
 
 
+@pytest.mark.multiprocess
 def test_offload_benchmark_prints_its_table(tmp_path):
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, str(root / "benchmarks" / "offload.py"), "--params",

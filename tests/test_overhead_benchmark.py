@@ -5,7 +5,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.multiprocess
 def test_overhead_benchmark_prints_time_calls_and_device_operations():
     proc = subprocess.run(
         [sys.executable, "benchmarks/overhead.py", "--modes", "torch", "fsdp2", "zero3",

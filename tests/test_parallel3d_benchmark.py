@@ -6,7 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.multiprocess
 def test_parallel3d_benchmark_moves_the_analytic_bytes_and_prints_its_table():
     proc = subprocess.run(
         [sys.executable, "benchmarks/parallel3d.py", "--layouts", "1x2", "--layers", "2",

@@ -73,6 +73,7 @@ def test_bad_pipeline_arguments_are_refused():
         shard.pipeline(PM.LAYERED, comm=comm, stages=1, balance=[2, 3])
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("routed", [False, True])
 def test_two_by_two_gloo_processes(tmp_path, routed):
     """routed: behind the communicator init_from_env makes on a GPU machine (host
@@ -116,6 +117,7 @@ def test_a_stage_checkpoint_names_its_layers_and_loads_back(tmp_path):
             assert (again[i][k] == whole1[i][k]).all()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
 def test_pipeline_benchmark_prints_its_table(model):
     import os

@@ -190,6 +190,7 @@ def test_torch_stage_errors_are_named():
         ops.spawn(share, 2)
 
 
+@pytest.mark.multiprocess
 def test_two_by_two_gloo_processes_train_torch_stages(tmp_path):
     reports = run_ranks("tests/gloo_worker.py", 4, tmp_path,
                         {"ZS_SCENARIO": "torch_pipeline", "ZS_TIMEOUT": "60"})

@@ -139,6 +139,7 @@ def test_torch_module_trains_as_flat_zero3_bit_for_bit():
         np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["threads", "nccl"])
 def test_device_state_trains_as_flat_zero3_bit_for_bit(backend):
     """On the device stand-in, over thread ranks and over the NCCL backend (its

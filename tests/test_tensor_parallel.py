@@ -95,6 +95,7 @@ def test_one_model_rank_is_the_identity_and_traces_no_callback():
     assert "callback" not in shard.spawn(run, 1)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("size,sequence_parallel", [(2, False), (4, False), (2, True), (4, True)])
 def test_a_gpt_split_over_model_ranks_has_the_loss_and_gradients_of_one_process(
         size, sequence_parallel):
@@ -209,6 +210,7 @@ def test_a_packed_leaf_splits_each_block_and_joins_back():
 LR, WD, CLIP = gpt.LR, gpt.WD, gpt.CLIP
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data,model,zero", [
     *((data, 2, zero) for data in (1, 2) for zero in (shard.zero1, shard.zero2, shard.zero3)),
     (3, 2, shard.zero3), (1, 4, shard.zero3), (3, 1, shard.zero2)])
@@ -247,6 +249,7 @@ def _resume(comm, path, data, model, zero, first, steps):
     return (tp.unshard(mine) if tp else mine), losses
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["threads", "nccl"])
 def test_tensor_parallelism_trains_device_state_as_one_process(backend):
     """ZeRO-3 state on the device stand-in at (data 2, model 2), on thread ranks
@@ -274,6 +277,7 @@ def test_tensor_parallelism_trains_device_state_as_one_process(backend):
         jax.tree.map(lambda g, w: _close(g, w, 1e-5), whole, want)
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_checkpoint_resumes_at_other_shapes_on_the_same_trajectory(tmp_path):
     import ops
 
@@ -319,6 +323,7 @@ def test_a_tensor_parallel_checkpoint_resumes_at_other_shapes_on_the_same_trajec
     _close(whole["head"], saved["head"], 0)
 
 
+@pytest.mark.slow
 def test_a_device_state_tensor_parallel_checkpoint_resumes_on_the_host(tmp_path):
     import ops
     from ops.testing import STANDIN
@@ -367,6 +372,7 @@ def test_a_plain_checkpoint_loads_into_a_tensor_parallel_step(tmp_path):
         jax.tree.map(lambda g, w: _close(g, w, 1e-5), params, want)
 
 
+@pytest.mark.multiprocess
 def test_four_gloo_processes_train_a_sequence_parallel_gpt_as_one_process(tmp_path):
     from tests.multiproc import run_ranks
 
@@ -442,6 +448,7 @@ def _match_stages(got, want, want_losses, want_norms):
     assert seen == set(range(len(want)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pipe,data,model,zero", [
     (2, data, 2, zero) for data in (1, 2) for zero in (shard.zero1, shard.zero2, shard.zero3)])
 def test_pipelines_zero_and_tensor_parallelism_together_match_one_process(pipe, data, model,
@@ -454,6 +461,7 @@ def test_pipelines_zero_and_tensor_parallelism_together_match_one_process(pipe, 
     _match_stages(got, want, want_losses, want_norms)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["threads", "nccl"])
 def test_pipelines_and_tensor_parallelism_train_device_state_as_one_process(backend):
     """(pipe 2, data 2, model 2), ZeRO-3 state on the device stand-in: on the NCCL
@@ -479,6 +487,7 @@ def test_pipelines_and_tensor_parallelism_train_device_state_as_one_process(back
     _match_stages(got, want, want_losses, want_norms)
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_pipelined_tensor_parallel_and_plain_layouts(tmp_path):
     import ops
 

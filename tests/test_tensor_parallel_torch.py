@@ -322,6 +322,7 @@ def test_layers_split_apart_from_one_another_are_refused():
     assert "a list of layers; give plan=" in no_plan
 
 
+@pytest.mark.slow
 def test_the_example_gpt_split_on_the_nccl_backend_trains_device_state():
     """The GPT's state on the device stand-in, its model ranks' collectives on
     the NCCL backend (its stand-in; torch sees the stand-in's memory as CPU

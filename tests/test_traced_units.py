@@ -242,6 +242,7 @@ def full_unit_bytes(params, units):
     return [u.local_size * 4 for u in layout.units]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [cnn_case, encoder_case], ids=["flax-nnx-cnn", "equinox"])
 def test_library_models_hold_about_two_units_and_match_optax(case):
     params, loss, batches, units = case()

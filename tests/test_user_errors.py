@@ -58,6 +58,7 @@ def test_split_batch_keeps_torch_tensors():
     assert isinstance(part["n"], np.ndarray) and part["n"].tolist() == [2, 3]
 
 
+@pytest.mark.multiprocess
 def test_interop_submodules_after_a_bare_import():
     code = "import interop; print(interop.torch.functional.__name__, interop.jax.mesh.__name__)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -128,6 +128,7 @@ def test_clipping_uses_the_global_norm_across_shards(stage):
     ops.spawn(run, 3)
 
 
+@pytest.mark.multiprocess
 def test_two_gloo_processes_match_the_reference(tmp_path):
     from tests.multiproc import run_ranks
 
