@@ -262,7 +262,7 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
                               state.master, grad_scale=grad_scale, grad_sumsq=grad_sumsq,
                               max_norm=c.clip_norm, param_copies=copies, finite=True)
         if copies and c.stage in (1, 2) and (plan.frozen or skip):
-            _copy_left(plan, state, copies, plan.frozen | skip)
+            _copy_left(plan, state, copies, skip)
     refresh(plan, state, copies)
     return state
 
@@ -306,13 +306,14 @@ def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float
         param_copies=views(copies) if copies else None, finite=True, reduce=reduce)
 
 
-def _copy_left(plan: Any, state: TrainState, copies: tuple, left: frozenset[int]) -> None:
+def _copy_left(plan: Any, state: TrainState, copies: tuple, skip: frozenset[int]) -> None:
     """Stages 1-2's compute copies are fresh buffers that the kernel writes on
-    the ranges it updates: the leaves it left (frozen, or without a gradient)
-    get their masters cast, one launch per run of such leaves."""
-    kept = frozenset(range(len(plan.layout.leaves))) - left
-    for u, runs in enumerate(trainable_runs(plan.layout, kept)):
-        for a, b in runs:
+    the ranges it updates: the leaves it left (frozen, or without a gradient
+    this step) get their masters cast, one launch per run of such leaves (the
+    frozen ones' runs are the plan's, found once)."""
+    updated = plan.runs if not skip else trainable_runs(plan.layout, plan.frozen | skip)
+    for u, (unit, runs) in enumerate(zip(plan.layout.units, updated, strict=True)):
+        for a, b in outside([(0, unit.local_size)], list(runs)):
             ops.cast(state.master[u][a:b], copies[u].dtype, out=copies[u][a:b])
 
 
