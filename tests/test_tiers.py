@@ -87,3 +87,19 @@ def test_the_check_sees_a_launch_through_a_helper(tmp_path):
                  "def test_b():\n    pass\n")
     got = needed(f)
     assert got["test_a"] == ({"multiprocess"}, set()) and got["test_b"] == (set(), set())
+
+
+def test_every_listed_slow_case_names_a_test_that_exists():
+    """``tests/conftest.py``'s slow cases are node ids: one whose file or test
+    function was renamed would silently fall back into the fast tier."""
+    from tests.conftest import SLOW_CASES
+
+    stale = []
+    for node in sorted(SLOW_CASES):
+        path, _, name = node.partition("::")
+        tree = ast.parse((TESTS.parent / path).read_text()) if (TESTS.parent / path).exists() \
+            else None
+        defined = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)} if tree else set()
+        if name.split("[")[0] not in defined:
+            stale.append(node)
+    assert stale == []
