@@ -6,11 +6,12 @@ from typing import Any
 
 import numpy as np
 
+from ops._optim import FusedOptimizer
 from shard.core._layout import Units, make_layout, master_dtype_of
 from shard.core._optim import moment_names
 from shard.core._policy import Precision
 from shard.offload._offload import Offload
-from shard.step._frozen import frozen_leaves
+from shard.step._frozen import frozen_leaves, masters_in_compute
 
 __all__ = ["estimate_memory"]
 
@@ -26,12 +27,15 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     leaf rounds its rows up to a multiple of the world size):
 
     - params: fp32 masters (fp64 when every param is fp64), whole at stage 0,
-      this rank's shard from stage 1;
+      this rank's shard from stage 1; none for frozen leaves of the compute
+      dtype at stages 0 and 3 (a bfloat16 model's base weights under LoRA:
+      their compute params hold them) with a fused optimizer and no offload;
     - optimizer: the optimizer's moments, in the masters' dtype and layout:
       Adam's two by default, or those of ``optimizer`` (an optax
       transformation's param-shaped state, e.g. one for Lion or SGD with
-      momentum, none for plain SGD); none for frozen leaves (zeros in the
-      offload tiers, which keep the masters' layout);
+      momentum, none for plain SGD); none for frozen leaves under a fused
+      optimizer (zeros in the offload tiers and an optax transformation's
+      state, which keep the masters' layout);
     - compute_params: the params the loss sees, kept between steps: whole at
       stages 1-2 (and at stage 0 when they differ in dtype from the masters);
       the compute-dtype shard at stage 3 (none when it is fp32: the masters
@@ -87,6 +91,9 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     layout = make_layout(params, specs, world_size=1 if stage == 0 else world_size, units=units,
                          fn="estimate_memory")
     master = master_dtype_of(layout)
+    dtypes = {leaf.dtype for leaf in layout.leaves}
+    if policy.param_dtype is None and len(dtypes) == 1 and dtypes <= {"float16", "bfloat16"}:
+        policy = Precision(param_dtype=dtypes.pop(), reduce_dtype=policy.reduce_dtype)  # as a step
     compute = np.dtype(policy.param_dtype or master)
     reduce = np.dtype(policy.reduce_dtype or policy.param_dtype or master)
     local = layout.local_size()
@@ -104,8 +111,14 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
     # the gradients of the trainable leaves alone (see [Note: frozen leaves])
     grads_n = (sum(leaf.size for i, leaf in enumerate(layout.leaves) if i not in frozen)
                if stage <= 1 else kept)
-    moments_n = local if offload is not None else kept  # the tiers keep the masters' layout
-    out = {"params": master.itemsize * local, "optimizer": moments * master.itemsize * moments_n,
+    fused = optimizer is None or isinstance(optimizer, FusedOptimizer)
+    # the tiers and an optax transformation keep moments in the masters' layout
+    moments_n = kept if fused and offload is None else local
+    masters_n = kept if masters_in_compute(
+        layout, frozen, stage=stage, compute_dtype=compute, master_dtype=master, fused=fused,
+        offload=offload is not None) else local
+    out = {"params": master.itemsize * masters_n,
+           "optimizer": moments * master.itemsize * moments_n,
            "compute_params": compute_n * compute.itemsize, "grads": grads_n * reduce.itemsize}
     out["total"] = sum(out.values())
     if offload is not None:

@@ -189,6 +189,132 @@ def test_frozen_params_in_mixed_precision_keep_their_compute_copies(stage):
     np.testing.assert_array_equal(got_params["base"]["w"], jax_params()["base"]["w"])
 
 
+def bf16_params():
+    """:func:`jax_params` in bfloat16: a step computes in their dtype over
+    float32 masters, and the frozen base weight has the compute dtype."""
+    import ml_dtypes
+
+    return jax.tree_util.tree_map(lambda x: x.astype(ml_dtypes.bfloat16), jax_params())
+
+
+def bf16_run(comm, stage, data, *, steps=None, load=None, save=None, offload=None):
+    """:func:`jax_loss` on :func:`bf16_params`, ``base.w`` frozen, one step per
+    batch of ``data`` (this rank's rows); with ``load`` a checkpoint starts it
+    and with ``save`` it ends in one; with ``offload`` (which keeps every
+    master) the masters and moments in host tiers. Returns the losses, the
+    gathered params at the end and at the start, and the state."""
+    step = ZERO[stage](jax_loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
+                       trainable={"base": False, "lora": True, "head": True}, offload=offload,
+                       units=lambda path: "one")  # frozen and trainable leaves in one unit
+    state = shard.load(load, step, comm=comm)[0] if load else step.init(bf16_params())
+    start = shard.gather(state, comm)
+    losses, n = [], 12 // comm.world_size
+    for b in data[:steps]:
+        state, m = step(state, {k: v[comm.rank * n:(comm.rank + 1) * n] for k, v in b.items()})
+        losses.append(m["loss"])
+    if save:
+        shard.save(state, save, comm=comm)
+    return losses, shard.gather(state, comm), state, start
+
+
+def bf16_data():
+    r = np.random.default_rng(4)
+    return [{"x": r.normal(size=(12, 7)).astype(np.float32),
+             "y": r.normal(size=(12, 5)).astype(np.float32)} for _ in range(4)]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_frozen_16_bit_leaves_keep_no_masters_and_train_as_with_them(stage, world):
+    """A bfloat16 model's frozen leaves live in their compute params alone (no
+    float32 master beside them): the per-rank masters are the trainable
+    leaves', as estimate_memory says, and the run is the one whose offloaded
+    state keeps every master (stage 1's for stage 0, which has no offload)."""
+    data = bf16_data()
+    mask = {"base": {"w": False}, "lora": True, "head": True}
+    want, want_params, _, _ = ops.spawn(lambda c: bf16_run(c, stage or 1, data,  # no offload
+                                                           offload=shard.Offload()), world)[0]
+
+    def run(comm):
+        losses, params, state, _ = bf16_run(comm, stage, data)
+        est = shard.estimate_memory(bf16_params(), stage=stage, world_size=world,
+                                    trainable=mask)
+        local = state.params["base"]["w"]  # cast from the compute params
+        return losses, params, state.nbytes(), est, local, comm.rank
+
+    ranks = world if stage else 1  # stage 0 keeps whole params
+    shard_rows = {"base": -(-7 // ranks), "a": -(-7 // ranks), "b": -(-3 // ranks),
+                  "head": -(-11 // ranks)}
+    trainable = shard_rows["a"] * 3 + shard_rows["b"] * 11 + shard_rows["head"] * 5
+    base = bf16_params()["base"]["w"].astype(np.float32)
+    for got, got_params, have, est, local, rank in ops.spawn(run, world):
+        np.testing.assert_allclose(got, want, rtol=1e-6)
+        for a, b in zip(jax.tree_util.tree_leaves(got_params),
+                        jax.tree_util.tree_leaves(want_params), strict=True):
+            np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(got_params["base"]["w"], base)
+        assert have == {k: est[k] for k in have}
+        assert have["params"] == 4 * trainable  # float32 masters of the trainable rows alone
+        whole = 2 * (7 * 11 + 7 * 3 + 3 * 11 + 11 * 5)  # stages 0-2 keep them whole
+        assert have["compute_params"] == (2 * (trainable + shard_rows["base"] * 11)
+                                          if stage == 3 else whole)
+        mine = base[rank * shard_rows["base"]:][:shard_rows["base"]] if stage else base
+        assert local.dtype == np.float32
+        np.testing.assert_array_equal(local[:len(mine)], mine)
+
+
+def test_frozen_16_bit_leaves_checkpoint_and_resume_elsewhere(tmp_path):
+    """A state whose frozen leaves keep no masters saves them (cast from the
+    compute params) and loads at other world sizes and stages, and into an
+    offloaded state that keeps their masters, with every value as saved; on
+    two ranks the resumed run is the uninterrupted one."""
+    data = bf16_data()
+    want, want_params, _, _ = ops.spawn(lambda c: bf16_run(c, 3, data), 2)[0]
+    first, saved, _, _ = ops.spawn(lambda c: bf16_run(c, 3, data, steps=2,
+                                                         save=tmp_path / "ck"), 2)[0]
+    for world, stage, offload in [(2, 3, None), (2, 1, None), (2, 3, shard.Offload()),
+                                  (3, 3, None), (3, 2, None), (1, 0, None)]:
+        rest, got, state, loaded = ops.spawn(lambda c, s=stage, o=offload: bf16_run(
+            c, s, data[2:], load=tmp_path / "ck", offload=o), world)[0]
+        for a, b in zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(saved),
+                        strict=True):
+            np.testing.assert_array_equal(a, b, err_msg=f"{world} ranks, stage {stage}")
+        assert (state.meta.plan.master_packing is None) == (offload is not None)
+        if world == 2:  # bfloat16 losses and gradients round by the ranks' rows
+            np.testing.assert_allclose(first + rest, want, rtol=1e-6)
+            for a, b in zip(jax.tree_util.tree_leaves(got),
+                            jax.tree_util.tree_leaves(want_params), strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_a_state_with_other_leaves_frozen_is_refused_naming_them():
+    def run(comm):
+        made = shard.zero3(jax_loss, optimizer=ops.adamw(LR), comm=comm,
+                           trainable={"base": False, "lora": True, "head": True})
+        other = shard.zero3(jax_loss, optimizer=ops.adamw(LR), comm=comm,
+                            trainable={"base": False, "lora": True, "head": False})
+        batch = {"x": np.ones((2, 7), np.float32), "y": np.ones((2, 5), np.float32)}
+        other.init(jax_params())
+        other(made.init(jax_params()), batch)
+
+    with pytest.raises(ValueError, match=r"other leaves frozen \(differing: \['head'\]\)"):
+        ops.spawn(run, 1)
+
+    def masters(comm):
+        bf16 = shard.Precision(param_dtype="bfloat16")
+        made = shard.zero3(jax_loss, optimizer=ops.adamw(LR), comm=comm,
+                           trainable={"base": False, "lora": True, "head": True})
+        other = shard.zero3(jax_loss, optimizer=ops.adamw(LR), comm=comm, precision=bf16,
+                            trainable={"base": False, "lora": True, "head": True},
+                            offload=shard.Offload())
+        batch = {"x": np.ones((2, 7), np.float32), "y": np.ones((2, 5), np.float32)}
+        other.init(bf16_params())
+        other(made.init(bf16_params()), batch)
+
+    with pytest.raises(ValueError, match="keeps no masters for its frozen leaves"):
+        ops.spawn(masters, 1)
+
+
 def test_trainable_refusals_name_the_problem():
     def run(comm, trainable):
         step = shard.zero3(jax_loss, optimizer=ops.adamw(LR), comm=comm, trainable=trainable)
@@ -444,13 +570,19 @@ def test_params_without_a_gradient_are_left_as_torch_adamw_leaves_them(stage, wo
     assert "memory bound" not in caplog.text
 
 
+@pytest.mark.parametrize("frozen", [False, True])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_params_without_a_gradient_keep_their_compute_copies_in_mixed_precision(stage):
+def test_params_without_a_gradient_keep_their_compute_copies_in_mixed_precision(stage, frozen):
     """bfloat16 compute params at stages 1-2 are written afresh each step: a
     head left out of a step keeps its compute copy (cast from its master) for
-    the next step that uses it, so the run is stage 3's."""
+    the next step that uses it, so the run is stage 3's; also in a bfloat16
+    model whose frozen weight keeps no master."""
     torch.manual_seed(0)
     model, data = Branchy(), branchy_data()
+    if frozen:
+        model = model.to(torch.bfloat16)
+        model.inp.weight.requires_grad_(False)
+        data = [(x.to(torch.bfloat16), y.to(torch.bfloat16), k) for x, y, k in data]
 
     def run(comm, stage):
         params, fn = it.functional(copy.deepcopy(model), loss=branchy_loss)
@@ -532,14 +664,22 @@ def test_skipped_steps_survive_a_checkpoint(tmp_path):
         np.testing.assert_array_equal(resumed[k], whole[k], err_msg=k)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("stage", [1, 3])
-def test_lora_state_per_rank_equals_estimate_memory_and_keeps_no_frozen_moments(stage, world):
+@pytest.mark.parametrize(("stage", "world", "dtype"), [
+    (1, 1, "float32"), (1, 2, "float32"), (1, 3, "float32"), (3, 1, "float32"),
+    (3, 2, "float32"), (3, 3, "float32"), (0, 2, "bfloat16"), (1, 2, "bfloat16"),
+    (3, 2, "bfloat16"), (3, 3, "bfloat16")])
+def test_lora_state_per_rank_equals_estimate_memory_and_keeps_no_frozen_moments(stage, world,
+                                                                                 dtype):
     """Frozen leaves keep no moments: a LoRA Llama's per-rank state is its
-    masters over W plus two moments of the adapters alone, as estimated."""
+    masters over W plus two moments of the adapters alone, as estimated; the
+    frozen base weights keep no masters where the compute params hold them
+    (at stages 1-2, which keep them whole, and in bfloat16 at stages 0 and 3),
+    and a step leaves them as they were."""
     pytest.importorskip("peft")
-    model = lora_llama()
+    model = lora_llama().to(getattr(torch, dtype))
     trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+    frozen = {n: p.detach().float().numpy().copy() for n, p in model.named_parameters()
+              if not p.requires_grad}
 
     def run(comm):
         params, fn = it.functional(copy.deepcopy(model), loss=lm_loss)
@@ -548,12 +688,21 @@ def test_lora_state_per_rank_equals_estimate_memory_and_keeps_no_frozen_moments(
         est = shard.estimate_memory(params, stage=stage, world_size=comm.world_size,
                                     trainable=trainable)
         full = shard.estimate_memory(params, stage=stage, world_size=comm.world_size)
-        return state.nbytes(), est, full
+        have = state.nbytes()
+        n = 6 // comm.world_size
+        state, _ = step(state, (tokens(1)[0][0][comm.rank * n:(comm.rank + 1) * n],))
+        return have, est, full, shard.gather(state, comm)
 
-    for have, est, full in ops.spawn(run, world):
+    for have, est, full, got in ops.spawn(run, world):
         assert have == {k: est[k] for k in have}
         assert est["optimizer"] < full["optimizer"] / 10  # the adapters' moments alone
-        assert est["params"] == full["params"]
+        if dtype == "bfloat16" or stage == 1:  # the adapters' masters alone
+            assert est["params"] < full["params"] / 10
+        else:
+            assert est["params"] == full["params"]
+        for name, value in frozen.items():
+            np.testing.assert_array_equal(np.asarray(got[name], np.float32), value,
+                                          err_msg=name)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -561,7 +710,8 @@ def test_only_the_trainable_leaves_gradients_are_reduced(stage, monkeypatch):
     """A LoRA Llama's gradient reductions carry its adapters alone: the
     elements reduce-scattered (stages 1-3) or all-reduced (stage 0) are the
     trainable params' rows padded to the world size, not the frozen base's, and
-    the gradient buffer ``estimate_memory`` counts is that size."""
+    the gradient buffer ``estimate_memory`` counts is that size; so does
+    stages 1-2's all-gather of the updated params (the base never changes)."""
     pytest.importorskip("peft")
     from ops.comm._threads import ThreadCommunicator
 
@@ -570,7 +720,7 @@ def test_only_the_trainable_leaves_gradients_are_reduced(stage, monkeypatch):
     trainable = {n: p.requires_grad for n, p in model.named_parameters()}
     padded = sum(-(-p.shape[0] // world) * world * p[0].numel() if p.dim() else p.numel()
                  for p in model.parameters() if p.requires_grad)
-    moved = {"reduce_scatter": [], "all_reduce": []}
+    moved = {"reduce_scatter": [], "all_reduce": [], "all_gather": []}
     start = ThreadCommunicator._start
 
     def spy(self, name, out, x, arg=None):  # every thread-rank collective enters here
@@ -584,8 +734,8 @@ def test_only_the_trainable_leaves_gradients_are_reduced(stage, monkeypatch):
         params, fn = it.functional(copy.deepcopy(model), loss=lm_loss)
         step = ZERO[stage](fn, optimizer=ops.adamw(LR), comm=comm)
         state = step.init(params)
-        moved["reduce_scatter"].clear()
-        moved["all_reduce"].clear()
+        for sizes in moved.values():
+            sizes.clear()
         comm.barrier()
         n = data[0][0].shape[0] // world
         step(state, (data[0][0][comm.rank * n:(comm.rank + 1) * n],))
@@ -603,6 +753,8 @@ def test_only_the_trainable_leaves_gradients_are_reduced(stage, monkeypatch):
     else:
         assert sum(moved["reduce_scatter"]) == world * padded  # each rank's input
         assert not gradients
+    if stage in (1, 2):
+        assert sum(moved["all_gather"]) == padded  # each rank's shard of the adapters
     whole = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert grads_bytes == 4 * (whole if stage <= 1 else padded // world)
 
@@ -673,6 +825,39 @@ def test_frozen_and_missing_gradients_on_the_device_stand_in(stage):
             np.testing.assert_allclose(got[name], p.detach().numpy(), rtol=2e-5, atol=1e-6,
                                        err_msg=name)
         assert reads == [1, 1, 1, 1]  # `never` misses every step: the counts are read
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_frozen_16_bit_leaves_without_masters_on_the_device_stand_in(stage):
+    """A bfloat16 module with frozen parameters on device state: no masters for
+    them, and every value the host run gives."""
+    from ops.testing import STANDIN, to_device
+
+    torch.manual_seed(0)
+    model = Adapted().to(torch.bfloat16)
+    data = [tuple(t.to(torch.bfloat16) for t in b) for b in batches(3)]
+
+    def run(comm, device):
+        params, fn = it.functional(copy.deepcopy(model), loss=mse)
+        step = ZERO[stage](fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)
+        state = step.init(params if device is None else to_device(params, device))
+        n = data[0][0].shape[0] // comm.world_size
+        for b in data:
+            state, _ = step(state, tuple(t[comm.rank * n:(comm.rank + 1) * n] for t in b))
+        got = shard.gather(state, comm)
+        if device is not None:
+            got = {k: device.to_host(v) for k, v in got.items()}
+        return got, state.nbytes(), state.meta.plan.master_packing is not None
+
+    for (want, want_bytes, _), (got, have, packed) in zip(
+            ops.spawn(lambda c: run(c, None), 2), ops.spawn(lambda c: run(c, STANDIN), 2),
+            strict=True):
+        assert packed and have == want_bytes
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+        for k, p in model.named_parameters():
+            if not p.requires_grad:
+                np.testing.assert_array_equal(got[k], p.detach().float().numpy(), err_msg=k)
 
 
 def test_a_torch_step_with_every_gradient_reads_nothing_back():

@@ -67,11 +67,15 @@ KINDS = ("master", "exp_avg", "exp_avg_sq")  # Adam's state (an optax state's: k
 
 def kinds(state: TrainState) -> dict[str, tuple]:
     """The unit buffers a rank file holds, by name: the masters and each moment,
-    in the masters' layout (frozen leaves' moments zero: see [Note: frozen
-    leaves])."""
+    in the params' layout (frozen leaves' moments zero, their masters cast from
+    the compute params where they keep none: see [Note: frozen leaves])."""
     plan = state.meta.plan
-    moments = state.moments if plan is None else plan.full_moments(state.moments)
-    return {"master": state.master, **dict(zip(state.meta.moment_names, moments,
+    if plan is None:
+        master, moments = state.master, state.moments
+    else:
+        master = plan.full_masters(state.master, state.compute)
+        moments = plan.full_moments(state.moments)
+    return {"master": master, **dict(zip(state.meta.moment_names, moments,
                                                 strict=True))}
 
 

@@ -70,7 +70,8 @@ def gather(x: Any, comm: Communicator, *, specs: Any = None, like: Any = None) -
     """
     if isinstance(x, TrainState):
         x.check_live()
-        layout, buffers = x.meta.layout, list(x.master)
+        layout, plan = x.meta.layout, x.meta.plan
+        buffers = list(x.master if plan is None else plan.full_masters(x.master, x.compute))
         if x.meta.stage and (comm.world_size, comm.rank) != (layout.world_size, x.meta.rank):
             raise ValueError(f"gather: this state is rank {x.meta.rank}'s of {layout.world_size}"
                              f" but comm is rank {comm.rank} of {comm.world_size}; gather over "

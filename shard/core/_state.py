@@ -67,7 +67,9 @@ class TrainState:
     """One rank's training state (see [Note: TrainState]).
 
     Attributes:
-      master: per unit, this rank's master shard (fp32; the whole unit at stage 0).
+      master: per unit, this rank's master shard (fp32; the whole unit at stage 0);
+        its trainable runs alone where frozen leaves keep no masters
+        (``params`` gives them in the params' layout; see [Note: frozen leaves]).
       moments: per moment the optimizer keeps (``meta.moment_names`` names them:
         ``exp_avg`` and ``exp_avg_sq`` for Adam), its unit buffers, laid out
         like ``master``.
@@ -111,10 +113,13 @@ class TrainState:
     # -- views ----------------------------------------------------------------
     @property
     def params(self) -> Any:
-        """This rank's master shards as a pytree shaped like the params (views)."""
+        """This rank's master shards as a pytree shaped like the params (views;
+        copies where frozen leaves keep no masters, their values cast from the
+        compute params: see [Note: frozen leaves])."""
         self.check_live()
-        layout = self.meta.layout
-        return layout.treedef.unflatten(layout.local_views(self.master))
+        layout, plan = self.meta.layout, self.meta.plan
+        master = self.master if plan is None else plan.full_masters(self.master, self.compute)
+        return layout.treedef.unflatten(layout.local_views(master))
 
     @property
     def opt(self) -> Any:

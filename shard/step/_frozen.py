@@ -34,13 +34,27 @@ moments in the layout of the masters: ``state.opt`` and checkpoints expand
 them (frozen leaves' entries zero), and a checkpoint's are packed again on
 load, so a checkpoint is the same with frozen leaves or without.
 
-Where the optimizer writes the compute-dtype params (mixed precision), it
-writes them on the trainable runs: at stages 0 and 3 the compute copies
-persist and the frozen leaves' stay as they were; stages 1-2 write fresh
-buffers each step, so the frozen leaves' copies are cast from their masters
-there (``_update._copy_left``). The offload tiers keep moments in the
-masters' layout (zero for frozen leaves) and run the kernel on the trainable
-ranges of each unit or chunk, reading the packed gradients
+Frozen leaves keep no masters either where the compute params hold them in
+their own dtype (:func:`masters_in_compute`): at stages 1-2, whose whole
+compute params every rank keeps, and at stages 0 and 3 with mixed precision
+when the frozen leaves have the compute dtype (a bfloat16 model's base
+weights under LoRA), with a fused optimizer and no offload. The masters are
+then packed as the moments are, so a LoRA model's per-rank state is its
+frozen bytes in their dtype plus the adapters' masters and moments. The
+optimizer writes each step's compute-dtype params on the trainable runs: at
+stages 0 and 3 into the compute params, laid out as the params, whose frozen
+entries stay as they were; at stages 1-2 into fresh buffers packed as the
+masters, whose all-gather then carries the trainable leaves alone, copied out
+into the whole compute params by the gradients' layout (frozen leaves are
+never gathered: they never change). Where frozen leaves keep their masters
+(a frozen float32 leaf under bfloat16 compute, an optax transformation, the
+offload tiers), stages 1-2 cast the frozen leaves' copies from their masters
+(:func:`copy_left`). Everything outside the step sees masters in the
+params' layout: ``state.params``, ``shard.gather`` and checkpoints cast the
+frozen leaves' values from the compute params (exact: the compute dtype is
+theirs), and a checkpoint's are packed again on load. The offload tiers keep
+moments in the masters' layout (zero for frozen leaves) and run the kernel on
+the trainable ranges of each unit or chunk, reading the packed gradients
 (``shard/offload/_step.py``).
 """
 
@@ -53,10 +67,14 @@ from typing import Any
 
 import numpy as np
 
+import ops
 from ops._tree import tree_util
 from shard.core._layout import Layout
+from shard.core._state import TrainState
 
-__all__ = ["Packing", "frozen_leaves", "gradient_layout", "outside", "trainable_runs", "views"]
+__all__ = ["Packing", "copies_packing", "copy_left", "copy_views", "frozen_leaves", "full_grads",
+           "grad_views", "gradient_layout", "hold_frozen", "master_views", "masters_in_compute",
+           "outside", "trainable_runs", "views"]
 
 
 def frozen_leaves(trainable: Any, loss_fn: Any, params: Any, fn: str) -> frozenset[int]:
@@ -111,6 +129,22 @@ def trainable_runs(layout: Layout, frozen: frozenset[int]) -> tuple[tuple[tuple[
         (leaf.offset, leaf.offset + leaf.local_size)
         for leaf in (layout.leaves[i] for i in unit.leaves if i in frozen))))
         for unit in layout.units)
+
+
+def masters_in_compute(layout: Layout, frozen: frozenset[int], *, stage: int, compute_dtype: Any,
+                       master_dtype: Any, fused: bool, offload: bool) -> bool:
+    """Whether the frozen leaves keep no masters, the compute params holding
+    their values in their own dtype (see [Note: frozen leaves]): with a fused
+    optimizer and no offload, when every frozen leaf has the compute dtype (a
+    frozen float32 leaf under bfloat16 compute keeps its float32 master), at
+    stages 1-2, whose whole compute params every rank keeps, and at stages 0
+    and 3 with mixed precision (without it the masters are the compute
+    params)."""
+    compute = np.dtype(compute_dtype)
+    if not (frozen and fused and not offload) or any(
+            np.dtype(layout.leaves[i].dtype) != compute for i in frozen):
+        return False
+    return stage in (1, 2) or compute != np.dtype(master_dtype)
 
 
 def gradient_layout(layout: Layout, frozen: frozenset[int]) -> Layout:
@@ -205,3 +239,73 @@ class Packing:
         for (a, b), p in zip(self.runs[u], self.packed[u], strict=True):
             packed[p:p + b - a] = full[a:b]
         return packed
+
+
+def copy_left(plan: Any, state: TrainState, copies: tuple, skip: frozenset[int]) -> None:
+    """Stages 1-2's compute copies are fresh buffers that the kernel writes on
+    the ranges it updates: the leaves it left (frozen, or without a gradient
+    this step) get their masters cast, one launch per run of such leaves (the
+    frozen ones' runs are the plan's, found once). Where frozen leaves keep no
+    masters the copies hold the trainable runs alone, packed, and only the
+    leaves without a gradient are left (see [Note: frozen leaves])."""
+    packing = plan.master_packing
+    if packing is not None:
+        if skip:
+            updated = trainable_runs(plan.layout, plan.frozen | skip)
+            for u, (runs, done) in enumerate(zip(plan.runs, updated, strict=True)):
+                for a, b in outside(list(runs), list(done)):
+                    pa, pb = packing.where(u, a, b)
+                    ops.cast(state.master[u][pa:pb], copies[u].dtype, out=copies[u][pa:pb])
+        return
+    updated = plan.runs if not skip else trainable_runs(plan.layout, plan.frozen | skip)
+    for u, (unit, runs) in enumerate(zip(plan.layout.units, updated, strict=True)):
+        for a, b in outside([(0, unit.local_size)], list(runs)):
+            ops.cast(state.master[u][a:b], copies[u].dtype, out=copies[u][a:b])
+
+
+def full_grads(plan: Any, shards: list[Any]) -> list[Any]:
+    """For an optax transformation, which takes gradients shaped like the
+    params: the packed gradient shards in the masters' layout, zero for the
+    frozen leaves, so that its state for them stays zero (see [Note: frozen
+    leaves])."""
+    if plan.packing is None:
+        return shards
+    return [plan.packing.expand(u, g, plan.device.zeros(unit.local_size, g.dtype))
+            for u, (unit, g) in enumerate(zip(plan.layout.units, shards, strict=True))]
+
+
+def hold_frozen(plan: Any, state: TrainState) -> list:
+    """For an optax transformation, which updates every leaf: the frozen leaves'
+    masters, to be put back after the update (see [Note: frozen leaves])."""
+    held = []
+    for i in sorted(plan.frozen):
+        leaf = plan.layout.leaves[i]
+        a, b = leaf.offset, leaf.offset + leaf.local_size
+        held.append(((leaf.unit, a, b), state.master[leaf.unit][a:b].copy()))
+    return held
+
+
+def grad_views(plan: Any, bufs: Any, runs: tuple) -> tuple:
+    """The gradients' (and a fused optimizer's moments') views of ``runs``:
+    packed where leaves are frozen (see [Note: frozen leaves])."""
+    return views(bufs, runs) if plan.packing is None else plan.packing.views(bufs, runs)
+
+
+def master_views(plan: Any, bufs: Any, runs: tuple) -> tuple:
+    """The masters' views of ``runs``: packed where frozen leaves keep no
+    masters (see [Note: frozen leaves])."""
+    packing = plan.master_packing
+    return views(bufs, runs) if packing is None else packing.views(bufs, runs)
+
+
+def copies_packing(plan: Any) -> Any:
+    """Where the trainable runs live in the buffers the optimizer writes the
+    compute-dtype params into: stages 0 and 3 write the compute params, laid
+    out as the params; stages 1-2 fresh buffers, packed as the masters."""
+    return plan.master_packing if plan.config.stage in (1, 2) else None
+
+
+def copy_views(plan: Any, copies: Any, runs: tuple) -> tuple:
+    """The compute-dtype copies' views of ``runs`` (see :func:`copies_packing`)."""
+    packing = copies_packing(plan)
+    return views(copies, runs) if packing is None else packing.views(copies, runs)

@@ -10,6 +10,7 @@ takes its plan from the state it is given.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,13 @@ from shard.core._state import StateMeta, TrainState
 from shard.offload._step import Offloader
 from shard.step._checks import agree_on_layout
 from shard.step._config import StepConfig
-from shard.step._frozen import Packing, frozen_leaves, gradient_layout, trainable_runs
+from shard.step._frozen import (
+    Packing,
+    frozen_leaves,
+    gradient_layout,
+    masters_in_compute,
+    trainable_runs,
+)
 from shard.step._reduce import CopyPlans
 
 __all__ = ["Plan", "make_plan", "moment_buffers", "new_state"]
@@ -101,6 +108,60 @@ class Plan:
         masters' layout, and so do the offload tiers."""
         return self.packing if self.optimizer.fused is not None and \
             self.config.offload is None else None
+
+    @functools.cached_property
+    def master_packing(self) -> Packing | None:
+        """Where the masters' trainable runs live: packed where the frozen leaves
+        keep no masters, their compute params holding them (see [Note: frozen
+        leaves] and :func:`masters_in_compute`)."""
+        c = self.config
+        return self.packing if masters_in_compute(
+            self.layout, self.frozen, stage=c.stage, compute_dtype=self.compute_dtype,
+            master_dtype=self.master_dtype, fused=self.optimizer.fused is not None,
+            offload=c.offload is not None) else None
+
+    def full_masters(self, master: Any, compute: Any) -> tuple:
+        """Master unit buffers in the params' layout: ``master`` themselves, or,
+        where frozen leaves keep none, copies with their entries cast from the
+        compute params (exact: the compute dtype is theirs)."""
+        packing = self.master_packing
+        if packing is None:
+            return tuple(master)
+        if self.config.stage in (0, 3):  # the compute params are laid out as the masters
+            return tuple(packing.expand(u, m, ops.cast(x, self.master_dtype))
+                         for u, (m, x) in enumerate(zip(master, compute, strict=True)))
+        layout, rank = self.layout, self.config.comm.rank  # stages 1-2: whole compute params
+        out = [packing.expand(u, m, self.device.empty(unit.local_size, m.dtype))
+               for u, (unit, m) in enumerate(zip(layout.units, master, strict=True))]
+        wide: dict[int, Any] = {}
+        for i in sorted(self.frozen):
+            leaf, whole = layout.leaves[i], self.full_layout.leaves[i]
+            if leaf.unit not in wide:
+                wide[leaf.unit] = ops.cast(compute[leaf.unit], self.master_dtype)
+            layout.scatter_leaf(
+                leaf, wide[leaf.unit][whole.offset:whole.offset + whole.size], rank,
+                out[leaf.unit][leaf.offset:leaf.offset + leaf.local_size].reshape(
+                    leaf.local_shape))
+        return tuple(out)
+
+    @functools.cached_property
+    def refresh_plans(self) -> CopyPlans:
+        """Stages 1-2's copy-out of the gathered masters (or their compute-dtype
+        copies) into the whole compute params: the trainable leaves' alone
+        where frozen leaves keep no masters (they are never gathered: the
+        compute params hold them)."""
+        if self.master_packing is None:
+            return self.copy_plans
+        return CopyPlans(self.grad_layout, self.full_layout)
+
+    def packed_masters(self, master: Any) -> list:
+        """Master unit buffers in the params' layout as this plan keeps them:
+        the trainable runs alone where frozen leaves keep no masters."""
+        packing = self.master_packing
+        if packing is None:
+            return list(master)
+        return [packing.pack(u, m, self.device.empty(n, m.dtype))
+                for u, (m, n) in enumerate(zip(master, packing.sizes, strict=True))]
 
     @property
     def compute_dtype(self) -> np.dtype:
@@ -262,6 +323,7 @@ def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,
         compute = tuple(copies if plan.compute_on_host else (device.asarray(x) for x in copies))
     elif c.stage == 3 and compute_dtype != master_dtype:
         compute = tuple(ops.cast(m, compute_dtype) for m in master)
+    master = plan.packed_masters(master)  # the compute params, made above, keep frozen leaves
     meta = StateMeta(plan.layout, c.stage, c.comm.rank, plan.precision, str(master_dtype),
                      str(compute_dtype), device.name,
                      c.offload.optimizer if c.offload else None, plan.compute_on_host,

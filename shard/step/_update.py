@@ -63,7 +63,17 @@ import ops
 from ops.device._runs import copy_runs
 from shard.core._state import TrainState
 from shard.monitor._profile import timed
-from shard.step._frozen import outside, trainable_runs, views
+from shard.step._frozen import (
+    copies_packing,
+    copy_left,
+    copy_views,
+    full_grads,
+    grad_views,
+    hold_frozen,
+    master_views,
+    outside,
+    trainable_runs,
+)
 
 __all__ = ["add_skips", "apply", "count_missing", "fresh_totals", "norm_and_loss", "refresh",
            "skipped_leaves", "tracks_missing", "warn_if_rows_differ", "weigh_by_rows"]
@@ -230,8 +240,8 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
         if skip:
             warn_unskipped(plan, skip, "optax transformation")
         with timed("optimizer"):
-            shards = _full_grads(plan, shards)
-            held = _hold_frozen(plan, state)
+            shards = full_grads(plan, shards)
+            held = hold_frozen(plan, state)
             rest = plan.optimizer.apply_optax(
                 plan.layout, state.master, state.moments, state.opt_rest, shards, grad_scale,
                 grad_sumsq, c.clip_norm, rank=c.comm.rank if c.stage else 0,
@@ -252,17 +262,19 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
         elif groups is not None or plan.runs is not None:  # see [Note: frozen leaves]
             for count, runs in groups if groups is not None else [(state.step, plan.runs)]:
                 c.optimizer.apply(
-                    _packed_views(plan, shards, runs),
-                    fused.state(count, *(_packed_views(plan, m, runs) for m in state.moments)),
-                    views(state.master, runs), grad_scale=grad_scale, grad_sumsq=grad_sumsq,
-                    max_norm=c.clip_norm, param_copies=views(copies, runs) if copies else None,
+                    grad_views(plan, shards, runs),
+                    fused.state(count, *(grad_views(plan, m, runs) for m in state.moments)),
+                    master_views(plan, state.master, runs), grad_scale=grad_scale,
+                    grad_sumsq=grad_sumsq,
+                    max_norm=c.clip_norm,
+                    param_copies=copy_views(plan, copies, runs) if copies else None,
                     finite=True)
         else:
             c.optimizer.apply(tuple(shards), fused.state(state.step, *state.moments),
                               state.master, grad_scale=grad_scale, grad_sumsq=grad_sumsq,
                               max_norm=c.clip_norm, param_copies=copies, finite=True)
         if copies and c.stage in (1, 2) and (plan.frozen or skip):
-            _copy_left(plan, state, copies, skip)
+            copy_left(plan, state, copies, skip)
     refresh(plan, state, copies)
     return state
 
@@ -284,13 +296,13 @@ def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float
         return tuple(bufs[leaves[i].unit][leaves[i].offset:leaves[i].offset +
                                           leaves[i].local_size] for i in order)
 
-    def packed_views(bufs: Any) -> tuple:  # the gradients' and moments' layout
-        if plan.packing is None:
+    def packed_views(bufs: Any, packing: Any = plan.packing) -> tuple:  # gradients', moments'
+        if packing is None:
             return views(bufs)
         out = []
         for i in order:
-            a, b = plan.packing.where(leaves[i].unit, leaves[i].offset,
-                                      leaves[i].offset + leaves[i].local_size)
+            a, b = packing.where(leaves[i].unit, leaves[i].offset,
+                                 leaves[i].offset + leaves[i].local_size)
             out.append(bufs[leaves[i].unit][a:b])
         return tuple(out)
 
@@ -301,48 +313,25 @@ def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float
         return sums
 
     c.optimizer.apply(packed_views(shards), plan.optimizer.fused.state(
-        state.step, *(packed_views(m) for m in state.moments)), views(state.master),
+        state.step, *(packed_views(m) for m in state.moments)),
+        packed_views(state.master, plan.master_packing),
         grad_scale=grad_scale, grad_sumsq=grad_sumsq, max_norm=c.clip_norm,
-        param_copies=views(copies) if copies else None, finite=True, reduce=reduce)
+        param_copies=packed_views(copies, copies_packing(plan)) if copies else None,
+        finite=True, reduce=reduce)
 
 
-def _copy_left(plan: Any, state: TrainState, copies: tuple, skip: frozenset[int]) -> None:
-    """Stages 1-2's compute copies are fresh buffers that the kernel writes on
-    the ranges it updates: the leaves it left (frozen, or without a gradient
-    this step) get their masters cast, one launch per run of such leaves (the
-    frozen ones' runs are the plan's, found once)."""
-    updated = plan.runs if not skip else trainable_runs(plan.layout, plan.frozen | skip)
-    for u, (unit, runs) in enumerate(zip(plan.layout.units, updated, strict=True)):
-        for a, b in outside([(0, unit.local_size)], list(runs)):
-            ops.cast(state.master[u][a:b], copies[u].dtype, out=copies[u][a:b])
 
 
-def _full_grads(plan: Any, shards: list[Any]) -> list[Any]:
-    """For an optax transformation, which takes gradients shaped like the
-    params: the packed gradient shards in the masters' layout, zero for the
-    frozen leaves, so that its state for them stays zero (see [Note: frozen
-    leaves])."""
-    if plan.packing is None:
-        return shards
-    return [plan.packing.expand(u, g, plan.device.zeros(unit.local_size, g.dtype))
-            for u, (unit, g) in enumerate(zip(plan.layout.units, shards, strict=True))]
 
 
-def _hold_frozen(plan: Any, state: TrainState) -> list:
-    """For an optax transformation, which updates every leaf: the frozen leaves'
-    masters, to be put back after the update (see [Note: frozen leaves])."""
-    held = []
-    for i in sorted(plan.frozen):
-        leaf = plan.layout.leaves[i]
-        a, b = leaf.offset, leaf.offset + leaf.local_size
-        held.append(((leaf.unit, a, b), state.master[leaf.unit][a:b].copy()))
-    return held
 
 
-def _packed_views(plan: Any, bufs: Any, runs: tuple) -> tuple:
-    """The gradients' (and a fused optimizer's moments') views of ``runs``:
-    packed where leaves are frozen (see [Note: frozen leaves])."""
-    return views(bufs, runs) if plan.packing is None else plan.packing.views(bufs, runs)
+
+
+
+
+
+
 
 
 def _summed(plan: Any, x: np.ndarray) -> np.ndarray:
@@ -357,8 +346,9 @@ def _copies(plan: Any, state: TrainState) -> tuple | None:
         return None
     if plan.config.stage in (0, 3):
         return state.compute
-    return tuple(plan.device.empty(u.local_size, state.compute[0].dtype)
-                 for u in plan.layout.units)
+    sizes = [u.local_size for u in plan.layout.units] if plan.master_packing is None else \
+        plan.master_packing.sizes  # packed as the masters (see [Note: frozen leaves])
+    return tuple(plan.device.empty(n, state.compute[0].dtype) for n in sizes)
 
 
 def refresh(plan: Any, state: TrainState, copies: tuple | None) -> None:
@@ -367,17 +357,18 @@ def refresh(plan: Any, state: TrainState, copies: tuple | None) -> None:
     if c.stage not in (1, 2):
         return
     src = copies or state.master
-    if c.comm.world_size == 1 and plan.full_layout == layout:
+    packed = plan.master_packing is not None  # the trainable leaves alone: the grads' layout
+    if c.comm.world_size == 1 and plan.full_layout == layout and not packed:
         with timed("library"):  # one rank: its shards are the whole params, laid out alike
             for dst, x in zip(state.compute, src, strict=True):
                 dst[...] = x
         return
-    for u, unit in enumerate(layout.units):
+    for u, unit in enumerate(plan.grad_layout.units if packed else layout.units):
         gathered = device.empty(unit.sharded_size * c.comm.world_size, src[u].dtype)
         if unit.sharded_size:
             with timed("all_gather_wait"):
                 plan.fast.all_gather_into(gathered, src[u][:unit.sharded_size])
         # the unit's copy-out, as ZeRO-3's (see Units.flat)
-        for runs, source in zip(plan.copy_plans.gather(u), (gathered, src[u]), strict=True):
+        for runs, source in zip(plan.refresh_plans.gather(u), (gathered, src[u]), strict=True):
             copy_runs(state.compute[u], runs, runs.table(device), device=device, src=source)
 
