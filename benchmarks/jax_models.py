@@ -19,6 +19,9 @@ interleaved pass by pass; the table gives medians:
   zero3x2   shard.zero3 on the same loss and 2 thread ranks, ops.adamw, each
             rank half the batch (the loss traced once and cut into one segment
             per unit: see [Note: traced units] in shard/step/_traced.py)
+  pure3x2   shard.pure_zero3 on the same loss and 2 thread ranks, optax.adamw,
+            each step one call of the user's jax.jit of it (its collectives
+            are ordered host callbacks: see [Note: pure steps] in shard/_pure.py)
 
 Columns: the first step's seconds (tracing and compiling included), the median
 step after it, the ratio of each to jax_fsdp's, and for zero3x2 rank 0's peak
@@ -43,7 +46,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("cnn", "bert", "gpt")
-MODES = ("jax_fsdp", "zero3x2")
+MODES = ("jax_fsdp", "zero3x2", "pure3x2")
 LR, WD = 1e-3, 0.01
 
 
@@ -201,8 +204,34 @@ def run_zero3(model: str, steps: int) -> dict[str, Any]:
     return ops.spawn(run, 2)[0]
 
 
+def run_pure(model: str, steps: int) -> dict[str, Any]:
+    import jax
+    import optax
+
+    import ops
+    import shard
+
+    params, loss, batch, _ = BUILD[model]()
+
+    def run(comm: Any) -> dict[str, Any]:
+        step = shard.pure_zero3(loss, optimizer=optax.adamw(LR, weight_decay=WD), comm=comm)
+        state, held = step.init(params), jax.jit(step)
+        times = []
+        for i in range(steps + 1):
+            b = shard.split_batch(batch(i), rank=comm.rank, world_size=2)
+            comm.barrier()
+            t = time.perf_counter()
+            state, metrics = held(state, b)
+            float(metrics["loss"])
+            times.append(time.perf_counter() - t)
+        return {"first": times[0], "times": times[1:]}
+
+    return ops.spawn(run, 2)[0]
+
+
 def worker(model: str, mode: str, steps: int) -> None:
-    out = run_jax_fsdp(model, steps) if mode == "jax_fsdp" else run_zero3(model, steps)
+    out = {"jax_fsdp": run_jax_fsdp, "zero3x2": run_zero3, "pure3x2": run_pure}[mode](
+        model, steps)
     print("RESULT " + json.dumps(out))
 
 
@@ -235,7 +264,7 @@ def main() -> None:
                 got.setdefault((model, mode), []).append(r)
                 print(f"pass {i + 1}/{args.passes} {model} {mode}: first {r['first']:.2f} s, "
                       f"step {1e3 * statistics.median(r['times']):.2f} ms", flush=True)
-    print(f"\n2 ranks (jax_fsdp: 2 host devices; zero3x2: 2 thread ranks); medians over "
+    print(f"\n2 ranks (jax_fsdp: 2 host devices; zero3x2, pure3x2: 2 thread ranks); medians over "
           f"{args.passes} passes of {args.steps} steps after the first\n")
     print("| model | mode | first step s | vs jax_fsdp | ms/step | vs jax_fsdp | "
           "peak gathered / model |")

@@ -8,6 +8,7 @@ function transforms: ``step = shard.zero3(loss_fn, optimizer=..., comm=...)``,
 from ops import init_from_env, spawn
 from shard._deepspeed import DeepSpeedConfig, from_deepspeed_config
 from shard._memory import estimate_memory
+from shard._pure import PureState, PureStep, pure_zero3
 from shard._stages import zero0, zero1, zero2, zero3
 from shard.checkpoint._async import AsyncSave, async_save
 from shard.checkpoint._checkpoint import CheckpointError, save
@@ -43,6 +44,8 @@ __all__ = [
     "Packed",
     "Pipeline",
     "Precision",
+    "PureState",
+    "PureStep",
     "Replicate",
     "Shard",
     "TensorBoardLogger",
@@ -61,6 +64,7 @@ __all__ = [
     "partition",
     "pipeline",
     "profile",
+    "pure_zero3",
     "save",
     "spawn",
     "split_batch",

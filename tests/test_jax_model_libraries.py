@@ -156,3 +156,31 @@ def test_a_checkpoint_of_each_library_s_params_is_one_orbax_restores(case, tmp_p
         for key in path:
             have = have[getattr(key, "key", getattr(key, "idx", getattr(key, "name", None)))]
         np.testing.assert_array_equal(np.asarray(have), np.asarray(x))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_library_s_model_trains_in_a_pure_step_inside_jit_and_scan(case):
+    """``shard.pure_zero3`` takes each library's params as they come and runs
+    its steps inside ``jax.jit(jax.lax.scan(...))``: each rank's shards are
+    its rows of single-process optax's result."""
+    params, loss = CASES[case]()
+    batches = data()
+    want = optax_reference(params, loss, batches)
+    structure = jax.tree_util.tree_structure(params)
+
+    def run(comm):
+        step = shard.pure_zero3(loss, optimizer=optax.adamw(LR, weight_decay=WD), comm=comm)
+        mine = [shard.split_batch(b, rank=comm.rank, world_size=3) for b in batches]
+        stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *mine)
+        state, metrics = jax.jit(lambda s, b: jax.lax.scan(step, s, b))(step.init(params),
+                                                                        stacked)
+        assert jax.tree_util.tree_structure(state.params) == structure
+        ref = shard.partition(want, rank=comm.rank, world_size=3)
+        for g, w in zip(jax.tree_util.tree_leaves(state.params), jax.tree_util.tree_leaves(ref),
+                        strict=True):
+            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-5, atol=1e-6)
+        return np.asarray(metrics["loss"])
+
+    losses = ops.spawn(run, 3)
+    np.testing.assert_allclose(losses[0], losses[2])
+    assert losses[0].shape == (STEPS,)

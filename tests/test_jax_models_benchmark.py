@@ -19,6 +19,7 @@ def test_the_jax_models_benchmark_prints_its_table():
                           capture_output=True, text=True, timeout=600, check=False)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| cnn |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["jax_fsdp", "zero3x2"], done.stdout
+    assert [r.split("|")[2].strip() for r in rows] == ["jax_fsdp", "zero3x2", "pure3x2"], \
+        done.stdout
     peak = float(rows[1].split("|")[7])
     assert 0 < peak <= 2.0  # a unit's gather buffer and its copy-out, at most

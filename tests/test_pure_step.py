@@ -1,0 +1,176 @@
+"""shard.pure_zero3: ZeRO-3 as one JAX function, inside the user's jax.jit and
+jax.lax.scan, against optax in one process (each rank's shard equal to the
+reference's rows), at world sizes that divide no leaf."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import ops
+import shard
+
+STEPS, ROWS = 4, 12
+
+
+def params():
+    r = np.random.default_rng(0)
+    return {"embed": r.normal(size=(7, 5)).astype(np.float32),
+            "mlp": {"w": r.normal(size=(5, 11)).astype(np.float32) * 0.3,
+                    "b": np.zeros(11, np.float32)},
+            "head": r.normal(size=(11, 3)).astype(np.float32) * 0.3,
+            "scale": np.float32(1.5)}
+
+
+def loss(p, b):
+    h = jnp.tanh(b["x"] @ p["embed"])
+    h = jnp.tanh(h @ p["mlp"]["w"] + p["mlp"]["b"])
+    return jnp.mean((p["scale"] * h @ p["head"] - b["y"]) ** 2)
+
+
+def data():
+    r = np.random.default_rng(1)
+    return {"x": r.normal(size=(STEPS, ROWS, 7)).astype(np.float32),
+            "y": r.normal(size=(STEPS, ROWS, 3)).astype(np.float32)}
+
+
+def tx():
+    return optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, weight_decay=0.1))
+
+
+def reference():
+    """optax in one process on the whole batch, one step per batch."""
+    p, d, opt = jax.tree_util.tree_map(jnp.asarray, params()), data(), tx()
+    state, losses = opt.init(p), []
+    for i in range(STEPS):
+        value, g = jax.value_and_grad(loss)(p, {k: v[i] for k, v in d.items()})
+        updates, state = opt.update(g, state, p)
+        p = optax.apply_updates(p, updates)
+        losses.append(float(value))
+    return p, losses
+
+
+def mine(d, comm):
+    n = ROWS // comm.world_size
+    return {k: v[:, comm.rank * n:(comm.rank + 1) * n] for k, v in d.items()}
+
+
+@pytest.mark.parametrize("units", ["top-level", "one"])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_steps_inside_jit_and_scan_match_optax_in_one_process(world, units):
+    """Each unit's split leaves go as one gathered buffer, its replicated ones
+    as another: top-level subtrees, or every leaf (the scalar too) in one."""
+    want, want_losses = reference()
+
+    def run(comm):
+        step = shard.pure_zero3(loss, optimizer=tx(), comm=comm,
+                                units=(lambda path: 0) if units == "one" else None)
+        state = step.init(params())
+        scan = jax.jit(lambda s, b: jax.lax.scan(step, s, b))
+        state, metrics = scan(state, mine(data(), comm))
+        return jax.device_get(state), np.asarray(metrics["loss"]), np.asarray(
+            metrics["grad_norm"]), jax.device_get(step.whole(state.params))
+
+    for rank, (state, losses, norms, whole) in enumerate(ops.spawn(run, world)):
+        assert int(state.step) == STEPS
+        np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
+        assert norms.shape == (STEPS,) and np.all(norms > 0.5)  # the clip acted
+        for path, got in jax.tree_util.tree_leaves_with_path(state.params):
+            ref = np.asarray(dict(jax.tree_util.tree_leaves_with_path(want))[path])
+            if ref.ndim:  # this rank's rows, padded with zero rows
+                rows = -(-ref.shape[0] // world)
+                part = ref[rank * rows:(rank + 1) * rows]
+                assert got.shape == (rows, *ref.shape[1:])
+                np.testing.assert_allclose(got[:len(part)], part, rtol=2e-5, atol=2e-6,
+                                           err_msg=jax.tree_util.keystr(path))
+                np.testing.assert_array_equal(got[len(part):], 0)
+            else:
+                np.testing.assert_allclose(got, ref, rtol=2e-5)
+        for a, b in zip(jax.tree_util.tree_leaves(whole), jax.tree_util.tree_leaves(want),
+                        strict=True):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_a_jitted_step_at_a_time_is_the_scan_and_aux_comes_back():
+    def run(comm):
+        step = shard.pure_zero3(lambda p, b: (loss(p, b), b["x"].shape[0]), optimizer=tx(),
+                                comm=comm, has_aux=True)
+        d = mine(data(), comm)
+        state = step.init(params())
+        one = jax.jit(step)
+        for i in range(STEPS):
+            state, metrics = one(state, {k: v[i] for k, v in d.items()})
+        again, _ = jax.jit(lambda s, b: jax.lax.scan(step, s, b))(step.init(params()), d)
+        return jax.device_get(state), jax.device_get(again), int(metrics["aux"])
+
+    for state, again, aux in ops.spawn(run, 2):
+        assert aux == ROWS // 2
+        for a, b in zip(jax.tree_util.tree_leaves(state), jax.tree_util.tree_leaves(again),
+                        strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_refusals_name_the_problem():
+    with pytest.raises(TypeError, match=r"optax GradientTransformation.*zero3's kernels"):
+        shard.pure_zero3(loss, optimizer=ops.adamw(1e-3), comm=None)
+    with pytest.raises(TypeError, match=r"comm must be this rank's ops\.Communicator"):
+        shard.pure_zero3(loss, optimizer=tx(), comm=None)
+
+    def lamb(comm):
+        shard.pure_zero3(loss, optimizer=optax.lamb(1e-3), comm=comm).init(params())
+
+    with pytest.raises(TypeError, match=r"scale_by_trust_ratio.*shard.zero3"):
+        ops.spawn(lamb, 2)
+
+    def clip_last(comm):
+        opt = optax.chain(optax.adam(1e-3), optax.clip_by_global_norm(1.0))
+        shard.pure_zero3(loss, optimizer=opt, comm=comm).init(params())
+
+    with pytest.raises(ValueError, match=r"clip_by_global_norm needs the whole tree's norm"):
+        ops.spawn(clip_last, 2)
+
+    def vector(comm):
+        step = shard.pure_zero3(lambda p, b: b["x"] @ p["embed"][:, 0], optimizer=tx(),
+                                comm=comm)
+        step(step.init(params()), {k: v[0] for k, v in data().items()})
+
+    with pytest.raises(TypeError, match=r"must return a scalar; it returned shape \(12,\)"):
+        ops.spawn(vector, 1)
+
+    def early(comm):
+        shard.pure_zero3(loss, optimizer=tx(), comm=comm)(None, None)
+
+    with pytest.raises(RuntimeError, match="call init"):
+        ops.spawn(early, 1)
+
+
+def test_whole_gives_back_every_leaf_exactly_whatever_its_dtype_and_unit():
+    import ml_dtypes
+
+    r = np.random.default_rng(2)
+    mixed = {"a": r.normal(size=(7, 5)).astype(np.float32),
+             "b": {"w": r.normal(size=(5, 3)).astype(ml_dtypes.bfloat16),
+                   "v": r.normal(size=(4,)).astype(np.float32),
+                   "s": np.asarray(2.0, ml_dtypes.bfloat16)},
+             "c": r.normal(size=(1, 2)).astype(ml_dtypes.bfloat16)}
+
+    def run(comm, units):
+        step = shard.pure_zero3(lambda p, b: jnp.sum(p["a"]) * b, optimizer=optax.sgd(0.1),
+                                comm=comm, units=units)
+        state = step.init(mixed)
+        return jax.device_get(jax.jit(step.whole)(state.params)), jax.device_get(state.params)
+
+    for units in (None, lambda path: 0):
+        for rank, (whole, mine) in enumerate(ops.spawn(lambda c, u=units: run(c, u), 3)):
+            for path, want in jax.tree_util.tree_leaves_with_path(mixed):
+                got = dict(jax.tree_util.tree_leaves_with_path(whole))[path]
+                assert got.dtype == want.dtype and got.shape == want.shape
+                np.testing.assert_array_equal(np.asarray(got, np.float32),
+                                              np.asarray(want, np.float32))
+            assert mine["c"].shape == (1, 2)  # a row a rank: rank 0's the leaf, the rest padding
+            np.testing.assert_array_equal(np.asarray(mine["c"], np.float32),
+                                          np.asarray(mixed["c"], np.float32) if rank == 0
+                                          else 0)
