@@ -46,6 +46,7 @@ from shard.core._loss import check_scalar, split_aux
 from shard.core._optim import is_transformation
 from shard.core._parts import PER_LEAF, check_parts, clip_first, describe, parts_of
 from shard.step._checks import agree_on_layout
+from shard.step._init import rows_of, split_over_devices
 from shard.step._plan import FLOAT_DTYPES
 
 __all__ = ["PureState", "PureStep", "pure_zero3"]
@@ -99,7 +100,9 @@ class PureStep:
     # -- state ------------------------------------------------------------------
     def init(self, params: Any) -> PureState:
         """This rank's state for ``params`` (the whole params, the same on every
-        rank: a collective compares their layouts)."""
+        rank: a collective compares their layouts). A JAX array split over
+        several devices (a ``NamedSharding``) gives this rank's rows from the
+        device shards that hold them, without a whole copy."""
         import jax.numpy as jnp
 
         fn, w = "pure_zero3.init", self.comm.world_size
@@ -125,8 +128,15 @@ class PureStep:
         rank = self.comm.rank
         shards = []
         for leaf, x in zip(layout.leaves, layout.treedef.flatten_up_to(params), strict=True):
-            x = np.asarray(x)
-            if leaf.sharded:
+            lo = min(rank * leaf.rows_per_rank, leaf.rows)
+            mine = rows_of(x, lo, min(lo + leaf.rows_per_rank, leaf.rows)) if (
+                leaf.sharded and split_over_devices(x)) else None  # a NamedSharding's rows
+            if mine is not None:
+                out = np.zeros(leaf.local_shape, mine.dtype)
+                out[:len(mine)] = mine
+                x = out
+            elif leaf.sharded:
+                x = np.asarray(x)
                 out = np.zeros(leaf.local_shape, x.dtype)
                 layout.scatter_leaf(leaf, x, rank, out)
                 x = out

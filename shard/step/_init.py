@@ -19,7 +19,7 @@ from shard.step import _checks
 from shard.step._config import StepConfig
 from shard.step._plan import Plan, make_plan, moment_buffers, new_state
 
-__all__ = ["from_function", "from_params", "with_optax_state"]
+__all__ = ["from_function", "from_params", "rows_of", "split_over_devices", "with_optax_state"]
 
 log = logging.getLogger("shard.step")
 
@@ -35,6 +35,11 @@ def from_params(c: StepConfig, params: Any, device: Device | None, current: Devi
         params = c.tensor_parallel.shard(params)  # this model rank's slices of the whole params
     _checks.refuse_keys(params, fn)
     raw, treedef = tu.tree_flatten(params)
+    if c.stage == 3 and c.tensor_parallel is None and device is None and \
+            any(split_over_devices(x) for x in raw):
+        made = _from_split_arrays(c, params, current)
+        if made is not None:
+            return made
     _, leaves = native_leaves(raw, fn)
     if not any(is_shape(x) for x in leaves):
         if device is not None:
@@ -59,6 +64,73 @@ def from_params(c: StepConfig, params: Any, device: Device | None, current: Devi
     shapes = tu.tree_unflatten(treedef, leaves)  # meta tensors read as Shapes
     plan = make_plan(c, shapes, device=device or getattr(c.loss_fn, "materialize_device", None))
     return by_units(c, plan, lambda u, i: materialize([paths[j] for j in i]))
+
+
+def split_over_devices(x: Any) -> bool:
+    """A JAX array laid out over several CPU devices, not whole on each (a
+    ``NamedSharding`` over a mesh axis)."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or type(x).__module__.split(".")[0] not in ("jax", "jaxlib"):
+        return False
+    devices = sharding.device_set
+    return len(devices) > 1 and not sharding.is_fully_replicated and all(
+        d.platform == "cpu" for d in devices)
+
+
+def rows_of(x: Any, lo: int, hi: int) -> np.ndarray | None:
+    """Rows ``[lo, hi)`` of a JAX array split along its first axis only, copied
+    from the device shards that hold them; None where it is split otherwise."""
+    out, have = np.empty((hi - lo, *x.shape[1:]), x.dtype), np.zeros(hi - lo, bool)
+    for piece in x.addressable_shards:
+        first, *rest = piece.index
+        if any(r != slice(None) and r.indices(n)[:2] != (0, n)
+               for r, n in zip(rest, x.shape[1:], strict=True)):
+            return None
+        a, b, _ = first.indices(x.shape[0])
+        a2, b2 = max(a, lo), min(b, hi)
+        if a2 < b2 and not have[a2 - lo:b2 - lo].all():
+            out[a2 - lo:b2 - lo] = np.asarray(piece.data[a2 - a:b2 - a])
+            have[a2 - lo:b2 - lo] = True
+    return out if have.all() else None
+
+
+def _from_split_arrays(c: StepConfig, params: Any, current: Device) -> Made | None:
+    """Stage 3's state from JAX arrays split over several devices (a
+    ``NamedSharding`` pytree, ``interop.jax.global_params``'): each rank copies
+    the rows it keeps from the device shards that hold them, never the whole
+    leaf (the whole-shaped buffer the unit path takes is zeros outside those
+    rows, and a large one's untouched pages are never given memory by the
+    operating system). The params are one global value, so the ranks'
+    agreement is not checked. None where the state would not live on the
+    host: the caller then reads whole leaves."""
+    import jax
+
+    tu = ops._tree.tree_util()
+    shapes = tu.tree_map(lambda x: jax.ShapeDtypeStruct(
+        np.shape(x), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype), params)
+    plan = make_plan(c, shapes, device=current)
+    if not plan.device.host:
+        return None
+    leaves = plan.layout.treedef.flatten_up_to(params)
+    rank = c.comm.rank
+
+    def values(u: int, idx: list[int]) -> list[Any]:
+        out = []
+        for j in idx:
+            leaf, x = plan.layout.leaves[j], leaves[j]
+            lo = min(rank * leaf.rows_per_rank, leaf.rows)
+            hi = min(lo + leaf.rows_per_rank, leaf.rows)
+            mine = rows_of(x, lo, hi) if leaf.sharded and split_over_devices(x) else None
+            if mine is None:
+                out.append(np.asarray(x))
+                continue
+            whole = np.zeros(leaf.shape, mine.dtype)  # pages outside the rows stay untouched
+            whole[lo:hi] = mine
+            out.append(whole)
+        return out
+
+    log.info("%s: reading this rank's rows from the device shards of the params", c.name)
+    return by_units(c, plan, values, check=False)
 
 
 def from_function(c: StepConfig, init_fn: Any, args: tuple, device: Device | None) -> Made:
