@@ -16,6 +16,11 @@ run inside the user's ``jax.jit`` or ``jax.lax.scan`` over steps. A
   gradients (a unit's replicated leaves' gradients are all-reduced, also as
   one buffer), so the gradients arrive sharded, each the mean over the data
   ranks of their losses' gradients;
+- a model state (batch-norm statistics: ``init(params, model_state=...)``)
+  is passed to the loss, which returns the new one, as for ``zero3``; after
+  each step every rank holds the mean of its floating-point leaves over the
+  ranks and rank 0's other leaves; with ``key=`` the loss gets ``key=`` the
+  key folded with the step count and the rank (``zero3``'s keys);
 - the optax transformation runs on the shards, as it would on the whole
   params for the element-wise transformations (Adam, AdamW, Lion, SGD with
   momentum, schedules); a ``clip_by_global_norm`` first in it gets the norm
@@ -41,6 +46,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ops import Communicator, FusedOptimizer
+from shard.core._keys import check_key
 from shard.core._layout import make_layout
 from shard.core._loss import check_scalar, split_aux
 from shard.core._optim import is_transformation
@@ -61,23 +67,28 @@ class PureState(NamedTuple):
         params' tree.
       opt_state: the optax transformation's state over ``params``.
       step: int32 scalar, updates applied.
+      model_state: the model's non-trainable state (batch-norm statistics),
+        the same on every rank; None without one.
     """
 
     params: Any
     opt_state: Any
     step: Any
+    model_state: Any = None
 
 
 class PureStep:
     """ZeRO-3 as one JAX function (see [Note: pure steps]): ``init(params)``
     gives this rank's :class:`PureState`; ``step(state, batch)`` returns the
     next state and the metrics (``loss``: the mean over the ranks;
-    ``grad_norm``: of the whole gradient; ``aux`` with ``has_aux``: this
-    rank's), and runs inside ``jax.jit``, ``jax.lax.scan`` and
+    ``grad_norm``: of the whole gradient; ``aux`` with ``has_aux``: its
+    numbers averaged over the ranks, in float32), and runs inside ``jax.jit``,
+    ``jax.lax.scan`` and
     ``jax.lax.fori_loop``. Every rank calls it with its own batch."""
 
     def __init__(self, loss_fn: Any, *, optimizer: Any, comm: Communicator,
-                 specs: Any = None, units: Any = None, has_aux: bool = False) -> None:
+                 specs: Any = None, units: Any = None, has_aux: bool = False,
+                 key: Any = None) -> None:
         from shard.tensor_parallel._jax import Collectives
 
         if not callable(loss_fn):
@@ -92,17 +103,22 @@ class PureStep:
             raise TypeError("pure_zero3: comm must be this rank's ops.Communicator; got "
                             f"{type(comm).__name__}")
         self.loss_fn, self.optimizer, self.comm = loss_fn, optimizer, comm
-        self.specs, self.units, self.has_aux = specs, units, has_aux
+        if key is not None:
+            check_key("pure_zero3", key)
+        self.specs, self.units, self.has_aux, self.key = specs, units, has_aux, key
         self.collectives = Collectives(comm)
         self.max_norm = clip_first(optimizer)
         self.layout: Any = None
 
     # -- state ------------------------------------------------------------------
-    def init(self, params: Any) -> PureState:
+    def init(self, params: Any, *, model_state: Any = None) -> PureState:
         """This rank's state for ``params`` (the whole params, the same on every
         rank: a collective compares their layouts). A JAX array split over
         several devices (a ``NamedSharding``) gives this rank's rows from the
-        device shards that hold them, without a whole copy."""
+        device shards that hold them, without a whole copy. ``model_state``:
+        the model's non-trainable state, the same on every rank; the loss then
+        takes it and returns the new one, as for ``zero3``."""
+        import jax
         import jax.numpy as jnp
 
         fn, w = "pure_zero3.init", self.comm.world_size
@@ -142,7 +158,9 @@ class PureStep:
                 x = out
             shards.append(jnp.asarray(x))
         mine = layout.treedef.unflatten(shards)
-        return PureState(mine, self.optimizer.init(mine), jnp.zeros((), jnp.int32))
+        if model_state is not None:
+            model_state = jax.tree_util.tree_map(jnp.asarray, model_state)
+        return PureState(mine, self.optimizer.init(mine), jnp.zeros((), jnp.int32), model_state)
 
     def _layout(self, fn: str) -> Any:
         if self.layout is None:
@@ -183,6 +201,99 @@ class PureStep:
                 at += leaf.local_size
         return layout.treedef.unflatten(out)
 
+    def _loss(self, fn: Any, params: Any, state: PureState, batch: Any) -> tuple[Any, Any, Any]:
+        """``fn`` on the whole ``params``: ``(loss, new model state, aux)``, with the
+        model state and the key it takes (see [Note: pure steps])."""
+        import jax
+
+        args = (batch,) if state.model_state is None else (batch, state.model_state)
+        kw = {}
+        if self.key is not None:  # shard.step_key's: the step, the rank, micro-batch 0
+            key = self.key
+            for v in (state.step, self.comm.rank, 0):
+                key = jax.random.fold_in(key, v)
+            kw["key"] = key
+        out = fn(self.whole(params), *args, **kw)
+        new = None
+        if state.model_state is not None:
+            what = "(loss, (new_model_state, aux))" if self.has_aux else "(loss, new_model_state)"
+            if not (isinstance(out, (tuple, list)) and len(out) == 2) or (
+                    self.has_aux and not (isinstance(out[1], (tuple, list)) and len(out[1]) == 2)):
+                raise TypeError(f"pure_zero3: a loss with a model state returns {what}; got "
+                                f"{type(out).__name__}")
+            if self.has_aux:  # (loss, aux) for split_aux, and the new state
+                out, new = (out[0], out[1][1]), out[1][0]
+            else:
+                out, new = out[0], out[1]
+            if jax.tree_util.tree_structure(new) != jax.tree_util.tree_structure(
+                    state.model_state):
+                raise TypeError("pure_zero3: the loss returned a model state of another "
+                                "structure than the state's")
+        value, aux = split_aux(out, self.has_aux)
+        check_scalar(value)
+        return value, new, aux
+
+    def _same_everywhere(self, tree: Any) -> Any:
+        """``tree`` made the same on every rank: floating-point leaves averaged,
+        the others rank 0's (two collectives, as for ``zero3``'s model state)."""
+        import jax
+        import jax.numpy as jnp
+
+        col, w = self.collectives, self.comm.world_size
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        if w == 1 or not leaves:
+            return tree
+        out = list(leaves)
+        for floating in (True, False):
+            idx = [i for i, x in enumerate(leaves)
+                   if bool(jnp.issubdtype(x.dtype, jnp.floating)) == floating]
+            if not idx:
+                continue
+            kind = jnp.float32 if floating else jnp.int32
+            flat = jnp.concatenate([leaves[i].reshape(-1).astype(kind) for i in idx])
+            if floating:
+                flat = col.all_reduce(flat) / w
+            else:
+                flat = col.all_reduce(flat if self.comm.rank == 0 else jnp.zeros_like(flat))
+            at = 0
+            for i in idx:
+                n = leaves[i].size
+                out[i] = flat[at:at + n].reshape(leaves[i].shape).astype(leaves[i].dtype)
+                at += n
+        return treedef.unflatten(out)
+
+    def _mean(self, tree: Any) -> Any:
+        """Every numeric leaf of ``tree`` averaged over the ranks, in float32 (one
+        collective)."""
+        import jax
+        import jax.numpy as jnp
+
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        w = self.comm.world_size
+        if w == 1 or not leaves:
+            return tree
+        leaves = [jnp.asarray(x, jnp.float32) for x in leaves]
+        flat = self.collectives.all_reduce(jnp.concatenate([x.reshape(-1) for x in leaves])) / w
+        out, at = [], 0
+        for x in leaves:
+            out.append(flat[at:at + x.size].reshape(x.shape))
+            at += x.size
+        return treedef.unflatten(out)
+
+    def evaluate(self, state: PureState, batch: Any, *, loss_fn: Any = None) -> Any:
+        """The loss at ``state``'s params on this rank's ``batch``, averaged over
+        the ranks (a collective), with no update: ``(loss, aux)`` with
+        ``has_aux``. ``loss_fn``: another function of the same params (the
+        model in eval mode); the model state it returns is dropped."""
+        import jax.numpy as jnp
+
+        self._layout("evaluate")
+        value, _, aux = self._loss(loss_fn or self.loss_fn, state.params, state, batch)
+        w = self.comm.world_size
+        mean = self.collectives.all_reduce(jnp.asarray(value, jnp.float32)) / w if w > 1 \
+            else value
+        return (mean, self._mean(aux)) if self.has_aux else mean
+
     def __call__(self, state: PureState, batch: Any) -> tuple[PureState, dict[str, Any]]:
         import jax
         import jax.numpy as jnp
@@ -191,11 +302,13 @@ class PureStep:
         layout, col, w = self._layout("step"), self.collectives, self.comm.world_size
 
         def loss(shards: Any) -> Any:
-            value, aux = split_aux(self.loss_fn(self.whole(shards), batch), self.has_aux)
-            check_scalar(value)
-            return value, aux
+            value, new, aux = self._loss(self.loss_fn, shards, state, batch)
+            return value, (new, aux)
 
-        (value, aux), grads = jax.value_and_grad(loss, has_aux=True)(state.params)
+        (value, (model_state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(
+            state.params)
+        if model_state is not None:
+            model_state = self._same_everywhere(model_state)
         grads = jax.tree_util.tree_map(lambda g: g / w, grads)  # the sum over ranks: the mean
         flat = layout.treedef.flatten_up_to(grads)
         split = [jnp.sum(jnp.square(g.astype(jnp.float32)))
@@ -213,15 +326,15 @@ class PureStep:
         params = optax.apply_updates(state.params, updates)
         mean = col.all_reduce(jnp.asarray(value, jnp.float32)) / w if w > 1 else value
         metrics = {"loss": mean, "grad_norm": norm}
-        if self.has_aux:
-            metrics["aux"] = aux
-        return PureState(params, opt_state, state.step + 1), metrics
+        if self.has_aux:  # averaged over the ranks, as zero3's
+            metrics["aux"] = self._mean(aux)
+        return PureState(params, opt_state, state.step + 1, model_state), metrics
 
     step = __call__
 
 
 def pure_zero3(loss_fn: Any, *, optimizer: Any, comm: Communicator, specs: Any = None,
-               units: Any = None, has_aux: bool = False) -> PureStep:
+               units: Any = None, has_aux: bool = False, key: Any = None) -> PureStep:
     """ZeRO-3 as a pure JAX function of a :class:`PureState`, for the user's
     ``jax.jit`` and ``jax.lax.scan`` over steps (see [Note: pure steps]).
 
@@ -237,6 +350,9 @@ def pure_zero3(loss_fn: Any, *, optimizer: Any, comm: Communicator, specs: Any =
         top-level subtrees); a unit's split leaves are gathered by one
         collective, its replicated ones' gradients reduced by another.
       has_aux: the loss returns ``(loss, aux)``.
+      key: a JAX PRNG key: the loss is called with ``key=``, the key folded
+        with the step count and the rank (``shard.step_key``'s, so the same
+        keys as ``zero3(..., key=)``), after the model state if there is one.
 
     Example (each of 2 thread ranks):
       >>> import jax, jax.numpy as jnp, numpy as np, optax, ops, shard
@@ -251,4 +367,4 @@ def pure_zero3(loss_fn: Any, *, optimizer: Any, comm: Communicator, specs: Any =
       [(4, (2, 2)), (4, (2, 2))]
     """
     return PureStep(loss_fn, optimizer=optimizer, comm=comm, specs=specs, units=units,
-                    has_aux=has_aux)
+                    has_aux=has_aux, key=key)

@@ -250,13 +250,13 @@ def test_tied_torch_weights_train_as_one_shared_parameter():
 
 
 def test_balance_by_time_times_torch_modules():
-    class Slow(torch.nn.Module):  # the parameters of a small layer, 30 times its work
+    class Slow(torch.nn.Module):  # the parameters of a small layer, 100 times its work
         def __init__(self):
             super().__init__()
             self.lin = torch.nn.Linear(64, 64)
 
-        def forward(self, x):
-            for _ in range(30):
+        def forward(self, x):  # far enough from the others that a busy machine keeps the order
+            for _ in range(100):
                 x = torch.tanh(self.lin(x))
             return x
 

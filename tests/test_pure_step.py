@@ -174,3 +174,67 @@ def test_whole_gives_back_every_leaf_exactly_whatever_its_dtype_and_unit():
             np.testing.assert_array_equal(np.asarray(mine["c"], np.float32),
                                           np.asarray(mixed["c"], np.float32) if rank == 0
                                           else 0)
+
+
+def stateful_loss(p, b, stats, *, key):
+    """A running mean of the hidden features (batch-norm's statistics) and
+    dropout on them: the model state and the key as zero3 hands them over."""
+    h = jnp.tanh(b["x"] @ p["embed"])
+    keep = jax.random.bernoulli(key, 0.8, h.shape)
+    h = jnp.where(keep, h / 0.8, 0.0) - stats["mean"]
+    h = jnp.tanh(h @ p["mlp"]["w"] + p["mlp"]["b"])
+    value = jnp.mean((p["scale"] * h @ p["head"] - b["y"]) ** 2)
+    new = {"mean": 0.9 * stats["mean"] + 0.1 * jnp.mean(h[:, :5], axis=0),
+           "seen": stats["seen"] + b["x"].shape[0]}
+    return value, (new, jnp.sum(keep))
+
+
+def test_model_state_keys_aux_and_evaluate_are_zero3_s():
+    """A loss with a model state, dropout from key= and an aux output: the pure
+    step's losses, aux, statistics and params are zero3's on the same optax
+    transformation (its keys are shard.step_key's), and evaluate agrees."""
+    stats = {"mean": np.zeros(5, np.float32), "seen": np.int32(0)}
+    key = jax.random.key(7)
+
+    def run(comm, pure):
+        d = mine(data(), comm)
+        batches = [{k: v[i] for k, v in d.items()} for i in range(STEPS)]
+        if pure:
+            step = shard.pure_zero3(stateful_loss, optimizer=tx(), comm=comm, has_aux=True,
+                                    key=key)
+            state, metrics = jax.jit(lambda s, b: jax.lax.scan(step, s, b))(
+                step.init(params(), model_state=stats), d)
+            ev = step.evaluate(state, batches[0])
+            return (np.asarray(metrics["loss"]), np.asarray(metrics["aux"]),
+                    jax.device_get(state.model_state), jax.device_get(step.whole(state.params)),
+                    float(ev[0]))
+        step = shard.zero3(stateful_loss, optimizer=tx(), comm=comm, has_aux=True, key=key)
+        state, losses, aux = step.init(params(), model_state=stats), [], []
+        for b in batches:
+            state, m = step(state, b)
+            losses.append(m["loss"])
+            aux.append(m["aux"])
+        return (np.asarray(losses), np.asarray(aux), state.model_state,
+                shard.gather(state, comm), float(step.evaluate(state, batches[0])[0]))
+
+    for (l1, a1, s1, p1, e1), (l2, a2, s2, p2, e2) in zip(
+            ops.spawn(lambda c: run(c, True), 2), ops.spawn(lambda c: run(c, False), 2),
+            strict=True):
+        np.testing.assert_allclose(l1, l2, rtol=1e-5)
+        np.testing.assert_allclose(a1, a2)  # the same masks: the same keys
+        np.testing.assert_allclose(s1["mean"], s2["mean"], rtol=1e-5, atol=1e-7)
+        assert int(s1["seen"]) == int(s2["seen"]) == STEPS * ROWS // 2
+        for x, y in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p2),
+                        strict=True):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(e1, e2, rtol=1e-5)
+
+
+def test_a_model_state_loss_that_returns_no_state_is_refused_naming_the_form():
+    def run(comm):
+        step = shard.pure_zero3(lambda p, b, s: loss(p, b), optimizer=tx(), comm=comm)
+        state = step.init(params(), model_state={"m": np.zeros(3, np.float32)})
+        step(state, {k: v[0] for k, v in data().items()})
+
+    with pytest.raises(TypeError, match=r"returns \(loss, new_model_state\); got"):
+        ops.spawn(run, 1)
