@@ -206,7 +206,10 @@ class PureStep:
         model state and the key it takes (see [Note: pure steps])."""
         import jax
 
-        args = (batch,) if state.model_state is None else (batch, state.model_state)
+        # the model state rebuilt inside the traced function, so that containers that
+        # remember the trace that made them (flax nnx Variables) take the loss's updates
+        args = (batch,) if state.model_state is None else (
+            batch, jax.tree_util.tree_map(lambda x: x, state.model_state))
         kw = {}
         if self.key is not None:  # shard.step_key's: the step, the rank, micro-batch 0
             key = self.key

@@ -245,3 +245,23 @@ def test_every_floating_leaf_is_averaged_bfloat16_too():
         np.testing.assert_array_equal(out["mean"].astype(np.float32), [1.5] * 3)
         np.testing.assert_array_equal(out["var"], [1.0, 1.0])
         assert int(out["count"]) == 10  # rank 0's
+
+
+def test_flax_batch_norm_trains_in_a_pure_step_inside_scan():
+    """flax nnx's BatchNorm as flax writes it, its statistics the model state of
+    shard.pure_zero3, three steps in one jax.lax.scan: the one-process
+    algorithm's params and statistics."""
+    batches = data()
+    want_params, want_stats = reference(batches, 2, 1)
+
+    def run(comm):
+        step = shard.pure_zero3(loss, optimizer=optax.adamw(LR, weight_decay=WD), comm=comm)
+        mine = [shard.split_batch(b, rank=comm.rank, world_size=2) for b in batches]
+        stacked = jax.tree_util.tree_map(lambda *xs: jnp.stack(xs), *mine)
+        state, _ = jax.jit(lambda s, b: jax.lax.scan(step, s, b))(
+            step.init(PARAMS, model_state=STATS), stacked)
+        return jax.device_get(step.whole(state.params)), jax.device_get(state.model_state)
+
+    for params, stats in ops.spawn(run, 2):
+        assert_tree_close(stats, want_stats)
+        assert_tree_close(params, want_params)
