@@ -19,9 +19,10 @@ interleaved pass by pass; the table gives medians:
   zero3x2   shard.zero3 on the same loss and 2 thread ranks, ops.adamw, each
             rank half the batch (the loss traced once and cut into one segment
             per unit: see [Note: traced units] in shard/step/_traced.py)
-  pure3x2   shard.pure_zero3 on the same loss and 2 thread ranks, optax.adamw,
-            each step one call of the user's jax.jit of it (its collectives
-            are ordered host callbacks: see [Note: pure steps] in shard/_pure.py)
+  pure3x2   shard.pure_zero3 on the same loss and 2 thread ranks, one
+            optax.adamw for both, each step one call of the step (the ranks'
+            one compiled program; its collectives are ordered host callbacks:
+            see [Note: pure steps] in shard/_pure.py)
 
 Columns: the first step's seconds (tracing and compiling included), the median
 step after it, the ratio of each to jax_fsdp's, and for zero3x2 rank 0's peak
@@ -212,16 +213,18 @@ def run_pure(model: str, steps: int) -> dict[str, Any]:
     import shard
 
     params, loss, batch, _ = BUILD[model]()
+    tx = optax.adamw(LR, weight_decay=WD)  # one for both ranks: one compiled program
 
     def run(comm: Any) -> dict[str, Any]:
-        step = shard.pure_zero3(loss, optimizer=optax.adamw(LR, weight_decay=WD), comm=comm)
-        state, held = step.init(params), jax.jit(step)
+        step = shard.pure_zero3(loss, optimizer=tx, comm=comm)
+        state = step.init(params)
         times = []
         for i in range(steps + 1):
-            b = shard.split_batch(batch(i), rank=comm.rank, world_size=2)
+            b = jax.tree_util.tree_map(jax.numpy.asarray, shard.split_batch(
+                batch(i), rank=comm.rank, world_size=2))
             comm.barrier()
             t = time.perf_counter()
-            state, metrics = held(state, b)
+            state, metrics = step(state, b)
             float(metrics["loss"])
             times.append(time.perf_counter() - t)
         return {"first": times[0], "times": times[1:]}

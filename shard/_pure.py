@@ -35,8 +35,11 @@ issues the same collectives in the same order. A callback's arrays are host
 arrays: on a GPU each collective copies its input to the host and the result
 back, which is what a held step pays for being held. The gathered params live
 as long as XLA's schedule keeps them (from their use in the forward to their
-use in the backward); ``zero3`` bounds them unit by unit instead. Each thread
-rank compiles its own program (its callbacks close over its communicator).
+use in the backward); ``zero3`` bounds them unit by unit instead. The thread
+ranks of a group that share the loss function and the optax transformation
+object share one compiled program (see [Note: one program for the ranks] in
+``shard/_pure_program.py``); inside the user's own ``jit`` or ``scan`` each
+rank compiles the user's program.
 """
 
 from __future__ import annotations
@@ -46,9 +49,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ops import Communicator, FusedOptimizer
+from shard._pure_program import Program, program_for, register
 from shard.core._keys import check_key
 from shard.core._layout import make_layout
-from shard.core._loss import check_scalar, split_aux
 from shard.core._optim import is_transformation
 from shard.core._parts import PER_LEAF, check_parts, clip_first, describe, parts_of
 from shard.step._checks import agree_on_layout
@@ -83,14 +86,12 @@ class PureStep:
     next state and the metrics (``loss``: the mean over the ranks;
     ``grad_norm``: of the whole gradient; ``aux`` with ``has_aux``: its
     numbers averaged over the ranks, in float32), and runs inside ``jax.jit``,
-    ``jax.lax.scan`` and
-    ``jax.lax.fori_loop``. Every rank calls it with its own batch."""
+    ``jax.lax.scan`` and ``jax.lax.fori_loop``. Every rank calls it with its
+    own batch."""
 
     def __init__(self, loss_fn: Any, *, optimizer: Any, comm: Communicator,
                  specs: Any = None, units: Any = None, has_aux: bool = False,
                  key: Any = None) -> None:
-        from shard.tensor_parallel._jax import Collectives
-
         if not callable(loss_fn):
             raise TypeError(f"pure_zero3: loss_fn must be a function (params, batch) -> loss; "
                             f"got {type(loss_fn).__name__}")
@@ -102,13 +103,14 @@ class PureStep:
         if not hasattr(comm, "world_size"):
             raise TypeError("pure_zero3: comm must be this rank's ops.Communicator; got "
                             f"{type(comm).__name__}")
-        self.loss_fn, self.optimizer, self.comm = loss_fn, optimizer, comm
         if key is not None:
             check_key("pure_zero3", key)
+        self.loss_fn, self.optimizer, self.comm = loss_fn, optimizer, comm
         self.specs, self.units, self.has_aux, self.key = specs, units, has_aux, key
-        self.collectives = Collectives(comm)
         self.max_norm = clip_first(optimizer)
+        self.group = register(comm)
         self.layout: Any = None
+        self.program: Program | None = None
 
     # -- state ------------------------------------------------------------------
     def init(self, params: Any, *, model_state: Any = None) -> PureState:
@@ -137,10 +139,8 @@ class PureStep:
             check_parts(self.optimizer, parts, layout, what, fn)
         agree_on_layout(self.comm, layout, fn)
         self.layout = layout
-        groups: dict[tuple, list[int]] = {}  # (unit, split, dtype): its leaves, in order
-        for i, leaf in sorted(enumerate(layout.leaves), key=lambda e: (e[1].unit, e[1].offset)):
-            groups.setdefault((leaf.unit, leaf.sharded, leaf.dtype), []).append(i)
-        self._groups = [(split, idx) for (_, split, _), idx in groups.items()]
+        self.program = program_for(self.group, w, self.loss_fn, self.optimizer, layout,
+                                   self.has_aux, self.max_norm)
         rank = self.comm.rank
         shards = []
         for leaf, x in zip(layout.leaves, layout.treedef.flatten_up_to(params), strict=True):
@@ -162,10 +162,15 @@ class PureStep:
             model_state = jax.tree_util.tree_map(jnp.asarray, model_state)
         return PureState(mine, self.optimizer.init(mine), jnp.zeros((), jnp.int32), model_state)
 
-    def _layout(self, fn: str) -> Any:
-        if self.layout is None:
+    def _program(self, fn: str) -> Program:
+        if self.program is None:
             raise RuntimeError(f"pure_zero3.{fn}: call init(params) first")
-        return self.layout
+        return self.program
+
+    def _rank(self) -> Any:
+        import jax.numpy as jnp
+
+        return jnp.asarray(self.comm.rank, jnp.int32)
 
     # -- the step ---------------------------------------------------------------
     def whole(self, params: Any) -> Any:
@@ -174,164 +179,18 @@ class PureStep:
         reduce-scattered, a replicated one's all-reduced (summed). One
         collective per unit and dtype: its split leaves' shards go as one flat
         buffer, as do its replicated leaves."""
-        import jax.numpy as jnp
-
-        layout, col, w = self._layout("whole"), self.collectives, self.comm.world_size
-        leaves = layout.treedef.flatten_up_to(params)
-        if w == 1:  # one rank's rows are the whole leaves
-            return layout.treedef.unflatten([x.reshape(leaf.shape)
-                                             for leaf, x in zip(layout.leaves, leaves,
-                                                                strict=True)])
-        out: list[Any] = [None] * len(leaves)
-        for split, idx in self._groups:
-            flat = jnp.concatenate([leaves[i].reshape(-1) for i in idx])
-            if split:  # (W, S): rank r's shards in row r
-                flat = col.apply("gather_sequence", flat, 0).reshape(w, -1)
-            else:
-                flat = col.apply("copy", flat)
-            at = 0
-            for i in idx:
-                leaf = layout.leaves[i]
-                if split:
-                    part = flat[:, at:at + leaf.local_size].reshape(
-                        w * leaf.rows_per_rank, *leaf.shape[1:])[:leaf.rows]
-                else:
-                    part = flat[at:at + leaf.size]
-                out[i] = part.reshape(leaf.shape)
-                at += leaf.local_size
-        return layout.treedef.unflatten(out)
-
-    def _loss(self, fn: Any, params: Any, state: PureState, batch: Any) -> tuple[Any, Any, Any]:
-        """``fn`` on the whole ``params``: ``(loss, new model state, aux)``, with the
-        model state and the key it takes (see [Note: pure steps])."""
-        import jax
-
-        # the model state rebuilt inside the traced function, so that containers that
-        # remember the trace that made them (flax nnx Variables) take the loss's updates
-        args = (batch,) if state.model_state is None else (
-            batch, jax.tree_util.tree_map(lambda x: x, state.model_state))
-        kw = {}
-        if self.key is not None:  # shard.step_key's: the step, the rank, micro-batch 0
-            key = self.key
-            for v in (state.step, self.comm.rank, 0):
-                key = jax.random.fold_in(key, v)
-            kw["key"] = key
-        out = fn(self.whole(params), *args, **kw)
-        new = None
-        if state.model_state is not None:
-            what = "(loss, (new_model_state, aux))" if self.has_aux else "(loss, new_model_state)"
-            if not (isinstance(out, (tuple, list)) and len(out) == 2) or (
-                    self.has_aux and not (isinstance(out[1], (tuple, list)) and len(out[1]) == 2)):
-                raise TypeError(f"pure_zero3: a loss with a model state returns {what}; got "
-                                f"{type(out).__name__}")
-            if self.has_aux:  # (loss, aux) for split_aux, and the new state
-                out, new = (out[0], out[1][1]), out[1][0]
-            else:
-                out, new = out[0], out[1]
-            if jax.tree_util.tree_structure(new) != jax.tree_util.tree_structure(
-                    state.model_state):
-                raise TypeError("pure_zero3: the loss returned a model state of another "
-                                "structure than the state's")
-        value, aux = split_aux(out, self.has_aux)
-        check_scalar(value)
-        return value, new, aux
-
-    def _same_everywhere(self, tree: Any) -> Any:
-        """``tree`` made the same on every rank: floating-point leaves averaged,
-        the others rank 0's (two collectives, as for ``zero3``'s model state)."""
-        import jax
-        import jax.numpy as jnp
-
-        col, w = self.collectives, self.comm.world_size
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        if w == 1 or not leaves:
-            return tree
-        out = list(leaves)
-        for floating in (True, False):
-            idx = [i for i, x in enumerate(leaves)
-                   if bool(jnp.issubdtype(x.dtype, jnp.floating)) == floating]
-            if not idx:
-                continue
-            kind = jnp.float32 if floating else jnp.int32
-            flat = jnp.concatenate([leaves[i].reshape(-1).astype(kind) for i in idx])
-            if floating:
-                flat = col.all_reduce(flat) / w
-            else:
-                flat = col.all_reduce(flat if self.comm.rank == 0 else jnp.zeros_like(flat))
-            at = 0
-            for i in idx:
-                n = leaves[i].size
-                out[i] = flat[at:at + n].reshape(leaves[i].shape).astype(leaves[i].dtype)
-                at += n
-        return treedef.unflatten(out)
-
-    def _mean(self, tree: Any) -> Any:
-        """Every numeric leaf of ``tree`` averaged over the ranks, in float32 (one
-        collective)."""
-        import jax
-        import jax.numpy as jnp
-
-        leaves, treedef = jax.tree_util.tree_flatten(tree)
-        w = self.comm.world_size
-        if w == 1 or not leaves:
-            return tree
-        leaves = [jnp.asarray(x, jnp.float32) for x in leaves]
-        flat = self.collectives.all_reduce(jnp.concatenate([x.reshape(-1) for x in leaves])) / w
-        out, at = [], 0
-        for x in leaves:
-            out.append(flat[at:at + x.size].reshape(x.shape))
-            at += x.size
-        return treedef.unflatten(out)
+        return self._program("whole").whole(params, self._rank())
 
     def evaluate(self, state: PureState, batch: Any, *, loss_fn: Any = None) -> Any:
         """The loss at ``state``'s params on this rank's ``batch``, averaged over
         the ranks (a collective), with no update: ``(loss, aux)`` with
         ``has_aux``. ``loss_fn``: another function of the same params (the
         model in eval mode); the model state it returns is dropped."""
-        import jax.numpy as jnp
-
-        self._layout("evaluate")
-        value, _, aux = self._loss(loss_fn or self.loss_fn, state.params, state, batch)
-        w = self.comm.world_size
-        mean = self.collectives.all_reduce(jnp.asarray(value, jnp.float32)) / w if w > 1 \
-            else value
-        return (mean, self._mean(aux)) if self.has_aux else mean
+        return self._program("evaluate").evaluate(state, batch, self._rank(), self.key,
+                                                  fn=loss_fn or self.loss_fn)
 
     def __call__(self, state: PureState, batch: Any) -> tuple[PureState, dict[str, Any]]:
-        import jax
-        import jax.numpy as jnp
-        import optax
-
-        layout, col, w = self._layout("step"), self.collectives, self.comm.world_size
-
-        def loss(shards: Any) -> Any:
-            value, new, aux = self._loss(self.loss_fn, shards, state, batch)
-            return value, (new, aux)
-
-        (value, (model_state, aux)), grads = jax.value_and_grad(loss, has_aux=True)(
-            state.params)
-        if model_state is not None:
-            model_state = self._same_everywhere(model_state)
-        grads = jax.tree_util.tree_map(lambda g: g / w, grads)  # the sum over ranks: the mean
-        flat = layout.treedef.flatten_up_to(grads)
-        split = [jnp.sum(jnp.square(g.astype(jnp.float32)))
-                 for leaf, g in zip(layout.leaves, flat, strict=True) if leaf.sharded]
-        whole = [jnp.sum(jnp.square(g.astype(jnp.float32)))
-                 for leaf, g in zip(layout.leaves, flat, strict=True) if not leaf.sharded]
-        sumsq = sum(split, jnp.float32(0))
-        if w > 1 and split:
-            sumsq = col.all_reduce(sumsq)
-        norm = jnp.sqrt(sumsq + sum(whole, jnp.float32(0)))
-        if self.max_norm is not None:  # as optax.clip_by_global_norm, over the whole gradient
-            scale = jnp.where(norm < self.max_norm, 1.0, self.max_norm / norm)
-            grads = jax.tree_util.tree_map(lambda g: (g * scale).astype(g.dtype), grads)
-        updates, opt_state = self.optimizer.update(grads, state.opt_state, state.params)
-        params = optax.apply_updates(state.params, updates)
-        mean = col.all_reduce(jnp.asarray(value, jnp.float32)) / w if w > 1 else value
-        metrics = {"loss": mean, "grad_norm": norm}
-        if self.has_aux:  # averaged over the ranks, as zero3's
-            metrics["aux"] = self._mean(aux)
-        return PureState(params, opt_state, state.step + 1, model_state), metrics
+        return self._program("step").run_step(state, batch, self._rank(), self.key)
 
     step = __call__
 

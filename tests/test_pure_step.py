@@ -238,3 +238,26 @@ def test_a_model_state_loss_that_returns_no_state_is_refused_naming_the_form():
 
     with pytest.raises(TypeError, match=r"returns \(loss, new_model_state\); got"):
         ops.spawn(run, 1)
+
+
+def test_the_ranks_share_one_compiled_program():
+    """Thread ranks that share the loss and the optax transformation object
+    share one program, compiled once for the shapes of its calls; its
+    collectives find each rank's communicator from the rank it is given."""
+    want, want_losses = reference()
+    opt = tx()  # one transformation object for every rank
+
+    def run(comm):
+        step = shard.pure_zero3(loss, optimizer=opt, comm=comm)
+        state, d, losses = step.init(params()), mine(data(), comm), []
+        for i in range(STEPS):
+            state, m = step(state, {k: v[i] for k, v in d.items()})
+            losses.append(float(m["loss"]))
+        return step.program, losses, np.asarray(state.params["embed"])
+
+    out = ops.spawn(run, 3)
+    assert out[0][0] is out[1][0] is out[2][0] and len(out[0][0]._compiled) == 1
+    for rank, (_, losses, embed) in enumerate(out):
+        np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
+        rows = np.asarray(want["embed"])[rank * 3:(rank + 1) * 3]
+        np.testing.assert_allclose(embed[:len(rows)], rows, rtol=2e-5, atol=2e-6)

@@ -109,6 +109,16 @@ class Collectives:
             return out
         return run
 
+    def host(self, name: str, x: Any) -> np.ndarray:
+        """The collective ``name`` (``all_gather``, ``reduce_scatter`` or
+        ``all_reduce``, a sum) of a host array along its first axis, for
+        callbacks made elsewhere (``shard/_pure_program.py``)."""
+        if name == "all_gather":
+            return self._host_all_gather(0)(x)
+        if name == "reduce_scatter":
+            return self._host_reduce_scatter(0)(x)
+        return self._host_all_reduce("sum")(x)
+
     # -- device side: ordered callbacks -----------------------------------------
     def _call(self, host: Callable[[Any], np.ndarray], x: Any, shape: tuple[int, ...]) -> Any:
         import jax
