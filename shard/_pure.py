@@ -55,6 +55,7 @@ from shard.core._layout import make_layout
 from shard.core._optim import is_transformation
 from shard.core._parts import PER_LEAF, check_parts, clip_first, describe, parts_of
 from shard.step._checks import agree_on_layout
+from shard.step._frozen import frozen_leaves
 from shard.step._init import rows_of, split_over_devices
 from shard.step._plan import FLOAT_DTYPES
 
@@ -91,7 +92,7 @@ class PureStep:
 
     def __init__(self, loss_fn: Any, *, optimizer: Any, comm: Communicator,
                  specs: Any = None, units: Any = None, has_aux: bool = False,
-                 key: Any = None) -> None:
+                 key: Any = None, trainable: Any = None) -> None:
         if not callable(loss_fn):
             raise TypeError(f"pure_zero3: loss_fn must be a function (params, batch) -> loss; "
                             f"got {type(loss_fn).__name__}")
@@ -107,6 +108,7 @@ class PureStep:
             check_key("pure_zero3", key)
         self.loss_fn, self.optimizer, self.comm = loss_fn, optimizer, comm
         self.specs, self.units, self.has_aux, self.key = specs, units, has_aux, key
+        self.trainable = trainable
         self.max_norm = clip_first(optimizer)
         self.group = register(comm)
         self.layout: Any = None
@@ -139,8 +141,9 @@ class PureStep:
             check_parts(self.optimizer, parts, layout, what, fn)
         agree_on_layout(self.comm, layout, fn)
         self.layout = layout
+        frozen = frozen_leaves(self.trainable, None, params, fn)
         self.program = program_for(self.group, w, self.loss_fn, self.optimizer, layout,
-                                   self.has_aux, self.max_norm)
+                                   self.has_aux, self.max_norm, frozen)
         rank = self.comm.rank
         shards = []
         for leaf, x in zip(layout.leaves, layout.treedef.flatten_up_to(params), strict=True):
@@ -160,7 +163,8 @@ class PureStep:
         mine = layout.treedef.unflatten(shards)
         if model_state is not None:
             model_state = jax.tree_util.tree_map(jnp.asarray, model_state)
-        return PureState(mine, self.optimizer.init(mine), jnp.zeros((), jnp.int32), model_state)
+        return PureState(mine, self.program.optimizer.init(mine), jnp.zeros((), jnp.int32),
+                         model_state)
 
     def _program(self, fn: str) -> Program:
         if self.program is None:
@@ -179,24 +183,25 @@ class PureStep:
         reduce-scattered, a replicated one's all-reduced (summed). One
         collective per unit and dtype: its split leaves' shards go as one flat
         buffer, as do its replicated leaves."""
-        return self._program("whole").whole(params, self._rank())
+        return self._program("whole").run("whole", (params, self._rank()))
 
     def evaluate(self, state: PureState, batch: Any, *, loss_fn: Any = None) -> Any:
         """The loss at ``state``'s params on this rank's ``batch``, averaged over
         the ranks (a collective), with no update: ``(loss, aux)`` with
         ``has_aux``. ``loss_fn``: another function of the same params (the
         model in eval mode); the model state it returns is dropped."""
-        return self._program("evaluate").evaluate(state, batch, self._rank(), self.key,
-                                                  fn=loss_fn or self.loss_fn)
+        return self._program("evaluate").run("evaluate", (state, batch, self._rank(), self.key),
+                                             fn=loss_fn or self.loss_fn)
 
     def __call__(self, state: PureState, batch: Any) -> tuple[PureState, dict[str, Any]]:
-        return self._program("step").run_step(state, batch, self._rank(), self.key)
+        return self._program("step").run("step", (state, batch, self._rank(), self.key))
 
     step = __call__
 
 
 def pure_zero3(loss_fn: Any, *, optimizer: Any, comm: Communicator, specs: Any = None,
-               units: Any = None, has_aux: bool = False, key: Any = None) -> PureStep:
+               units: Any = None, has_aux: bool = False, key: Any = None,
+               trainable: Any = None) -> PureStep:
     """ZeRO-3 as a pure JAX function of a :class:`PureState`, for the user's
     ``jax.jit`` and ``jax.lax.scan`` over steps (see [Note: pure steps]).
 
@@ -215,6 +220,10 @@ def pure_zero3(loss_fn: Any, *, optimizer: Any, comm: Communicator, specs: Any =
       key: a JAX PRNG key: the loss is called with ``key=``, the key folded
         with the step count and the rank (``shard.step_key``'s, so the same
         keys as ``zero3(..., key=)``), after the model state if there is one.
+      trainable: which leaves train, as for ``zero3`` (a pytree of bools, a
+        prefix of one, or a function of the params returning one): a frozen
+        leaf is gathered but never differentiated (no reduce-scatter) and
+        keeps no optimizer state (``optax.masked``); its value stays as given.
 
     Example (each of 2 thread ranks):
       >>> import jax, jax.numpy as jnp, numpy as np, optax, ops, shard
@@ -229,4 +238,4 @@ def pure_zero3(loss_fn: Any, *, optimizer: Any, comm: Communicator, specs: Any =
       [(4, (2, 2)), (4, (2, 2))]
     """
     return PureStep(loss_fn, optimizer=optimizer, comm=comm, specs=specs, units=units,
-                    has_aux=has_aux, key=key)
+                    has_aux=has_aux, key=key, trainable=trainable)

@@ -11,8 +11,11 @@ they share its parts (the group, the loss function, the optax transformation
 object, the layout), and one compiled executable per shapes and dtypes,
 compiled ahead of time under a lock by the first rank to need it (the
 others wait for it; nothing runs under the lock, so no collective waits on
-it). A program traced inside the user's own ``jax.jit`` or ``scan`` is
-compiled with the user's program instead.
+it). The ranks never call the shared jitted functions directly: jax's first
+call of one compiles and runs it while the other callers wait on its cache
+entry, and a waiting rank would never join the running one's collectives. A
+program traced inside the user's own ``jax.jit`` or ``scan`` is compiled with
+the user's program instead.
 """
 
 from __future__ import annotations
@@ -51,16 +54,18 @@ def register(comm: Any) -> int:
 
 
 def program_for(gid: int, world: int, loss_fn: Any, optimizer: Any, layout: Any,
-                has_aux: bool, max_norm: float | None) -> Program:
+                has_aux: bool, max_norm: float | None,
+                frozen: frozenset[int] = frozenset()) -> Program:
     """The group's program for these parts (made by the first rank to ask)."""
-    key = (gid, id(loss_fn), id(optimizer), layout.fingerprint(), has_aux, max_norm)
+    key = (gid, id(loss_fn), id(optimizer), layout.fingerprint(), has_aux, max_norm,
+           tuple(sorted(frozen)))
     with _LOCK:
         hit = _PROGRAMS.get(key)
-        if hit is None or hit.loss_fn is not loss_fn or hit.optimizer is not optimizer:
+        if hit is None or hit.loss_fn is not loss_fn or hit.given is not optimizer:
             if len(_PROGRAMS) >= _MAX:
                 _PROGRAMS.clear()
             hit = _PROGRAMS[key] = Program(gid, world, loss_fn, optimizer, layout, has_aux,
-                                           max_norm)
+                                           max_norm, frozen)
         return hit
 
 
@@ -76,16 +81,21 @@ class Program:
     """The step's JAX functions for one group (see the Note)."""
 
     def __init__(self, gid: int, world: int, loss_fn: Any, optimizer: Any, layout: Any,
-                 has_aux: bool, max_norm: float | None) -> None:
+                 has_aux: bool, max_norm: float | None,
+                 frozen: frozenset[int] = frozenset()) -> None:
         import jax
+        import optax
 
-        self.gid, self.w, self.layout = gid, world, layout
-        self.loss_fn, self.optimizer = loss_fn, optimizer
+        self.gid, self.w, self.layout, self.frozen = gid, world, layout, frozen
+        self.loss_fn, self.given, self.optimizer = loss_fn, optimizer, optimizer
+        if frozen:  # no state for the frozen leaves; their updates are their zero gradients
+            self.optimizer = optax.masked(optimizer, layout.treedef.unflatten(
+                [i not in frozen for i in range(len(layout.leaves))]))
         self.has_aux, self.max_norm = has_aux, max_norm
-        groups: dict[tuple, list[int]] = {}  # (unit, split, dtype): its leaves, in order
+        groups: dict[tuple, list[int]] = {}  # (unit, split, dtype, frozen): its leaves, in order
         for i, leaf in sorted(enumerate(layout.leaves), key=lambda e: (e[1].unit, e[1].offset)):
-            groups.setdefault((leaf.unit, leaf.sharded, leaf.dtype), []).append(i)
-        self.groups = [(split, idx) for (_, split, _), idx in groups.items()]
+            groups.setdefault((leaf.unit, leaf.sharded, leaf.dtype, i in frozen), []).append(i)
+        self.groups = [(split, still, idx) for (_, split, _, still), idx in groups.items()]
         self._build()
         self.step = jax.jit(self._step)
         self.whole = jax.jit(self._whole)
@@ -126,6 +136,7 @@ class Program:
 
     # -- the functions ----------------------------------------------------------
     def _whole(self, params: Any, rank: Any) -> Any:
+        import jax
         import jax.numpy as jnp
 
         layout, w = self.layout, self.w
@@ -134,8 +145,10 @@ class Program:
             return layout.treedef.unflatten([x.reshape(leaf.shape) for leaf, x in
                                              zip(layout.leaves, leaves, strict=True)])
         out: list[Any] = [None] * len(leaves)
-        for split, idx in self.groups:
+        for split, still, idx in self.groups:
             flat = jnp.concatenate([leaves[i].reshape(-1) for i in idx])
+            if still:  # frozen: gathered, but never differentiated, so never reduced
+                flat = jax.lax.stop_gradient(flat)
             flat = self.gather(flat, rank).reshape(w, -1) if split else self.copy(flat, rank)
             at = 0
             for i in idx:
@@ -276,21 +289,26 @@ class Program:
         return PureState(params, opt_state, state.step + 1, model_state), metrics
 
     # -- running it -------------------------------------------------------------
-    def run_step(self, state: Any, batch: Any, rank: Any, key: Any) -> Any:
-        """One step: inside a trace (the user's ``jit`` or ``scan``) the jitted
-        function, else the group's executable for these shapes, compiled once."""
+    def run(self, name: str, args: tuple, fn: Any = None) -> Any:
+        """``step``, ``whole`` or ``evaluate`` (with its loss ``fn``) on ``args``:
+        inside a trace (the user's ``jit`` or ``scan``) the jitted function, else
+        the group's executable for these shapes, compiled once. Never the jitted
+        function called directly by the ranks at once: its first call compiles
+        and runs under jax's cache entry, and a rank waiting on that entry would
+        never join the running rank's collectives."""
         import jax
 
-        args = (state, batch, rank, key)
+        jitted = getattr(self, name)
+        static = {} if fn is None else {"fn": fn}
         leaves, tree = jax.tree_util.tree_flatten(args)
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
-            return self.step(*args)
-        sig = (tree, tuple((getattr(x, "shape", ()), str(getattr(x, "dtype", type(x))),
-                            getattr(x, "weak_type", False)) for x in leaves))
+            return jitted(*args, **static)
+        sig = (name, fn, tree, tuple((getattr(x, "shape", ()), str(getattr(x, "dtype", type(x))),
+                                      getattr(x, "weak_type", False)) for x in leaves))
         compiled = self._compiled.get(sig)
         if compiled is None:
             with self._compiling:  # compiling runs no collective: the other ranks just wait
                 compiled = self._compiled.get(sig)
                 if compiled is None:
-                    compiled = self._compiled[sig] = self.step.lower(*args).compile()
+                    compiled = self._compiled[sig] = jitted.lower(*args, **static).compile()
         return compiled(*args)

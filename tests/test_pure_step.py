@@ -261,3 +261,87 @@ def test_the_ranks_share_one_compiled_program():
         np.testing.assert_allclose(losses, want_losses, rtol=2e-6)
         rows = np.asarray(want["embed"])[rank * 3:(rank + 1) * 3]
         np.testing.assert_allclose(embed[:len(rows)], rows, rtol=2e-5, atol=2e-6)
+
+
+def test_frozen_leaves_are_zero3_s_and_their_gradients_are_never_reduced(monkeypatch):
+    """trainable= as zero3 takes it: the frozen leaves stay as given, keep no
+    optax state, and no reduce-scatter carries them; the trainable ones train
+    as under zero3 with the same mask and transformation."""
+    from shard.tensor_parallel._jax import Collectives
+
+    mask = {"embed": False, "mlp": {"w": True, "b": False}, "head": True, "scale": True}
+    opt = tx()
+    scattered = []
+    host = Collectives.host
+
+    def spy(self, name, x):
+        if name == "reduce_scatter" and self.comm.rank == 0:
+            scattered.append(np.asarray(x).size)
+        return host(self, name, x)
+
+    monkeypatch.setattr(Collectives, "host", spy)
+
+    def run(comm, pure):
+        d = mine(data(), comm)
+        if pure:
+            step = shard.pure_zero3(loss, optimizer=opt, comm=comm, trainable=mask)
+            state, _ = jax.jit(lambda s, b: jax.lax.scan(step, s, b))(step.init(params()), d)
+            return (jax.device_get(step.whole(state.params)),
+                    len(jax.tree_util.tree_leaves(state.opt_state)))
+        step = shard.zero3(loss, optimizer=opt, comm=comm, trainable=mask)
+        state = step.init(params())
+        for i in range(STEPS):
+            state, _ = step(state, {k: v[i] for k, v in d.items()})
+        return shard.gather(state, comm), None
+
+    got, states = ops.spawn(lambda c: run(c, True), 2)[0]
+    want, _ = ops.spawn(lambda c: run(c, False), 2)[0]
+    for path, w in jax.tree_util.tree_leaves_with_path(want):
+        g = dict(jax.tree_util.tree_leaves_with_path(got))[path]
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+    start = params()
+    np.testing.assert_array_equal(got["embed"], start["embed"])
+    np.testing.assert_array_equal(got["mlp"]["b"], start["mlp"]["b"])
+    assert states == 1 + 2 * 3  # Adam's count and two moments of the 3 trainable leaves (of 5)
+    # each step reduce-scatters mlp.w's and head's rows alone: 3 x 11 and 6 x 3 on each of 2
+    # ranks
+    assert scattered == [2 * 6 * 3, 2 * 3 * 11] * STEPS or \
+        scattered == [2 * 3 * 11, 2 * 6 * 3] * STEPS
+
+
+OUTSIDE_PYTEST = """
+import jax, numpy as np, optax, ops, shard
+import jax.numpy as jnp
+
+def loss(p, b):
+    return jnp.mean((b @ p["w"]) ** 2)
+
+opt = optax.adam(1e-2)
+
+def run(comm):
+    step = shard.pure_zero3(loss, optimizer=opt, comm=comm)
+    state = step.init({"w": np.ones((5, 3), np.float32)})
+    for _ in range(2):
+        state, _ = step(state, jnp.ones((4, 5)))
+    return float(step.evaluate(state, jnp.ones((4, 5)))), np.asarray(step.whole(state.params)["w"])
+
+(a, wa), (b, wb) = ops.spawn(run, 2, timeout=60)
+assert a == b and (wa == wb).all()
+print("OK")
+"""
+
+
+@pytest.mark.multiprocess
+def test_steps_whole_and_evaluate_called_as_they_are_by_every_rank_at_once():
+    """In a fresh interpreter with JAX's defaults (one CPU device, no test
+    configuration), every rank calling the step, whole and evaluate at once
+    runs them to the end: none waits on another rank's first call."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[1])
+    done = subprocess.run([sys.executable, "-c", OUTSIDE_PYTEST], env=env, timeout=300,
+                          capture_output=True, text=True, check=False)
+    assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
