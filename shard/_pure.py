@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ops import Communicator, FusedOptimizer
-from shard._pure_program import Program, program_for, register
+from shard._pure_program import Program, ensure, program_for, register
 from shard.core._keys import check_key
 from shard.core._layout import make_layout
 from shard.core._optim import is_transformation
@@ -174,6 +174,7 @@ class PureStep:
     def _rank(self) -> Any:
         import jax.numpy as jnp
 
+        ensure(self.comm, self.group)
         return jnp.asarray(self.comm.rank, jnp.int32)
 
     # -- the step ---------------------------------------------------------------

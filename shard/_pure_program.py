@@ -25,7 +25,7 @@ from typing import Any
 
 from shard.core._loss import check_scalar, split_aux
 
-__all__ = ["Program", "program_for", "register"]
+__all__ = ["Program", "ensure", "program_for", "register"]
 
 _LOCK = threading.Lock()
 _GROUPS: dict[int, tuple[Any, dict[int, Any]]] = {}  # id(group) -> (group, {rank: Collectives})
@@ -51,6 +51,14 @@ def register(comm: Any) -> int:
             _PROGRAMS.clear()
         _GROUPS.setdefault(id(group), (group, {}))[1][comm.rank] = Collectives(comm)
     return id(group)
+
+
+def ensure(comm: Any, gid: int) -> None:
+    """``comm`` registered under ``gid`` again where the registry was cleared
+    since (past ``_MAX`` groups; the group itself lives while its steps do)."""
+    entry = _GROUPS.get(gid)
+    if entry is None or comm.rank not in entry[1]:
+        register(comm)
 
 
 def program_for(gid: int, world: int, loss_fn: Any, optimizer: Any, layout: Any,

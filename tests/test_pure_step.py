@@ -345,3 +345,26 @@ def test_steps_whole_and_evaluate_called_as_they_are_by_every_rank_at_once():
     done = subprocess.run([sys.executable, "-c", OUTSIDE_PYTEST], env=env, timeout=300,
                           capture_output=True, text=True, check=False)
     assert done.returncode == 0 and "OK" in done.stdout, done.stderr[-3000:]
+
+
+def test_a_step_outlives_its_group_leaving_the_registry(monkeypatch):
+    """The registry of ranks' communicators is bounded: a step whose group was
+    dropped from it (many groups later) registers again and steps on."""
+    import shard._pure_program as program
+
+    opt = tx()
+
+    def run(comm):
+        step = shard.pure_zero3(loss, optimizer=opt, comm=comm)
+        state, d = step.init(params()), mine(data(), comm)
+        state, _ = step(state, {k: v[0] for k, v in d.items()})
+        comm.barrier()
+        if comm.rank == 0:
+            program._GROUPS.clear()
+        comm.barrier()
+        state, m = step(state, {k: v[1] for k, v in d.items()})
+        return float(m["loss"])
+
+    want = reference()[1][1]
+    for got in ops.spawn(run, 2):
+        np.testing.assert_allclose(got, want, rtol=2e-6)
