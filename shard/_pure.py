@@ -111,7 +111,6 @@ class PureStep:
         self.trainable = trainable
         self.max_norm = clip_first(optimizer)
         self.group = register(comm)
-        self.layout: Any = None
         self.program: Program | None = None
 
     # -- state ------------------------------------------------------------------
@@ -140,7 +139,6 @@ class PureStep:
                                 "shard.zero3, or an element-wise transformation")
             check_parts(self.optimizer, parts, layout, what, fn)
         agree_on_layout(self.comm, layout, fn)
-        self.layout = layout
         frozen = frozen_leaves(self.trainable, None, params, fn)
         self.program = program_for(self.group, w, self.loss_fn, self.optimizer, layout,
                                    self.has_aux, self.max_norm, frozen)
