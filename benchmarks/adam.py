@@ -46,6 +46,7 @@ import gc
 import json
 import os
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -54,6 +55,7 @@ THREADS = int(os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
 
 import numpy as np  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, installed or not
 import ops  # noqa: E402
 from ops.kernels._build import load_cpu_source  # noqa: E402
 

@@ -65,10 +65,6 @@ def check_zero(comm) -> list[str]:
     import shard
     from tests import zero_models as M
 
-    # As in conftest: the reference means the CPU, also where JAX sees a GPU.
-    jax.config.update("jax_default_device", jax.devices("cpu")[0])
-    jax.config.update("jax_default_matmul_precision", "highest")
-
     failures = []
     want, want_losses, _ = M.reference(10)
     for stage, make in ((1, shard.zero1), (3, shard.zero3)):
@@ -153,6 +149,12 @@ def main() -> None:
 
             comm = RoutedCommunicator(comm, lambda: comm)
         report["rank"] = comm.rank
+        # As in conftest: the scenarios and their references mean the CPU, also
+        # where JAX sees a GPU (its matmuls there default to TF32).
+        import jax
+
+        jax.config.update("jax_default_device", jax.devices("cpu")[0])
+        jax.config.update("jax_default_matmul_precision", "highest")
         if scenario == "collectives":
             report["failures"] = check_all(comm)
         elif scenario == "zero":

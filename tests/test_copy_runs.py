@@ -8,13 +8,16 @@ import numpy as np
 import pytest
 
 from ops.device._arrays import BF16
-from ops.device._device import HOST
+from ops.device._device import HOST, cupy_device
 from ops.device._runs import Runs, contiguous_on, copy_runs
 from ops.testing import DEVICE_OPS, STANDIN
 from shard.core._layout import make_layout
 from shard.core._specs import Replicate, Shard
+from tests.conftest import gpu_present
 
-DEVICES = {"host": HOST, "standin": STANDIN}
+# The CPU build, the CUDA kernel emulated on the stand-in, and the CUDA kernel on
+# a GPU where there is one.
+DEVICES = {"host": HOST, "standin": STANDIN} | ({"cupy": cupy_device()} if gpu_present() else {})
 
 
 def random_runs(rng, n_src: int, n_dst: int, count: int):

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ops import Communicator
+from ops.device._device import device_of
 from ops.device._dlpack import to_native
 
 __all__ = ["TiedReducer", "resolve_ties"]
@@ -118,8 +119,10 @@ class TiedReducer:
             total = np.zeros(tie.shape, tie.dtype)
             for u, i in tie.here:
                 g = at[u][i]
-                if g is not None:
-                    total += np.asarray(to_native(g)[0]).reshape(tie.shape)
+                if g is not None:  # an explicit copy where the gradient is on a device
+                    native = to_native(g)[0]
+                    dev = device_of(native)
+                    total += (native if dev.host else dev.to_host(native)).reshape(tie.shape)
             self.pipe.all_reduce_(total.reshape(-1), "sum")
             for k, (u, i) in enumerate(tie.here):
                 at[u][i] = total if k == 0 else total.copy()

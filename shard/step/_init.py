@@ -147,11 +147,12 @@ def from_function(c: StepConfig, init_fn: Any, args: tuple, device: Device | Non
     def unit(u: int, idx: list[int]) -> list[Any]:
         part = jax.jit(lambda *a: [tu.tree_leaves(init_fn(*a))[j] for j in idx])
         out = part(*args)
-        if plan.device.host:
-            return out
+        on_cpu = [all(d.platform == "cpu" for d in x.devices()) for x in out]
+        if plan.device.host:  # JAX on a GPU and the state on the CPU: an explicit copy
+            return [x if cpu else np.asarray(jax.device_get(x)) for x, cpu in zip(out, on_cpu,
+                                                                                strict=True)]
         # JAX on the CPU and the state on a GPU: an explicit copy through the host
-        return [np.asarray(x) if all(d.platform == "cpu" for d in x.devices()) else x
-                for x in out]
+        return [np.asarray(x) if cpu else x for x, cpu in zip(out, on_cpu, strict=True)]
 
     return by_units(c, plan, unit, remedy="pass every rank the same arguments (the same key) "
                     "to init_from")
