@@ -13,8 +13,8 @@ from shard._stages import zero0, zero1, zero2, zero3
 from shard.checkpoint._async import AsyncSave, async_save
 from shard.checkpoint._checkpoint import CheckpointError, save
 from shard.checkpoint._load import load
+from shard.core._data_rank import step_key
 from shard.core._gather import MicroBatches, gather, split_batch
-from shard.core._keys import step_key
 from shard.core._layout import Layout, make_layout, partition, unpartition
 from shard.core._loss import Layered
 from shard.core._mesh import Mesh

@@ -50,7 +50,7 @@ import numpy as np
 
 from ops import Communicator, FusedOptimizer
 from shard._pure_program import Program, ensure, program_for, register
-from shard.core._keys import check_key
+from shard.core._data_rank import check_key
 from shard.core._layout import make_layout
 from shard.core._optim import is_transformation
 from shard.core._parts import PER_LEAF, check_parts, clip_first, describe, parts_of
@@ -92,7 +92,7 @@ class PureStep:
 
     def __init__(self, loss_fn: Any, *, optimizer: Any, comm: Communicator,
                  specs: Any = None, units: Any = None, has_aux: bool = False,
-                 key: Any = None, trainable: Any = None) -> None:
+                 key: Any = None, trainable: Any = None, axis_name: str | None = None) -> None:
         if not callable(loss_fn):
             raise TypeError(f"pure_zero3: loss_fn must be a function (params, batch) -> loss; "
                             f"got {type(loss_fn).__name__}")
@@ -106,6 +106,10 @@ class PureStep:
                             f"{type(comm).__name__}")
         if key is not None:
             check_key("pure_zero3", key)
+        if axis_name is not None and not isinstance(axis_name, str):
+            raise TypeError(f"pure_zero3: axis_name must be a string (the name the loss's "
+                            f"jax.lax.pmean uses); got {type(axis_name).__name__}")
+        self.axis_name = axis_name
         self.loss_fn, self.optimizer, self.comm = loss_fn, optimizer, comm
         self.specs, self.units, self.has_aux, self.key = specs, units, has_aux, key
         self.trainable = trainable
@@ -141,7 +145,7 @@ class PureStep:
         agree_on_layout(self.comm, layout, fn)
         frozen = frozen_leaves(self.trainable, None, params, fn)
         self.program = program_for(self.group, w, self.loss_fn, self.optimizer, layout,
-                                   self.has_aux, self.max_norm, frozen)
+                                   self.has_aux, self.max_norm, frozen, self.axis_name)
         rank = self.comm.rank
         shards = []
         for leaf, x in zip(layout.leaves, layout.treedef.flatten_up_to(params), strict=True):
@@ -200,7 +204,7 @@ class PureStep:
 
 def pure_zero3(loss_fn: Any, *, optimizer: Any, comm: Communicator, specs: Any = None,
                units: Any = None, has_aux: bool = False, key: Any = None,
-               trainable: Any = None) -> PureStep:
+               trainable: Any = None, axis_name: str | None = None) -> PureStep:
     """ZeRO-3 as a pure JAX function of a :class:`PureState`, for the user's
     ``jax.jit`` and ``jax.lax.scan`` over steps (see [Note: pure steps]).
 
@@ -223,6 +227,12 @@ def pure_zero3(loss_fn: Any, *, optimizer: Any, comm: Communicator, specs: Any =
         prefix of one, or a function of the params returning one): a frozen
         leaf is gathered but never differentiated (no reduce-scatter) and
         keeps no optimizer state (``optax.masked``); its value stays as given.
+      axis_name: the data ranks' axis name inside the loss, as under
+        ``shard_map``: ``jax.lax.pmean(x, axis_name)`` is the mean over the
+        ranks (``psum`` and ``axis_index`` too), so flax's
+        ``BatchNorm(axis_name=...)`` normalises with the global batch's
+        statistics, as torch's ``SyncBatchNorm`` (see [Note: the data axis in
+        the loss] in ``shard/core/_data_rank.py``).
 
     Example (each of 2 thread ranks):
       >>> import jax, jax.numpy as jnp, numpy as np, optax, ops, shard
@@ -237,4 +247,4 @@ def pure_zero3(loss_fn: Any, *, optimizer: Any, comm: Communicator, specs: Any =
       [(4, (2, 2)), (4, (2, 2))]
     """
     return PureStep(loss_fn, optimizer=optimizer, comm=comm, specs=specs, units=units,
-                    has_aux=has_aux, key=key, trainable=trainable)
+                    has_aux=has_aux, key=key, trainable=trainable, axis_name=axis_name)

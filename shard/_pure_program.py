@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from shard.core._data_rank import bind_axis
 from shard.core._loss import check_scalar, split_aux
 
 __all__ = ["Program", "ensure", "program_for", "register"]
@@ -63,17 +64,17 @@ def ensure(comm: Any, gid: int) -> None:
 
 def program_for(gid: int, world: int, loss_fn: Any, optimizer: Any, layout: Any,
                 has_aux: bool, max_norm: float | None,
-                frozen: frozenset[int] = frozenset()) -> Program:
+                frozen: frozenset[int] = frozenset(), axis_name: str | None = None) -> Program:
     """The group's program for these parts (made by the first rank to ask)."""
     key = (gid, id(loss_fn), id(optimizer), layout.fingerprint(), has_aux, max_norm,
-           tuple(sorted(frozen)))
+           tuple(sorted(frozen)), axis_name)
     with _LOCK:
         hit = _PROGRAMS.get(key)
         if hit is None or hit.loss_fn is not loss_fn or hit.given is not optimizer:
             if len(_PROGRAMS) >= _MAX:
                 _PROGRAMS.clear()
             hit = _PROGRAMS[key] = Program(gid, world, loss_fn, optimizer, layout, has_aux,
-                                           max_norm, frozen)
+                                           max_norm, frozen, axis_name)
         return hit
 
 
@@ -90,11 +91,12 @@ class Program:
 
     def __init__(self, gid: int, world: int, loss_fn: Any, optimizer: Any, layout: Any,
                  has_aux: bool, max_norm: float | None,
-                 frozen: frozenset[int] = frozenset()) -> None:
+                 frozen: frozenset[int] = frozenset(), axis_name: str | None = None) -> None:
         import jax
         import optax
 
         self.gid, self.w, self.layout, self.frozen = gid, world, layout, frozen
+        self.axis_name = axis_name
         self.loss_fn, self.given, self.optimizer = loss_fn, optimizer, optimizer
         if frozen:  # no state for the frozen leaves; their updates are their zero gradients
             self.optimizer = optax.masked(optimizer, layout.treedef.unflatten(
@@ -136,7 +138,13 @@ class Program:
             return x
         copy.defvjp(lambda x, rank: (x, rank),
                     lambda rank, ct: (self._call("all_reduce", ct, ct.shape[0], rank), None))
-        self.gather, self.copy = gather, copy
+
+        @jax.custom_vjp
+        def psum(x: Any, rank: Any) -> Any:  # the loss's over the data axis; its derivative too
+            return self.all_reduce(x, rank)
+        psum.defvjp(lambda x, rank: (psum(x, rank), rank),
+                    lambda rank, ct: (self.all_reduce(ct, rank), None))
+        self.gather, self.copy, self.psum = gather, copy, psum
 
     def all_reduce(self, x: Any, rank: Any) -> Any:
         """The sum over the ranks of ``x`` (any shape; not differentiated)."""
@@ -185,6 +193,10 @@ class Program:
             for v in (state.step, rank, 0):
                 key = jax.random.fold_in(key, v)
             kw["key"] = key
+        if self.axis_name is not None:  # see [Note: the data axis in the loss]
+            fn = bind_axis(fn, self.axis_name, self.w, psum=lambda x: self.psum(x, rank),
+                           index=lambda: jax.numpy.asarray(rank, jax.numpy.int32),
+                           where="pure_zero3")
         out = fn(self._whole(params, rank), *args, **kw)
         new = None
         if state.model_state is not None:

@@ -1,7 +1,9 @@
 """A JAX model's non-trainable state (see [Note: model state] in
 shard/core/_loss.py): flax nnx BatchNorm statistics live in the train state,
 thread through micro-batches, are averaged over the data ranks after each
-step, and match a per-rank reference of the same algorithm with optax."""
+step, and match a per-rank reference of the same algorithm with optax; with
+the data ranks bound to BatchNorm's axis_name, they are the global batch's,
+as flax's own train_step on the whole batch."""
 
 from __future__ import annotations
 
@@ -26,11 +28,11 @@ class CNN(nnx.Module):
     a BatchNorm, which removes it: its gradient is rounding noise that Adam
     would scale up)."""
 
-    def __init__(self, *, rngs):
+    def __init__(self, *, rngs, axis_name=None):
         self.conv1 = nnx.Conv(1, 4, kernel_size=(3, 3), use_bias=False, rngs=rngs)
-        self.bn1 = nnx.BatchNorm(4, rngs=rngs)
+        self.bn1 = nnx.BatchNorm(4, axis_name=axis_name, rngs=rngs)
         self.conv2 = nnx.Conv(4, 8, kernel_size=(3, 3), use_bias=False, rngs=rngs)
-        self.bn2 = nnx.BatchNorm(8, rngs=rngs)
+        self.bn2 = nnx.BatchNorm(8, axis_name=axis_name, rngs=rngs)
         self.linear = nnx.Linear(4 * 4 * 8, 10, rngs=rngs)
 
     def __call__(self, x):
@@ -265,3 +267,63 @@ def test_flax_batch_norm_trains_in_a_pure_step_inside_scan():
     for params, stats in ops.spawn(run, 2):
         assert_tree_close(stats, want_stats)
         assert_tree_close(params, want_params)
+
+
+def flax_train_steps(batches):
+    """flax's own training loop in one process on the whole batch: nnx.Optimizer
+    and nnx.value_and_grad inside nnx.jit, as flax's MNIST example writes it."""
+    model = CNN(rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, optax.adamw(LR, weight_decay=WD), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, batch):
+        def loss_fn(model):
+            logits = model(batch["x"])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, batch["y"]).mean()
+
+        value, grads = nnx.value_and_grad(loss_fn)(model)
+        optimizer.update(model, grads)
+        return value
+
+    losses = [float(train_step(model, optimizer, b)) for b in batches]
+    _, params, stats = nnx.split(model, nnx.Param, nnx.BatchStat)
+    return params, stats, losses
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_synchronised_statistics_match_flax_s_own_train_step_on_the_whole_batch(world):
+    """BatchNorm(axis_name="data"), as flax writes it for data parallelism, under
+    pure_zero3(axis_name="data"): each forward normalises with the global batch's
+    statistics, so the ranks train as flax's own train_step on the whole batch in
+    one process; the same model without the axis (each rank's own statistics,
+    as torch's BatchNorm under DDP) ends elsewhere."""
+    batches = data(rows=12)
+    want_params, want_stats, want_losses = flax_train_steps(batches)
+    graphdef, params, stats = nnx.split(CNN(rngs=nnx.Rngs(0), axis_name="data"), nnx.Param,
+                                        nnx.BatchStat)
+
+    def synced(p, b, s):
+        model = nnx.merge(graphdef, p, s)
+        logits = model(b["x"])
+        value = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"]).mean()
+        return value, nnx.state(model, nnx.BatchStat)
+
+    def run(comm, fn, axis_name):
+        step = shard.pure_zero3(fn, optimizer=optax.adamw(LR, weight_decay=WD), comm=comm,
+                                axis_name=axis_name)
+        state, losses = step.init(params, model_state=stats), []
+        for b in batches:
+            state, m = jax.jit(step)(state, shard.split_batch(b, rank=comm.rank,
+                                                              world_size=world))
+            losses.append(float(m["loss"]))
+        return jax.device_get(step.whole(state.params)), jax.device_get(state.model_state), \
+            losses
+
+    for got_params, got_stats, losses in ops.spawn(run, world, synced, "data"):
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-6)
+        assert_tree_close(got_stats, want_stats)
+        assert_tree_close(got_params, want_params)
+    _, own_stats, own_losses = ops.spawn(run, world, loss, None)[0]
+    assert abs(own_losses[-1] - want_losses[-1]) > 1e-3
+    with pytest.raises(AssertionError):
+        assert_tree_close(own_stats, want_stats)

@@ -368,3 +368,82 @@ def test_a_step_outlives_its_group_leaving_the_registry(monkeypatch):
     want = reference()[1][1]
     for got in ops.spawn(run, 2):
         np.testing.assert_allclose(got, want, rtol=2e-6)
+
+
+def test_the_loss_reduces_over_the_data_axis_by_name():
+    """With axis_name, the loss's jax.lax collectives over that name span the data
+    ranks, as under shard_map: psum and pmean of the ranks' values, axis_index
+    the rank, and the gradient through pmean the one-process gradient of the
+    global mean (three sgd steps inside jax.jit and scan, at 3 ranks)."""
+    rng = np.random.default_rng(5)
+    w0 = rng.standard_normal((4, 2)).astype(np.float32)
+    xs = rng.standard_normal((3, 6, 4)).astype(np.float32)  # 3 steps of 6 rows
+
+    def coupled(p, x):  # every rank's loss is the square of the global batch's mean output
+        return jnp.sum(jax.lax.pmean(jnp.mean(x @ p["w"], axis=0), "batch") ** 2)
+
+    def whole_batch(p, x):  # one process
+        return jnp.sum(jnp.mean(x @ p["w"], axis=0) ** 2)
+
+    want = {"w": jnp.asarray(w0)}
+    for x in xs:
+        g = jax.grad(whole_batch)(want, x)
+        want = jax.tree_util.tree_map(lambda p, d: p - 0.1 * d, want, g)
+
+    def probe(p, x):
+        value = jnp.mean((x @ p["w"]) ** 2)
+        return value, {"rank": jax.lax.axis_index("batch"),
+                       "ranks": jax.lax.psum(1.0, "batch"),
+                       "global mean": jax.lax.pmean(jnp.mean(x), "batch")}
+
+    def run(comm):
+        step = shard.pure_zero3(coupled, optimizer=optax.sgd(0.1), comm=comm, axis_name="batch")
+        mine = np.stack([shard.split_batch(x, rank=comm.rank, world_size=3) for x in xs])
+        state, _ = jax.jit(lambda s, b: jax.lax.scan(step, s, b))(step.init({"w": w0}), mine)
+        seen = shard.pure_zero3(probe, optimizer=optax.sgd(0.1), comm=comm, has_aux=True,
+                                axis_name="batch")
+        _, aux = seen.evaluate(seen.init({"w": w0}), mine[0])
+        return jax.device_get(step.whole(state.params)), jax.device_get(aux)
+
+    for got, aux in ops.spawn(run, 3):
+        np.testing.assert_allclose(got["w"], want["w"], rtol=1e-5, atol=1e-6)
+        assert float(aux["rank"]) == 1.0  # ranks 0, 1 and 2, averaged over the ranks
+        assert float(aux["ranks"]) == 3.0
+        np.testing.assert_allclose(float(aux["global mean"]), xs[0].mean(), rtol=1e-5)
+
+
+def test_collectives_over_the_data_axis_that_are_not_built_are_refused_by_name():
+    def pmax(p, x):
+        return jnp.sum(jax.lax.pmax(x @ p["w"], "data"))
+
+    def in_scan(p, x):
+        def body(c, row):
+            return c + jax.lax.psum(jnp.sum(row @ p["w"]), "data"), None
+        return jax.lax.scan(body, 0.0, x)[0]
+
+    def try_(fn, **kw):
+        def run(comm):
+            step = shard.pure_zero3(fn, optimizer=optax.sgd(0.1), comm=comm, **kw)
+            step(step.init({"w": np.ones((4, 2), np.float32)}), np.ones((3, 4), np.float32))
+        ops.spawn(run, 2)
+
+    with pytest.raises(NotImplementedError, match=r"pure_zero3: the loss calls pmax over axis "
+                                                  r"'data'; the data ranks take psum, pmean"):
+        try_(pmax, axis_name="data")
+    with pytest.raises(NotImplementedError, match=r"reduces over axis 'data' \(psum\) inside "
+                                                  r"scan"):
+        try_(in_scan, axis_name="data")
+    with pytest.raises(TypeError, match="axis_name must be a string"):
+        ops.spawn(lambda comm: shard.pure_zero3(pmax, optimizer=optax.sgd(0.1), comm=comm,
+                                                axis_name=0), 1)
+
+    def zero(comm, make):  # the ZeRO steps bind no axis: named, pointing to the one that does
+        step = make(in_scan, optimizer=ops.adamw(1e-3), comm=comm)
+        step(step.init({"w": np.ones((4, 2), np.float32)}), np.ones((3, 4), np.float32))
+
+    for make, where in ((shard.zero1, "the ZeRO step"), (shard.zero3, "zero3")):
+        with pytest.raises(NotImplementedError, match=f"{where}: the loss reduces over axis "
+                                                      r"'data', which this step does not bind; "
+                                                      r"shard\.pure_zero3\(\.\.\., "
+                                                      r"axis_name='data'\)"):
+            ops.spawn(zero, 2, make)

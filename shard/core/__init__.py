@@ -15,8 +15,9 @@
   along its model axis, in one piece or in packed blocks ([Note: packed splits]);
 - ``_policy.py``: :class:`~shard.Precision` and :class:`~shard.LossScale`;
 - ``_loss.py``: the losses the transforms accept and :class:`~shard.Layered`;
-  ``_keys.py``: a JAX loss's random key per data rank, step and micro-batch
-  ([Note: per-rank keys]);
+  ``_data_rank.py``: what a JAX loss knows of its data rank, a random key per
+  data rank, step and micro-batch ([Note: per-rank keys]) and the data ranks as
+  a named axis for ``jax.lax.pmean`` ([Note: the data axis in the loss]);
 - ``_gather.py``: whole params from shards, and batches cut into parts;
 - ``_paths.py``: params known by their shapes (from a checkpoint's leaf paths, or
   meta-device tensors).

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from ops.device._dlpack import jax_view
+from shard.core._data_rank import named_axes_refused
 from shard.monitor._profile import timed
 
 __all__ = ["Layered"]
@@ -326,7 +327,8 @@ class JaxLoss:
         self.loss_value = jax.jit(lambda p, b: _checked(split_aux(fn(p, b), has_aux), has_aux))
 
     def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> tuple[Any, Any]:
-        out, grads = self._vg(params, batch, loss_scale)
+        with named_axes_refused("the ZeRO step"):
+            out, grads = self._vg(params, batch, loss_scale)
         if self.has_aux:  # stays jax arrays: no host read
             return (out[0] / loss_scale, out[1]), grads
         return out / loss_scale, grads
@@ -366,9 +368,11 @@ def _threading_state(fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any
     (a running mean averaged so is the running mean of the global batch; a
     running variance is the mean of the ranks' variances). Within a forward
     each rank normalises with its own batch's statistics, as torch's
-    ``BatchNorm`` under DDP does (torch's ``SyncBatchNorm``, statistics of
-    the global batch inside the forward, is not built). It is checkpointed
-    beside the params."""
+    ``BatchNorm`` under DDP does; statistics of the global batch inside the
+    forward (torch's ``SyncBatchNorm``) are ``shard.pure_zero3``'s, whose
+    ``axis_name`` the loss's ``jax.lax.pmean`` reduces over (see [Note: the
+    data axis in the loss] in ``shard/core/_data_rank.py``). It is
+    checkpointed beside the params."""
 
     def loss(params: Any, batch_and_state: Any) -> Any:
         import jax

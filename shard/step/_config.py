@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ops import Communicator, FusedOptimizer
-from shard.core._keys import check_key
+from shard.core._data_rank import check_key
 from shard.core._loss import JaxLoss, classify
 from shard.core._optim import is_transformation
 from shard.core._policy import LossScale, Precision

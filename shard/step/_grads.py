@@ -13,7 +13,7 @@ import ops._tree
 from ops.comm._collectives import all_gather_host
 from ops.device._device import device_of_or_none
 from ops.device._dlpack import jax_view
-from shard.core._keys import derived_key, keyed
+from shard.core._data_rank import derived_key, keyed
 from shard.core._loss import JaxLoss
 from shard.core._state import TrainState
 from shard.monitor._profile import timed

@@ -42,12 +42,12 @@ from typing import Any
 import numpy as np
 
 from ops.device._dlpack import jax_view
+from shard.core._data_rank import evaluate, named_axes_refused
 from shard.core._loss import _placed, _UnitLayer, check_scalar, split_aux
 from shard.monitor._profile import timed
 
 __all__ = ["TracedUnits", "traced"]
 
-_CALLS = ("jit", "pjit", "closed_call", "core_call")
 KEEP = 8  # programs kept per loss function
 
 
@@ -121,33 +121,6 @@ def _dtype_of(x: Any) -> Any:
     return getattr(x, "dtype", type(x))
 
 
-def _inlined(jaxpr: Any, consts: list[Any], *args: Any) -> list[Any]:
-    """Evaluate ``jaxpr``, binding every primitive again except nested jit
-    calls, whose bodies are evaluated in place: traced by ``jax.make_jaxpr``,
-    the result is the same program with those calls inlined."""
-    from jax.extend.core import Literal
-
-    env: dict[Any, Any] = {}
-
-    def read(v: Any) -> Any:
-        return v.val if isinstance(v, Literal) else env[v]
-
-    env.update(zip(jaxpr.constvars, consts, strict=True))
-    env.update(zip(jaxpr.invars, args, strict=True))
-    for eqn in jaxpr.eqns:
-        ins = [read(v) for v in eqn.invars]
-        inner = eqn.params.get("jaxpr") if eqn.primitive.name in _CALLS else None
-        if inner is not None and hasattr(inner, "consts"):
-            outs = _inlined(inner.jaxpr, list(inner.consts), *ins)
-        else:
-            with eqn.ctx.manager:
-                outs = eqn.primitive.bind(*ins, **eqn.primitive.get_bind_params(eqn.params))
-            if not eqn.primitive.multiple_results:
-                outs = [outs]
-        env.update(zip(eqn.outvars, outs, strict=True))
-    return [read(v) for v in jaxpr.outvars]
-
-
 def _inexact(v: Any) -> bool:
     import jax.numpy as jnp
 
@@ -190,8 +163,10 @@ class _Program:
             return [loss, *jax.tree_util.tree_leaves(aux)]
 
         with timed("forward"):
-            closed = jax.make_jaxpr(flat_fn)(*jax.tree_util.tree_leaves(params), *b_leaves)
-            closed = jax.make_jaxpr(lambda *xs: _inlined(closed.jaxpr, list(closed.consts), *xs))(
+            with named_axes_refused("zero3"):
+                closed = jax.make_jaxpr(flat_fn)(*jax.tree_util.tree_leaves(params), *b_leaves)
+            closed = jax.make_jaxpr(lambda *xs: evaluate(closed.jaxpr, list(closed.consts),
+                                                         list(xs)))(
                 *jax.tree_util.tree_leaves(params), *b_leaves)
         jaxpr = closed.jaxpr
         self.consts = list(closed.consts)
