@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zeroshard-installed
 
-.PHONY: demo test test-fast bench lint clean
+.PHONY: demo test test-fast coverage faults bench lint clean
 
 $(STAMP): pyproject.toml
 	@echo "== setting up $(VENV): torch 2.13.0 (CPU), JAX, CuPy and the test tools (a few minutes the first time)"
@@ -28,6 +28,16 @@ test: lint
 FAST := not multiprocess and not netns and not notebook and not slow
 test-fast: lint
 	$(PY) -m pytest -n 2 -m "$(FAST)" --durations=20
+
+# Line coverage of the library by the fast tier (the full suite: COVER="").
+COVER ?= -m "$(FAST)"
+coverage: $(STAMP)
+	$(PY) -m pytest -n 2 -q $(COVER) --cov=shard --cov=ops --cov=interop --cov-report=term
+
+# Bugs planted one at a time in copies of the tree, each of which the tests
+# that cover its code must catch (tests/planted_faults.py).
+faults: $(STAMP)
+	$(PY) tests/planted_faults.py
 
 # A real ZeRO-3 run: a GPT on Python's standard library sources, 2 CPU ranks (gloo),
 # stopped at step 1000 with a checkpoint, resumed from it to step 1500, then sampled.
