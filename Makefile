@@ -18,9 +18,10 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-# Every test, the slowest 50 listed at the end.
+# Every test on two workers (each idle one takes the next test), the slowest 50
+# listed at the end.
 test: lint
-	$(PY) -m pytest --durations=50
+	$(PY) -m pytest -n 2 --dist worksteal --durations=50
 
 # The edit loop: no process launches, network namespaces, notebooks or slow
 # cases (see the markers in pyproject.toml and tests/conftest.py), on two

@@ -212,7 +212,7 @@ class TorchLayered:
 
     def layer_times(self, batch: Any, repeats: int = 3) -> list[float]:
         """Each module's forward and backward time in seconds on ``batch`` (the
-        median of ``repeats`` after a warm-up run), for
+        fastest of ``repeats`` after a warm-up run), for
         ``shard.balance_by_time``; the modules' gradients are left cleared."""
         import time
 
@@ -229,7 +229,7 @@ class TorchLayered:
                 out.backward(torch.ones_like(out))
                 runs.append(time.perf_counter() - t0)
             m.zero_grad(set_to_none=True)
-            times.append(sorted(runs[1:])[len(runs[1:]) // 2])
+            times.append(min(runs[1:]))  # the run least disturbed by other work
             with torch.no_grad():
                 x = m(x)
         return times

@@ -17,7 +17,8 @@ def balance_by_time(loss: Any, params: list[Any], batch: Any, stages: int, *,
                     repeats: int = 3) -> list[int]:
     """Layers per stage for ``pipeline(balance=...)``, from each layer's measured
     forward and backward time on ``batch`` (one process, the whole params; the
-    median of ``repeats`` runs after a warm-up one), so that the slowest stage,
+    fastest of ``repeats`` runs after a warm-up one, as ``timeit`` advises:
+    other work on the machine only ever adds time), so that the slowest stage,
     which sets the pipeline's pace, is as fast as it can be. ``loss``: a
     ``shard.Layered`` or ``interop.torch.layered``'s loss (whose modules hold
     their params)."""
@@ -47,7 +48,7 @@ def _jax_layer_times(loss: Layered, params: list[Any], batch: Any, repeats: int)
             out = jax.block_until_ready(f(p, carry, batch))
             jax.block_until_ready(b(p, carry, batch, jnp.ones_like(out)))
             runs.append(time.perf_counter() - t0)
-        times.append(sorted(runs[1:])[len(runs[1:]) // 2])
+        times.append(min(runs[1:]))  # the run least disturbed by other work
         carry = out
     return times
 
