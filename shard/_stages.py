@@ -23,7 +23,7 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
                   weight_by_rows: bool = False, replicate: Communicator | None = None,
                   tensor_parallel: Any = None, reshard_after_forward: bool | int = True,
                   trainable: Any = None, gradient_divide_factor: float | None = None,
-                  key: Any = None) -> Any:
+                  key: Any = None, axis_name: str | None = None) -> Any:
         kw = dict(stage=stage, optimizer=optimizer, comm=comm, specs=specs, units=units,
                   precision=precision, clip_norm=clip_norm, loss_scale=loss_scale,
                   prefetch=prefetch, loggers=loggers, offload=offload,
@@ -31,11 +31,51 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
                   weight_by_rows=weight_by_rows, replicate=replicate,
                   tensor_parallel=tensor_parallel, reshard_after_forward=reshard_after_forward,
                   trainable=trainable, gradient_divide_factor=gradient_divide_factor, key=key)
+        if axis_name is not None:  # see [Note: the data axis in the loss]
+            def bound(fn: Any) -> Any:
+                return ZeroStep(_bound_to_ranks(fn, axis_name, comm, kw, f"zero{stage}"), **kw)
+        else:
+            def bound(fn: Any) -> Any:
+                return ZeroStep(fn, **kw)
         if loss_fn is None:  # used as a decorator with arguments
-            return lambda fn: ZeroStep(fn, **kw)
-        return ZeroStep(loss_fn, **kw)
+            return bound
+        return bound(loss_fn)
 
     return transform
+
+
+def _bound_to_ranks(fn: Any, axis_name: Any, comm: Any, kw: dict[str, Any], where: str) -> Any:
+    """``fn`` with ``axis_name`` bound to this rank's data ranks: its
+    ``jax.lax.psum`` over the name is an all-reduce over ``comm`` (the
+    all-reduce of the cotangent its derivative), its ``axis_index`` the rank.
+    Each rank's loss is then its own function, compiled by that rank alone,
+    so no rank waits on another's compile while its collectives wait."""
+    import jax
+    import jax.numpy as jnp
+
+    from shard.core._data_rank import bind_axis
+    from shard.core._loss import Layered
+    from shard.tensor_parallel._jax import Collectives
+
+    if not isinstance(axis_name, str):
+        raise TypeError(f"{where}: axis_name must be a string (the name the loss's "
+                        f"jax.lax.pmean uses); got {type(axis_name).__name__}")
+    if isinstance(fn, Layered) or not callable(fn) or hasattr(fn, "value_and_grad"):
+        raise TypeError(f"{where}: axis_name= binds the data ranks in a JAX function "
+                        f"(params, batch) -> loss; got {type(fn).__name__}")
+    other = [k for k in ("replicate", "tensor_parallel") if kw.get(k) is not None]
+    if other:
+        raise NotImplementedError(f"{where}: axis_name= spans the ranks of comm=; with "
+                                  f"{other[0]}= the data ranks span more than that")
+    ranks = Collectives(comm)
+
+    @jax.custom_vjp
+    def psum(x: Any) -> Any:
+        return ranks.all_reduce(x)
+    psum.defvjp(lambda x: (ranks.all_reduce(x), None), lambda _, ct: (ranks.all_reduce(ct),))
+    rank = comm.rank
+    return bind_axis(fn, axis_name, comm.world_size, psum=psum,
+                     index=lambda: jnp.asarray(rank, jnp.int32), where=where)
 
 
 _DOC = """ZeRO stage {stage} of ``loss_fn``: {what}.
@@ -122,6 +162,12 @@ Args:
     random numbers (dropout): the loss is then called with a keyword argument
     ``key``, a different key on every data rank, step and micro-batch, derived
     from this one (``shard.step_key``; see [Note: per-rank keys]).
+  axis_name: the data ranks' axis name inside a JAX loss, as under
+    ``shard_map``: ``jax.lax.pmean(x, axis_name)`` is the mean over the ranks
+    of ``comm`` (``psum`` and ``axis_index`` too), so flax's
+    ``BatchNorm(axis_name=...)`` normalises with the global batch's
+    statistics, as torch's ``SyncBatchNorm`` (see [Note: the data axis in the
+    loss]). Each rank then compiles its own loss.
 
 Returns:
   A :class:`ZeroStep`: ``state = step.init(params)``, then

@@ -444,6 +444,17 @@ def test_collectives_over_the_data_axis_that_are_not_built_are_refused_by_name()
     for make, where in ((shard.zero1, "the ZeRO step"), (shard.zero3, "zero3")):
         with pytest.raises(NotImplementedError, match=f"{where}: the loss reduces over axis "
                                                       r"'data', which this step does not bind; "
-                                                      r"shard\.pure_zero3\(\.\.\., "
-                                                      r"axis_name='data'\)"):
+                                                      r"give the step axis_name='data'"):
             ops.spawn(zero, 2, make)
+
+    def zero_bound(comm, **kw):
+        step = shard.zero3(pmax, optimizer=ops.adamw(1e-3), comm=comm, axis_name="data", **kw)
+        step(step.init({"w": np.ones((4, 2), np.float32)}), np.ones((3, 4), np.float32))
+
+    with pytest.raises(NotImplementedError, match=r"zero3: the loss calls pmax over axis 'data'"):
+        ops.spawn(zero_bound, 2)
+    with pytest.raises(NotImplementedError, match=r"with replicate= the data ranks span more"):
+        ops.spawn(lambda c: zero_bound(c, replicate=c), 1)
+    with pytest.raises(TypeError, match=r"axis_name= binds the data ranks in a JAX function"):
+        ops.spawn(lambda c: shard.zero3(shard.Layered([pmax]), optimizer=ops.adamw(1e-3), comm=c,
+                                        axis_name="data"), 1)

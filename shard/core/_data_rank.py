@@ -283,5 +283,5 @@ def named_axes_refused(where: str) -> Iterator[None]:
         name = found.group(1) if found else "?"
         raise NotImplementedError(
             f"{where}: the loss reduces over axis {name!r}, which this step does not bind; "
-            f"shard.pure_zero3(..., axis_name={name!r}) binds the data ranks to it (see "
-            "[Note: the data axis in the loss])") from e
+            f"give the step axis_name={name!r} to bind the data ranks to it (see [Note: the "
+            "data axis in the loss])") from e

@@ -369,10 +369,10 @@ def _threading_state(fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any
     running variance is the mean of the ranks' variances). Within a forward
     each rank normalises with its own batch's statistics, as torch's
     ``BatchNorm`` under DDP does; statistics of the global batch inside the
-    forward (torch's ``SyncBatchNorm``) are ``shard.pure_zero3``'s, whose
-    ``axis_name`` the loss's ``jax.lax.pmean`` reduces over (see [Note: the
-    data axis in the loss] in ``shard/core/_data_rank.py``). It is
-    checkpointed beside the params."""
+    forward (torch's ``SyncBatchNorm``) are a step's given ``axis_name``,
+    which the loss's ``jax.lax.pmean`` reduces over (see [Note: the data axis
+    in the loss] in ``shard/core/_data_rank.py``). It is checkpointed beside
+    the params."""
 
     def loss(params: Any, batch_and_state: Any) -> Any:
         import jax
