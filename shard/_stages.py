@@ -63,18 +63,27 @@ def _bound_to_ranks(fn: Any, axis_name: Any, comm: Any, kw: dict[str, Any], wher
     if isinstance(fn, Layered) or not callable(fn) or hasattr(fn, "value_and_grad"):
         raise TypeError(f"{where}: axis_name= binds the data ranks in a JAX function "
                         f"(params, batch) -> loss; got {type(fn).__name__}")
-    other = [k for k in ("replicate", "tensor_parallel") if kw.get(k) is not None]
-    if other:
-        raise NotImplementedError(f"{where}: axis_name= spans the ranks of comm=; with "
-                                  f"{other[0]}= the data ranks span more than that")
-    ranks = Collectives(comm)
+    if kw.get("tensor_parallel") is not None:
+        raise NotImplementedError(f"{where}: axis_name= with tensor_parallel= is not built")
+    # the data ranks: comm's, times the replicas under HSDP, where replica r's rank
+    # k is data rank r * S + k (as for the keys)
+    groups = [Collectives(comm)]
+    size, rank = comm.world_size, comm.rank
+    replicate = kw.get("replicate")
+    if replicate is not None:
+        groups.append(Collectives(replicate))
+        size, rank = size * replicate.world_size, replicate.rank * size + rank
+
+    def total(x: Any) -> Any:
+        for group in groups:
+            x = group.all_reduce(x)
+        return x
 
     @jax.custom_vjp
     def psum(x: Any) -> Any:
-        return ranks.all_reduce(x)
-    psum.defvjp(lambda x: (ranks.all_reduce(x), None), lambda _, ct: (ranks.all_reduce(ct),))
-    rank = comm.rank
-    return bind_axis(fn, axis_name, comm.world_size, psum=psum,
+        return total(x)
+    psum.defvjp(lambda x: (total(x), None), lambda _, ct: (total(ct),))
+    return bind_axis(fn, axis_name, size, psum=psum,
                      index=lambda: jnp.asarray(rank, jnp.int32), where=where)
 
 

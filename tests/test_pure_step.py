@@ -453,8 +453,8 @@ def test_collectives_over_the_data_axis_that_are_not_built_are_refused_by_name()
 
     with pytest.raises(NotImplementedError, match=r"zero3: the loss calls pmax over axis 'data'"):
         ops.spawn(zero_bound, 2)
-    with pytest.raises(NotImplementedError, match=r"with replicate= the data ranks span more"):
-        ops.spawn(lambda c: zero_bound(c, replicate=c), 1)
+    with pytest.raises(NotImplementedError, match=r"axis_name= with tensor_parallel= is not"):
+        ops.spawn(lambda c: zero_bound(c, tensor_parallel=object()), 1)
     with pytest.raises(TypeError, match=r"axis_name= binds the data ranks in a JAX function"):
         ops.spawn(lambda c: shard.zero3(shard.Layered([pmax]), optimizer=ops.adamw(1e-3), comm=c,
                                         axis_name="data"), 1)
