@@ -172,8 +172,9 @@ Args:
     ``key``, a different key on every data rank, step and micro-batch, derived
     from this one (``shard.step_key``; see [Note: per-rank keys]).
   axis_name: the data ranks' axis name inside a JAX loss, as under
-    ``shard_map``: ``jax.lax.pmean(x, axis_name)`` is the mean over the ranks
-    of ``comm`` (``psum`` and ``axis_index`` too), so flax's
+    ``shard_map``: ``jax.lax.pmean(x, axis_name)`` is the mean over the data
+    ranks, ``comm``'s and every replica's with ``replicate`` (``psum`` and
+    ``axis_index`` too), so flax's
     ``BatchNorm(axis_name=...)`` normalises with the global batch's
     statistics, as torch's ``SyncBatchNorm`` (see [Note: the data axis in the
     loss]). Each rank then compiles its own loss.
