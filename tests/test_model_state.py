@@ -291,15 +291,17 @@ def flax_train_steps(batches):
 
 
 @pytest.mark.parametrize("kind, world", [("pure_zero3", 2), ("pure_zero3", 3), ("zero3", 2),
-                                         ("zero1", 3), ("hsdp", 4)])
+                                         ("zero1", 3), ("hsdp", 4), ("zero3-standin", 2)])
 def test_synchronised_statistics_match_flax_s_own_train_step_on_the_whole_batch(kind, world):
     """BatchNorm(axis_name="data"), as flax writes it for data parallelism, under a
     step given axis_name="data" (pure_zero3; zero3, whose traced units carry the
     collectives; zero1's one program): each forward normalises with the global
     batch's statistics (under HSDP, 2 replicas of 2 shards, over all 4 data
-    ranks), so the ranks train as flax's own train_step on the whole batch in one
-    process; the same model without the axis (each rank's own
-    statistics, as torch's BatchNorm under DDP) ends elsewhere."""
+    ranks; with the params and statistics given on the device stand-in, which
+    refuses implicit copies to the host, as CuPy does), so the ranks train as
+    flax's own train_step on the whole batch in one process; the same model
+    without the axis (each rank's own statistics, as torch's BatchNorm under
+    DDP) ends elsewhere."""
     batches = data(rows=12)
     want_params, want_stats, want_losses = flax_train_steps(batches)
     graphdef, params, stats = nnx.split(CNN(rngs=nnx.Rngs(0), axis_name="data"), nnx.Param,
@@ -316,6 +318,18 @@ def test_synchronised_statistics_match_flax_s_own_train_step_on_the_whole_batch(
             step = shard.pure_zero3(fn, optimizer=optax.adamw(LR, weight_decay=WD), comm=comm,
                                     axis_name=axis_name)
             call, whole = jax.jit(step), lambda s: step.whole(s.params)
+        elif kind == "zero3-standin":
+            from ops.testing import STANDIN, to_device
+
+            step = shard.zero3(fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
+                               axis_name=axis_name)
+            state, losses = step.init(to_device(params, STANDIN),
+                                      model_state=to_device(stats, STANDIN)), []
+            for b in batches:
+                state, m = step(state, shard.split_batch(b, rank=comm.rank, world_size=world))
+                losses.append(float(m["loss"]))
+            whole = jax.tree_util.tree_map(STANDIN.to_host, shard.gather(state, comm))
+            return whole, state.model_state, losses
         elif kind == "hsdp":
             mesh = shard.Mesh(comm, {"replicate": 2, "shard": 2})
             step = shard.zero3(fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=mesh["shard"],

@@ -17,7 +17,7 @@ import numpy as np
 from ops.device._arrays import BF16
 from ops.device._device import HOST, Device, cupy_device, device_of_or_none
 
-__all__ = ["jax_view", "to_native", "torch_view"]
+__all__ = ["host_copy", "jax_view", "to_native", "torch_view"]
 
 
 def torch_view(a: Any) -> Any:
@@ -70,3 +70,13 @@ def to_native(x: Any) -> tuple[Any, Callable[[Any], Any]]:
     if module in ("jax", "jaxlib"):
         return _jax_device(x).from_jax(x), jax_view
     raise TypeError(f"expected a numpy, cupy, torch or jax array; got {type(x).__qualname__}")
+
+
+def host_copy(x: Any) -> np.ndarray:
+    """A numpy copy of ``x`` (a number, or an array of numpy, a device, torch or
+    jax), copied explicitly where it lives on a device."""
+    if isinstance(x, (np.ndarray, np.generic, int, float, bool)):
+        return np.array(x)
+    native = to_native(x)[0]
+    device = device_of_or_none(native) or HOST
+    return np.array(native) if device.host else device.to_host(native)

@@ -29,8 +29,7 @@ from typing import Any
 import numpy as np
 
 from ops import Communicator
-from ops.device._device import device_of
-from ops.device._dlpack import to_native
+from ops.device._dlpack import host_copy
 
 __all__ = ["TiedReducer", "resolve_ties"]
 
@@ -81,7 +80,7 @@ def resolve_ties(groups: list[list[tuple[int, str]]], params: list[Any],
                     jax.tree_util.tree_leaves(tree[key])) != 1:
                 raise ValueError(f"pipeline: tied member (layer {layer}, {key!r}) is not one "
                                  f"array of params[{layer}]")
-            arrays.append(np.asarray(to_native(tree[key])[0]))
+            arrays.append(host_copy(tree[key]))  # explicit where it is on a device
         a = arrays[0]
         for (layer, key), b in zip(g[1:], arrays[1:], strict=True):
             if b.shape != a.shape or b.dtype != a.dtype or not np.array_equal(a, b):
@@ -120,9 +119,7 @@ class TiedReducer:
             for u, i in tie.here:
                 g = at[u][i]
                 if g is not None:  # an explicit copy where the gradient is on a device
-                    native = to_native(g)[0]
-                    dev = device_of(native)
-                    total += (native if dev.host else dev.to_host(native)).reshape(tie.shape)
+                    total += host_copy(g).reshape(tie.shape)
             self.pipe.all_reduce_(total.reshape(-1), "sum")
             for k, (u, i) in enumerate(tie.here):
                 at[u][i] = total if k == 0 else total.copy()

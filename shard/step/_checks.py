@@ -13,6 +13,7 @@ import numpy as np
 import ops._tree
 from ops import Communicator, Device, FusedOptimizer
 from ops.comm._collectives import all_gather_host
+from ops.device._dlpack import host_copy
 from shard.core._layout import Layout
 from shard.core._state import TrainState
 
@@ -264,7 +265,7 @@ def model_state(c: Any, tree: Any) -> Any:
         if not hasattr(x, "shape") and not isinstance(x, (int, float, bool, np.generic)):
             raise TypeError(f"{fn}: model_state{tu.keystr(path)} is a {type(x).__name__}, not "
                             "an array")
-    tree = tu.tree_map(lambda x: np.array(x), tree)
+    tree = tu.tree_map(host_copy, tree)  # explicit where a leaf is on a device
     leaves = tu.tree_leaves(tree)
     from ops import HOST
 

@@ -12,7 +12,7 @@ import numpy as np
 import ops._tree
 from ops.comm._collectives import all_gather_host
 from ops.device._device import device_of_or_none
-from ops.device._dlpack import jax_view
+from ops.device._dlpack import host_copy, jax_view
 from shard.core._data_rank import derived_key, keyed
 from shard.core._loss import JaxLoss
 from shard.core._state import TrainState
@@ -202,11 +202,10 @@ def same_model_state(plan: Any, old: Any, new: Any) -> Any:
                         f"the state's is {tree}")
     out = []
     for (path, a), b in zip(before, after, strict=True):
-        b = np.asarray(b)
-        if b.shape != np.shape(a) or b.dtype != np.asarray(a).dtype:
+        b = host_copy(b)  # explicit where the loss left it on a device
+        if b.shape != tuple(a.shape) or b.dtype != a.dtype:
             raise TypeError(f"{c.name}: model_state{tu.keystr(path)} came back as "
-                            f"{b.dtype}{list(b.shape)}; it was {np.asarray(a).dtype}"
-                            f"{list(np.shape(a))}")
+                            f"{b.dtype}{list(b.shape)}; it was {a.dtype}{list(a.shape)}")
         out.append(b)
     return tu.tree_unflatten(tree, out)
 
