@@ -63,7 +63,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["bind_axis", "check_key", "derived_key", "evaluate", "keyed", "named_axes_refused",
-           "step_key"]
+           "step_key", "unbound_axis"]
 
 
 def check_key(name: str, key: Any) -> tuple[np.ndarray, str | None]:
@@ -270,18 +270,27 @@ def bind_axis(fn: Callable[..., Any], name: str, size: int, *, psum: Callable[[A
     return bound
 
 
+def unbound_axis(e: NameError, where: str) -> NotImplementedError | None:
+    """JAX's NameError for a loss that reduces over an axis no one bound, as a
+    NotImplementedError that names the argument binding the data ranks (None
+    for another NameError)."""
+    if "unbound axis name" not in str(e):
+        return None
+    found = re.search(r"unbound axis name: ([^\s.]+)", str(e))
+    name = found.group(1) if found else "?"
+    return NotImplementedError(
+        f"{where}: the loss reduces over axis {name!r}, which this step does not bind; "
+        f"give the step axis_name={name!r} to bind the data ranks to it (see [Note: the "
+        "data axis in the loss])")
+
+
 @contextlib.contextmanager
 def named_axes_refused(where: str) -> Iterator[None]:
-    """JAX's NameError for a loss that reduces over an axis no one bound, as a
-    NotImplementedError that names the step that binds the data ranks."""
+    """:func:`unbound_axis` around a block (a trace, run once)."""
     try:
         yield
     except NameError as e:
-        if "unbound axis name" not in str(e):
+        refused = unbound_axis(e, where)
+        if refused is None:
             raise
-        found = re.search(r"unbound axis name: ([^\s.]+)", str(e))
-        name = found.group(1) if found else "?"
-        raise NotImplementedError(
-            f"{where}: the loss reduces over axis {name!r}, which this step does not bind; "
-            f"give the step axis_name={name!r} to bind the data ranks to it (see [Note: the "
-            "data axis in the loss])") from e
+        raise refused from e

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from ops.device._dlpack import jax_view
-from shard.core._data_rank import named_axes_refused
+from shard.core._data_rank import unbound_axis
 from shard.monitor._profile import timed
 
 __all__ = ["Layered"]
@@ -327,8 +327,13 @@ class JaxLoss:
         self.loss_value = jax.jit(lambda p, b: _checked(split_aux(fn(p, b), has_aux), has_aux))
 
     def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> tuple[Any, Any]:
-        with named_axes_refused("the ZeRO step"):
+        try:  # no cost on the step's path unless it raises
             out, grads = self._vg(params, batch, loss_scale)
+        except NameError as e:
+            refused = unbound_axis(e, "the ZeRO step")
+            if refused is None:
+                raise
+            raise refused from e
         if self.has_aux:  # stays jax arrays: no host read
             return (out[0] / loss_scale, out[1]), grads
         return out / loss_scale, grads
