@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.zeroshard-installed
 
-.PHONY: demo test test-fast coverage faults bench lint clean
+.PHONY: demo test test-fast coverage faults bench docs lint clean
 
 $(STAMP): pyproject.toml
 	@echo "== setting up $(VENV): torch 2.13.0 (CPU), JAX, CuPy and the test tools (a few minutes the first time)"
@@ -40,6 +40,11 @@ coverage: $(STAMP)
 faults: $(STAMP)
 	$(PY) tests/planted_faults.py
 
+# The docs site in site/, built strict (a broken link or reference, or a public
+# name without a docstring, fails it), the notebooks executed into their pages.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict -f docs/mkdocs.yml
+
 # A real ZeRO-3 run: a GPT on Python's standard library sources, 2 CPU ranks (gloo),
 # stopped at step 1000 with a checkpoint, resumed from it to step 1500, then sampled.
 DEMO_DIR ?= runs/demo
@@ -61,4 +66,4 @@ bench: $(STAMP)
 	$(PY) benchmarks/pipeline.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site

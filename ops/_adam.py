@@ -72,9 +72,13 @@ def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, ste
       param: float32 parameters (any shape, C-contiguous); float64 params (with
         float64 grads and moments) take an exact numpy path instead of a kernel.
       grad: gradients of param's shape, float32, bfloat16 or float16.
-      exp_avg, exp_avg_sq: first and second moments, param's shape and dtype.
+      exp_avg: the first moment, param's shape and dtype.
+      exp_avg_sq: the second moment, param's shape and dtype.
       step: the 1-based index of this update (bias correction).
-      lr, betas, eps, weight_decay: as torch.optim.AdamW.
+      lr: the learning rate, as torch.optim.AdamW's.
+      betas: ``(beta1, beta2)``, as torch.optim.AdamW's.
+      eps: as torch.optim.AdamW's.
+      weight_decay: as torch.optim.AdamW's.
       decoupled: True for AdamW's decoupled decay, False for Adam's L2 term.
       grad_scale: multiplies the grads first, e.g. ``1 / loss_scale``.
       grad_sumsq: a one-element float64 array with the sum of squares of the
@@ -103,7 +107,7 @@ def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, ste
       ValueError: a shape mismatch, a non-contiguous or read-only buffer, or an
         invalid hyper-parameter.
 
-    Example:
+    Examples:
       >>> import numpy as np, ops
       >>> p, g = np.ones(4, np.float32), np.full(4, 0.5, np.float32)
       >>> m, v = np.zeros_like(p), np.zeros_like(p)

@@ -40,7 +40,7 @@ def cast(tree: Any, dtype: Any, *, out: Any = None) -> Any:
       dtype: the target dtype (``np.float32``, ``ml_dtypes.bfloat16``, ``np.float16``).
       out: optional pytree of output arrays with the same structure.
 
-    Example:
+    Examples:
       >>> import numpy as np, ml_dtypes, ops
       >>> ops.cast(np.array([1.0, 1.00390625], np.float32), ml_dtypes.bfloat16).tolist()
       [1.0, 1.0]

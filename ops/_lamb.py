@@ -46,20 +46,24 @@ def fused_lamb(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequence[A
     returns (or fills in) the whole tensors' sums.
 
     Args:
-      params, grads, exp_avgs, exp_avg_sqs: sequences of buffers as
-        :func:`ops.fused_adam_multi`'s, one grad dtype and one copy dtype in
-        a call.
+      params: sequences of buffers as :func:`ops.fused_adam_multi`'s, one
+        grad dtype and one copy dtype in a call.
+      grads: as params.
+      exp_avgs: as params.
+      exp_avg_sqs: as params.
       step: the 1-based count of this update (bias correction).
       lr: the learning rate; betas, eps, eps_root, weight_decay: optax.lamb's
         (its defaults: eps 1e-6, no weight decay).
       trust_clip: ``(min, max)`` bounds of the ratio, as DeepSpeed's FusedLamb
         ``min_coeff`` / ``max_coeff``; None (optax) leaves it unbounded.
       bias_correction: False drops Adam's bias correction (DeepSpeed's option).
-      grad_scale, grad_sumsq, max_norm, param_copies: as
-        :func:`ops.fused_adam_multi`'s.
+      grad_scale: as :func:`ops.fused_adam_multi`'s.
+      grad_sumsq: as :func:`ops.fused_adam_multi`'s.
+      max_norm: as :func:`ops.fused_adam_multi`'s.
+      param_copies: as :func:`ops.fused_adam_multi`'s.
       reduce: the sums over ranks of split tensors, or None.
 
-    Example:
+    Examples:
       >>> import numpy as np, ops
       >>> p, g = np.full(4, 2.0, np.float32), np.ones(4, np.float32)
       >>> m, v = np.zeros(4, np.float32), np.zeros(4, np.float32)

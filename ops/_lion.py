@@ -31,14 +31,18 @@ def fused_lion(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequence[A
     params (with float64 grads and moment) take an exact numpy path.
 
     Args:
-      params, grads, exp_avgs: sequences of flat or shaped buffers, as
-        :func:`ops.fused_adam_multi`'s (the moment is param's dtype).
+      params: sequences of flat or shaped buffers, as
+        :func:`ops.fused_adam_multi`'s.
+      grads: as params.
+      exp_avgs: as params (the moment is param's dtype).
       lr: the learning rate; betas: ``(b1, b2)``, optax's defaults (0.9, 0.99);
         weight_decay: decoupled, as ``optax.lion``'s (scaled by lr).
-      grad_scale, grad_sumsq, max_norm, param_copies: as
-        :func:`ops.fused_adam_multi`'s.
+      grad_scale: as :func:`ops.fused_adam_multi`'s.
+      grad_sumsq: as :func:`ops.fused_adam_multi`'s.
+      max_norm: as :func:`ops.fused_adam_multi`'s.
+      param_copies: as :func:`ops.fused_adam_multi`'s.
 
-    Example:
+    Examples:
       >>> import numpy as np, ops
       >>> p, m = np.ones(3, np.float32), np.zeros(3, np.float32)
       >>> g = np.array([1, -1, 0], np.float32)

@@ -32,7 +32,7 @@ def sum_of_squares(x: Any, *, out: Any = None) -> Any:
     Returns:
       ``out``, or a new one-element float64 array.
 
-    Example:
+    Examples:
       >>> import numpy as np, ops
       >>> float(ops.sum_of_squares(np.array([3.0, 4.0], np.float32))[0])
       25.0
@@ -67,7 +67,7 @@ def sum_of_squares(x: Any, *, out: Any = None) -> Any:
 def global_norm(tree: Any) -> float:
     """The L2 norm of all leaves of a pytree together (as ``optax.global_norm``).
 
-    Example:
+    Examples:
       >>> import numpy as np, ops
       >>> ops.global_norm({"a": np.array([3.0], np.float32), "b": np.array([4.0], np.float32)})
       5.0

@@ -180,11 +180,15 @@ def adamw(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999,
     Args:
       learning_rate: a float >= 0, or a schedule ``count -> lr`` (count from 0),
         such as an optax schedule.
-      b1, b2: in [0, 1); eps, weight_decay: >= 0; as in ``torch.optim.AdamW``.
-        A TypeError or ValueError naming the argument is raised here, not at
-        the first step.
+      b1: in [0, 1), as ``torch.optim.AdamW``'s first beta.
+      b2: in [0, 1), as its second.
+      eps: >= 0.
+      weight_decay: >= 0, decoupled.
 
-    Example:
+    A TypeError or ValueError naming the argument is raised here, not at the
+    first step.
+
+    Examples:
       >>> import numpy as np, ops
       >>> opt = ops.adamw(1e-3)
       >>> params = {"w": np.ones(3, np.float32)}
@@ -217,7 +221,7 @@ def lion(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.99,
       b1: the interpolation of the update's sign, b2: the moment's decay, both
         in [0, 1]; weight_decay >= 0 (multiplied by the rate, as optax's).
 
-    Example:
+    Examples:
       >>> import numpy as np, ops
       >>> opt = ops.lion(0.1, weight_decay=0.0)
       >>> params = {"w": np.ones(2, np.float32)}
@@ -286,12 +290,16 @@ def lamb(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, ep
 
     Args:
       learning_rate: a float >= 0 or a schedule ``count -> lr``.
-      b1, b2: in [0, 1); eps, eps_root, weight_decay: >= 0; optax's defaults.
+      b1: in [0, 1); optax's default.
+      b2: in [0, 1); optax's default.
+      eps: >= 0; optax's default.
+      eps_root: >= 0; optax's default.
+      weight_decay: >= 0; optax's default.
       trust_clip: ``(min, max)`` bounds of the trust ratio (DeepSpeed's
         ``min_coeff`` / ``max_coeff``), or None for optax's unbounded ratio.
       bias_correction: False drops Adam's bias correction (DeepSpeed's flag).
 
-    Example:
+    Examples:
       >>> import numpy as np, ops
       >>> opt = ops.lamb(0.1)
       >>> params = {"w": np.full(4, 2.0, np.float32)}

@@ -28,7 +28,7 @@ DLPack exports them as CPU memory, so torch and JAX see host tensors over the
 same buffers: "device" torch modules and JAX computations run on the CPU, and
 the library's own code is what is under test.
 
-Example:
+Examples:
   >>> import numpy as np, ops
   >>> from ops.testing import xp
   >>> x = xp.asarray(np.arange(4, dtype=np.float32))

@@ -170,12 +170,21 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
       config: the config.
       unsupported: "error" (default): a ValueError naming every key or value
         that has no meaning here; "warn": log them and go on.
-      lr, betas, eps, weight_decay, warmup_steps, total_steps,
-      micro_batch_size, gradient_accumulation_steps, clip_norm, fp16, bf16:
-        the values of the config's ``"auto"`` entries (see above); unused
-        where the config gives a value.
+      lr: the value of the config's ``"auto"`` learning rates (see above);
+        unused where the config gives a value. Each argument below is the
+        value of its own ``"auto"`` entries in the same way.
+      betas: as lr.
+      eps: as lr.
+      weight_decay: as lr.
+      warmup_steps: as lr.
+      total_steps: as lr.
+      micro_batch_size: as lr.
+      gradient_accumulation_steps: as lr.
+      clip_norm: as lr.
+      fp16: as lr.
+      bf16: as lr.
 
-    Example:
+    Examples:
       >>> import shard
       >>> cfg = shard.from_deepspeed_config({
       ...     "zero_optimization": {"stage": 3, "reduce_bucket_size": "auto"},

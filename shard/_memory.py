@@ -58,7 +58,8 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
       stage: 0-3.
       world_size: the number of data-parallel ranks.
       policy: the :class:`Precision` the step will use.
-      specs, units: as given to the ZeRO transform.
+      specs: as given to the ZeRO transform.
+      units: as given to the ZeRO transform.
       optimizer: the transform's ``optimizer=`` (default: Adam's two moments).
       tensor_parallel: a :class:`shard.TensorParallel` (the step's, or
         ``shard.TensorParallel(T, specs)`` for T model ranks without ranks to
@@ -72,7 +73,7 @@ def estimate_memory(params: Any, *, stage: int, world_size: int,
         parameters' ``requires_grad``: ``{n: p.requires_grad for n, p in
         model.named_parameters()}``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, shard
       >>> big = {"w": jax.ShapeDtypeStruct((70_000_000_000,), jnp.float32)}
       >>> bf16 = shard.Precision(param_dtype=jnp.bfloat16)

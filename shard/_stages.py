@@ -192,7 +192,7 @@ Returns:
   backward, all_gather_wait, reduce_wait, optimizer, ...; see
   ``shard.profile``).
 
-Example:
+Examples:
   >>> import numpy as np, jax.numpy as jnp, ops, shard
   >>> def loss(p, b):
   ...     return jnp.mean((b["x"] @ p["w"] - b["y"]) ** 2)

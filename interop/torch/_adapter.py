@@ -135,7 +135,7 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
       loss_object has ``value_and_grad(params, batch)`` and
       a ``units`` function that groups the params into units.
 
-    Example:
+    Examples:
       >>> import copy, torch, ops, shard, interop.torch as it
       >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
       ...                             torch.nn.Linear(8, 1))

@@ -66,7 +66,7 @@ def layered(layers: Sequence[Any], *, loss: Callable[[Any, Any], Any],
       ``(params, loss_object)``: params is a list with one ``{name: array}``
       per module, sharing memory with its parameters.
 
-    Example:
+    Examples:
       >>> import copy, torch, ops, shard, interop.torch as it
       >>> net = [torch.nn.Linear(4, 8), torch.nn.Sequential(torch.nn.Tanh(),
       ...                                                  torch.nn.Linear(8, 1))]

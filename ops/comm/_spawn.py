@@ -20,7 +20,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
     others' pending and future collectives fail at once (:class:`PeerFailed`)
     and the first failure is re-raised here, annotated with its rank.
 
-    Example:
+    Examples:
       >>> import numpy as np, ops
       >>> ops.spawn(lambda comm: ops.all_gather(comm, np.array([comm.rank])).tolist(), 3)
       [[0, 1, 2], [0, 1, 2], [0, 1, 2]]

@@ -112,7 +112,10 @@ def async_save(state: TrainState, path: str | os.PathLike, *, comm: Communicator
     would have written, and :func:`shard.load` reads it.
 
     Args:
-      state, path, comm, extra: as :func:`shard.save`'s.
+      state: as :func:`shard.save`'s.
+      path: as :func:`shard.save`'s.
+      comm: as :func:`shard.save`'s.
+      extra: as :func:`shard.save`'s.
       timeout: seconds rank 0 waits for the other ranks' files, and they for
         its manifest, with nothing changing in ``<path>.tmp`` before the save
         fails with a CheckpointError naming the ranks it waited for (60 s

@@ -76,7 +76,7 @@ def to_orbax(path: str | os.PathLike, out: str | os.PathLike, *,
     Returns:
       The tree written, as ``jax.ShapeDtypeStruct`` leaves.
 
-    Example:
+    Examples:
       >>> import orbax.checkpoint as ocp  # doctest: +SKIP
       >>> shard.checkpoint.to_orbax("ckpt", "/abs/out")  # doctest: +SKIP
       >>> params = ocp.StandardCheckpointer().restore("/abs/out")["params"]  # doctest: +SKIP

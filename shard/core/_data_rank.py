@@ -88,7 +88,7 @@ def step_key(key: Any, *, step: int, rank: int, micro_batch: int = 0) -> Any:
     """The key a step hands its loss (see [Note: per-rank keys]): ``key``
     folded with the step count, the data rank and the micro-batch.
 
-    Example:
+    Examples:
       >>> import jax, shard
       >>> k = shard.step_key(jax.random.key(0), step=3, rank=1)
       >>> bool((jax.random.key_data(k) != jax.random.key_data(

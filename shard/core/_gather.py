@@ -29,7 +29,7 @@ class MicroBatches(tuple):
     micro-batch, handed to the loss as it is.
     DeepSpeed calls this ``gradient_accumulation_steps``.
 
-    Example:
+    Examples:
       >>> import numpy as np, shard
       >>> batch = {"x": np.ones((8, 3))}
       >>> len(shard.MicroBatches(shard.split_batch(batch, rank=i, world_size=4)

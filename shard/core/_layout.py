@@ -328,7 +328,8 @@ def partition(tree: Any, specs: Any = None, *, rank: int, world_size: int,
       tree: the full pytree of arrays (numpy, or anything ``np.asarray`` takes; or
         arrays of one device, where the shards are then made).
       specs: a spec per leaf, a prefix of the tree, or one spec (default Shard(0)).
-      rank, world_size: which shards.
+      rank: which shards: this rank's.
+      world_size: which shards: of this many ranks.
       units: how leaves group into flat buffers (default: top-level subtrees).
       dtype: the shards' dtype (default: each unit's first leaf's dtype).
 
@@ -337,7 +338,7 @@ def partition(tree: Any, specs: Any = None, *, rank: int, world_size: int,
       (ceil(n / world_size), *rest), zero-padded; a replicated leaf stays whole.
       Leaves of one unit are views into one flat buffer.
 
-    Example:
+    Examples:
       >>> import numpy as np, shard
       >>> tree = {"w": np.arange(10.0).reshape(5, 2), "b": np.ones(3)}
       >>> shard.partition(tree, rank=1, world_size=2)["w"].tolist()

@@ -45,7 +45,7 @@ class Layered:
     list of per-layer params lines up), ``carry`` is None for the first layer
     and the last layer returns the scalar loss.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, shard
       >>> loss = shard.Layered([
       ...     lambda p, _, b: jnp.tanh(b["x"] @ p["w"]),

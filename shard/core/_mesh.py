@@ -43,7 +43,7 @@ class Mesh:
       shape: ``{name: size}``, in order.
       coords: this rank's index on each axis, ``{name: index}``.
 
-    Example:
+    Examples:
       >>> import ops, shard
       >>> def run(comm):
       ...     mesh = shard.Mesh(comm, {"data": 2, "model": 2})

@@ -59,7 +59,7 @@ class CSVLogger(_Every):
     crash loses no logged row). An existing file is appended to, so a resumed
     run continues its log; its columns must then be the same.
 
-    Example:
+    Examples:
       >>> import tempfile, pathlib, shard
       >>> path = pathlib.Path(tempfile.mkdtemp()) / "run.csv"
       >>> log = shard.CSVLogger(path)

@@ -79,7 +79,7 @@ class Breakdown:
 def profile() -> Iterator[Breakdown]:
     """Time the ZeRO steps this thread runs inside the block, by category.
 
-    Example:
+    Examples:
       >>> import numpy as np, jax.numpy as jnp, ops, shard
       >>> step = shard.zero3(lambda p, b: jnp.sum(p["w"] ** 2), optimizer=ops.adamw(0.1),
       ...                    comm=ops.spawn(lambda c: c, 1)[0])

@@ -188,7 +188,7 @@ class ZeroStep:
         meta-device init give. Every rank must pass the same ``args`` (the same
         key); the values do not depend on the world size.
 
-        Example:
+        Examples:
           >>> import jax, jax.numpy as jnp, ops, shard
           >>> def init_fn(key):
           ...     k1, k2 = jax.random.split(key)

@@ -95,7 +95,7 @@ class TensorParallel:
     ``P("model")``; a row-parallel weight is ``P("model", None)``; a
     vocabulary-parallel embedding ``P("model", None)``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, numpy as np, shard
       >>> from jax.sharding import PartitionSpec as P
       >>> def run(comm):
