@@ -1,5 +1,6 @@
 """MkDocs hooks: the pages made from the code.
 
+- ``index.md``: the README;
 - ``api/<module>.md``: one reference entry per name in each public module's
   ``__all__`` (rendered by mkdocstrings), so a new public name has its entry;
 - ``design-notes.md``: every ``[Note: ...]`` block of the library's sources,
@@ -148,6 +149,13 @@ def notebook_page(path: Path, execute: bool) -> str:
     return "\n".join(out)
 
 
+def index_page() -> str:
+    """The README, its links made relative to the site."""
+    text = (ROOT / "README.md").read_text()
+    return text.replace("[`docs/pages`](docs/pages)", "`docs/pages`").replace(
+        "](docs/pages/", "](")
+
+
 def on_config(config):
     missing = undocumented()
     if missing:
@@ -156,6 +164,7 @@ def on_config(config):
 
 
 def on_files(files, config):
+    files.append(File.generated(config, "index.md", content=index_page()))
     for module, names in _public().items():
         files.append(File.generated(config, f"api/{module}.md", content=api_page(module, names)))
     files.append(File.generated(config, "design-notes.md", content=notes_page()))

@@ -57,6 +57,22 @@ def test_the_reference_has_an_entry_for_every_public_name():
     assert hooks.undocumented() == []
 
 
+def test_a_public_name_without_a_docstring_stops_the_build(monkeypatch):
+    from mkdocs.exceptions import PluginError
+
+    import shard
+
+    def undocumented_transform(loss):
+        return loss
+
+    monkeypatch.setattr(shard, "undocumented_transform", undocumented_transform, raising=False)
+    monkeypatch.setattr(shard, "__all__", [*shard.__all__, "undocumented_transform"])
+    hooks = _hooks()
+    assert hooks.undocumented() == ["shard.undocumented_transform"]
+    with pytest.raises(PluginError, match=r"shard\.undocumented_transform"):
+        hooks.on_config({})
+
+
 def test_the_design_notes_are_gathered_from_the_code():
     titles = [t for t, _, _ in _hooks().notes()]
     assert len(titles) >= 40 and len(set(titles)) == len(titles)
