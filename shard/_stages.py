@@ -54,13 +54,13 @@ def _bound_to_ranks(fn: Any, axis_name: Any, comm: Any, kw: dict[str, Any], wher
     import jax.numpy as jnp
 
     from shard.core._data_rank import bind_axis
-    from shard.core._loss import Layered
+    from shard.core._protocol import classify
     from shard.tensor_parallel._jax import Collectives
 
     if not isinstance(axis_name, str):
         raise TypeError(f"{where}: axis_name must be a string (the name the loss's "
                         f"jax.lax.pmean uses); got {type(axis_name).__name__}")
-    if isinstance(fn, Layered) or not callable(fn) or hasattr(fn, "value_and_grad"):
+    if not callable(fn) or classify(fn) != "jax":
         raise TypeError(f"{where}: axis_name= binds the data ranks in a JAX function "
                         f"(params, batch) -> loss; got {type(fn).__name__}")
     if kw.get("tensor_parallel") is not None:

@@ -88,6 +88,7 @@ from interop.torch._state_dict import remember_dtypes
 from interop.torch._unit_state import _Step
 from interop.torch._units import ROOT, UnitHooks, check_owner
 from ops.device._dlpack import _torch_device, to_native, torch_view
+from shard.core._protocol import LossProvider
 from shard.monitor._profile import timed
 
 __all__ = ["TorchLoss", "functional"]
@@ -190,12 +191,14 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
     return params, fn
 
 
-class TorchLoss(UnitHooks, BufferState):
-    """The loss object :func:`functional` returns (see [Note: torch ZeRO-3] and
-    [Note: torch buffers])."""
+class TorchLoss(UnitHooks, BufferState, LossProvider):
+    """The loss object :func:`functional` returns (see [Note: torch ZeRO-3],
+    [Note: torch buffers] and, for what the step reads, [Note: the loss
+    protocol])."""
 
     supports_aux = True  # the loss may return (loss, aux): the transforms' has_aux=True
     has_aux = False  # set by a step built with has_aux=True
+    reports_missing = True  # see [Note: missing gradients]
 
     def __init__(self, module: Any, loss: Callable[[Any, Any], Any], named: dict[str, Any],
                  unit_of: dict[str, str], unit_modules: list[tuple[str, Any]], *,
@@ -228,6 +231,15 @@ class TorchLoss(UnitHooks, BufferState):
                                  "copy.deepcopy(model), loss=...) inside the function each "
                                  "rank runs")
         self._comm = comm
+
+    def set_has_aux(self, value: bool) -> None:
+        """The step's ``has_aux``: the loss returns ``(loss, aux)``."""
+        self.has_aux = value
+
+    def set_cast_forward_inputs(self, value: bool) -> None:
+        """The precision policy's ``cast_forward_inputs``: the module casts its
+        floating inputs to the compute dtype in its forward."""
+        self.cast_forward_inputs = value
 
     def hooks_usable(self, comm: Any) -> bool:
         """Whether stage 3 may run collectives inside the backward (see the Note)."""

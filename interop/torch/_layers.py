@@ -41,6 +41,7 @@ from typing import Any
 from interop.torch._stage import TorchStage
 from interop.torch._units import check_owner
 from ops.device._dlpack import to_native, torch_view
+from shard.core._protocol import LossProvider
 from shard.monitor._profile import timed
 
 __all__ = ["TorchLayered", "layered"]
@@ -141,9 +142,10 @@ def _first_input(batch: Any) -> Any:
                     "batch[0] of a tuple or list batch, or pass inputs=lambda batch: ...")
 
 
-class TorchLayered:
+class TorchLayered(LossProvider):
     """The loss object :func:`layered` returns: a ``run_units`` loss for the ZeRO
-    transforms and a ``stage`` for ``shard.pipeline``."""
+    transforms and a ``make_stage`` for ``shard.pipeline`` (see [Note: the loss
+    protocol])."""
 
     def __init__(self, layers: list[Any], loss: Callable[[Any, Any], Any],
                  inputs: Callable[[Any], Any] | None, named: list[dict[str, Any]]) -> None:
@@ -152,13 +154,18 @@ class TorchLayered:
         self.cast_forward_inputs = True  # Precision's; the step sets it
         self._rank: int | None = None
 
+    def set_cast_forward_inputs(self, value: bool) -> None:
+        """The precision policy's ``cast_forward_inputs``: the first layer casts
+        its floating input to the compute dtype."""
+        self.cast_forward_inputs = value
+
     def claim(self, comm: Any) -> None:
         """Bind this object to ``comm``'s rank (see ``TorchLoss.claim``)."""
         self._rank = check_owner(self._rank, comm, "interop.torch.layered",
                                  "modules: interop.torch.layered(copy.deepcopy(layers), ...) "
                                  "inside the function each rank runs")
 
-    def stage(self, units: Any, layers: Sequence[int], *,
+    def make_stage(self, units: Any, layers: Sequence[int], *,
               checkpointing: bool = False) -> TorchStage:
         """The runner of ``layers`` (indices into ``self.layers``; unit ``u`` of
         ``units`` is layer ``layers[u]``) for one step."""
@@ -166,7 +173,7 @@ class TorchLayered:
 
     def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
         """One micro-batch through every layer (the ZeRO step's unit protocol)."""
-        stage = self.stage(units, range(len(self.layers)))
+        stage = self.make_stage(units, range(len(self.layers)))
         loss = stage.forward(0, None, batch)
         stage.backward(0, scale)
         stage.finish(reducer)
@@ -195,7 +202,7 @@ class TorchLayered:
     def loss_units(self, units: Any, batch: Any) -> Any:
         """The loss in eval mode, forward only, unit by unit (``step.evaluate``)."""
         with self.evaluating():
-            stage = self.stage(units, range(len(self.layers)), checkpointing=True)
+            stage = self.make_stage(units, range(len(self.layers)), checkpointing=True)
             return stage.forward(0, None, batch)
 
     @contextlib.contextmanager

@@ -30,7 +30,7 @@ out features are equal blocks end to end (a fused gate-up projection: two, as
 Hugging Face's style; a fused query-key-value projection: write
 ``("packed_colwise", 3)``): each block is split on its own, so a rank's output
 is its part of every block, in order (see [Note: packed splits] in
-``shard/core/_split.py``); the module's forward takes it apart as before if it
+``shard/core/_specs.py``); the module's forward takes it apart as before if it
 splits by thirds and counts heads from the width it gets (``chunk(3, -1)``,
 ``view(b, t, -1, head_dim)``). A weight tied between two planned modules (an
 embedding shared with the output head) is sliced once and stays tied, which
@@ -55,7 +55,7 @@ from typing import Any
 
 from ops import Communicator
 from shard import Mesh, Packed, TensorParallel
-from shard.core._split import Split, take_split
+from shard.core._specs import Split, take_split
 
 __all__ = ["STYLES", "parallelize"]
 

@@ -276,7 +276,7 @@ def _save_model_parts(state: TrainState, path: Path, comm: Communicator, extra: 
     whole mesh: the model ranks', then the data ranks'), the first rank writes
     ``tensor_parallel.json`` (the step, the parts, and each leaf's split
     dimension, or ``[dimension, blocks]`` for a packed leaf: see [Note: packed
-    splits] in ``shard/core/_split.py``) and renames ``<path>.tmp`` into place,
+    splits] in ``shard/core/_specs.py``) and renames ``<path>.tmp`` into place,
     so a crash leaves the previous checkpoint whole. ``shard.load`` joins the
     parts along each leaf's split and cuts the loading step's slices, so a
     checkpoint resumes at any (data, model) shape, and without tensor

@@ -20,7 +20,7 @@ from shard.checkpoint._sources import Joined, Sliced, source_of, verify_files
 from shard.checkpoint._validate import check_manifest, check_part_names, optimizer_of
 from shard.core._layout import LeafLayout, alloc_units
 from shard.core._paths import shapes_from_manifest
-from shard.core._split import Split
+from shard.core._specs import Split
 from shard.core._state import TrainState
 from shard.step._plan import make_plan, new_state
 
@@ -189,7 +189,7 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
 
     config, plan = step.config, step.plan  # the plan of the step's init, if any
     tp = config.tensor_parallel
-    described = getattr(config.loss_fn, "params_like", None)  # a torch module's params
+    described = config.loss_fn.params_like  # a torch module's params
     # every leaf of the module (a module split by parallelize: this model rank's slices)
     from_module = like is None and plan is None and callable(described)
     if from_module:

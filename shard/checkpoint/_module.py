@@ -51,7 +51,7 @@ def read_module_file(path: Path, manifest: dict) -> tuple[dict[str, np.ndarray],
 def _load_module(path: Path, manifest: dict, step: Any) -> None:
     """The checkpoint's buffers into the step's torch module, if both have them."""
     buffers, _ = read_module_file(path, manifest)
-    target = getattr(step.loss_fn, "load_buffers", None)
+    target = step.loss_fn.load_buffers
     if target is None:
         if buffers:
             log.warning("%s: the checkpoint holds module buffers %s, which this step's loss "

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from shard.checkpoint._files import CheckpointError, _sha256
-from shard.core._split import Split, join_split, take_split
+from shard.core._specs import Split, join_split, take_split
 
 __all__ = ["Joined", "Sliced", "source_of", "verify_files"]
 

@@ -8,12 +8,14 @@ Three forms:
 - :class:`Layered`: a chain of per-unit JAX layers. At stage 3 each unit is
   gathered just before its layer runs and freed after (see [Note: ZeRO-3
   schedule] in ``shard/step/_runtime.py``).
-- any object with ``value_and_grad(params, batch) -> (loss, grads)`` (the torch
-  adapter is one). With dynamic loss scaling it is called with
-  ``loss_scale=s`` and must return the gradients of ``s * loss``.
+- a loss object (:class:`~shard.core._protocol.LossProvider`, [Note: the loss
+  protocol]; the torch adapter's are), or any object with
+  ``value_and_grad(params, batch) -> (loss, grads)``. With dynamic loss scaling
+  it is called with ``loss_scale=s`` and must return the gradients of
+  ``s * loss``.
 
-The unit-by-unit protocol (``Layered`` has it; an object may too, as the torch
-adapter does, to run stage 3 within the memory bound):
+The unit-by-unit member (``Layered`` has it; a loss object may too, as the torch
+adapter's do, to run stage 3 within the memory bound):
 ``run_units(units, reducer, batch, scale) -> loss``, where ``units.get(u,
 upcoming)`` returns unit ``u``'s full leaves (starting the gathers of
 ``upcoming``), ``reducer.add(u, grads)`` takes its leaf gradients of ``scale *
@@ -32,12 +34,13 @@ import numpy as np
 
 from ops.device._dlpack import jax_view
 from shard.core._data_rank import unbound_axis
+from shard.core._protocol import LossProvider
 from shard.monitor._profile import timed
 
 __all__ = ["Layered"]
 
 
-class Layered:
+class Layered(LossProvider):
     """A loss written as one JAX layer per unit.
 
     ``layers[i](params_i, carry, batch) -> carry`` where ``params_i`` is the
@@ -277,7 +280,7 @@ class _UnitLayer:
         return bwd(kept, flat, c, b, ct)
 
 
-class JaxLoss:
+class JaxLoss(LossProvider):
     """A monolithic JAX loss with a jitted, loss-scaled value_and_grad. With
     ``has_aux`` the function returns ``(loss, aux)``, as for
     ``jax.value_and_grad(..., has_aux=True)``, and so does ``value_and_grad``'s
@@ -407,22 +410,10 @@ def _checked(pair: tuple[Any, Any], has_aux: bool) -> Any:
     return pair if has_aux else pair[0]
 
 
-def check_scalar(loss: Any) -> None:
-    """A TypeError unless the loss is a scalar (before JAX's own, which does
-    not say what to do)."""
-    shape = getattr(loss, "shape", ())
+def check_scalar(value: Any) -> None:
+    """A TypeError unless the loss's value is a scalar (before JAX's own, which
+    does not say what to do)."""
+    shape = getattr(value, "shape", ())
     if tuple(shape) != ():
         raise TypeError(f"the loss must return a scalar; it returned shape {tuple(shape)} "
                         "(reduce it, for example with .mean())")
-
-
-def classify(loss_fn: Any) -> str:
-    """'layered', 'provider' or 'jax'; a TypeError for anything else."""
-    if isinstance(loss_fn, Layered):
-        return "layered"
-    if hasattr(loss_fn, "value_and_grad"):
-        return "provider"
-    if callable(loss_fn):
-        return "jax"
-    raise TypeError(f"loss_fn must be a JAX function (params, batch) -> loss, a shard.Layered, or "
-                    f"an object with value_and_grad(params, batch); got {type(loss_fn).__name__}")

@@ -25,7 +25,7 @@ def balance_by_time(loss: Any, params: list[Any], batch: Any, stages: int, *,
     if len(params) != len(loss.layers):
         raise ValueError(f"balance_by_time: {len(loss.layers)} layers but {len(params)} "
                          "entries in params")
-    if hasattr(loss, "layer_times"):
+    if loss.layer_times is not None:
         times = loss.layer_times(batch, repeats)
     else:
         times = _jax_layer_times(loss, params, batch, repeats)

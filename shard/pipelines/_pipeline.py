@@ -54,6 +54,7 @@ from ops.device._device import device_of
 from ops.device._dlpack import to_native
 from shard.core._loss import Layered
 from shard.core._mesh import Mesh
+from shard.core._protocol import LossProvider
 from shard.monitor._profile import timed
 from shard.pipelines._balance import _balanced, _size, balance_by_time
 from shard.pipelines._jax import JaxStage
@@ -104,7 +105,8 @@ def pipeline(loss: Any, *, comm: Communicator | None = None, stages: int | None 
     elif comm is None or stages is None:
         raise TypeError("pipeline: give comm= and stages=, or mesh=shard.Mesh(comm, "
                         "{'pipe': P, 'data': D})")
-    if not isinstance(loss, Layered) and not hasattr(loss, "stage"):
+    if not isinstance(loss, Layered) and not (isinstance(loss, LossProvider)
+                                              and loss.make_stage is not None):
         raise TypeError(f"pipeline: loss must be a shard.Layered or the loss of "
                         f"interop.torch.layered(...); got {type(loss).__name__}")
     if not isinstance(stages, int) or stages < 1 or comm.world_size % stages:
@@ -133,7 +135,7 @@ def pipeline(loss: Any, *, comm: Communicator | None = None, stages: int | None 
 
 
 @dataclass
-class Pipeline:
+class Pipeline(LossProvider):
     """This rank's pipeline stage: the loss object a ZeRO transform takes."""
 
     loss: Layered
@@ -153,7 +155,7 @@ class Pipeline:
     def tensor_parallel(self) -> Any:
         """The layers' split by ``interop.torch.parallelize`` (their params are
         slices already), if any."""
-        return getattr(self.loss, "tensor_parallel", None)
+        return self.loss.tensor_parallel
 
     # -- layout ---------------------------------------------------------------
     def layers_of(self, params: list[Any]) -> range:
@@ -204,18 +206,11 @@ class Pipeline:
     def claim(self, comm: Communicator) -> None:
         """A torch stage's modules serve one rank of the whole mesh (see
         ``interop.torch.layered``)."""
-        if hasattr(self.loss, "claim"):
-            self.loss.claim(self.world)
+        self.loss.claim(self.world)
 
-    @property
-    def cast_forward_inputs(self) -> bool:
+    def set_cast_forward_inputs(self, value: bool) -> None:
         """A torch stage's own casting of its first input (``Precision``'s)."""
-        return bool(getattr(self.loss, "cast_forward_inputs", True))
-
-    @cast_forward_inputs.setter
-    def cast_forward_inputs(self, value: bool) -> None:
-        if hasattr(self.loss, "cast_forward_inputs"):
-            self.loss.cast_forward_inputs = value
+        self.loss.set_cast_forward_inputs(value)
 
     @property
     def jax_batch(self) -> bool:
@@ -227,6 +222,11 @@ class Pipeline:
     def norm_comm(self) -> Communicator:
         """The gradient norm and the loss sum over the whole mesh."""
         return self.world
+
+    @property
+    def data_axis(self) -> Communicator:
+        """The stage's data ranks, over which its ZeRO step shards."""
+        return self.data
 
     # -- the step -------------------------------------------------------------
     def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> Any:
@@ -268,13 +268,11 @@ class Pipeline:
     def loss_units(self, units: Any, batch: Any) -> float:
         """Every micro-batch's forward through the stages, no gradients (for
         ``step.evaluate``); the mean loss on the last stage, 0 elsewhere."""
-        from contextlib import nullcontext
-
         m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
         micro, rows = _split(batch, m)
         self._begin(backward=False, rows=rows)
         losses, sends = [], []
-        with getattr(self.loss, "evaluating", nullcontext)():
+        with self.loss.evaluating():
             runner = self._runner(units, True)  # keeps only each micro-batch's input
             for k in range(m):
                 out = runner.forward(k, None if first else self._recv(self.stage - 1), micro[k])
@@ -290,7 +288,7 @@ class Pipeline:
         layers = getattr(self, "_layers", None)
         if layers is None:
             raise RuntimeError("pipeline: call step.init(pipe.params(params)) first")
-        make = getattr(self.loss, "stage", None)
+        make = self.loss.make_stage
         if make is not None:
             return make(units, layers, checkpointing=checkpointing)
         return JaxStage(self.loss, units, layers, checkpointing)

@@ -134,7 +134,7 @@ def cast_inputs(plan: Any, batch: Any) -> Any:
     """A JAX loss's batch with its floating arrays in the compute dtype (see
     ``Precision.cast_forward_inputs``; a torch module casts in its forward)."""
     p, c = plan.precision, plan.config
-    jax_batch = c.kind != "provider" or getattr(c.loss_fn, "jax_batch", False)
+    jax_batch = c.kind != "provider" or c.loss_fn.jax_batch
     if (not jax_batch or not p.cast_forward_inputs or p.param_dtype is None
             or p.param_dtype == plan.master_dtype):
         return batch
@@ -224,13 +224,14 @@ def eval_loss(c: Any, loss_fn: Any) -> Any:
     """``ZeroStep.evaluate``'s ``loss_fn``: a JAX function of the step's params,
     for a step on a JAX loss."""
     from shard.core._loss import JaxLoss
+    from shard.core._protocol import classify
 
     if c.kind != "jax":
         raise TypeError(f"{c.name}.evaluate: loss_fn= is for a step on a JAX loss function; "
                         "this step's loss is a "
                         f"{'shard.Layered' if c.kind == 'layered' else 'loss object'} (a torch "
                         "module already evaluates in eval mode)")
-    if not callable(loss_fn) or hasattr(loss_fn, "value_and_grad"):
+    if not callable(loss_fn) or classify(loss_fn) != "jax":
         raise TypeError(f"{c.name}.evaluate: loss_fn must be a JAX function (params, batch) -> "
                         f"loss; got {type(loss_fn).__name__}")
     return JaxLoss.shared(loss_fn, c.has_aux)

@@ -7,9 +7,10 @@ from typing import Any
 
 from ops import Communicator, FusedOptimizer
 from shard.core._data_rank import check_key
-from shard.core._loss import JaxLoss, classify
+from shard.core._loss import JaxLoss
 from shard.core._optim import is_transformation
 from shard.core._policy import LossScale, Precision
+from shard.core._protocol import LossProvider, Provided, classify
 from shard.offload._offload import Offload
 from shard.offload._step import check_offload
 
@@ -25,7 +26,7 @@ class StepConfig:
 
     name: str
     stage: int
-    loss_fn: Any  # a JAX loss wrapped in JaxLoss; Layered and loss objects as given
+    loss_fn: LossProvider  # JaxLoss for a JAX function, Provided for a bare object
     kind: str  # "jax", "layered" or "provider" (see classify)
     optimizer: Any  # a FusedOptimizer, or an optax GradientTransformation
     comm: Communicator
@@ -77,6 +78,11 @@ class StepConfig:
         if not isinstance(comm, Communicator):
             raise TypeError(f"{name}: comm must be an ops.Communicator (from ops.spawn or "
                             f"ops.init_from_env); got {type(comm).__name__}")
+        kind = classify(loss_fn)
+        # what the step reads of the loss (see [Note: the loss protocol]): a loss
+        # object's own answers, a JAX function's for a function
+        reads = loss_fn if isinstance(loss_fn, LossProvider) else (
+            Provided(loss_fn) if kind == "provider" else LossProvider())
         if clip_norm is not None and not clip_norm > 0:
             raise ValueError(f"{name}: clip_norm must be > 0; got {clip_norm!r}")
         if prefetch < 0:
@@ -90,7 +96,7 @@ class StepConfig:
             if stage == 0:
                 raise ValueError(f"{name}: zero0 keeps everything whole on every rank: give "
                                  "it the whole communicator instead of replicate=")
-            if hasattr(loss_fn, "norm_comm"):
+            if reads.norm_comm is not None:
                 raise ValueError(f"{name}: a pipeline's stages have their own data axis; "
                                  "replicate= is for a step over one communicator")
             if offload is not None and offload.overlap:
@@ -107,18 +113,17 @@ class StepConfig:
                 if bad:
                     raise NotImplementedError(f"{name}: tensor_parallel= does not compose "
                                               f"with {what}; drop one of them")
-        split = getattr(loss_fn, "tensor_parallel", None)  # interop.torch.parallelize's module
+        split = reads.tensor_parallel  # interop.torch.parallelize's module
         if split is not None and split is not tensor_parallel:
             raise ValueError(f"{name}: the loss's module was split by interop.torch.parallelize: "
                              "pass the TensorParallel it returned as tensor_parallel=")
-        data = getattr(loss_fn, "data", None)  # a pipeline stage: ZeRO runs on its data axis
-        if (isinstance(data, Communicator) and hasattr(loss_fn, "pipe") and comm is not data
-                and comm.world_size != data.world_size):
+        data = reads.data_axis  # a pipeline stage: ZeRO runs on its data axis
+        if data is not None and comm is not data and comm.world_size != data.world_size:
             raise ValueError(f"{name}: a pipeline's step runs on its data axis: pass "
                              f"comm=pipe.data ({data.world_size} rank(s)); got a communicator "
                              f"of {comm.world_size} ranks")
         secondary = _secondary(name, stage, comm, reshard_after_forward, replicate=replicate,
-                               tensor_parallel=tensor_parallel, loss_fn=loss_fn)
+                               tensor_parallel=tensor_parallel, loss_fn=reads)
         f = gradient_divide_factor
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
                               or not f > 0 or f != f or f == float("inf")):
@@ -135,11 +140,10 @@ class StepConfig:
             if not callable(lg):
                 raise TypeError(f"{name}: loggers must be callables (step, metrics), such as "
                                 f"shard.CSVLogger; got {type(lg).__name__}")
-        kind = classify(loss_fn)
         if not isinstance(weight_by_rows, bool):
             raise TypeError(f"{name}: weight_by_rows must be True or False; got "
                             f"{weight_by_rows!r}")
-        if weight_by_rows and hasattr(loss_fn, "norm_comm"):
+        if weight_by_rows and reads.norm_comm is not None:
             raise ValueError(f"{name}: weight_by_rows is for data-parallel ranks; a pipeline's "
                              "stages see the same micro-batches (give its data ranks equal "
                              "rows)")
@@ -149,21 +153,21 @@ class StepConfig:
                              "of them")
         if not isinstance(has_aux, bool):
             raise TypeError(f"{name}: has_aux must be True or False; got {has_aux!r}")
-        if has_aux and kind != "jax" and not getattr(loss_fn, "supports_aux", False):
+        if has_aux and kind != "jax" and not reads.supports_aux:
             raise TypeError(f"{name}: has_aux=True is for a JAX loss function or "
                             "interop.torch.functional's loss; this "
                             f"{type(loss_fn).__name__} returns its loss alone")
-        if getattr(loss_fn, "supports_aux", False):  # the loss object splits (loss, aux)
-            loss_fn.has_aux = has_aux
+        if reads.supports_aux:  # the loss object splits (loss, aux)
+            reads.set_has_aux(has_aux)
         if units is None:  # a loss object may know its model's units (interop.torch does)
-            units = getattr(loss_fn, "units", None) if kind == "provider" else None
+            units = reads.units if kind == "provider" else None
         if key is not None:  # see [Note: per-rank keys]
             if kind != "jax":
                 raise NotImplementedError(f"{name}: key= gives a JAX loss function its "
                                           "random keys; this "
                                           f"{type(loss_fn).__name__} draws its own")
             key = check_key(name, key)
-        loss = JaxLoss.shared(loss_fn, has_aux) if kind == "jax" else loss_fn
+        loss = JaxLoss.shared(loss_fn, has_aux) if kind == "jax" else reads
         return cls(name, stage, loss, kind, optimizer, comm, specs, units,
                    precision or Precision(), clip_norm, loss_scale, prefetch, loggers, offload,
                    gradient_accumulation_steps, has_aux, weight_by_rows, replicate,
@@ -172,7 +176,8 @@ class StepConfig:
 
 
 def _secondary(name: str, stage: int, comm: Communicator, reshard: Any, *, replicate: Any,
-               tensor_parallel: Any, loss_fn: Any) -> tuple[Communicator, Communicator] | None:
+               tensor_parallel: Any, loss_fn: LossProvider
+               ) -> tuple[Communicator, Communicator] | None:
     """``reshard_after_forward``'s communicators (see [Note: secondary shards]):
     None for True (or an int equal to the world size), else the mesh of
     ``nodes x reshard_after_forward`` ranks' two axes, made here by every rank."""
@@ -193,7 +198,7 @@ def _secondary(name: str, stage: int, comm: Communicator, reshard: Any, *, repli
         return None
     for what, bad in (("replicate=", replicate is not None),
                       ("tensor_parallel=", tensor_parallel is not None),
-                      ("a pipeline", hasattr(loss_fn, "norm_comm"))):
+                      ("a pipeline", loss_fn.norm_comm is not None)):
         if bad:
             raise NotImplementedError(f"{name}: reshard_after_forward={reshard!r} does not "
                                       f"compose with {what}; keep the default True")

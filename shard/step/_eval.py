@@ -26,14 +26,13 @@ def evaluate(plan: Any, units: Units, batch: Any, loss_fn: Any = None) -> Any:
     fn = c.loss_fn if loss_fn is None else loss_fn
     aux = None
     with _grads.placement(plan):
-        if loss_fn is None and (c.kind == "layered" or hasattr(fn, "loss_units")):
+        if loss_fn is None and (c.kind == "layered" or fn.loss_units is not None):
             loss = fn.loss_units(units, batch)  # unit by unit
         elif c.kind == "jax" and not units.persistent:  # see [Note: traced units]
             loss = _traced.traced(fn).loss_units(units, batch)
         else:
             params = _grads.whole_params(plan, units)
-            value = getattr(fn, "loss_value", None)
-            loss = value(params, batch) if value is not None else \
+            loss = fn.loss_value(params, batch) if fn.loss_value is not None else \
                 fn.value_and_grad(params, batch)[0]
             del params
         with_aux = fn.has_aux if isinstance(fn, JaxLoss) else c.has_aux
@@ -42,7 +41,7 @@ def evaluate(plan: Any, units: Units, batch: Any, loss_fn: Any = None) -> Any:
         total = _grads.on_device(plan, loss, "the loss").astype(np.float64)
     # a pipeline's loss is its last stage's: summed over the whole mesh, where
     # each model rank holds the same loss (counted at model rank 0)
-    mesh = getattr(c.loss_fn, "norm_comm", None)
+    mesh = c.loss_fn.norm_comm
     if mesh is not None and c.tensor_parallel is not None and c.tensor_parallel.rank > 0:
         total = total * 0
     total = ops.all_reduce(mesh or c.comm, total)

@@ -77,13 +77,13 @@ __all__ = ["Packing", "copies_packing", "copy_left", "copy_views", "frozen_leave
            "outside", "trainable_runs", "views"]
 
 
-def frozen_leaves(trainable: Any, loss_fn: Any, params: Any, fn: str) -> frozenset[int]:
+def frozen_leaves(trainable: Any, names: frozenset[str] | None, params: Any,
+                  fn: str) -> frozenset[int]:
     """The indices (in leaf order) of the leaves of ``params`` that do not train:
     ``trainable``'s False entries, or a torch loss's ``requires_grad=False``
-    parameters (its ``frozen`` names)."""
+    parameters (``names``, a loss object's ``frozen``)."""
     tu = tree_util()
     with_paths, treedef = tu.tree_flatten_with_path(params)
-    names = getattr(loss_fn, "frozen", None)
     if trainable is None:
         if not names:
             return frozenset()

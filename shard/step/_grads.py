@@ -129,8 +129,7 @@ def loss_and_grads(plan: Any, units: Units, reducer: GradReducer, batch: Any,
     if c.kind == "jax" and not units.persistent:  # see [Note: traced units]
         return _traced.traced(loss_fn).run_units(units, reducer, batch, scale)
     # Unit by unit: stage 3 within its memory bound, each reduction overlapped
-    if hasattr(loss_fn, "run_units") and (
-            getattr(loss_fn, "hooks_usable", lambda comm: True)(c.comm)):
+    if loss_fn.run_units is not None and loss_fn.hooks_usable(c.comm):
         return loss_fn.run_units(units, reducer, batch, scale)
     params = whole_params(plan, units)
     kwargs = {"loss_scale": scale} if (c.loss_scale or c.kind == "jax" or scale != 1.0) else {}

@@ -31,7 +31,7 @@ def from_params(c: StepConfig, params: Any, device: Device | None, current: Devi
     otherwise), or shapes a loss object can materialise."""
     fn = f"{c.name}.init"
     tu = ops._tree.tree_util()
-    if c.tensor_parallel is not None and getattr(c.loss_fn, "tensor_parallel", None) is None:
+    if c.tensor_parallel is not None and c.loss_fn.tensor_parallel is None:
         params = c.tensor_parallel.shard(params)  # this model rank's slices of the whole params
     _checks.refuse_keys(params, fn)
     raw, treedef = tu.tree_flatten(params)
@@ -55,14 +55,14 @@ def from_params(c: StepConfig, params: Any, device: Device | None, current: Devi
         for comm in (c.comm, c.replicate) if c.replicate is not None else (c.comm,):
             _checks.agree_on_values(comm, digest, fn, *remedy)
         return by_units(c, plan, lambda u, i: [leaves[j] for j in i], check=False)
-    materialize = getattr(c.loss_fn, "materialize", None)
+    materialize = c.loss_fn.materialize
     if materialize is None:
         raise TypeError(f"{fn}: the params are shapes only (no values); give arrays, or "
                         f"let each rank build them one unit at a time with "
                         f"{c.name}.init_from(init_fn, key)")
     paths = [p for p, _ in tu.tree_flatten_with_path(params)[0]]
     shapes = tu.tree_unflatten(treedef, leaves)  # meta tensors read as Shapes
-    plan = make_plan(c, shapes, device=device or getattr(c.loss_fn, "materialize_device", None))
+    plan = make_plan(c, shapes, device=device or c.loss_fn.materialize_device)
     return by_units(c, plan, lambda u, i: materialize([paths[j] for j in i]))
 
 

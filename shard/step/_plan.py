@@ -219,8 +219,7 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     ``device`` does (default: the host)."""
     w, fn = config.comm.world_size, f"{config.name}.init"
     loss_fn = config.loss_fn
-    if hasattr(loss_fn, "claim"):  # a loss object that serves one rank
-        loss_fn.claim(config.comm)
+    loss_fn.claim(config.comm)  # a loss object that serves one rank binds to it
     found, _ = native_leaves(ops._tree.tree_leaves(params), fn)
     layout = make_layout(params, config.specs, world_size=1 if config.stage == 0 else w,
                          units=config.units, fn=fn)
@@ -256,15 +255,14 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
         agree_on_layout(tp.comm, layout, fn)
         model_whole = frozenset(i for i, d in enumerate(tp.dims(params, whole=False))
                                 if d is None)
-    if hasattr(loss_fn, "cast_forward_inputs"):  # the torch adapter casts itself
-        loss_fn.cast_forward_inputs = precision.cast_forward_inputs
+    loss_fn.set_cast_forward_inputs(precision.cast_forward_inputs)  # a torch module casts itself
     full_layout = make_layout(params, config.specs, world_size=1, units=config.units)
     if config.stage == 3 and w > 1 and config.comm.rank == 0:
         _warn_if_one_unit_dominates(config.name, full_layout)
     where = found or device or HOST
     optimizer = on_shards(config.optimizer, layout, stage=config.stage, master_dtype=master_dtype,
                           device_host=where.host, offload=config.offload is not None, fn=fn)
-    frozen = frozen_leaves(config.trainable, loss_fn, params, fn)
+    frozen = frozen_leaves(config.trainable, loss_fn.frozen, params, fn)
     copy_plans = CopyPlans(layout, full_layout)
     grads = gradient_layout(layout, frozen)
     return Plan(config, layout, full_layout, np.dtype(master_dtype), precision, where,
@@ -327,7 +325,7 @@ def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,
     meta = StateMeta(plan.layout, c.stage, c.comm.rank, plan.precision, str(master_dtype),
                      str(compute_dtype), device.name,
                      c.offload.optimizer if c.offload else None, plan.compute_on_host,
-                     plan.optimizer.moments, getattr(c.loss_fn, "module_state", None), plan)
+                     plan.optimizer.moments, c.loss_fn.module_state, plan)
     if loss_scale is None:
         loss_scale = c.loss_scale.initial if c.loss_scale else 1.0
     if hysteresis is None:

@@ -242,7 +242,7 @@ class ZeroStep:
         if tokens is not None:
             metrics.add(tokens_per_s=1e3 * int(tokens) / max(split["step"], 1e-9))
         c = self.config
-        world = getattr(c.loss_fn, "norm_comm", c.comm)  # a pipeline's whole mesh
+        world = c.loss_fn.norm_comm or c.comm  # a pipeline's whole mesh
         first = (world.rank == 0 and (c.replicate is None or c.replicate.rank == 0)
                  and (c.tensor_parallel is None or c.tensor_parallel.rank == 0))
         for logger in c.loggers if first else ():

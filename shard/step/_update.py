@@ -90,7 +90,7 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
             for g in shards:
                 plan.replica.all_reduce_(g, "sum")
     sharded, replicated = [], []
-    skip = set(getattr(c.loss_fn, "norm_skip", ()))  # copies of a tied weight
+    skip = set(c.loss_fn.norm_skip)  # copies of a tied weight
     tp = c.tensor_parallel  # see [Note: tensor parallelism with ZeRO]
     if tp is not None and tp.rank > 0:
         skip |= plan.model_whole  # counted at model rank 0
@@ -103,7 +103,7 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
         replicated, sharded = sharded + replicated, []
     if sharded:
         ops.sum_of_squares(sharded, out=totals[0:1])
-    mesh = getattr(c.loss_fn, "norm_comm", None)
+    mesh = c.loss_fn.norm_comm
     if mesh is not None:  # a pipeline stage: over the whole mesh (see [Note: pipeline])
         if replicated and c.comm.rank == 0:  # once per stage
             totals[0:1] += ops.sum_of_squares(replicated)
@@ -141,7 +141,7 @@ def warn_if_rows_differ(c: Any, host: np.ndarray) -> bool:
     the same (see [Note: rows across ranks]); whether it did."""
     n, total = c.ranks, float(host[2])
     if (float(host[4]) != n or n * float(host[3]) == total * total
-            or hasattr(c.loss_fn, "norm_comm")):
+            or c.loss_fn.norm_comm is not None):
         return False  # some rank could not count, rows agreed, or a pipeline
     if c.comm.rank == 0:
         log.warning("%s: the ranks' batches hold different numbers of rows (%d rows over %d "
@@ -155,8 +155,7 @@ def tracks_missing(c: Any) -> bool:
     """Whether the step asks its loss which leaves got no gradient: a torch
     module's (a JAX gradient is always defined), outside a pipeline, whose
     stages' all-reduce spans other layouts (see [Note: missing gradients])."""
-    return c.kind == "provider" and hasattr(c.loss_fn, "missing") and \
-        getattr(c.loss_fn, "norm_comm", None) is None
+    return c.kind == "provider" and c.loss_fn.reports_missing and c.loss_fn.norm_comm is None
 
 
 def count_missing(totals: Any, missing: frozenset[int], device: Any) -> None:

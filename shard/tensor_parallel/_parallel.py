@@ -31,7 +31,7 @@ from ops import Communicator
 from ops._tree import tree_util
 from ops.device._device import device_of_or_none
 from shard.core._mesh import Mesh
-from shard.core._split import Split, joined_stack, take_split
+from shard.core._specs import Split, joined_stack, take_split
 from shard.tensor_parallel._jax import Collectives
 
 __all__ = ["Packed", "TensorParallel"]
@@ -40,7 +40,7 @@ __all__ = ["Packed", "TensorParallel"]
 class Packed:
     """The spec of a packed leaf: ``blocks`` equal blocks laid end to end along
     the dimension ``spec`` splits, each split over the model ranks on its own
-    (see [Note: packed splits] in ``shard/core/_split.py``).
+    (see [Note: packed splits] in ``shard/core/_specs.py``).
 
     A fused query-key-value weight ``(d, 3 d)`` used as ``x @ w`` is
     ``Packed(P(None, "model"), 3)``: each model rank holds its heads' columns of

@@ -1,0 +1,140 @@
+"""What a ZeRO step asks of a loss object: :class:`LossProvider`.
+
+[Note: the loss protocol]
+A step takes a JAX function, a :class:`shard.Layered`, or a loss object: the
+torch adapter's (``interop.torch.functional`` and ``layered``), a pipeline
+stage (``shard.pipeline``), or a user's own object with
+``value_and_grad(params, batch)``. Everything the step reads from a loss is a
+member of :class:`LossProvider`, each with a default that means "this loss does
+not do that" (a JAX function's answer), so the step reads members and never
+asks whether one exists. The library's loss objects subclass it and override
+what they do; a plain JAX function is wrapped in ``JaxLoss``, a ``Layered`` is
+one, and a user's object that is not is wrapped in :class:`Provided`, which
+answers ``value_and_grad`` from it and the defaults for the rest.
+
+What the step hands a loss is explicit too: ``claim(comm)`` at ``init``
+(the rank a torch module serves), ``set_cast_forward_inputs`` from the
+precision policy, ``set_has_aux`` from the transform's ``has_aux=``, and, per
+step, the params, the batch, the loss scale, or, unit by unit, the units and
+the gradient reducer (``run_units``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+__all__ = ["LossProvider", "Provided", "classify"]
+
+
+class LossProvider:
+    """The members a ZeRO step reads from a loss; each default is a plain JAX
+    function's (see [Note: the loss protocol])."""
+
+    # -- the model --------------------------------------------------------------
+    #: The model's units (a callable from a leaf's key path to its unit key, as
+    #: ``units=``), when the loss knows them (a torch module's modules).
+    units: Any = None
+    #: Names of the top-level leaves that do not train (``requires_grad=False``).
+    frozen: frozenset[str] | None = None
+    #: A torch module split by ``interop.torch.parallelize``: its TensorParallel.
+    tensor_parallel: Any = None
+    #: Whether the loss may return ``(loss, aux)`` (the transforms' ``has_aux``).
+    supports_aux: bool = False
+    #: Whether the step casts the batch under a precision policy (a JAX batch).
+    jax_batch: bool = False
+
+    # -- a pipeline stage --------------------------------------------------------
+    #: The communicator over the whole mesh that norms and loss sums span (a
+    #: pipeline stage's), or None.
+    norm_comm: Any = None
+    #: Leaves (by index) the norm counts elsewhere: copies of a tied weight.
+    norm_skip: tuple[int, ...] = ()
+    #: A pipeline stage's data axis, on which its ZeRO step must run.
+    data_axis: Any = None
+
+    # -- gradients the loss did not give (see [Note: missing gradients]) ----------
+    #: Whether the loss reports the trainable leaves that got no gradient.
+    reports_missing: bool = False
+    #: Those leaves (by index) in its last call.
+    missing: frozenset[int] = frozenset()
+
+    # -- module state, checkpoints and meta-device init --------------------------
+    #: ``() -> (buffers, dtypes)``: a torch module's buffers for a checkpoint.
+    module_state: Callable[[], Any] | None = None
+    #: ``(buffers, where) -> None``: a checkpoint's buffers into the module.
+    load_buffers: Callable[[Any, str], None] | None = None
+    #: ``() -> params of ShapeDtypeStruct``: what a checkpoint must hold.
+    params_like: Callable[[], Any] | None = None
+    #: ``(paths) -> values``: a meta-device module's units, materialised.
+    materialize: Callable[[list[tuple]], list[Any]] | None = None
+    #: Where ``materialize`` puts them (an ``ops.Device``), or None.
+    materialize_device: Any = None
+
+    # -- running -----------------------------------------------------------------
+    #: ``(units, reducer, batch, scale) -> loss``: a step unit by unit, each
+    #: unit gathered where it is used and its gradient handed to the reducer.
+    run_units: Callable[..., Any] | None = None
+    #: ``(units, batch) -> loss``: the same forward without gradients.
+    loss_units: Callable[..., Any] | None = None
+    #: ``(params, batch) -> loss``: the loss alone, without gradients.
+    loss_value: Callable[..., Any] | None = None
+
+    # -- a pipeline's layers (``shard.pipeline`` takes a loss with ``layers``) ----
+    #: ``(units, layers, *, checkpointing) -> runner``: a stage of torch
+    #: modules (``interop.torch.layered``'s); None runs JAX layers.
+    make_stage: Callable[..., Any] | None = None
+    #: ``(batch, repeats) -> seconds per layer``: measured by the loss itself.
+    layer_times: Callable[..., Any] | None = None
+
+    def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> Any:
+        """``(loss, grads)`` of ``loss_scale * loss`` at the whole ``params``."""
+        raise NotImplementedError(f"{type(self).__name__} runs unit by unit (run_units); it "
+                                  "has no gradients of whole params in one call")
+
+    def hooks_usable(self, comm: Any) -> bool:
+        """Whether ``run_units`` may run collectives inside the backward on ``comm``."""
+        return True
+
+    def claim(self, comm: Any) -> None:
+        """Bind the loss to ``comm``'s rank (``init`` calls it); by default nothing."""
+
+    def set_cast_forward_inputs(self, value: bool) -> None:
+        """The precision policy's ``cast_forward_inputs``, for a loss that casts
+        its own inputs (a torch module); by default nothing."""
+
+    def set_has_aux(self, value: bool) -> None:
+        """The transform's ``has_aux``, for a loss object that splits
+        ``(loss, aux)`` itself (``supports_aux``); by default nothing."""
+
+    def evaluating(self) -> AbstractContextManager[Any]:
+        """A context in which the loss runs in eval mode (a torch module's)."""
+        return nullcontext()
+
+
+class Provided(LossProvider):
+    """A user's loss object with ``value_and_grad(params, batch)`` and nothing
+    else the step reads: its ``value_and_grad``, the defaults for the rest."""
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> Any:
+        if loss_scale == 1.0:
+            return self.obj.value_and_grad(params, batch)
+        return self.obj.value_and_grad(params, batch, loss_scale=loss_scale)
+
+
+def classify(loss_fn: Any) -> str:
+    """'layered', 'provider' or 'jax'; a TypeError for anything else."""
+    from shard.core._loss import Layered
+
+    if isinstance(loss_fn, Layered):
+        return "layered"
+    if isinstance(loss_fn, LossProvider) or callable(getattr(loss_fn, "value_and_grad", None)):
+        return "provider"
+    if callable(loss_fn):
+        return "jax"
+    raise TypeError(f"loss_fn must be a JAX function (params, batch) -> loss, a shard.Layered, or "
+                    f"an object with value_and_grad(params, batch); got {type(loss_fn).__name__}")
