@@ -17,6 +17,7 @@ $(STAMP): pyproject.toml
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/mypy
 
 # Every test on two workers (each idle one takes the next test), the slowest 50
 # listed at the end.

@@ -121,7 +121,7 @@ def to_jax(x: Any, *, copy: bool = False) -> Any:
             raise TypeError(f"to_jax: dtype {a.dtype} has no jax equivalent")
         import jax
 
-        if a.dtype.itemsize == 8 and not jax.config.jax_enable_x64:
+        if a.dtype.itemsize == 8 and not jax.config.read("jax_enable_x64"):
             if not copy:
                 raise TypeError(f"to_jax: JAX would narrow {a.dtype} to 32 bits (a copy) "
                                 "because jax_enable_x64 is off; enable it, or pass copy=True")

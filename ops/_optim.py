@@ -30,7 +30,7 @@ Schedule = Callable[[int], float]
 class AdamState(NamedTuple):
     """Adam's state: ``count`` updates applied so far, moments ``mu`` and ``nu``."""
 
-    count: np.ndarray  # int64 scalar
+    count: np.ndarray  # type: ignore[assignment]  # optax's name; shadows tuple.count
     mu: Any
     nu: Any
 
@@ -38,7 +38,7 @@ class AdamState(NamedTuple):
 class LionState(NamedTuple):
     """Lion's state: ``count`` updates applied so far and its moment ``mu``."""
 
-    count: np.ndarray  # int64 scalar
+    count: np.ndarray  # type: ignore[assignment]  # optax's name; shadows tuple.count
     mu: Any
 
 

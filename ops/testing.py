@@ -239,9 +239,9 @@ def _install_operators() -> None:
     for name in ("add", "sub", "mul", "truediv"):
         setattr(StandInArray, f"__i{name}__",
                 lambda self, other, op=binary[name]: self._inplace(other, op))
-    StandInArray.__neg__ = lambda self: _result(np.negative(self._a))
-    StandInArray.__abs__ = lambda self: _result(np.abs(self._a))
-    StandInArray.__hash__ = None
+    setattr(StandInArray, "__neg__", lambda self: _result(np.negative(self._a)))  # noqa: B010
+    setattr(StandInArray, "__abs__", lambda self: _result(np.abs(self._a)))  # noqa: B010
+    setattr(StandInArray, "__hash__", None)  # noqa: B010 (mutable, as CuPy's arrays)
 
 
 _install_operators()

@@ -145,9 +145,10 @@ class DeepSpeedConfig:
             raise ValueError("from_deepspeed_config: the config has no \"optimizer\" block; "
                              "pass the optimizer as DeepSpeed's initialize takes it: "
                              "config.transform(loss, comm=comm, optimizer=ops.adamw(...))")
-        kw = dict(optimizer=self.optimizer, precision=self.precision, clip_norm=self.clip_norm,
-                  loss_scale=self.loss_scale, loggers=self.loggers,
-                  gradient_accumulation_steps=self.gradient_accumulation_steps)
+        kw: dict[str, Any] = dict(
+            optimizer=self.optimizer, precision=self.precision, clip_norm=self.clip_norm,
+            loss_scale=self.loss_scale, loggers=self.loggers,
+            gradient_accumulation_steps=self.gradient_accumulation_steps)
         if self.offload:
             kw["offload"] = self.offload
         if self.reshard_after_forward is not True:
@@ -199,13 +200,12 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
     if unsupported not in ("error", "warn"):
         raise ValueError(f"from_deepspeed_config: unsupported must be 'error' or 'warn'; got "
                          f"{unsupported!r}")
-    if not isinstance(config, dict):
-        config = json.loads(Path(config).read_text())
+    given = config if isinstance(config, dict) else json.loads(Path(config).read_text())
     args = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fp16=fp16, bf16=bf16,
                 warmup_steps=warmup_steps, total_steps=total_steps, clip_norm=clip_norm,
                 micro_batch_size=micro_batch_size,
                 gradient_accumulation_steps=gradient_accumulation_steps)
-    cfg, tuning = _resolve(copy.deepcopy(config), args)
+    cfg, tuning = _resolve(copy.deepcopy(given), args)
     bad: list[str] = []
 
     zero = dict(cfg.pop("zero_optimization", {}) or {})

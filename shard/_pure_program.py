@@ -209,8 +209,8 @@ class Program:
                 out, new = (out[0], out[1][1]), out[1][0]
             else:
                 out, new = out[0], out[1]
-            if jax.tree_util.tree_structure(new) != jax.tree_util.tree_structure(
-                    state.model_state):
+            structure: Any = jax.tree_util.tree_structure(new)
+            if structure != jax.tree_util.tree_structure(state.model_state):
                 raise TypeError("pure_zero3: the loss returned a model state of another "
                                 "structure than the state's")
         value, aux = split_aux(out, self.has_aux)
@@ -231,7 +231,7 @@ class Program:
         for x in leaves:
             out.append(flat[at:at + x.size].reshape(x.shape))
             at += x.size
-        return treedef.unflatten(out)
+        return jax.tree_util.tree_unflatten(treedef, out)
 
     def _same_everywhere(self, tree: Any, rank: Any) -> Any:
         """``tree`` made the same on every rank: floating-point leaves averaged,
@@ -259,7 +259,7 @@ class Program:
                 n = leaves[i].size
                 out[i] = flat[at:at + n].reshape(leaves[i].shape).astype(leaves[i].dtype)
                 at += n
-        return treedef.unflatten(out)
+        return jax.tree_util.tree_unflatten(treedef, out)
 
     def _evaluate(self, state: Any, batch: Any, rank: Any, key: Any, fn: Any) -> Any:
         import jax.numpy as jnp

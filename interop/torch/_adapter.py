@@ -88,7 +88,6 @@ from interop.torch._state_dict import remember_dtypes
 from interop.torch._unit_state import _Step
 from interop.torch._units import ROOT, UnitHooks, check_owner
 from ops.device._dlpack import _torch_device, to_native, torch_view
-from shard.core._protocol import LossProvider
 from shard.monitor._profile import timed
 
 __all__ = ["TorchLoss", "functional"]
@@ -191,7 +190,7 @@ def functional(module: Any, *, loss: Callable[[Any, Any], Any],
     return params, fn
 
 
-class TorchLoss(UnitHooks, BufferState, LossProvider):
+class TorchLoss(UnitHooks, BufferState):
     """The loss object :func:`functional` returns (see [Note: torch ZeRO-3],
     [Note: torch buffers] and, for what the step reads, [Note: the loss
     protocol])."""
@@ -220,6 +219,7 @@ class TorchLoss(UnitHooks, BufferState, LossProvider):
         self._grad_hooks: list[Any] = []  # see UnitHooks._track_grads
         self._on_gpu = any(p.device.type == "cuda" for p in named.values())
         self._warned = False
+        self._like: dict[str, tuple[tuple[int, ...], str]] = {}  # set by functional
 
     def claim(self, comm: Any) -> None:
         """Bind this loss object to ``comm``'s rank (the step's ``init`` calls it): a

@@ -22,10 +22,12 @@ from typing import Any
 
 import numpy as np
 
+from shard.core._protocol import LossProvider
+
 __all__ = ["BufferState"]
 
 
-class BufferState:
+class BufferState(LossProvider):
     """Buffers and tied names of ``TorchLoss``'s module; see the Note."""
 
     module: Any

@@ -185,7 +185,9 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] 
     layers = isinstance(module, (list, tuple))
     modules = list(module) if layers else [module]
     tp = TensorParallel(mesh, axis=axis)
-    place = "cpu" if tp.comm.host_memory is not False else tp.comm.device.torch_device
+    model = tp.comm
+    assert model is not None  # a TensorParallel over a mesh has its communicator
+    place = "cpu" if model.host_memory is not False else model.device.torch_device
     for i, m in enumerate(modules):
         where = f"layers[{i}]" if layers else "module"
         if not isinstance(m, torch.nn.Module):
@@ -196,7 +198,7 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] 
         if any(p.device.type != place for p in m.parameters()):
             raise ValueError(f"parallelize: the {where}'s parameters are on "
                              f"{sorted({p.device.type for p in m.parameters()})}; the model "
-                             f"ranks' {tp.comm.backend} communicator moves {place} tensors")
+                             f"ranks' {model.backend} communicator moves {place} tensors")
     if plan is None:
         plan = None if layers else getattr(module, "_tp_plan", None)
         if not plan:
@@ -204,7 +206,7 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] 
                 "Face _tp_plan"
             raise ValueError(f"parallelize: {what}; give plan={{'*.q_proj': 'colwise', ...}}")
     styles = {pattern: _style(pattern, entry) for pattern, entry in plan.items()}
-    comm, rank, size = tp.comm, tp.rank, tp.size
+    rank, size = tp.rank, tp.size
     Copy, Reduce, Gather = _functions()
     split: dict[int, tuple[Split, Any]] = {}  # id(whole parameter) -> (split, slice)
     matched: set[str] = set()  # patterns
@@ -246,9 +248,9 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] 
                 cut(sub, "weight", where, Split(0, blocks))
                 if style != "embedding_rowwise" and sub.bias is not None:
                     cut(sub, "bias", where, Split(0, blocks))
-            sub.forward = types.MethodType(_forward(style, comm, rank, Copy, Reduce, Gather),
-                                           sub)
-            sub._zeroshard_tensor_parallel = tp
+            setattr(sub, "forward", types.MethodType(  # noqa: B010 (a module's own forward)
+                _forward(style, model, rank, Copy, Reduce, Gather), sub))
+            setattr(sub, "_zeroshard_tensor_parallel", tp)  # noqa: B010
     unused = [p for p in styles if p not in matched]
     if unused:
         of = "the layers" if layers else type(module).__name__

@@ -14,6 +14,7 @@ from typing import Any
 from interop.torch._outputs import loss_and_aux
 from interop.torch._unit_state import _ParamRef, _Persistent, _Plan, _Step
 from ops.device._dlpack import torch_view
+from shard.core._protocol import LossProvider
 from shard.monitor._profile import timed
 
 __all__ = ["ROOT", "UnitHooks", "check_owner"]
@@ -31,10 +32,11 @@ def check_owner(owner: int | None, comm: Any, name: str, remedy: str) -> int:
     return comm.rank
 
 
-class UnitHooks:
+class UnitHooks(LossProvider):
     """Stage-3 (and stages 0-2 overlap) machinery of ``TorchLoss``; see the Note."""
 
     # provided by TorchLoss
+    has_aux: bool
     module: Any
     loss: Any
     named: dict[str, Any]

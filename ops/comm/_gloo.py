@@ -142,7 +142,8 @@ class GlooCommunicator(Communicator):
     def _pairwise(self, name: str, x: Any, arg: int, sends: list[tuple[int, Any]],
                   recvs: list[tuple[int, Any]]) -> None:
         """isend/irecv with every peer at once, headers ahead of payloads."""
-        dist, works = self._dist, []
+        dist = self._dist
+        works: list[Any] = []
         if self.check:
             rows, works, header_recvs = self._post_headers(name, x, arg)
         works += [dist.isend(t, self._peers[p], group=self.group) for p, t in sends]

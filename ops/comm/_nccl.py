@@ -222,7 +222,8 @@ class NcclCommunicator(Communicator):
                              self.dtype_of("recv", out), src)
         finally:
             self._nccl.groupEnd()
-        peers = sorted({dst for _, _, dst in queued} | ({src} if recvs else set()))
+        peers = sorted({dst for _, _, dst in queued} | ({src} if recvs and src is not None
+                                                         else set()))
         self.synchronize(f"send/recv with rank(s) {peers}")
 
     def _drain(self) -> None:

@@ -25,7 +25,7 @@ import concurrent.futures as cf
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 from ops.comm._base import (
     CollectiveError,
@@ -139,7 +139,7 @@ class ThreadGroup:
         return future, k
 
     def _complete(self, done: _Round, rank: int) -> None:
-        slots = done.slots
+        slots = cast(list[_Slot], done.slots)  # every rank's, filled before completion
         metas = [slot.meta for slot in slots]
         err: BaseException | None = None
         if any(m != metas[0] for m in metas):
@@ -151,7 +151,7 @@ class ThreadGroup:
                                   "order (save and load included)")
         else:
             try:
-                _inside(done.run, [slot.args for slot in slots])  # type: ignore[union-attr]
+                _inside(done.run, [slot.args for slot in slots])
             except Exception as exc:  # a backend error: every rank's collective fails
                 err = CollectiveError(f"{slots[rank].name} failed: {type(exc).__name__}: {exc}")
                 err.__cause__ = exc

@@ -90,7 +90,8 @@ class RoutedCommunicator(Communicator):
     def __init__(self, host: Communicator, make_device: Any) -> None:
         super().__init__(host.rank, host.world_size, host.timeout)
         self.backend = f"{host.backend}+device"
-        self._host, self._make_device, self._device_comm = host, make_device, None
+        self._host, self._make_device = host, make_device
+        self._device_comm: Communicator | None = None
 
     def _on_device(self) -> Communicator:
         if self._device_comm is None:

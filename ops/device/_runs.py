@@ -63,9 +63,10 @@ class Runs:
         if device.host:
             table = host
         else:
-            table = self._buffers.get(device.name)
-            if table is None:
-                table = self._buffers[device.name] = device.empty(host.size, np.int64)
+            cached = self._buffers.get(device.name)
+            if cached is None:
+                cached = self._buffers[device.name] = device.empty(host.size, np.int64)
+            table = cached
             device.from_host_into(table, host)
         return table[:2 * self.nruns], table[2 * self.nruns:]
 

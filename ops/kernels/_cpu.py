@@ -35,7 +35,9 @@ class CpuDriver:
     def __init__(self) -> None:
         self._functions: dict[str, Any] = {}
 
-    def _function(self, family: str, cname: str, signature: tuple) -> Any:
+    def _function(self, family: str, cname: str | None, signature: tuple) -> Any:
+        if cname is None:
+            raise TypeError(f"the {family} kernel has no host driver of this form")
         fn = self._functions.get(cname)
         if fn is None:
             fn = getattr(load_cpu(family), cname)

@@ -106,7 +106,7 @@ class CudaDriver:
     def adam_multi(self, kernel: Kernel, tensors: list[tuple], scalars: tuple) -> None:
         """One launch of ``kernel``'s multi-tensor form over (p, g, m, v, copy) tuples;
         scalars from ``sumsq`` on."""
-        multi = TABLE[kernel.multi]
+        multi = _multi(kernel)
         ptrs, starts, total = self.table(tensors, [t[0].size for t in tensors])
         if total:
             self.launch(multi, self.grid(multi, total), (ptrs, starts, len(tensors), *scalars))
@@ -151,7 +151,7 @@ class CudaDriver:
             self._sum_of_squares(xs[0], code, out)
             return
         partial, finish = sumsq_kernels(code)
-        multi = TABLE[partial.multi]
+        multi = _multi(partial)
         ptrs, starts, total = self.table([(x,) for x in xs], [x.size for x in xs])
         if total == 0:
             out[0] = 0.0
@@ -180,3 +180,10 @@ def cuda_driver() -> CudaDriver:
         raise ImportError("cupy arrays need the 'cuda' extra: pip install 'zeroshard[cuda]'") from e
     sm = cupy.cuda.Device().attributes["MultiProcessorCount"]
     return CudaDriver(cupy, cupy.RawModule, sm)
+
+
+def _multi(kernel: Kernel) -> Kernel:
+    """The multi-tensor form of ``kernel``."""
+    if kernel.multi is None:
+        raise TypeError(f"the {kernel.name} kernel has no multi-tensor form")
+    return TABLE[kernel.multi]

@@ -27,9 +27,10 @@ from ops.kernels._table import TABLE
 
 __all__ = ["EmulatedModule", "EmulationError"]
 
-_SCALAR_CTYPES = {np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double,
-                  np.dtype(np.int64): ctypes.c_int64, np.dtype(np.int32): ctypes.c_int32,
-                  np.dtype(np.uint64): ctypes.c_uint64}
+_SCALAR_CTYPES: dict[np.dtype, type[ctypes._SimpleCData]] = {
+    np.dtype(np.float32): ctypes.c_float, np.dtype(np.float64): ctypes.c_double,
+    np.dtype(np.int64): ctypes.c_int64, np.dtype(np.int32): ctypes.c_int32,
+    np.dtype(np.uint64): ctypes.c_uint64}
 
 
 class EmulationError(RuntimeError):

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -120,7 +120,8 @@ def _read_model_parts(path: Path) -> dict:
         where = f"{index}: leaf {entry['path']}"
         pieces = [next((e for e in parts[d]["leaves"] if e["path"] == entry["path"]), None)
                   for d in names]
-        if any(e is None or e["shape"] != entry["shape"] for e in pieces):
+        found = [e for e in pieces if e is not None]
+        if len(found) < len(pieces) or any(e["shape"] != entry["shape"] for e in found):
             raise CheckpointError(f"{where}: the model ranks' parts disagree on it")
         got = split.get(entry["path"], "missing")
         shape = list(entry["shape"])
@@ -132,7 +133,7 @@ def _read_model_parts(path: Path) -> dict:
         if dim is not None:
             shape[dim.dim] *= len(names)
         leaves.append(dict(entry, shape=shape, model_dim=dim,
-                           model_parts=[dict(e, part=d) for e, d in zip(pieces, names,
+                           model_parts=[dict(e, part=d) for e, d in zip(found, names,
                                                                         strict=True)]))
     merged = dict(first, parts=parts, leaves=leaves, model_size=len(names))
     if first.get("module"):  # a torch module's buffers and ties: the same on every model rank
@@ -140,7 +141,7 @@ def _read_model_parts(path: Path) -> dict:
     return merged
 
 
-def _split_of(saved: Any, shape: list[int]) -> Split | bool | None:
+def _split_of(saved: Any, shape: list[int]) -> Split | Literal[False] | None:
     """A leaf's split as ``tensor_parallel.json`` records it (null, a dimension,
     or ``[dimension, packed blocks]``); False when it is none of these."""
     if saved is None:

@@ -246,19 +246,19 @@ def _check_leaves(where: str, leaves: list, sizes: list[tuple[int, int]], world:
         placed[u].append((0 if sharded else 1, offset, rpr * row_size))
     for u, (section_sizes, leaves_of) in enumerate(zip(sizes, placed, strict=True)):
         for section in (0, 1):
-            at = section_sizes[0] if section else 0  # where the section's leaves start
+            pos = section_sizes[0] if section else 0  # where the section's leaves start
             for sec, offset, size in leaves_of:
                 if sec != section:
                     continue
-                if offset != at:
+                if offset != pos:
                     raise CheckpointError(f"{where}: unit {u}'s leaves are not packed as saved "
-                                          f"(a leaf at offset {offset}, expected {at})")
-                at += size
+                                          f"(a leaf at offset {offset}, expected {pos})")
+                pos += size
             end = section_sizes[0] + (section_sizes[1] if section else 0)
-            if at != end:
+            if pos != end:
                 raise CheckpointError(f"{where}: units[{u}].{('sharded', 'replicated')[section]}"
                                       f"_size is {section_sizes[section]}; its leaves hold "
-                                      f"{at - (section_sizes[0] if section else 0)}")
+                                      f"{pos - (section_sizes[0] if section else 0)}")
 
 
 def _check_header(f: Path, sizes: list[tuple[int, int]], master: str,
@@ -290,7 +290,7 @@ def _check_header(f: Path, sizes: list[tuple[int, int]], master: str,
         if not isinstance(t, dict):
             raise CheckpointError(f"{f}: no tensor {key!r}, which the manifest's {what} needs")
         offsets = t.get("data_offsets")
-        ok = ({**_ST_DTYPES, **REST_DTYPES}.get(t.get("dtype")) == dtype
+        ok = ({**_ST_DTYPES, **REST_DTYPES}.get(str(t.get("dtype"))) == dtype
               and t.get("shape") == shape and isinstance(offsets, list) and len(offsets) == 2
               and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
               and 0 <= offsets[0] and offsets[1] - offsets[0] == nbytes and offsets[1] <= data)

@@ -106,7 +106,7 @@ def derived_key(data: np.ndarray, impl: str | None, *, step: int, rank: int,
     """:func:`step_key` on raw key data: the derived key's raw data (host)."""
     import jax
 
-    key = data if impl is None else jax.random.wrap_key_data(data, impl=impl)
+    key = data if impl is None else _wrap_key(data, impl)
     out = _fold(key, np.asarray([step, rank, micro_batch], np.uint32))
     return np.asarray(out if impl is None else jax.random.key_data(out))
 
@@ -141,10 +141,9 @@ def keyed(fn: Callable[..., Any], impl: str | None) -> Callable[..., Any]:
 
 def _wrap(fn: Callable[..., Any], impl: str | None) -> Callable[..., Any]:
     def loss(params: Any, batch_and_key: Any, *rest: Any) -> Any:
-        import jax
 
         batch, data = batch_and_key
-        key = data if impl is None else jax.random.wrap_key_data(data, impl=impl)
+        key = data if impl is None else _wrap_key(data, impl)
         return fn(params, batch, *rest, key=key)
 
     return loss
@@ -294,3 +293,10 @@ def named_axes_refused(where: str) -> Iterator[None]:
         if refused is None:
             raise
         raise refused from e
+
+
+def _wrap_key(data: Any, impl: str) -> Any:
+    """A typed JAX key from raw key data (numpy, as JAX takes it)."""
+    import jax
+
+    return jax.random.wrap_key_data(data, impl=impl)

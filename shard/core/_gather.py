@@ -88,8 +88,8 @@ def gather(x: Any, comm: Communicator, *, specs: Any = None, like: Any = None) -
                             "the TrainState itself, gather(state, comm), or like=the full "
                             "params (or their shapes) and specs=")
         layout = make_layout(like, specs, world_size=comm.world_size, fn="gather")
-        device, local = native_leaves(layout.treedef.flatten_up_to(x), "gather")
-        device = device or HOST
+        found, local = native_leaves(layout.treedef.flatten_up_to(x), "gather")
+        device = found or HOST
         local = [device.asarray(s) for s in local]
         for leaf, s in zip(layout.leaves, local, strict=True):
             if tuple(s.shape) != leaf.local_shape:

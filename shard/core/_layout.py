@@ -26,7 +26,7 @@ import hashlib
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -271,7 +271,8 @@ def make_layout(params: Any, specs: Any = None, *, world_size: int, units: Units
                 sharded_size = offset
         unit_layouts.append(UnitLayout(str(key), tuple(members), sharded_size,
                                        offset - sharded_size))
-    return Layout(treedef, tuple(leaves), tuple(unit_layouts), world_size)
+    placed = cast(list[LeafLayout], leaves)  # every leaf is in one unit's sections
+    return Layout(treedef, tuple(placed), tuple(unit_layouts), world_size)
 
 
 def master_dtype_of(layout: Layout) -> np.dtype:
@@ -299,7 +300,7 @@ def native_leaves(leaves: Sequence[Any], fn: str) -> tuple[Device | None, list[A
     from ops.device._dlpack import to_native
 
     found: tuple[Device, int] | None = None
-    out = []
+    out: list[Any] = []
     for i, x in enumerate(leaves):
         if getattr(x, "is_meta", False) is True:  # a torch tensor on the meta device
             out.append(meta_shape(x))

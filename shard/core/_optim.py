@@ -141,6 +141,7 @@ class ShardOptimizer:
         state = self.tree(layout, None, moments, rest)
         views = layout.local_views(list(master))
         if self._parts:  # per-leaf reductions over the ranks between jitted runs
+            assert reduce is not None  # the step passes one where parts reduce
             with _lock:
                 segments = self._segments.get(rank)
                 if segments is None:

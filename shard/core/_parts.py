@@ -16,7 +16,7 @@ between them as one ``jax.jit`` each.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -310,7 +310,7 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
 
 
 def _refuse(tx: Any, layout: Any, k: int | None, what: str, fn: str,
-            found: list[str] = (), part: str = "") -> None:
+            found: Sequence[str] = (), part: str = "") -> None:
     """A ValueError naming the reductions ``found`` in ``tx``, or its ``part``
     whose update differed on the probe's step ``k``."""
     why = "; ".join(f"{n} needs {_REDUCERS[n]}" for n in found) or (

@@ -21,7 +21,7 @@ the gradient reducer (``run_units``).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
@@ -33,26 +33,40 @@ class LossProvider:
     function's (see [Note: the loss protocol])."""
 
     # -- the model --------------------------------------------------------------
+    #: One entry per layer, for a loss made of layers (``Layered``, a pipeline's).
+    layers: Sequence[Any] = ()
     #: The model's units (a callable from a leaf's key path to its unit key, as
     #: ``units=``), when the loss knows them (a torch module's modules).
     units: Any = None
-    #: Names of the top-level leaves that do not train (``requires_grad=False``).
-    frozen: frozenset[str] | None = None
     #: A torch module split by ``interop.torch.parallelize``: its TensorParallel.
     tensor_parallel: Any = None
     #: Whether the loss may return ``(loss, aux)`` (the transforms' ``has_aux``).
     supports_aux: bool = False
-    #: Whether the step casts the batch under a precision policy (a JAX batch).
-    jax_batch: bool = False
+
+    @property
+    def frozen(self) -> frozenset[str] | None:
+        """Names of the top-level leaves that do not train (``requires_grad=False``)."""
+        return None
+
+    @property
+    def jax_batch(self) -> bool:
+        """Whether the step casts the batch under a precision policy (a JAX batch)."""
+        return False
 
     # -- a pipeline stage --------------------------------------------------------
-    #: The communicator over the whole mesh that norms and loss sums span (a
-    #: pipeline stage's), or None.
-    norm_comm: Any = None
     #: Leaves (by index) the norm counts elsewhere: copies of a tied weight.
     norm_skip: tuple[int, ...] = ()
-    #: A pipeline stage's data axis, on which its ZeRO step must run.
-    data_axis: Any = None
+
+    @property
+    def norm_comm(self) -> Any:
+        """The communicator over the whole mesh that norms and loss sums span (a
+        pipeline stage's), or None."""
+        return None
+
+    @property
+    def data_axis(self) -> Any:
+        """A pipeline stage's data axis, on which its ZeRO step must run, or None."""
+        return None
 
     # -- gradients the loss did not give (see [Note: missing gradients]) ----------
     #: Whether the loss reports the trainable leaves that got no gradient.
@@ -69,8 +83,11 @@ class LossProvider:
     params_like: Callable[[], Any] | None = None
     #: ``(paths) -> values``: a meta-device module's units, materialised.
     materialize: Callable[[list[tuple]], list[Any]] | None = None
-    #: Where ``materialize`` puts them (an ``ops.Device``), or None.
-    materialize_device: Any = None
+
+    @property
+    def materialize_device(self) -> Any:
+        """Where ``materialize`` puts them (an ``ops.Device``), or None."""
+        return None
 
     # -- running -----------------------------------------------------------------
     #: ``(units, reducer, batch, scale) -> loss``: a step unit by unit, each

@@ -127,7 +127,7 @@ def resolve_specs(params: Any, specs: Any = None, *, fn: str = "specs") -> Any:
 
     def fix(path: Any, leaf: Any, spec: Any) -> Any:
         spec = _spec_of(tu.keystr(path), spec, fn)
-        shape = getattr(leaf, "shape", ())
+        shape: tuple[int, ...] = getattr(leaf, "shape", ())
         return Replicate() if len(shape) == 0 or shape[0] == 0 else spec
 
     return tu.tree_map_with_path(fix, params, full)

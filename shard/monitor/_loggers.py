@@ -85,6 +85,7 @@ class CSVLogger(_Every):
             if self.columns is None:
                 self.columns = ["step", *values]
                 csv.writer(self._file).writerow(self.columns)
+        assert self.columns is not None  # read or written with the file's first row
         if set(values) != set(self.columns[1:]):
             raise ValueError(f"CSVLogger({str(self.path)!r}): step {step} has metrics "
                              f"{sorted(values)} but the file's columns are "

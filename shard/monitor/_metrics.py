@@ -33,6 +33,7 @@ class StepMetrics(Mapping):
 
     def _resolve(self) -> None:
         if self._pending is not None:
+            assert self._to_host is not None and self._finish is not None  # given with it
             host = self._to_host(self._pending)
             self._known.update(self._finish(host))
             self._pending = None

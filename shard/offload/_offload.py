@@ -108,6 +108,7 @@ class DiskTier:
     """One rank's generation files of masters and moments (see [Note: offload])."""
 
     def __init__(self, policy: Offload, rank: int, sizes: list[int], dtype: Any) -> None:
+        assert policy.path is not None  # Offload("disk") is refused without one
         self.dir = Path(policy.path) / f"rank-{rank:05d}"
         self.dtype = np.dtype(dtype)
         self.sizes = list(sizes)
@@ -140,11 +141,10 @@ class DiskTier:
         out: dict[str, list[np.ndarray]] = {k: [] for k in KINDS}
         for (kind, u), off in self.offsets.items():
             n = self.sizes[u]
+            m: np.ndarray = np.zeros(0, self.dtype)
             if n:
                 m = np.memmap(path, self.dtype, "r", self.data_start + off, (n,))
-                m.owner = owner
-            else:
-                m = np.zeros(0, self.dtype)
+                setattr(m, "owner", owner)  # noqa: B010 (keeps the file while a view lives)
             out[kind].append(m)
         return out
 
@@ -152,7 +152,7 @@ class DiskTier:
         """Write unit ``u``'s buffer of ``kind`` into ``path``."""
         fd = os.open(path, os.O_WRONLY)
         try:
-            _pwrite_all(fd, memoryview(np.ascontiguousarray(buf, self.dtype)).cast("B"),
+            _pwrite_all(fd, np.ascontiguousarray(buf, self.dtype).data.cast("B"),
                         self.data_start + self.offsets[kind, u])
         finally:
             os.close(fd)

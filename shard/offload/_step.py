@@ -130,6 +130,7 @@ class Offloader:
                 overlap.wait_updated()
                 state = self._commit(state, overlap.spare, resident)
                 out = overlap.spare.compute if resident else staging.out
+                assert out is not None  # a resident spare holds compute shards
             else:
                 grads = [g if self.device.host else self.device.to_host_into(g, staging.grads[u])
                          for u, g in enumerate(shards)]
@@ -222,6 +223,7 @@ class Offloader:
         staging = self._staging(state, reducer.shards)
         run = self._unit_update(state, grad_scale, None)
         copy_out = spare.compute if resident else staging.out
+        assert copy_out is not None  # a resident spare holds compute shards
 
         def run_unit(u: int, grad: np.ndarray, spare: Spare) -> None:
             run(u, 0, grad, spare.master[u], spare.exp_avg[u], spare.exp_avg_sq[u],
@@ -244,6 +246,7 @@ class Offloader:
         changes = {"master": tuple(spare.master),
                    "moments": (tuple(spare.exp_avg), tuple(spare.exp_avg_sq))}
         if resident:
+            assert spare.compute is not None  # a resident spare holds compute shards
             changes["compute"] = tuple(spare.compute)
         self.spare = old
         return state.replace(**changes)

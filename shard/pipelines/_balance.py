@@ -74,7 +74,8 @@ def _balanced(sizes: list[int], p: int) -> list[int]:
             hi = mid
         else:
             lo = mid + 1
-    counts, run, acc = [], 0, 0
+    counts: list[int] = []
+    run, acc = 0, 0
     for i, s in enumerate(sizes):  # close a run at the bound, or to leave a layer a stage
         if run and (acc + s > lo or len(sizes) - i <= p - len(counts) - 1):
             counts.append(run)

@@ -138,7 +138,7 @@ def pipeline(loss: Any, *, comm: Communicator | None = None, stages: int | None 
 class Pipeline(LossProvider):
     """This rank's pipeline stage: the loss object a ZeRO transform takes."""
 
-    loss: Layered
+    loss: LossProvider  # a Layered, or interop.torch.layered's loss
     stage: int
     stages: int
     microbatches: int
@@ -151,11 +151,10 @@ class Pipeline(LossProvider):
     tied: list[Any] = field(default_factory=list)  # see [Note: tied weights]
     forward_passes: int = 0  # layer forwards run, recomputations included
 
-    @property
-    def tensor_parallel(self) -> Any:
-        """The layers' split by ``interop.torch.parallelize`` (their params are
-        slices already), if any."""
-        return self.loss.tensor_parallel
+    def __post_init__(self) -> None:
+        # the layers' split by interop.torch.parallelize (their params are
+        # slices already), if any
+        self.tensor_parallel = self.loss.tensor_parallel
 
     # -- layout ---------------------------------------------------------------
     def layers_of(self, params: list[Any]) -> range:
@@ -291,6 +290,7 @@ class Pipeline(LossProvider):
         make = self.loss.make_stage
         if make is not None:
             return make(units, layers, checkpointing=checkpointing)
+        assert isinstance(self.loss, Layered)  # pipeline() takes it, or one with make_stage
         return JaxStage(self.loss, units, layers, checkpointing)
 
     # -- messages ---------------------------------------------------------------

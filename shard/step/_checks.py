@@ -27,7 +27,7 @@ def digest(device: Device, arrays: list[Any], start: int = 1) -> int:
     explicit copy of each to the host: ``init`` runs once)."""
     for x in arrays:
         host = np.ascontiguousarray(x if device.host else device.to_host(x))
-        start = zlib.adler32(host.view(np.uint8).reshape(-1), start)
+        start = zlib.adler32(host.view(np.uint8).reshape(-1).data, start)
     return start
 
 
@@ -72,8 +72,9 @@ def weights(batches: list[Any]) -> list[float] | None:
     leaves that disagree on their leading dimension)."""
     if len(batches) < 2:
         return None
-    rows = [_rows(b) for b in batches]
-    if None in rows or len(set(rows)) == 1:
+    counted = [_rows(b) for b in batches]
+    rows = [n for n in counted if n is not None]
+    if len(rows) < len(counted) or len(set(rows)) == 1:
         return None
     mean = sum(rows) / len(rows)
     return [n / mean for n in rows]
@@ -85,7 +86,7 @@ def counted_rows(name: str, rank: int, batch: Any) -> int:
     tu = ops._tree.tree_util()
     seen: tuple[str, int] | None = None
     for path, x in tu.tree_flatten_with_path(batch)[0]:
-        shape = getattr(x, "shape", ())
+        shape: tuple[int, ...] = getattr(x, "shape", ())
         if len(shape) == 0:
             continue
         if seen is None:

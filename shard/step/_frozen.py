@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -89,7 +88,7 @@ def frozen_leaves(trainable: Any, names: frozenset[str] | None, params: Any,
             return frozenset()
         return frozenset(i for i, (path, _) in enumerate(with_paths)
                          if getattr(path[0], "key", None) in names)
-    mask = trainable(params) if isinstance(trainable, Callable) else trainable
+    mask = trainable(params) if callable(trainable) else trainable
     try:
         flags = treedef.flatten_up_to(_broadcast(mask, params, fn))
     except (ValueError, KeyError) as e:

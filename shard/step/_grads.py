@@ -70,7 +70,7 @@ def whole_params(plan: Any, units: Units) -> Any:
     units.bounded = False
     leaves: list[Any] = [None] * len(layout.leaves)
     for u in range(n):
-        for i, x in zip(layout.units[u].leaves, units.get(u, range(u + 1, n)), strict=True):
+        for i, x in zip(layout.units[u].leaves, units.get(u, tuple(range(u + 1, n))), strict=True):
             leaves[i] = jax_view(x) if plan.config.kind == "jax" else x
     return layout.treedef.unflatten(leaves)
 
@@ -184,8 +184,8 @@ def _host(plan: Any, x: Any) -> np.ndarray:
     """An aux value on the host, as float64 (an explicit copy from a device)."""
     if hasattr(x, "detach"):  # torch
         x = x.detach().cpu().float().numpy()
-    elif device_of_or_none(x) is not None and not device_of_or_none(x).host:
-        x = device_of_or_none(x).to_host(x)
+    elif (device := device_of_or_none(x)) is not None and not device.host:
+        x = device.to_host(x)
     return np.asarray(x, np.float64)
 
 

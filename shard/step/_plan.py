@@ -21,6 +21,7 @@ import ops
 import ops._tree
 from ops import HOST, Communicator, Device
 from shard.core._layout import Layout, alloc_units, make_layout, master_dtype_of, native_leaves
+from shard.core._loss import Layered
 from shard.core._optim import ShardOptimizer, on_shards
 from shard.core._policy import Precision
 from shard.core._state import StateMeta, TrainState
@@ -92,14 +93,14 @@ class Plan:
     fast: Communicator
     copy_plans: CopyPlans
     optimizer: ShardOptimizer
+    grad_layout: Layout
+    grad_plans: CopyPlans
     replica: Communicator | None = None
     model_whole: frozenset[int] = frozenset()
     secondary: tuple[Communicator, Communicator] | None = None
     frozen: frozenset[int] = frozenset()
     runs: tuple | None = None
     packing: Packing | None = None
-    grad_layout: Layout | None = None
-    grad_plans: CopyPlans | None = None
 
     @property
     def moment_packing(self) -> Packing | None:
@@ -242,7 +243,7 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
         raise NotImplementedError(f"{fn}: float64 params keep float64 masters, which mixed "
                                   "precision does not support; give float32 params or drop "
                                   "precision=")
-    if config.kind == "layered" and len(loss_fn.layers) != len(layout.units):
+    if isinstance(loss_fn, Layered) and len(loss_fn.layers) != len(layout.units):
         raise ValueError(f"{fn}: Layered has {len(loss_fn.layers)} layers but the "
                          f"params form {len(layout.units)} units "
                          f"({[u.name for u in layout.units]}); give one layer per unit")
@@ -265,13 +266,17 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     frozen = frozen_leaves(config.trainable, loss_fn.frozen, params, fn)
     copy_plans = CopyPlans(layout, full_layout)
     grads = gradient_layout(layout, frozen)
+    runs, packing = _frozen_runs(layout, frozen)
+    secondary = config.secondary
     return Plan(config, layout, full_layout, np.dtype(master_dtype), precision, where,
-                config.comm.unchecked(), copy_plans, optimizer,
-                config.replicate.unchecked() if config.replicate is not None else None,
-                model_whole,
-                tuple(c.unchecked() for c in config.secondary) if config.secondary else None,
-                frozen, *_frozen_runs(layout, frozen), grads,
-                copy_plans if grads is layout else CopyPlans(grads, grads))
+                fast=config.comm.unchecked(), copy_plans=copy_plans, optimizer=optimizer,
+                grad_layout=grads,
+                grad_plans=copy_plans if grads is layout else CopyPlans(grads, grads),
+                replica=config.replicate.unchecked() if config.replicate is not None else None,
+                model_whole=model_whole,
+                secondary=(secondary[0].unchecked(), secondary[1].unchecked())
+                if secondary else None,
+                frozen=frozen, runs=runs, packing=packing)
 
 
 def _frozen_runs(layout: Layout, frozen: frozenset[int]) -> tuple:

@@ -112,7 +112,7 @@ class Units:
 
     def __init__(self, layout: Layout, comm: Communicator, *, stage: int, device: Device,
                  local: list[Any], full: list[Any] | None,
-                 full_layout: Layout | None, prefetch: int = 1,
+                 full_layout: Layout, prefetch: int = 1,
                  tracker: LiveBytes | None = None, plans: CopyPlans | None = None,
                  secondary: tuple[Communicator, Communicator] | None = None) -> None:
         self.layout, self.comm, self.stage, self.device = layout, comm, stage, device
@@ -211,6 +211,7 @@ class Units:
     def _two_hops(self, u: int, out: Any, shard: Any) -> Any:
         """Unit ``u``'s gather into ``out`` from its secondary shard, gathering
         that first if this step has not (see [Note: secondary shards])."""
+        assert self.secondary is not None  # only a step with secondary shards gets here
         local, node = self.secondary
         kept = self._secondaries.get(u)
         if kept is not None:
@@ -240,6 +241,7 @@ class Units:
         :meth:`leaf_views`). Where :attr:`persistent`, it is the state's own
         buffer, the same object every step; otherwise freshly gathered (stage 3)."""
         if self.stage < 3:
+            assert self.full is not None  # stages 0-2 keep whole params
             return self.full[u]
         if self.solo:
             return self.local[u]

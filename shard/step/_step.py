@@ -404,6 +404,7 @@ class ZeroStep:
             return _update.apply(plan, state, shards, grad_scale, grad_sumsq, skip)
         if skip:
             _update.warn_unskipped(plan, skip, "offloaded state")
+        assert self._offloader is not None  # made with the plan of an offloaded step
         state, new_compute = self._offloader.apply(state, shards, grad_scale, grad_sumsq)
         if new_compute is not None:
             _update.refresh(plan, state, new_compute)

@@ -181,10 +181,10 @@ class _Program:
         seen: set[int] = set()
         for e, eqn in enumerate(jaxpr.eqns):
             for v in eqn.invars:
-                u = unit_of.get(v) if not isinstance(v, Literal) else None
-                if u is not None and u not in seen:
-                    seen.add(u)
-                    order.append(u)
+                first = unit_of.get(v) if not isinstance(v, Literal) else None
+                if first is not None and first not in seen:
+                    seen.add(first)
+                    order.append(first)
                     starts.append(e)
         if order:
             starts[0] = 0
@@ -352,7 +352,8 @@ class _Segment(_UnitLayer):
                          unit.local_size)
         self._kept: Any = None
 
-    def forward(self, flat: Any, cd: Any, cnd: Any, b: Any) -> tuple[Any, Any, Any]:
+    def forward(  # type: ignore[override]  # a segment's carry comes in two parts
+            self, flat: Any, cd: Any, cnd: Any, b: Any) -> tuple[Any, Any, Any]:
         """``(float outputs, other outputs, saved)`` (``saved`` for :meth:`backward`)."""
         plan = self._kept
         if plan is None:
@@ -391,7 +392,7 @@ class _Segment(_UnitLayer):
 
         return jax.jit(fwd), jax.jit(bwd)
 
-    def backward(self, saved: Any, flat: Any, cd: Any, cnd: Any, b: Any,
-                 ct: Any) -> tuple[Any, Any]:
+    def backward(self, saved: Any, flat: Any, cd: Any, cnd: Any,  # type: ignore[override]
+                 b: Any, ct: Any) -> tuple[Any, Any]:
         (_, bwd), kept = saved
         return bwd(kept, flat, cd, cnd, b, ct)

@@ -89,7 +89,8 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
         with timed("reduce_wait"):
             for g in shards:
                 plan.replica.all_reduce_(g, "sum")
-    sharded, replicated = [], []
+    sharded: list[Any] = []
+    replicated: list[Any] = []
     skip = set(c.loss_fn.norm_skip)  # copies of a tied weight
     tp = c.tensor_parallel  # see [Note: tensor parallelism with ZeRO]
     if tp is not None and tp.rank > 0:

@@ -113,14 +113,15 @@ class TensorParallel:
             if mesh < 1:
                 raise ValueError(f"TensorParallel: a number of model ranks must be >= 1; got "
                                  f"{mesh}")
-            comm = None
+            comm, ranks = None, int(mesh)
         elif isinstance(mesh, Mesh):
             if axis not in mesh.axis_names:
                 raise ValueError(f"TensorParallel: the mesh has no axis {axis!r}; its axes are "
                                  f"{list(mesh.axis_names)}")
             comm = mesh[axis]
+            ranks = comm.world_size
         elif isinstance(mesh, Communicator):
-            comm = mesh
+            comm, ranks = mesh, mesh.world_size
         else:
             raise TypeError(f"TensorParallel: mesh must be a shard.Mesh, an ops.Communicator or "
                             f"a number of model ranks; got {type(mesh).__name__}")
@@ -129,7 +130,7 @@ class TensorParallel:
             raise TypeError(f"TensorParallel: specs must be a PartitionSpec per leaf (a pytree "
                             f"of them); got {type(specs).__name__}")
         self.comm, self.axis, self.specs = comm, axis, specs
-        self.rank, self.size = (comm.rank, comm.world_size) if comm is not None else (0, int(mesh))
+        self.rank, self.size = (comm.rank if comm is not None else 0), ranks
         self.collectives = Collectives(comm) if comm is not None else _NoRanks(self.size)
 
     def __repr__(self) -> str:
