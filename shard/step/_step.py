@@ -320,7 +320,7 @@ class ZeroStep:
                         loss, aux = loss
                         auxes.append(aux)
                     loss = _grads.on_device(plan, loss, "the loss")
-                    totals[1:2] += loss if weights is None else loss * weight
+                    totals[_update.LOSS] += loss if weights is None else loss * weight
             shards = reducer.finish()
             if missing:
                 _update.count_missing(totals, missing, device)
@@ -351,11 +351,12 @@ class ZeroStep:
             known["aux"] = aux
 
         def finish(host: np.ndarray) -> dict[str, float]:
-            if not c.weight_by_rows and host[2] > 0 and not self.__dict__.get("_rows_warned"):
+            if (not c.weight_by_rows and _update.value(host, _update.ROWS) > 0
+                    and not self.__dict__.get("_rows_warned")):
                 self._rows_warned = _update.warn_if_rows_differ(c, host)
-            sumsq = float(host[0])
+            sumsq = _update.value(host, _update.SUMSQ)
             norm = math.sqrt(sumsq) * grad_scale if math.isfinite(sumsq) else sumsq
-            return {"loss": float(host[1]) / (w * k), "grad_norm": norm}
+            return {"loss": _update.value(host, _update.LOSS) / (w * k), "grad_norm": norm}
 
         fresh_copies = c.stage in (1, 2) and bool(state.compute) and (
             state.meta.compute_dtype != state.meta.master_dtype)
@@ -367,26 +368,26 @@ class ZeroStep:
 
             def finish_and_flag(host: np.ndarray) -> dict[str, Any]:
                 out = finish(host)
-                out["skipped"] = not math.isfinite(float(host[0]))
+                out["skipped"] = not math.isfinite(_update.value(host, _update.SUMSQ))
                 if out["skipped"]:
                     log.warning("%s: non-finite gradients (inf or nan) at step %d: the update "
                                 "was skipped", c.name, int(state.step))
                 return out
 
-            state = self._apply(plan, state, shards, grad_scale, totals[0:1], skip)
+            state = self._apply(plan, state, shards, grad_scale, totals[_update.SUMSQ], skip)
             return (state.replace(step=np.asarray(int(state.step) + 1, np.int64),
                                   skips=_update.add_skips(state.skips, skip)),
                     StepMetrics(known, totals, finish_and_flag, device.to_host))
         host = device.to_host(totals)  # the step's one read: skip it or not
         known.update(finish(host))
-        finite = math.isfinite(float(host[0]))
+        finite = math.isfinite(_update.value(host, _update.SUMSQ))
         new_scale, good, left = scale, int(state.good_steps), int(state.hysteresis)
         if c.loss_scale is not None:
             new_scale, good, left = c.loss_scale.update(scale, good, finite, left)
         if finite:
             needs_norm = c.clip_norm is not None or plan.optimizer.fused is None
             state = self._apply(plan, state, shards, grad_scale,
-                                totals[0:1] if needs_norm else None, skip)
+                                totals[_update.SUMSQ] if needs_norm else None, skip)
             state = state.replace(skips=_update.add_skips(state.skips, skip))
         elif c.loss_scale is None:
             log.warning("%s: non-finite gradients (inf or nan) at step %d: the update was "

@@ -103,22 +103,37 @@ def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
     if c.stage == 0:  # everything is whole (and the same) on every rank
         replicated, sharded = sharded + replicated, []
     if sharded:
-        ops.sum_of_squares(sharded, out=totals[0:1])
+        ops.sum_of_squares(sharded, out=totals[SUMSQ])
     mesh = c.loss_fn.norm_comm
     if mesh is not None:  # a pipeline stage: over the whole mesh (see [Note: pipeline])
         if replicated and c.comm.rank == 0:  # once per stage
-            totals[0:1] += ops.sum_of_squares(replicated)
+            totals[SUMSQ] += ops.sum_of_squares(replicated)
         if tp is not None and tp.rank > 0:  # the same loss on every model rank: count one
-            totals[1:2] *= 0
+            totals[LOSS] *= 0
         mesh.all_reduce_(totals, "sum")
         return
     plan.fast.all_reduce_(totals, "sum")
     if plan.replica is not None:  # the losses and rows of every replica; the norm is theirs
-        plan.replica.all_reduce_(totals[1:], "sum")
+        plan.replica.all_reduce_(totals[LOSS.start:], "sum")
     if replicated:
-        totals[0:1] += ops.sum_of_squares(replicated)
+        totals[SUMSQ] += ops.sum_of_squares(replicated)
     if tp is not None and tp.size > 1:  # the model ranks' slices; the loss is theirs already
-        tp.comm.all_reduce_(totals[0:1], "sum")
+        tp.comm.all_reduce_(totals[SUMSQ], "sum")
+
+
+# The slots of a step's one all-reduce (``fresh_totals``), as slices of it;
+# ``value(host, SLOT)`` reads one back.
+SUMSQ = slice(0, 1)  # the sum of squares of the summed gradients
+LOSS = slice(1, 2)  # the micro-batches' losses, summed over the ranks
+ROWS = slice(2, 3)  # the batch's rows, summed over the ranks (0: not counted)
+ROWS_SQ = slice(3, 4)  # each rank's rows squared, summed
+COUNTED = slice(4, 5)  # the ranks that counted their rows
+MISSING = slice(5, None)  # per leaf: the ranks that gave it no gradient
+
+
+def value(host: np.ndarray, s: slice) -> float:
+    """A one-element slot of the totals read back to the host."""
+    return float(host[s.start])
 
 
 def fresh_totals(kept: dict, device: Any, rows: int, leaves: int = 0) -> Any:
@@ -140,8 +155,8 @@ def fresh_totals(kept: dict, device: Any, rows: int, leaves: int = 0) -> Any:
 def warn_if_rows_differ(c: Any, host: np.ndarray) -> bool:
     """Warn that the ranks' rows differed in a step that weighs each rank's mean
     the same (see [Note: rows across ranks]); whether it did."""
-    n, total = c.ranks, float(host[2])
-    if (float(host[4]) != n or n * float(host[3]) == total * total
+    n, total = c.ranks, value(host, ROWS)
+    if (value(host, COUNTED) != n or n * value(host, ROWS_SQ) == total * total
             or c.loss_fn.norm_comm is not None):
         return False  # some rank could not count, rows agreed, or a pipeline
     if c.comm.rank == 0:
@@ -161,16 +176,16 @@ def tracks_missing(c: Any) -> bool:
 
 def count_missing(totals: Any, missing: frozenset[int], device: Any) -> None:
     """Count this rank's missing leaves into ``totals`` before its all-reduce."""
-    flags = np.zeros(totals.shape[0] - 5)
+    flags = np.zeros(totals.shape[0] - MISSING.start)
     flags[sorted(missing)] = 1.0
-    totals[5:] = device.asarray(flags)
+    totals[MISSING] = device.asarray(flags)
 
 
 def skipped_leaves(totals: Any, missing: frozenset[int], ranks: int,
                    device: Any) -> frozenset[int]:
     """The leaves no rank had a gradient for (after the all-reduce): a host read,
     on the ranks that missed any."""
-    counts = device.to_host(totals)[5:]
+    counts = device.to_host(totals)[MISSING]
     return frozenset(i for i in missing if counts[i] >= ranks)
 
 
@@ -214,9 +229,9 @@ def weigh_by_rows(shards: list[Any], totals: Any, parts: int) -> None:
     """``weight_by_rows``'s correction (see [Note: rows across ranks]): each
     micro-batch's loss was scaled by its rows, so the summed gradients become
     the mean over all rows under the step's usual ``1 / parts`` scale once
-    multiplied by ``parts / rows`` (``totals[2]``, summed over the ranks), and
+    multiplied by ``parts / rows`` (slot ``ROWS``, summed over the ranks), and
     so do the sum of squares and the losses. On the device: no host read."""
-    f = parts / totals[2:3]
+    f = parts / totals[ROWS]
     for g in shards:
         if g.dtype.itemsize >= 4:
             g *= f
@@ -224,8 +239,8 @@ def weigh_by_rows(shards: list[Any], totals: Any, parts: int) -> None:
             wide = ops.cast(g, np.float32)
             wide *= f
             ops.cast(wide, g.dtype, out=g)
-    totals[0:1] *= f * f
-    totals[1:2] *= f
+    totals[SUMSQ] *= f * f
+    totals[LOSS] *= f
 
 
 def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
