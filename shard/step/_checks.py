@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -16,6 +16,9 @@ from ops.comm._collectives import all_gather_host
 from ops.device._dlpack import host_copy
 from shard.core._layout import Layout
 from shard.core._state import TrainState
+
+if TYPE_CHECKING:
+    from shard.step._plan import Plan
 
 __all__ = ["agree_on_layout", "agree_on_values", "cast_inputs", "check_batch", "check_fits",
            "check_is_state", "counted_rows", "digest", "eval_loss", "learning_rate", "model_state",
@@ -131,7 +134,7 @@ def learning_rate(config: Any, count: int) -> float | None:
     return lr
 
 
-def cast_inputs(plan: Any, batch: Any) -> Any:
+def cast_inputs(plan: Plan, batch: Any) -> Any:
     """A JAX loss's batch with its floating arrays in the compute dtype (see
     ``Precision.cast_forward_inputs``; a torch module casts in its forward)."""
     p, c = plan.precision, plan.config
@@ -156,7 +159,7 @@ def check_is_state(name: str, state: Any) -> None:
                         f"{type(state).__name__}")
 
 
-def check_fits(plan: Any, state: TrainState) -> None:
+def check_fits(plan: Plan, state: TrainState) -> None:
     """A state another step made fits ``plan``: the same stage, rank, layout and
     device."""
     c, m = plan.config, state.meta

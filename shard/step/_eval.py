@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -12,10 +12,13 @@ from shard.core._loss import JaxLoss
 from shard.step import _grads, _traced
 from shard.step._runtime import Units
 
+if TYPE_CHECKING:
+    from shard.step._plan import Plan
+
 __all__ = ["evaluate"]
 
 
-def evaluate(plan: Any, units: Units, batch: Any, loss_fn: Any = None) -> Any:
+def evaluate(plan: Plan, units: Units, batch: Any, loss_fn: Any = None) -> Any:
     """The loss at ``units``' params on this rank's ``batch``, averaged over the
     ranks (a collective); with ``has_aux``, ``(loss, aux)``, aux averaged as the
     step's metrics are. ``loss_fn`` (a ``JaxLoss``) replaces the step's loss. A
@@ -26,7 +29,7 @@ def evaluate(plan: Any, units: Units, batch: Any, loss_fn: Any = None) -> Any:
     fn = c.loss_fn if loss_fn is None else loss_fn
     aux = None
     with _grads.placement(plan):
-        if loss_fn is None and (c.kind == "layered" or fn.loss_units is not None):
+        if loss_fn is None and fn.loss_units is not None:  # Layered's too
             loss = fn.loss_units(units, batch)  # unit by unit
         elif c.kind == "jax" and not units.persistent:  # see [Note: traced units]
             loss = _traced.traced(fn).loss_units(units, batch)

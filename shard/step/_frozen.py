@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -70,6 +70,9 @@ import ops
 from ops._tree import tree_util
 from shard.core._layout import Layout
 from shard.core._state import TrainState
+
+if TYPE_CHECKING:
+    from shard.step._plan import Plan
 
 __all__ = ["Packing", "copies_packing", "copy_left", "copy_views", "frozen_leaves", "full_grads",
            "grad_views", "gradient_layout", "hold_frozen", "master_views", "masters_in_compute",
@@ -240,7 +243,7 @@ class Packing:
         return packed
 
 
-def copy_left(plan: Any, state: TrainState, copies: tuple, skip: frozenset[int]) -> None:
+def copy_left(plan: Plan, state: TrainState, copies: tuple, skip: frozenset[int]) -> None:
     """Stages 1-2's compute copies are fresh buffers that the kernel writes on
     the ranges it updates: the leaves it left (frozen, or without a gradient
     this step) get their masters cast, one launch per run of such leaves (the
@@ -250,19 +253,21 @@ def copy_left(plan: Any, state: TrainState, copies: tuple, skip: frozenset[int])
     packing = plan.master_packing
     if packing is not None:
         if skip:
+            assert plan.runs is not None  # packing is made where leaves are frozen
             updated = trainable_runs(plan.layout, plan.frozen | skip)
             for u, (runs, done) in enumerate(zip(plan.runs, updated, strict=True)):
                 for a, b in outside(list(runs), list(done)):
                     pa, pb = packing.where(u, a, b)
                     ops.cast(state.master[u][pa:pb], copies[u].dtype, out=copies[u][pa:pb])
         return
-    updated = plan.runs if not skip else trainable_runs(plan.layout, plan.frozen | skip)
+    updated = plan.runs if not skip and plan.runs is not None else \
+        trainable_runs(plan.layout, plan.frozen | skip)
     for u, (unit, runs) in enumerate(zip(plan.layout.units, updated, strict=True)):
         for a, b in outside([(0, unit.local_size)], list(runs)):
             ops.cast(state.master[u][a:b], copies[u].dtype, out=copies[u][a:b])
 
 
-def full_grads(plan: Any, shards: list[Any]) -> list[Any]:
+def full_grads(plan: Plan, shards: list[Any]) -> list[Any]:
     """For an optax transformation, which takes gradients shaped like the
     params: the packed gradient shards in the masters' layout, zero for the
     frozen leaves, so that its state for them stays zero (see [Note: frozen
@@ -273,7 +278,7 @@ def full_grads(plan: Any, shards: list[Any]) -> list[Any]:
             for u, (unit, g) in enumerate(zip(plan.layout.units, shards, strict=True))]
 
 
-def hold_frozen(plan: Any, state: TrainState) -> list:
+def hold_frozen(plan: Plan, state: TrainState) -> list:
     """For an optax transformation, which updates every leaf: the frozen leaves'
     masters, to be put back after the update (see [Note: frozen leaves])."""
     held = []
@@ -284,27 +289,27 @@ def hold_frozen(plan: Any, state: TrainState) -> list:
     return held
 
 
-def grad_views(plan: Any, bufs: Any, runs: tuple) -> tuple:
+def grad_views(plan: Plan, bufs: Any, runs: tuple) -> tuple:
     """The gradients' (and a fused optimizer's moments') views of ``runs``:
     packed where leaves are frozen (see [Note: frozen leaves])."""
     return views(bufs, runs) if plan.packing is None else plan.packing.views(bufs, runs)
 
 
-def master_views(plan: Any, bufs: Any, runs: tuple) -> tuple:
+def master_views(plan: Plan, bufs: Any, runs: tuple) -> tuple:
     """The masters' views of ``runs``: packed where frozen leaves keep no
     masters (see [Note: frozen leaves])."""
     packing = plan.master_packing
     return views(bufs, runs) if packing is None else packing.views(bufs, runs)
 
 
-def copies_packing(plan: Any) -> Any:
+def copies_packing(plan: Plan) -> Any:
     """Where the trainable runs live in the buffers the optimizer writes the
     compute-dtype params into: stages 0 and 3 write the compute params, laid
     out as the params; stages 1-2 fresh buffers, packed as the masters."""
     return plan.master_packing if plan.config.stage in (1, 2) else None
 
 
-def copy_views(plan: Any, copies: Any, runs: tuple) -> tuple:
+def copy_views(plan: Plan, copies: Any, runs: tuple) -> tuple:
     """The compute-dtype copies' views of ``runs`` (see :func:`copies_packing`)."""
     packing = copies_packing(plan)
     return views(copies, runs) if packing is None else packing.views(copies, runs)

@@ -5,7 +5,7 @@ of the step in ``shard/step/_step.py``)."""
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,6 +20,9 @@ from shard.monitor._profile import timed
 from shard.step import _traced
 from shard.step._reduce import GradBuffers, GradReducer
 from shard.step._runtime import LiveBytes, Units
+
+if TYPE_CHECKING:
+    from shard.step._plan import Plan
 
 __all__ = [
     "grad_buffers",
@@ -36,12 +39,12 @@ __all__ = [
 ]
 
 
-def reduce_dtype(plan: Any) -> np.dtype:
+def reduce_dtype(plan: Plan) -> np.dtype:
     p = plan.precision
     return np.dtype(p.reduce_dtype or p.param_dtype or plan.master_dtype)
 
 
-def grad_buffers(plan: Any, kept: GradBuffers | None) -> GradBuffers:
+def grad_buffers(plan: Plan, kept: GradBuffers | None) -> GradBuffers:
     """The gradient shards, kept across steps (see :class:`GradBuffers`):
     ``kept`` where it serves ``plan``, else new ones."""
     dtype = reduce_dtype(plan)
@@ -50,7 +53,7 @@ def grad_buffers(plan: Any, kept: GradBuffers | None) -> GradBuffers:
     return GradBuffers(plan.grad_layout, dtype, plan.device)
 
 
-def unit_params(plan: Any, state: TrainState, tracker: LiveBytes) -> Units:
+def unit_params(plan: Plan, state: TrainState, tracker: LiveBytes) -> Units:
     """Each unit's full params for this step: gathered (stage 3) or the state's
     own whole buffers."""
     stage = plan.config.stage
@@ -62,7 +65,7 @@ def unit_params(plan: Any, state: TrainState, tracker: LiveBytes) -> Units:
                  tracker=tracker, plans=plan.copy_plans, secondary=plan.secondary)
 
 
-def whole_params(plan: Any, units: Units) -> Any:
+def whole_params(plan: Plan, units: Units) -> Any:
     """Every unit gathered at once, as the params pytree (jax arrays for a JAX
     loss): what a monolithic loss needs."""
     layout = plan.layout
@@ -75,14 +78,14 @@ def whole_params(plan: Any, units: Units) -> Any:
     return layout.treedef.unflatten(leaves)
 
 
-def on_device(plan: Any, x: Any, what: str) -> Any:
+def on_device(plan: Plan, x: Any, what: str) -> Any:
     """A loss (a number, or a torch, jax or device scalar) as a device array."""
     if isinstance(x, (int, float)):
         x = np.asarray(x, np.float64)
     return plan.device.asarray(x, what=f"{plan.config.name}: {what}").reshape(1)
 
 
-def placement(plan: Any) -> Any:
+def placement(plan: Plan) -> Any:
     """JAX computations over host state run on JAX's CPU device, even where
     JAX's default device is a GPU."""
     if not plan.device.host or plan.config.kind == "provider":
@@ -92,7 +95,7 @@ def placement(plan: Any) -> Any:
     return jax.default_device(jax.devices("cpu")[0])
 
 
-def step_loss(plan: Any, with_state: bool, loss_fn: Any = None) -> JaxLoss | None:
+def step_loss(plan: Plan, with_state: bool, loss_fn: Any = None) -> JaxLoss | None:
     """The JAX loss the step calls in place of its own (or of ``loss_fn``, an
     eval-mode one), or None where it calls it as it is: one that threads a
     model state (see [Note: model state]) and takes a key (see [Note:
@@ -100,13 +103,15 @@ def step_loss(plan: Any, with_state: bool, loss_fn: Any = None) -> JaxLoss | Non
     c = plan.config
     if c.key is None and not with_state:
         return loss_fn
-    fn = (c.loss_fn if loss_fn is None else loss_fn).fn
+    source = c.loss_fn if loss_fn is None else loss_fn
+    assert isinstance(source, JaxLoss)  # keys and model states are a JAX function's
+    fn = source.fn
     if c.key is not None:
         fn = keyed(fn, c.key[1])
     return JaxLoss.with_state(fn, c.has_aux) if with_state else JaxLoss.shared(fn, c.has_aux)
 
 
-def keyed_batch(plan: Any, batch: Any, step: int, micro_batch: int) -> Any:
+def keyed_batch(plan: Plan, batch: Any, step: int, micro_batch: int) -> Any:
     """``(batch, key)`` with this data rank's key for ``micro_batch`` of step
     ``step`` where the step was given ``key=`` (see [Note: per-rank keys]);
     ``batch`` otherwise."""
@@ -117,7 +122,7 @@ def keyed_batch(plan: Any, batch: Any, step: int, micro_batch: int) -> Any:
     return batch, derived_key(*c.key, step=step, rank=rank, micro_batch=micro_batch)
 
 
-def loss_and_grads(plan: Any, units: Units, reducer: GradReducer, batch: Any,
+def loss_and_grads(plan: Plan, units: Units, reducer: GradReducer, batch: Any,
                    scale: float, loss_fn: Any = None) -> Any:
     """Loss of one micro-batch (a number or a scalar array); its gradients (of
     loss * scale) go to ``reducer``. ``loss_fn``: a JAX loss in place of the
@@ -142,7 +147,7 @@ def loss_and_grads(plan: Any, units: Units, reducer: GradReducer, batch: Any,
     return loss
 
 
-def mean_aux(plan: Any, auxes: list[Any]) -> Any:
+def mean_aux(plan: Plan, auxes: list[Any]) -> Any:
     """The micro-batches' aux (``has_aux``), numeric leaves averaged over the
     micro-batches and the ranks (one host all-gather); other leaves are this
     rank's last."""
@@ -180,7 +185,7 @@ def _number_like(x: Any) -> bool:
     return any(k in name for k in ("float", "int", "bool"))
 
 
-def _host(plan: Any, x: Any) -> np.ndarray:
+def _host(plan: Plan, x: Any) -> np.ndarray:
     """An aux value on the host, as float64 (an explicit copy from a device)."""
     if hasattr(x, "detach"):  # torch
         x = x.detach().cpu().float().numpy()
@@ -189,7 +194,7 @@ def _host(plan: Any, x: Any) -> np.ndarray:
     return np.asarray(x, np.float64)
 
 
-def same_model_state(plan: Any, old: Any, new: Any) -> Any:
+def same_model_state(plan: Plan, old: Any, new: Any) -> Any:
     """The loss's new model state, checked against the old one's structure,
     shapes and dtypes (a TypeError naming the leaf), as numpy arrays."""
     c = plan.config
@@ -209,7 +214,7 @@ def same_model_state(plan: Any, old: Any, new: Any) -> Any:
     return tu.tree_unflatten(tree, out)
 
 
-def mean_model_state(plan: Any, model_state: Any) -> Any:
+def mean_model_state(plan: Plan, model_state: Any) -> Any:
     """Every rank's model state made the same (see [Note: model state]): its
     floating-point leaves averaged over the data ranks, its others rank 0's
     (one host all-gather each)."""

@@ -55,7 +55,7 @@ A JAX loss's gradient is always defined (zero where a leaf is unused), as
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -75,13 +75,16 @@ from shard.step._frozen import (
     trainable_runs,
 )
 
+if TYPE_CHECKING:
+    from shard.step._plan import Plan
+
 __all__ = ["add_skips", "apply", "count_missing", "fresh_totals", "norm_and_loss", "refresh",
            "skipped_leaves", "tracks_missing", "warn_if_rows_differ", "weigh_by_rows"]
 
 log = logging.getLogger("shard.step")
 
 
-def norm_and_loss(plan: Any, shards: list[Any], totals: Any) -> None:
+def norm_and_loss(plan: Plan, shards: list[Any], totals: Any) -> None:
     """``totals`` (on the device) becomes [global sum of squares of the summed
     gradients, sum of the micro-batch losses over ranks]: one all-reduce."""
     c, layout = plan.config, plan.grad_layout  # frozen leaves hold nothing there
@@ -198,7 +201,7 @@ def add_skips(skips: np.ndarray, skip: frozenset[int]) -> np.ndarray:
     return out
 
 
-def warn_unskipped(plan: Any, skip: frozenset[int], where: str) -> None:
+def warn_unskipped(plan: Plan, skip: frozenset[int], where: str) -> None:
     """An optimizer path that updates every leaf: say so, once per step object."""
     if getattr(plan, "_warned_skip", False):
         return
@@ -209,7 +212,7 @@ def warn_unskipped(plan: Any, skip: frozenset[int], where: str) -> None:
                 "state leave them as torch's optimizers do", plan.config.name, names, where)
 
 
-def _count_groups(plan: Any, state: TrainState, skip: frozenset[int]) -> list | None:
+def _count_groups(plan: Plan, state: TrainState, skip: frozenset[int]) -> list | None:
     """The trainable runs of each group of leaves sharing an update count, with
     that count; None where every leaf has the step's (see [Note: missing
     gradients])."""
@@ -243,7 +246,7 @@ def weigh_by_rows(shards: list[Any], totals: Any, parts: int) -> None:
     totals[LOSS] *= f
 
 
-def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
+def apply(plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
           grad_sumsq: Any, skip: frozenset[int] = frozenset()) -> TrainState:
     """The optimizer on every unit's shard of a device-resident state, then stages
     1-2's all-gather of the new compute params. With ``grad_sumsq`` (a device
@@ -276,6 +279,7 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
             _per_leaf(plan, state, shards, grad_scale, grad_sumsq, copies, skip)
         elif groups is not None or plan.runs is not None:  # see [Note: frozen leaves]
             for count, runs in groups if groups is not None else [(state.step, plan.runs)]:
+                assert runs is not None  # the plan's runs where no group is counted
                 c.optimizer.apply(
                     grad_views(plan, shards, runs),
                     fused.state(count, *(grad_views(plan, m, runs) for m in state.moments)),
@@ -294,7 +298,7 @@ def apply(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
     return state
 
 
-def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float,
+def _per_leaf(plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
               grad_sumsq: Any, copies: tuple | None, skip: frozenset[int]) -> None:
     """A fused optimizer whose update reduces over each whole leaf (LAMB's trust
     ratio), on each leaf's local view: the split leaves first, so that their
@@ -327,7 +331,9 @@ def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float
                 plan.fast.all_reduce_(sums[:nsplit], "sum")
         return sums
 
-    c.optimizer.apply(packed_views(shards), plan.optimizer.fused.state(
+    fused = plan.optimizer.fused
+    assert fused is not None  # a fused optimizer's per-leaf update
+    c.optimizer.apply(packed_views(shards), fused.state(
         state.step, *(packed_views(m) for m in state.moments)),
         packed_views(state.master, plan.master_packing),
         grad_scale=grad_scale, grad_sumsq=grad_sumsq, max_norm=c.clip_norm,
@@ -349,13 +355,13 @@ def _per_leaf(plan: Any, state: TrainState, shards: list[Any], grad_scale: float
 
 
 
-def _summed(plan: Any, x: np.ndarray) -> np.ndarray:
+def _summed(plan: Plan, x: np.ndarray) -> np.ndarray:
     """``x`` summed over the data ranks (host arrays)."""
     plan.fast.all_reduce_(x, "sum")
     return x
 
 
-def _copies(plan: Any, state: TrainState) -> tuple | None:
+def _copies(plan: Plan, state: TrainState) -> tuple | None:
     """Buffers the optimizer writes the new compute-dtype params into, if any."""
     if state.meta.compute_dtype == state.meta.master_dtype or not state.compute:
         return None
@@ -366,7 +372,7 @@ def _copies(plan: Any, state: TrainState) -> tuple | None:
     return tuple(plan.device.empty(n, state.compute[0].dtype) for n in sizes)
 
 
-def refresh(plan: Any, state: TrainState, copies: tuple | None) -> None:
+def refresh(plan: Plan, state: TrainState, copies: tuple | None) -> None:
     """Stages 1-2: all-gather the updated shards into the whole compute params."""
     c, layout, device = plan.config, plan.layout, plan.device
     if c.stage not in (1, 2):
