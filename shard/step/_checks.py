@@ -108,7 +108,8 @@ def counted_rows(name: str, rank: int, batch: Any) -> int:
 def total_rows(batches: list[Any]) -> int:
     """The rows of all ``batches`` together, or 0 where some cannot be counted."""
     rows = [_rows(b) for b in batches]
-    return 0 if None in rows else sum(rows)  # type: ignore[arg-type]
+    counted = [n for n in rows if n is not None]
+    return sum(counted) if len(counted) == len(rows) else 0
 
 
 def _rows(batch: Any) -> int | None:
