@@ -186,7 +186,10 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] 
     modules = list(module) if layers else [module]
     tp = TensorParallel(mesh, axis=axis)
     model = tp.comm
-    assert model is not None  # a TensorParallel over a mesh has its communicator
+    if model is None:
+        raise TypeError("parallelize: mesh must be a shard.Mesh with a 'model' axis or an "
+                        f"ops.Communicator; got {mesh!r} (a number of ranks describes a split "
+                        "without running one)")
     place = "cpu" if model.host_memory is not False else model.device.torch_device
     for i, m in enumerate(modules):
         where = f"layers[{i}]" if layers else "module"

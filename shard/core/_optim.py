@@ -141,7 +141,9 @@ class ShardOptimizer:
         state = self.tree(layout, None, moments, rest)
         views = layout.local_views(list(master))
         if self._parts:  # per-leaf reductions over the ranks between jitted runs
-            assert reduce is not None  # the step passes one where parts reduce
+            if reduce is None:
+                raise ValueError("this optimizer's transformation reduces over whole leaves: "
+                                 "apply needs reduce=, the sum over the data ranks")
             with _lock:
                 segments = self._segments.get(rank)
                 if segments is None:

@@ -137,8 +137,9 @@ class Provided(LossProvider):
     def __init__(self, obj: Any) -> None:
         self.obj = obj
 
-    def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> Any:
-        if loss_scale == 1.0:
+    def value_and_grad(self, params: Any, batch: Any, loss_scale: float | None = None) -> Any:
+        """The object's own, given ``loss_scale`` where the step gives one."""
+        if loss_scale is None:
             return self.obj.value_and_grad(params, batch)
         return self.obj.value_and_grad(params, batch, loss_scale=loss_scale)
 

@@ -85,13 +85,13 @@ class CSVLogger(_Every):
             if self.columns is None:
                 self.columns = ["step", *values]
                 csv.writer(self._file).writerow(self.columns)
-        assert self.columns is not None  # read or written with the file's first row
-        if set(values) != set(self.columns[1:]):
+        columns = self.columns or ["step", *values]  # set above with the file
+        if set(values) != set(columns[1:]):
             raise ValueError(f"CSVLogger({str(self.path)!r}): step {step} has metrics "
                              f"{sorted(values)} but the file's columns are "
-                             f"{self.columns[1:]}; log the same metrics every step, or "
+                             f"{columns[1:]}; log the same metrics every step, or "
                              "use a new file")
-        csv.writer(self._file).writerow([step, *(values[c] for c in self.columns[1:])])
+        csv.writer(self._file).writerow([step, *(values[c] for c in columns[1:])])
         self._file.flush()
 
     def close(self) -> None:

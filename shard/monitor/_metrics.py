@@ -25,7 +25,11 @@ class StepMetrics(Mapping):
                  finish: Callable[[np.ndarray], dict[str, Any]] | None = None,
                  to_host: Callable[[Any], np.ndarray] | None = None) -> None:
         self._known = dict(known)
-        self._pending, self._finish, self._to_host = pending, finish, to_host
+        self._pending: tuple[Any, Callable, Callable] | None = None
+        if pending is not None:
+            if finish is None or to_host is None:
+                raise TypeError("StepMetrics: a pending device array needs finish= and to_host=")
+            self._pending = (pending, finish, to_host)
 
     def add(self, **values: Any) -> None:
         """Values the host knows, added after the step (its times)."""
@@ -33,9 +37,8 @@ class StepMetrics(Mapping):
 
     def _resolve(self) -> None:
         if self._pending is not None:
-            assert self._to_host is not None and self._finish is not None  # given with it
-            host = self._to_host(self._pending)
-            self._known.update(self._finish(host))
+            pending, finish, to_host = self._pending
+            self._known.update(finish(to_host(pending)))
             self._pending = None
 
     def __getitem__(self, key: str) -> Any:

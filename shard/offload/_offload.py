@@ -108,7 +108,8 @@ class DiskTier:
     """One rank's generation files of masters and moments (see [Note: offload])."""
 
     def __init__(self, policy: Offload, rank: int, sizes: list[int], dtype: Any) -> None:
-        assert policy.path is not None  # Offload("disk") is refused without one
+        if policy.path is None:
+            raise ValueError("Offload('disk') needs path=, a directory for the disk tier")
         self.dir = Path(policy.path) / f"rank-{rank:05d}"
         self.dtype = np.dtype(dtype)
         self.sizes = list(sizes)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -129,8 +129,7 @@ class Offloader:
             if overlap is not None:  # see [Note: overlapped offload]
                 overlap.wait_updated()
                 state = self._commit(state, overlap.spare, resident)
-                out = overlap.spare.compute if resident else staging.out
-                assert out is not None  # a resident spare holds compute shards
+                out = cast(list, overlap.spare.compute) if resident else staging.out
             else:
                 grads = [g if self.device.host else self.device.to_host_into(g, staging.grads[u])
                          for u, g in enumerate(shards)]
@@ -222,8 +221,7 @@ class Offloader:
             spare = self.spare = Spare.like(state, resident)
         staging = self._staging(state, reducer.shards)
         run = self._unit_update(state, grad_scale, None)
-        copy_out = spare.compute if resident else staging.out
-        assert copy_out is not None  # a resident spare holds compute shards
+        copy_out = cast(list, spare.compute) if resident else staging.out  # resident: shards
 
         def run_unit(u: int, grad: np.ndarray, spare: Spare) -> None:
             run(u, 0, grad, spare.master[u], spare.exp_avg[u], spare.exp_avg_sq[u],
@@ -246,8 +244,7 @@ class Offloader:
         changes = {"master": tuple(spare.master),
                    "moments": (tuple(spare.exp_avg), tuple(spare.exp_avg_sq))}
         if resident:
-            assert spare.compute is not None  # a resident spare holds compute shards
-            changes["compute"] = tuple(spare.compute)
+            changes["compute"] = tuple(cast(list, spare.compute))  # resident: its shards
         self.spare = old
         return state.replace(**changes)
 

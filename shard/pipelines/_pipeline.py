@@ -228,10 +228,6 @@ class Pipeline(LossProvider):
         return self.data
 
     # -- the step -------------------------------------------------------------
-    def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> Any:
-        raise NotImplementedError("a pipeline stage runs unit by unit (the ZeRO step calls "
-                                  "run_units); it has no gradients of whole params in one call")
-
     def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
         """One step's schedule over every micro-batch (see the Note); returns this
         stage's share of the loss (the mean over micro-batches on the last stage,
@@ -290,7 +286,9 @@ class Pipeline(LossProvider):
         make = self.loss.make_stage
         if make is not None:
             return make(units, layers, checkpointing=checkpointing)
-        assert isinstance(self.loss, Layered)  # pipeline() takes it, or one with make_stage
+        if not isinstance(self.loss, Layered):  # pipeline() takes it, or one with make_stage
+            raise TypeError(f"pipeline: loss must be a shard.Layered or the loss of "
+                            f"interop.torch.layered(...); got {type(self.loss).__name__}")
         return JaxStage(self.loss, units, layers, checkpointing)
 
     # -- messages ---------------------------------------------------------------

@@ -62,7 +62,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -253,9 +253,9 @@ def copy_left(plan: Plan, state: TrainState, copies: tuple, skip: frozenset[int]
     packing = plan.master_packing
     if packing is not None:
         if skip:
-            assert plan.runs is not None  # packing is made where leaves are frozen
             updated = trainable_runs(plan.layout, plan.frozen | skip)
-            for u, (runs, done) in enumerate(zip(plan.runs, updated, strict=True)):
+            frozen_runs = cast(tuple, plan.runs)  # packing is made where leaves are frozen
+            for u, (runs, done) in enumerate(zip(frozen_runs, updated, strict=True)):
                 for a, b in outside(list(runs), list(done)):
                     pa, pb = packing.where(u, a, b)
                     ops.cast(state.master[u][pa:pb], copies[u].dtype, out=copies[u][pa:pb])

@@ -104,7 +104,9 @@ def step_loss(plan: Plan, with_state: bool, loss_fn: Any = None) -> JaxLoss | No
     if c.key is None and not with_state:
         return loss_fn
     source = c.loss_fn if loss_fn is None else loss_fn
-    assert isinstance(source, JaxLoss)  # keys and model states are a JAX function's
+    if not isinstance(source, JaxLoss):
+        raise TypeError(f"{c.name}: key= and a model state are for a JAX loss function; this "
+                        f"step's loss is a {type(source).__name__}")
     fn = source.fn
     if c.key is not None:
         fn = keyed(fn, c.key[1])

@@ -69,7 +69,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -211,8 +211,7 @@ class Units:
     def _two_hops(self, u: int, out: Any, shard: Any) -> Any:
         """Unit ``u``'s gather into ``out`` from its secondary shard, gathering
         that first if this step has not (see [Note: secondary shards])."""
-        assert self.secondary is not None  # only a step with secondary shards gets here
-        local, node = self.secondary
+        local, node = cast(tuple, self.secondary)  # only a step with secondary shards
         kept = self._secondaries.get(u)
         if kept is not None:
             return local.all_gather_async(out, kept)
@@ -241,8 +240,7 @@ class Units:
         :meth:`leaf_views`). Where :attr:`persistent`, it is the state's own
         buffer, the same object every step; otherwise freshly gathered (stage 3)."""
         if self.stage < 3:
-            assert self.full is not None  # stages 0-2 keep whole params
-            return self.full[u]
+            return cast(list, self.full)[u]  # stages 0-2 keep whole params
         if self.solo:
             return self.local[u]
         with timed("library"):

@@ -71,7 +71,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -405,8 +405,8 @@ class ZeroStep:
             return _update.apply(plan, state, shards, grad_scale, grad_sumsq, skip)
         if skip:
             _update.warn_unskipped(plan, skip, "offloaded state")
-        assert self._offloader is not None  # made with the plan of an offloaded step
-        state, new_compute = self._offloader.apply(state, shards, grad_scale, grad_sumsq)
+        offloader = cast(Offloader, self._offloader)  # made with an offloaded step's plan
+        state, new_compute = offloader.apply(state, shards, grad_scale, grad_sumsq)
         if new_compute is not None:
             _update.refresh(plan, state, new_compute)
         return state

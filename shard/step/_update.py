@@ -55,7 +55,7 @@ A JAX loss's gradient is always defined (zero where a leaf is unused), as
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -278,8 +278,8 @@ def apply(plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
         if fused.per_tensor:
             _per_leaf(plan, state, shards, grad_scale, grad_sumsq, copies, skip)
         elif groups is not None or plan.runs is not None:  # see [Note: frozen leaves]
-            for count, runs in groups if groups is not None else [(state.step, plan.runs)]:
-                assert runs is not None  # the plan's runs where no group is counted
+            pairs = groups if groups is not None else [(state.step, cast(tuple, plan.runs))]
+            for count, runs in pairs:
                 c.optimizer.apply(
                     grad_views(plan, shards, runs),
                     fused.state(count, *(grad_views(plan, m, runs) for m in state.moments)),
@@ -331,8 +331,7 @@ def _per_leaf(plan: Plan, state: TrainState, shards: list[Any], grad_scale: floa
                 plan.fast.all_reduce_(sums[:nsplit], "sum")
         return sums
 
-    fused = plan.optimizer.fused
-    assert fused is not None  # a fused optimizer's per-leaf update
+    fused = cast(ops.FusedOptimizer, plan.optimizer.fused)  # a fused optimizer's per-leaf update
     c.optimizer.apply(packed_views(shards), fused.state(
         state.step, *(packed_views(m) for m in state.moments)),
         packed_views(state.master, plan.master_packing),
