@@ -190,7 +190,7 @@ def run_zero3(model: str, steps: int) -> dict[str, Any]:
 
     def run(comm: Any) -> dict[str, Any]:
         step = shard.zero3(loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
-                           units=units)
+                           options=shard.ZeroOptions(units=units))
         state = step.init(params)
         times = []
         for i in range(steps + 1):

@@ -5,7 +5,7 @@ Two network namespaces of this machine, joined by a veth link whose ends a
 token bucket limits to ``--rate`` (1 Gbit/s by default), run ``examples/gpt.py``'s
 GPT under torchrun, 2 processes each (``tests/netns_worker.py``): once as flat
 ZeRO-3 over the 4 ranks, once with ZeRO-3 inside each host and the replicas
-across (``replicate=``, see [Note: replicas]). The modes alternate over
+across (a ``replicate`` x ``shard`` mesh, see [Note: replicas]). The modes alternate over
 ``--rounds``; the table gives the median seconds per step (the run's wall time
 over its steps, the first included) and the bytes each host sent over its link
 per step, against the analytic figures: flat ZeRO-3 sends about 3x the

@@ -9,7 +9,7 @@ by both: q/k/v and gate/up column-parallel, o/down row-parallel, the embedding
 vocabulary-parallel and the head column-parallel with its output gathered
 (Hugging Face's own ``_tp_plan``). A layout ``DxT`` is D data ranks by T model
 ranks, one process each (torchrun, one compute thread): at D = 1 ours runs
-``zero1`` with ``tensor_parallel=`` against ``parallelize_module`` and
+``zero1`` on a ``data`` x ``model`` mesh against ``parallelize_module`` and
 ``torch.optim.AdamW``; at D > 1 ours runs ``zero3`` on the data axis against FSDP2
 (``fully_shard`` per decoder layer and the root) on the ``data`` dimension of a
 2-D mesh. Reported per layout: the slowest rank's median ms/step, ours over
@@ -96,10 +96,10 @@ def ours(args: argparse.Namespace) -> dict:
                           ("reduce_scatter_into", 1)):
         setattr(axis, name, counting(getattr(axis, name), payload))
     model, ids = build(args)
-    tp = it.parallelize(model, mesh)  # the model's own plan
+    it.parallelize(model, mesh)  # the model's own plan; the step reads it from the loss
     params, loss = it.functional(model, loss=lambda m, b: m(input_ids=b, labels=b).loss)
     zero = shard.zero1 if data == 1 else shard.zero3
-    step = zero(loss, optimizer=ops.adamw(1e-4), comm=mesh["data"], tensor_parallel=tp)
+    step = zero(loss, optimizer=ops.adamw(1e-4), mesh=mesh)
     state = step.init(params)
     mine = _rows(ids, mesh.coords["data"], data)
     times, per_step = [], []

@@ -236,14 +236,12 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     model = copy.deepcopy(model) if model is not None else build(cfg)
     params, loss = it.functional(model, loss=lm_loss)
     loggers = [shard.CSVLogger(Path(save) / "metrics.csv", every=10)] if save else []
-    zero_comm, hsdp = comm, {}
-    if replicas > 1:
-        mesh = shard.Mesh(comm, {"replicate": replicas, "shard": comm.world_size // replicas})
-        zero_comm, hsdp = mesh["shard"], {"replicate": mesh["replicate"]}
-    if reshard_after_forward is not True:
-        hsdp["reshard_after_forward"] = reshard_after_forward
-    step = ZERO[stage](loss, optimizer=ops.adamw(lr, weight_decay=0.01), comm=zero_comm,
-                       clip_norm=1.0, loggers=loggers, **hsdp)
+    mesh = shard.Mesh(comm, {"replicate": replicas, "shard": comm.world_size // replicas}
+                      if replicas > 1 else {"data": comm.world_size})
+    zero_comm = mesh["shard" if replicas > 1 else "data"]  # what ZeRO shards over
+    step = ZERO[stage](loss, optimizer=ops.adamw(lr, weight_decay=0.01), mesh=mesh,
+                       clip_norm=1.0, options=shard.ZeroOptions(
+                           loggers=loggers, reshard_after_forward=reshard_after_forward))
     state, first = step.init(params), 0
     ckpt = Path(save) / "checkpoint" if save else None
     if resume and ckpt is not None and (ckpt / "manifest.json").exists():

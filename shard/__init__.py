@@ -25,6 +25,7 @@ from shard.monitor._loggers import CSVLogger, TensorBoardLogger
 from shard.monitor._profile import Breakdown, profile
 from shard.offload._offload import Offload
 from shard.pipelines._pipeline import Pipeline, balance_by_time, pipeline
+from shard.step._config import ZeroOptions
 from shard.step._step import ZeroStep
 from shard.tensor_parallel._parallel import Packed, TensorParallel
 
@@ -51,6 +52,7 @@ __all__ = [
     "TensorBoardLogger",
     "TensorParallel",
     "TrainState",
+    "ZeroOptions",
     "ZeroStep",
     "async_save",
     "balance_by_time",

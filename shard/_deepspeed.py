@@ -61,6 +61,7 @@ left without an argument is named, all of them in one error.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import os
@@ -74,6 +75,8 @@ from shard._deepspeed_precision import allreduce_op, precision_of
 from shard.core._policy import LossScale, Precision
 from shard.monitor._loggers import CSVLogger, TensorBoardLogger
 from shard.offload._offload import Offload
+from shard.step._config import ZeroOptions
+from shard.step._step import ZeroStep
 
 __all__ = ["DeepSpeedConfig", "from_deepspeed_config"]
 
@@ -126,36 +129,45 @@ class DeepSpeedConfig:
     reshard_after_forward: bool | int = True
     gradient_divide_factor: float | None = None
 
-    def transform(self, loss_fn: Any, *, comm: Any, **overrides: Any) -> Any:
-        """``shard.zero{stage}(loss_fn, ...)`` with this config's options;
-        ``overrides`` (any of the transform's arguments) replace them. The step
-        takes ``shard.MicroBatches`` of ``gradient_accumulation_steps``
-        micro-batches (a plain batch where it is 1)."""
+    def transform(self, loss_fn: Any, *, comm: Any = None, mesh: Any = None,
+                  **overrides: Any) -> ZeroStep:
+        """``shard.zero{stage}(loss_fn, ...)`` with this config's options on
+        ``comm`` (one data axis) or ``mesh``; ``overrides`` (``optimizer=`` or
+        any :class:`shard.ZeroOptions` field) replace them. The step takes
+        ``shard.MicroBatches`` of ``gradient_accumulation_steps`` micro-batches
+        (a plain batch where it is 1)."""
         from shard._stages import zero0, zero1, zero2, zero3
 
+        if mesh is not None:  # the data ranks: HSDP's replicas x shards, or 'data'
+            ranks = (mesh.shape.get("data") or
+                     mesh.shape.get("replicate", 1) * mesh.shape.get("shard", 1))
+        else:
+            ranks = comm.world_size if comm is not None else 1
         if self.train_batch_size is not None and self.micro_batch_size is not None:
-            want = self.micro_batch_size * self.gradient_accumulation_steps * comm.world_size
+            want = self.micro_batch_size * self.gradient_accumulation_steps * ranks
             if want != self.train_batch_size:
                 raise ValueError(f"from_deepspeed_config: train_batch_size {self.train_batch_size}"
                                  f" != train_micro_batch_size_per_gpu {self.micro_batch_size} x "
                                  f"gradient_accumulation_steps {self.gradient_accumulation_steps}"
-                                 f" x world size {comm.world_size}")
+                                 f" x data ranks {ranks}")
         zero = (zero0, zero1, zero2, zero3)[self.stage]
-        if self.optimizer is None and overrides.get("optimizer") is None:
+        optimizer = overrides.pop("optimizer", None) or self.optimizer
+        if optimizer is None:
             raise ValueError("from_deepspeed_config: the config has no \"optimizer\" block; "
                              "pass the optimizer as DeepSpeed's initialize takes it: "
                              "config.transform(loss, comm=comm, optimizer=ops.adamw(...))")
-        kw: dict[str, Any] = dict(
-            optimizer=self.optimizer, precision=self.precision, clip_norm=self.clip_norm,
-            loss_scale=self.loss_scale, loggers=self.loggers,
-            gradient_accumulation_steps=self.gradient_accumulation_steps)
-        if self.offload:
-            kw["offload"] = self.offload
-        if self.reshard_after_forward is not True:
-            kw["reshard_after_forward"] = self.reshard_after_forward
-        if self.gradient_divide_factor is not None:
-            kw["gradient_divide_factor"] = self.gradient_divide_factor
-        return zero(loss_fn, comm=comm, **{**kw, **overrides})
+        known = {f.name for f in dataclasses.fields(ZeroOptions)}
+        odd = sorted(set(overrides) - known)
+        if odd:
+            raise TypeError(f"DeepSpeedConfig.transform: {odd[0]!r} is not an option of a ZeRO "
+                            f"step; the options are {sorted(known)}")
+        options = ZeroOptions(
+            precision=self.precision, clip_norm=self.clip_norm, loss_scale=self.loss_scale,
+            loggers=self.loggers, gradient_accumulation_steps=self.gradient_accumulation_steps,
+            offload=self.offload or None, reshard_after_forward=self.reshard_after_forward,
+            gradient_divide_factor=self.gradient_divide_factor)
+        return zero(loss_fn, optimizer=optimizer, mesh=mesh, comm=comm,
+                    options=dataclasses.replace(options, **overrides))
 
 
 def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str = "error",

@@ -51,7 +51,7 @@ def test_batch_sizes_are_checked_against_the_world_size():
     c = cfg(train_batch_size=32, train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=4)
     assert c.gradient_accumulation_steps == 4
     c.transform(lambda p, b: 0.0, comm=ops.spawn(lambda x: x, 2)[0])  # 4 x 4 x 2 = 32
-    with pytest.raises(ValueError, match=r"train_batch_size 32 != .* x world size 1"):
+    with pytest.raises(ValueError, match=r"train_batch_size 32 != .* x data ranks 1"):
         c.transform(lambda p, b: 0.0, comm=ops.spawn(lambda x: x, 1)[0])
 
 
@@ -196,7 +196,7 @@ def test_hpz_partition_size_maps_to_reshard_after_forward():
 
     def run(comm):
         step = c.transform(lambda p, b: 0.0, comm=comm)
-        return step.reshard_after_forward, step.config.secondary[0].world_size
+        return step.reshard_after_forward, step.config.topology.secondary[0].world_size
 
     assert ops.spawn(run, 4) == [(2, 2)] * 4
     with pytest.raises(ValueError, match="zero_hpz_partition_size=2 below stage 3"):

@@ -38,7 +38,7 @@ def host(x):
 
 def train(comm, device, *, stage, loss_fn=M.loss, steps=STEPS, **kwargs):
     step = ZERO[stage](loss_fn, optimizer=ops.adamw(M.LR, weight_decay=M.WD), comm=comm,
-                       **kwargs)
+                       options=shard.ZeroOptions(**kwargs))
     state = step.init(to_device(M.init_params(), device))
     losses, norms = [], []
     for b in M.batches(steps):
@@ -126,7 +126,8 @@ def torch_run(comm, device, stage, model, batches, **kwargs):
         model = model.cuda()
         batches = [tuple(t.cuda() for t in b) for b in batches]
     params, fn = it.functional(model, loss=T.mse)
-    step = ZERO[stage](fn, optimizer=ops.adamw(T.LR, weight_decay=T.WD), comm=comm, **kwargs)
+    step = ZERO[stage](fn, optimizer=ops.adamw(T.LR, weight_decay=T.WD), comm=comm,
+                       options=shard.ZeroOptions(**kwargs))
     state = step.init(to_device(params, device))
     assert_on(device, state)
     for b in batches:

@@ -205,7 +205,8 @@ def bf16_run(comm, stage, data, *, steps=None, load=None, save=None, offload=Non
     gathered params at the end and at the start, and the state."""
     step = ZERO[stage](jax_loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
                        trainable={"base": False, "lora": True, "head": True}, offload=offload,
-                       units=lambda path: "one")  # frozen and trainable leaves in one unit
+                       # frozen and trainable leaves in one unit
+                       options=shard.ZeroOptions(units=lambda path: "one"))
     state = shard.load(load, step, comm=comm)[0] if load else step.init(bf16_params())
     start = shard.gather(state, comm)
     losses, n = [], 12 // comm.world_size

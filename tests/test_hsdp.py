@@ -39,8 +39,8 @@ def reference(data, clip=None):
 
 def hsdp_step(comm, stage, replicas, **kw):
     mesh = shard.Mesh(comm, {"replicate": replicas, "shard": comm.world_size // replicas})
-    step = ZERO[stage](loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=mesh["shard"],
-                       replicate=mesh["replicate"], **kw)
+    step = ZERO[stage](loss, optimizer=ops.adamw(LR, weight_decay=WD), mesh=mesh,
+                       options=shard.ZeroOptions(**kw))
     return mesh, step
 
 
@@ -110,18 +110,21 @@ def test_bad_replicas_are_refused_by_name():
     def run(comm):
         mesh = shard.Mesh(comm, {"replicate": 2, "shard": 2})
         with pytest.raises(ValueError, match="zero0 keeps everything whole"):
-            shard.zero0(loss, optimizer=ops.adamw(LR), comm=mesh["shard"],
-                        replicate=mesh["replicate"])
-        with pytest.raises(TypeError, match=r"replicate must be an ops\.Communicator"):
-            shard.zero3(loss, optimizer=ops.adamw(LR), comm=mesh["shard"], replicate=2)
+            shard.zero0(loss, optimizer=ops.adamw(LR), mesh=mesh)
+        with pytest.raises(TypeError, match=r"give the ranks as mesh=shard.Mesh\(...\) or comm="):
+            shard.zero3(loss, optimizer=ops.adamw(LR), mesh=mesh, comm=mesh["shard"])
+        with pytest.raises(ValueError, match=r"the mesh has 'data' and \['replicate'\]"):
+            shard.zero3(loss, optimizer=ops.adamw(LR), mesh=shard.Mesh(comm, {"replicate": 2,
+                                                                               "data": 2}))
+        with pytest.raises(ValueError, match=r"the mesh's axis 'dp' is not one a ZeRO step"):
+            shard.zero3(loss, optimizer=ops.adamw(LR), mesh=shard.Mesh(comm, {"dp": 4}))
         with pytest.raises(ValueError, match=r"Offload\(overlap=True\)"):
-            shard.zero3(loss, optimizer=ops.adamw(LR), comm=mesh["shard"],
-                        replicate=mesh["replicate"], offload=shard.Offload("host", overlap=True))
+            shard.zero3(loss, optimizer=ops.adamw(LR), mesh=mesh,
+                        offload=shard.Offload("host", overlap=True))
         params = init_params()
         if mesh.coords["replicate"] == 1:  # the replicas must start from the same params
             params["w1"] = params["w1"] + 1
-        step = shard.zero2(loss, optimizer=ops.adamw(LR), comm=mesh["shard"],
-                           replicate=mesh["replicate"])
+        step = shard.zero2(loss, optimizer=ops.adamw(LR), mesh=mesh)
         with pytest.raises(ValueError, match="differ"):
             step.init(params)
 

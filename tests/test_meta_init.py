@@ -230,7 +230,8 @@ def test_init_from_onto_device_state(device):
     whole = jax.tree_util.tree_map(np.asarray, jax_init(key))
 
     def run(comm):
-        step = shard.zero3(jax_loss, optimizer=ops.adam(LR), comm=comm, units=jax_units)
+        step = shard.zero3(jax_loss, optimizer=ops.adam(LR), comm=comm,
+                           options=shard.ZeroOptions(units=jax_units))
         state = step.init_from(jax_init, key, device=device)
         assert state.meta.device == device.name
         want = shard.partition(whole, rank=comm.rank, world_size=comm.world_size)
@@ -367,13 +368,15 @@ def test_init_from_a_jax_init_function_equals_it_whole(stage, world):
         return shard.gather(state, comm)
 
     def run(comm):
-        step = ZERO[stage](jax_loss, optimizer=ops.adam(LR), comm=comm, units=jax_units)
+        step = ZERO[stage](jax_loss, optimizer=ops.adam(LR), comm=comm,
+                           options=shard.ZeroOptions(units=jax_units))
         state = step.init_from(jax_init, key)
         assert len(state.meta.layout.units) == 5
         want = shard.partition(whole, rank=comm.rank, world_size=comm.world_size)
         jax.tree_util.tree_map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6),
                                state.params, want)
-        same = ZERO[stage](jax_loss, optimizer=ops.adam(LR), comm=comm, units=jax_units)
+        same = ZERO[stage](jax_loss, optimizer=ops.adam(LR), comm=comm,
+                           options=shard.ZeroOptions(units=jax_units))
         return train(comm, state, step), train(comm, same.init(whole), same)
 
     got, want = ops.spawn(run, world)[0]  # a jitted draw may round its scaling apart
@@ -383,7 +386,8 @@ def test_init_from_a_jax_init_function_equals_it_whole(stage, world):
 
 def test_init_from_refuses_ranks_with_different_keys():
     def run(comm):
-        step = shard.zero3(jax_loss, optimizer=ops.adam(LR), comm=comm, units=jax_units)
+        step = shard.zero3(jax_loss, optimizer=ops.adam(LR), comm=comm,
+                           options=shard.ZeroOptions(units=jax_units))
         step.init_from(jax_init, jax.random.key(comm.rank))
 
     with pytest.raises(ValueError, match=r"rank\(s\) \[1\] differ.*the same key"):

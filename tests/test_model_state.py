@@ -322,7 +322,7 @@ def test_synchronised_statistics_match_flax_s_own_train_step_on_the_whole_batch(
             from ops.testing import STANDIN, to_device
 
             step = shard.zero3(fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
-                               axis_name=axis_name)
+                               options=shard.ZeroOptions(axis_name=axis_name))
             state, losses = step.init(to_device(params, STANDIN),
                                       model_state=to_device(stats, STANDIN)), []
             for b in batches:
@@ -332,12 +332,12 @@ def test_synchronised_statistics_match_flax_s_own_train_step_on_the_whole_batch(
             return whole, state.model_state, losses
         elif kind == "hsdp":
             mesh = shard.Mesh(comm, {"replicate": 2, "shard": 2})
-            step = shard.zero3(fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=mesh["shard"],
-                               replicate=mesh["replicate"], axis_name=axis_name)
+            step = shard.zero3(fn, optimizer=ops.adamw(LR, weight_decay=WD), mesh=mesh,
+                               options=shard.ZeroOptions(axis_name=axis_name))
             call, whole = step, lambda s: shard.gather(s, mesh["shard"])
         else:
             step = getattr(shard, kind)(fn, optimizer=ops.adamw(LR, weight_decay=WD),
-                                        comm=comm, axis_name=axis_name)
+                                        comm=comm, options=shard.ZeroOptions(axis_name=axis_name))
             call, whole = step, lambda s: shard.gather(s, comm)
         state, losses = step.init(params, model_state=stats), []
         for b in batches:

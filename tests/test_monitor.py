@@ -44,7 +44,8 @@ def test_metrics_carry_the_step_time_split_and_tokens_per_second():
 
 
 def run_logged(comm, loggers, steps):
-    step = shard.zero3(loss, optimizer=ops.adamw(1e-2), comm=comm, loggers=loggers)
+    step = shard.zero3(loss, optimizer=ops.adamw(1e-2), comm=comm,
+                       options=shard.ZeroOptions(loggers=loggers))
     state = step.init(PARAMS)
     losses = []
     for _ in range(steps):
@@ -89,6 +90,7 @@ def test_tensorboard_logger_writes_scalars(tmp_path):
 def test_loggers_and_every_are_checked():
     comm = ops.spawn(lambda c: c, 1)[0]
     with pytest.raises(TypeError, match="loggers"):
-        shard.zero1(loss, optimizer=ops.adamw(1e-2), comm=comm, loggers=["run.csv"])
+        shard.zero1(loss, optimizer=ops.adamw(1e-2), comm=comm,
+                    options=shard.ZeroOptions(loggers=["run.csv"]))
     with pytest.raises(ValueError, match="every"):
         shard.CSVLogger("run.csv", every=0)

@@ -31,7 +31,7 @@ def policy(tier, tmp_path):
 
 def trajectory(comm, stage, *, offload=None, device=HOST, steps=4, **kw):
     step = ZERO[stage](M.loss, optimizer=ops.adamw(M.LR, weight_decay=M.WD), comm=comm,
-                       offload=offload, **kw)
+                       offload=offload, options=shard.ZeroOptions(**kw))
     state = step.init(to_device(M.init_params(), device))
     losses = []
     for b in M.batches(steps):

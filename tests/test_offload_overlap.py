@@ -54,7 +54,7 @@ def test_zero3_params_on_the_host_overlapped(device):
 
 def _run(comm, stage, batches, offload=None, loss_fn=M.loss, **kw):
     step = ZERO[stage](loss_fn, optimizer=ops.adamw(M.LR, weight_decay=M.WD), comm=comm,
-                       offload=offload, **kw)
+                       offload=offload, options=shard.ZeroOptions(**kw))
     state = step.init(M.init_params())
     out = []
     for b in batches:
@@ -159,7 +159,8 @@ def test_estimate_memory_counts_the_spare_set(device, params):
     off = shard.Offload("host", params=params, overlap=True)
 
     def run(comm):
-        step = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm, offload=off, **BF16)
+        step = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm, offload=off,
+                           options=shard.ZeroOptions(**BF16))
         from ops.testing import to_device
         state = step.init(to_device(M.init_params(), device))
         b = shard.split_batch(M.batches(1)[0], rank=comm.rank, world_size=2)
@@ -182,7 +183,8 @@ def test_host_state_keeps_no_staging_buffers_it_does_not_need(tmp_path, stage):
     straight into the compute shards (the 2.2B-param disk-tier run's memory)."""
     def run(comm):
         step = ZERO[stage](M.loss, optimizer=ops.adamw(M.LR), comm=comm,
-                           offload=shard.Offload("disk", path=tmp_path, chunk_mb=1), **BF16)
+                           offload=shard.Offload("disk", path=tmp_path, chunk_mb=1),
+                           options=shard.ZeroOptions(**BF16))
         state = step.init(M.init_params())
         step(state, shard.split_batch(M.batches(1)[0], rank=comm.rank, world_size=1))
         return step._offloader.host_staging

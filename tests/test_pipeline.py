@@ -145,7 +145,8 @@ def test_loggers_write_once_per_step_for_the_whole_mesh(tmp_path):
 
     def run(comm):
         pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=2, microbatches=2)
-        step = shard.zero1(pipe, optimizer=ops.adamw(PM.LR), comm=pipe.data, loggers=[log])
+        step = shard.zero1(pipe, optimizer=ops.adamw(PM.LR), comm=pipe.data,
+                           options=shard.ZeroOptions(loggers=[log]))
         state = step.init(pipe.params(PM.init_params()))
         for b in PM.batches(3):
             state, _ = step(state, shard.split_batch(b, rank=pipe.data.rank, world_size=2))
@@ -380,8 +381,8 @@ def test_tied_weights_on_the_device_stand_in(device):
 def test_the_world_communicator_where_pipe_data_belongs_is_named():
     def run(comm):
         pipe = shard.pipeline(PM.LAYERED, comm=comm, stages=2, microbatches=2)
-        with pytest.raises(ValueError, match=r"comm=pipe.data \(1 rank\(s\)\); got a "
-                                             r"communicator of 2 ranks"):
+        with pytest.raises(ValueError, match=r"comm=pipe.data \(1 rank\(s\)\) or the pipeline's "
+                                             r"mesh as mesh=; got a communicator of 2 ranks"):
             shard.zero2(pipe, optimizer=ops.adamw(1e-3), comm=comm)
         step = shard.zero2(pipe, optimizer=ops.adamw(1e-3), comm=pipe.data)
         state = step.init(pipe.params(PM.init_params()))

@@ -208,7 +208,8 @@ def test_model_state_keys_aux_and_evaluate_are_zero3_s():
             return (np.asarray(metrics["loss"]), np.asarray(metrics["aux"]),
                     jax.device_get(state.model_state), jax.device_get(step.whole(state.params)),
                     float(ev[0]))
-        step = shard.zero3(stateful_loss, optimizer=tx(), comm=comm, has_aux=True, key=key)
+        step = shard.zero3(stateful_loss, optimizer=tx(), comm=comm, has_aux=True,
+                           options=shard.ZeroOptions(key=key))
         state, losses, aux = step.init(params(), model_state=stats), [], []
         for b in batches:
             state, m = step(state, b)
@@ -447,14 +448,20 @@ def test_collectives_over_the_data_axis_that_are_not_built_are_refused_by_name()
                                                       r"give the step axis_name='data'"):
             ops.spawn(zero, 2, make)
 
-    def zero_bound(comm, **kw):
-        step = shard.zero3(pmax, optimizer=ops.adamw(1e-3), comm=comm, axis_name="data", **kw)
+    def zero_bound(comm, model=False):
+        where = {"comm": comm}
+        if model:
+            mesh = shard.Mesh(comm, {"data": 1, "model": 1})
+            where = {"mesh": mesh, "specs": shard.TensorParallel(mesh)}
+        step = shard.zero3(pmax, optimizer=ops.adamw(1e-3), **where,
+                           options=shard.ZeroOptions(axis_name="data"))
         step(step.init({"w": np.ones((4, 2), np.float32)}), np.ones((3, 4), np.float32))
 
     with pytest.raises(NotImplementedError, match=r"zero3: the loss calls pmax over axis 'data'"):
         ops.spawn(zero_bound, 2)
-    with pytest.raises(NotImplementedError, match=r"axis_name= with tensor_parallel= is not"):
-        ops.spawn(lambda c: zero_bound(c, tensor_parallel=object()), 1)
+    with pytest.raises(NotImplementedError, match=r"axis_name= with a 'model' axis \(tensor "
+                                                  r"parallelism\) is not built"):
+        ops.spawn(lambda c: zero_bound(c, model=True), 1)
     with pytest.raises(TypeError, match=r"axis_name= binds the data ranks in a JAX function"):
         ops.spawn(lambda c: shard.zero3(shard.Layered([pmax]), optimizer=ops.adamw(1e-3), comm=c,
-                                        axis_name="data"), 1)
+                                        options=shard.ZeroOptions(axis_name="data")), 1)

@@ -36,7 +36,7 @@ def gathers(monkeypatch):
 
 
 def train(comm, loss_fn, data, micro=1, **kw):
-    step = shard.zero3(loss_fn, optimizer=adamw(), comm=comm, **kw)
+    step = shard.zero3(loss_fn, optimizer=adamw(), comm=comm, options=shard.ZeroOptions(**kw))
     state = step.init(M.init_params())
     losses = []
     for b in data:
@@ -124,7 +124,7 @@ def test_torch_module_trains_as_flat_zero3_bit_for_bit():
     def run(comm, **kw):
         net = copy.deepcopy(net0)
         params, loss_fn = functional(net, loss=mse, units=[net[0], net[2]])
-        step = shard.zero3(loss_fn, optimizer=adamw(), comm=comm, **kw)
+        step = shard.zero3(loss_fn, optimizer=adamw(), comm=comm, options=shard.ZeroOptions(**kw))
         state = step.init(params)
         losses = []
         for b in data:
@@ -151,7 +151,8 @@ def test_device_state_trains_as_flat_zero3_bit_for_bit(backend):
     data = M.batches(3)
 
     def run(comm, device, **kw):
-        step = shard.zero3(M.LAYERED, optimizer=adamw(), comm=comm, **kw)
+        step = shard.zero3(M.LAYERED, optimizer=adamw(), comm=comm,
+                           options=shard.ZeroOptions(**kw))
         params = M.init_params()
         if device is not None:
             params = jax.tree.map(device.asarray, params)
@@ -187,22 +188,25 @@ def test_device_state_trains_as_flat_zero3_bit_for_bit(backend):
 
 def test_bad_values_are_refused_by_name():
     def run(comm):
-        with pytest.raises(ValueError, match=r"reshard_after_forward=3 must divide the world "
-                                             r"size 4"):
-            shard.zero3(M.loss, optimizer=adamw(), comm=comm, reshard_after_forward=3)
+        with pytest.raises(ValueError, match=r"reshard_after_forward=3 must divide the data "
+                                             r"ranks 4"):
+            shard.zero3(M.loss, optimizer=adamw(), comm=comm,
+                        options=shard.ZeroOptions(reshard_after_forward=3))
         with pytest.raises(ValueError, match="reshard_after_forward is stage 3's"):
-            shard.zero2(M.loss, optimizer=adamw(), comm=comm, reshard_after_forward=2)
+            shard.zero2(M.loss, optimizer=adamw(), comm=comm,
+                        options=shard.ZeroOptions(reshard_after_forward=2))
         with pytest.raises(TypeError, match="reshard_after_forward must be True, False or an "
                                             "int"):
-            shard.zero3(M.loss, optimizer=adamw(), comm=comm, reshard_after_forward="node")
+            shard.zero3(M.loss, optimizer=adamw(), comm=comm,
+                        options=shard.ZeroOptions(reshard_after_forward="node"))
         mesh = shard.Mesh(comm, {"replicate": 2, "shard": 2})
-        with pytest.raises(NotImplementedError, match="does not compose with replicate="):
-            shard.zero3(M.loss, optimizer=adamw(), comm=mesh["shard"],
-                        replicate=mesh["replicate"], reshard_after_forward=1)
+        with pytest.raises(NotImplementedError, match=r"does not compose with a 'replicate' axis"):
+            shard.zero3(M.loss, optimizer=adamw(), mesh=mesh,
+                        options=shard.ZeroOptions(reshard_after_forward=1))
         # the defaults and the whole world are flat ZeRO-3
         for value in (True, 4):
             step = shard.zero3(M.loss, optimizer=adamw(), comm=comm,
-                               reshard_after_forward=value)
-            assert step.config.secondary is None
+                               options=shard.ZeroOptions(reshard_after_forward=value))
+            assert step.config.topology.secondary is None
 
     ops.spawn(run, 4)

@@ -70,7 +70,7 @@ def test_each_rank_step_and_micro_batch_draws_its_own_key(stage, world, micro, t
 
     def run(comm):
         step = ZERO[stage](dropout_loss, optimizer=optax.adamw(LR, weight_decay=WD), comm=comm,
-                           key=key)
+                           options=shard.ZeroOptions(key=key))
         state = step.init(params())
         for b in batches():
             mine = shard.split_batch(b, rank=comm.rank, world_size=world)
@@ -108,7 +108,8 @@ def test_a_key_with_a_model_state():
         return dropout_loss(p, b, key=key), {"calls": ms["calls"] + 1.0}
 
     def run(comm):
-        step = shard.zero3(loss, optimizer=optax.adamw(LR, weight_decay=WD), comm=comm, key=key)
+        step = shard.zero3(loss, optimizer=optax.adamw(LR, weight_decay=WD), comm=comm,
+                           options=shard.ZeroOptions(key=key))
         state = step.init(params(), model_state={"calls": np.zeros((), np.float32)})
         for b in batches():
             state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=2))
@@ -123,13 +124,15 @@ def test_a_key_with_a_model_state():
 def test_what_key_refuses_is_named():
     def run(comm):
         with pytest.raises(TypeError, match=r"key= must be a JAX PRNG key"):
-            shard.zero1(dropout_loss, optimizer=ops.adamw(LR), comm=comm, key=0)
+            shard.zero1(dropout_loss, optimizer=ops.adamw(LR), comm=comm,
+                        options=shard.ZeroOptions(key=0))
         with pytest.raises(TypeError, match=r"key= must be one key"):
             shard.zero1(dropout_loss, optimizer=ops.adamw(LR), comm=comm,
-                        key=jax.random.split(jax.random.key(0), 2))
+                        options=shard.ZeroOptions(key=jax.random.split(jax.random.key(0), 2)))
         _, fn = it.functional(torch.nn.Linear(3, 2), loss=lambda m, b: m(b).sum())
         with pytest.raises(NotImplementedError, match=r"key= gives a JAX loss function"):
-            shard.zero1(fn, optimizer=ops.adamw(LR), comm=comm, key=jax.random.key(0))
+            shard.zero1(fn, optimizer=ops.adamw(LR), comm=comm,
+                        options=shard.ZeroOptions(key=jax.random.key(0)))
 
     ops.spawn(run, 1)
 
@@ -142,8 +145,8 @@ def test_replicas_count_in_the_data_rank():
 
     def run(comm):
         mesh = shard.Mesh(comm, {"replicate": 2, "shard": 2})
-        step = shard.zero3(dropout_loss, optimizer=optax.adamw(LR, weight_decay=WD),
-                           comm=mesh["shard"], replicate=mesh["replicate"], key=key)
+        step = shard.zero3(dropout_loss, optimizer=optax.adamw(LR, weight_decay=WD), mesh=mesh,
+                           options=shard.ZeroOptions(key=key))
         state = step.init(params())
         for b in batches():
             state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=4))

@@ -12,6 +12,7 @@ import pytest
 
 import ops
 import shard
+from shard.core._mesh import Topology
 from shard.step import _checks, _update
 from shard.step._config import StepConfig
 from shard.step._plan import make_plan
@@ -31,8 +32,8 @@ def test_the_configuration_is_frozen_and_checked_once():
     with pytest.raises(AttributeError):
         step.optimizer = ops.adam(1e-3)
     with pytest.raises(ValueError, match="clip_norm must be > 0"):
-        StepConfig.make(M.loss, stage=2, optimizer=ops.adamw(M.LR), comm=one_comm(),
-                        clip_norm=0.0)
+        StepConfig.make(M.loss, stage=2, optimizer=ops.adamw(M.LR),
+                        topology=Topology(one_comm()), options=shard.ZeroOptions(clip_norm=0.0))
 
 
 def test_no_class_of_the_step_is_assembled_from_mixins():
@@ -91,7 +92,8 @@ def test_a_state_of_another_step_must_fit_this_steps_plan():
 
 def test_the_norm_and_loss_part_alone():
     """Sum of squares of the shards and the loss total, with one all-reduce."""
-    config = StepConfig.make(M.loss, stage=3, optimizer=ops.adamw(M.LR), comm=one_comm())
+    config = StepConfig.make(M.loss, stage=3, optimizer=ops.adamw(M.LR),
+                             topology=Topology(one_comm()))
     plan = make_plan(config, M.init_params())
     rng = np.random.default_rng(0)
     shards = [rng.standard_normal(u.local_size).astype(np.float32) for u in plan.layout.units]
@@ -102,8 +104,10 @@ def test_the_norm_and_loss_part_alone():
 
 
 def test_the_offloaded_buffers_part_alone(tmp_path):
-    config = StepConfig.make(M.loss, stage=3, optimizer=ops.adamw(M.LR), comm=one_comm(),
-                             offload=shard.Offload("disk", path=tmp_path))
+    config = StepConfig.make(M.loss, stage=3, optimizer=ops.adamw(M.LR),
+                             topology=Topology(one_comm()),
+                             options=shard.ZeroOptions(offload=shard.Offload("disk",
+                                                                              path=tmp_path)))
     plan = make_plan(config, M.init_params())
     offloader = plan.offloader()
 

@@ -236,8 +236,8 @@ def _resume(comm, path, data, model, zero, first, steps):
     mesh = shard.Mesh(comm, {"data": data, "model": max(model, 1)})
     tp = shard.TensorParallel(mesh, gpt.specs()) if model else None
     step = zero(lambda p, b: gpt.gpt_loss(p, b, tp=tp),
-                optimizer=ops.adamw(LR, eps=gpt.EPS, weight_decay=WD), comm=mesh["data"],
-                clip_norm=CLIP, tensor_parallel=tp)
+                optimizer=ops.adamw(LR, eps=gpt.EPS, weight_decay=WD), mesh=mesh, clip_norm=CLIP,
+                specs=tp)
     state, _ = shard.load(path, step, comm=mesh["data"])
     assert int(state.step) == first
     losses = []
@@ -287,8 +287,8 @@ def test_a_tensor_parallel_checkpoint_resumes_at_other_shapes_on_the_same_trajec
         mesh = shard.Mesh(comm, {"data": 2, "model": 2})
         tp = shard.TensorParallel(mesh, gpt.specs())
         step = shard.zero3(lambda p, b: gpt.gpt_loss(p, b, tp=tp),
-                           optimizer=ops.adamw(LR, eps=gpt.EPS, weight_decay=WD),
-                           comm=mesh["data"], clip_norm=CLIP, tensor_parallel=tp)
+                           optimizer=ops.adamw(LR, eps=gpt.EPS, weight_decay=WD), mesh=mesh,
+                           clip_norm=CLIP, specs=tp)
         state = step.init(gpt.init_params())
         losses = []
         for i, b in enumerate(gpt.batches(steps)):
@@ -334,8 +334,8 @@ def test_a_device_state_tensor_parallel_checkpoint_resumes_on_the_host(tmp_path)
         mesh = shard.Mesh(comm, {"data": 2, "model": 2})
         tp = shard.TensorParallel(mesh, gpt.specs())
         step = shard.zero2(lambda p, b: gpt.gpt_loss(p, b, tp=tp),
-                           optimizer=ops.adamw(LR, eps=gpt.EPS, weight_decay=WD),
-                           comm=mesh["data"], clip_norm=CLIP, tensor_parallel=tp)
+                           optimizer=ops.adamw(LR, eps=gpt.EPS, weight_decay=WD), mesh=mesh,
+                           clip_norm=CLIP, specs=tp)
         state = step.init(jax.tree.map(lambda x: STANDIN.from_host(np.asarray(x)),
                                        gpt.init_params()))
         for b in gpt.batches(first):
@@ -396,14 +396,15 @@ def test_what_tensor_parallelism_does_not_compose_with_is_refused_by_name(tmp_pa
             return jnp.sum(tp.column_linear(jnp.ones((2, 4)), p["w"]) ** 2)
 
         errors = []
-        for kw in ({"replicate": mesh["data"]}, {"offload": shard.Offload("host")},
-                   {"tensor_parallel": object()}):
-            with pytest.raises((NotImplementedError, TypeError)) as e:
-                shard.zero2(loss, optimizer=ops.adamw(1e-2), comm=mesh["data"],
-                            **{"tensor_parallel": tp, **kw})
+        hsdp = shard.Mesh(comm, {"replicate": 1, "shard": 1, "model": 2})
+        for where, kw in ((hsdp, {"specs": shard.TensorParallel(hsdp, tp.specs)}),
+                          (mesh, {"specs": tp, "offload": shard.Offload("host")}),
+                          (mesh, {}), (mesh, {"specs": shard.TensorParallel(hsdp, tp.specs)}),
+                          (None, {"specs": tp, "comm": mesh["data"]})):
+            with pytest.raises((NotImplementedError, ValueError)) as e:
+                shard.zero2(loss, optimizer=ops.adamw(1e-2), mesh=where, **kw)
             errors.append(str(e.value))
-        step = shard.zero2(loss, optimizer=ops.adamw(1e-2), comm=mesh["data"],
-                           tensor_parallel=tp)
+        step = shard.zero2(loss, optimizer=ops.adamw(1e-2), mesh=mesh, specs=tp)
         with pytest.raises(NotImplementedError) as e:
             step.init_from(lambda: {"w": jnp.ones((4, 4))})
         errors.append(str(e.value))
@@ -416,11 +417,13 @@ def test_what_tensor_parallelism_does_not_compose_with_is_refused_by_name(tmp_pa
         return errors
 
     errors = shard.spawn(run, 2)[0]
-    assert "does not compose with replicate=" in errors[0]
-    assert "does not compose with offload=" in errors[1]
-    assert "tensor_parallel must be a shard.TensorParallel" in errors[2]
-    assert "give the whole params to zero2.init" in errors[3]
-    assert "saved by shard.save" in errors[4]
+    assert "a 'model' axis (tensor parallelism) does not compose with a 'replicate'" in errors[0]
+    assert "a 'model' axis (tensor parallelism) does not compose with offload=" in errors[1]
+    assert "the mesh has a 'model' axis: give the params' split over it as specs=" in errors[2]
+    assert "the TensorParallel's ranks are not this mesh's 'model' axis" in errors[3]
+    assert "a tensor-parallel split needs its model axis: pass mesh=" in errors[4]
+    assert "give the whole params to zero2.init" in errors[5]
+    assert "saved by shard.save" in errors[6]
     # a tampered index is refused before anything is read
     index = tmp_path / "ck" / "tensor_parallel.json"
     good = json.loads(index.read_text())
@@ -500,7 +503,7 @@ def test_checkpoints_move_between_pipelined_tensor_parallel_and_plain_layouts(tm
         mesh = shard.Mesh(comm, axes)
         tp = shard.TensorParallel(mesh, gpt.layers(gpt.specs())) if model else None
         stages = shard.pipeline(gpt.layered(tp), mesh=mesh, microbatches=2)
-        step = zero(stages, comm=mesh["data"], tensor_parallel=tp, **opt)
+        step = zero(stages, mesh=mesh, specs=tp, **opt)
         step.init(stages.params(gpt.layers(gpt.init_params())))
         return mesh, tp, stages, step
 
@@ -513,7 +516,7 @@ def test_checkpoints_move_between_pipelined_tensor_parallel_and_plain_layouts(tm
     def tp_only(comm):  # (data 2, model 2), no pipeline: 2 steps, saved
         mesh = shard.Mesh(comm, {"data": 2, "model": 2})
         tp = shard.TensorParallel(mesh, gpt.layers(gpt.specs()))
-        step = shard.zero3(gpt.layered(tp), comm=mesh["data"], tensor_parallel=tp, **opt)
+        step = shard.zero3(gpt.layered(tp), mesh=mesh, specs=tp, **opt)
         state = run(range(2), mesh, step, step.init(gpt.layers(gpt.init_params())))
         shard.save(state, tmp_path / "tp", comm=mesh["data"])
 
@@ -574,7 +577,7 @@ def test_estimate_memory_of_a_model_rank_is_megatrons_split_and_what_a_rank_hold
         mesh = shard.Mesh(comm, {"data": 2, "model": 2})
         tp = shard.TensorParallel(mesh, gpt.specs())
         step = shard.zero3(lambda p, b: gpt.gpt_loss(p, b, tp=tp), optimizer=ops.adamw(1e-3),
-                           comm=mesh["data"], tensor_parallel=tp)
+                           mesh=mesh, specs=tp)
         state = step.init(params)
         return (sum(x.nbytes for x in state.master),
                 sum(x.nbytes for ms in state.moments for x in ms))

@@ -56,8 +56,8 @@ def train(comm, model, data, size, zero, loss_fn=loss_fn, batches=batches, devic
     model = copy.deepcopy(model)
     tp = it.parallelize(model, mesh)
     params, loss = it.functional(model, loss=loss_fn)
-    step = zero(loss, optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), comm=mesh["data"],
-                clip_norm=CLIP, tensor_parallel=tp)
+    step = zero(loss, optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), mesh=mesh,
+                clip_norm=CLIP)
     if device is not None:
         params = {k: device.from_host(np.asarray(v)) for k, v in params.items()}
     state = step.init(params)
@@ -158,8 +158,8 @@ def test_the_example_gpt_split_by_its_plan_trains_as_one_process(data, pipe, siz
         params, loss = it.layered(layers, loss=gpt.chain_loss)
         stages = shard.pipeline(loss, mesh=mesh, microbatches=2,
                                 tied=gpt.tied_weights(model.cfg))
-        step = zero(stages, optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD),
-                    comm=mesh["data"], clip_norm=CLIP, tensor_parallel=tp)
+        step = zero(stages, optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), mesh=mesh,
+                    clip_norm=CLIP)
         state = step.init(stages.params(params))
         losses, norms = [], []
         for b in gpt_batches():
@@ -226,7 +226,7 @@ def test_a_plan_that_does_not_fit_the_model_is_refused_by_name():
     assert "'sequence_parallel'; the styles are" in errors[0]
     assert "'model.layers.*.nope' matches no module" in errors[1]
     assert "model.norm is a LlamaRMSNorm" in errors[2]
-    assert "pass the TensorParallel it returned as tensor_parallel=" in errors[3]
+    assert "a tensor-parallel split needs its model axis: pass mesh=" in errors[3]
     assert "split already" in errors[4]
 
     def three(comm):
@@ -246,8 +246,8 @@ def _gpt_run(comm, model, path, data, size, zero, first, save_at=None):
     model = copy.deepcopy(model)
     tp = it.parallelize(model, mesh) if size else None
     params, loss = it.functional(model, loss=gpt_loss)
-    step = zero(loss, optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), comm=mesh["data"],
-                clip_norm=CLIP, tensor_parallel=tp)
+    step = zero(loss, optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), mesh=mesh,
+                clip_norm=CLIP)
     if first:
         state, _ = shard.load(path, step, comm=mesh["data"])
         assert int(state.step) == first

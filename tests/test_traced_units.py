@@ -34,7 +34,7 @@ def train(loss, params, batches, world, *, has_aux=False, units=None, check=None
 
     def run(comm):
         step = shard.zero3(loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
-                           has_aux=has_aux, units=units)
+                           has_aux=has_aux, options=shard.ZeroOptions(units=units))
         state = step.init(params)
         metrics = []
         for b in batches:

@@ -86,7 +86,7 @@ def whole_batch_reference(batches, **kwargs):
     """One rank stepping on each whole batch: the update the ranks' parts should give."""
     def run(comm):
         step = shard.zero0(M.loss, optimizer=ops.adamw(M.LR, weight_decay=M.WD), comm=comm,
-                           **kwargs)
+                           options=shard.ZeroOptions(**kwargs))
         state = step.init(M.init_params())
         losses = []
         for b in batches:
@@ -106,7 +106,7 @@ def test_ranks_with_unequal_rows_weighted_by_rows_step_as_the_whole_batch(stage,
 
     def run(comm):
         step = ZERO[stage](M.loss, optimizer=ops.adamw(M.LR, weight_decay=M.WD), comm=comm,
-                           weight_by_rows=True)
+                           options=shard.ZeroOptions(weight_by_rows=True))
         state = step.init(M.init_params())
         losses = []
         for b in batches:
@@ -132,7 +132,7 @@ def test_unequal_ranks_and_micro_batches_with_clipping_and_loss_scaling():
 
     def run(comm):
         step = shard.zero2(M.loss, optimizer=ops.adamw(M.LR, weight_decay=M.WD), comm=comm,
-                           weight_by_rows=True, **kwargs)
+                           options=shard.ZeroOptions(weight_by_rows=True, **kwargs))
         state = step.init(M.init_params())
         losses = []
         for b in batches:
@@ -162,7 +162,7 @@ def test_torch_ranks_with_unequal_rows_weighted_by_rows():
     def run(comm):
         params, fn = it.functional(copy.deepcopy(model), loss=T.mse)
         step = shard.zero3(fn, optimizer=ops.adamw(M.LR, weight_decay=0.0), comm=comm,
-                           weight_by_rows=True)
+                           options=shard.ZeroOptions(weight_by_rows=True))
         state = step.init(params)
         lo, hi = [0, 7, 8][comm.rank], [0, 7, 8][comm.rank + 1]
         state, _ = step(state, (x[lo:hi], y[lo:hi]))
@@ -179,7 +179,7 @@ def test_weighted_ranks_on_device_state(device):
 
     def run(comm):
         step = shard.zero3(M.loss, optimizer=ops.adamw(M.LR, weight_decay=M.WD), comm=comm,
-                           weight_by_rows=True)
+                           options=shard.ZeroOptions(weight_by_rows=True))
         state = step.init(jax.tree_util.tree_map(device.asarray, M.init_params()))
         for b in batches:
             state, _ = step(state, rows(b, [0, 6, 8][comm.rank], [0, 6, 8][comm.rank + 1]))
@@ -215,10 +215,11 @@ def test_unequal_ranks_without_weighting_are_warned_about_once(caplog):
 def test_weight_by_rows_misuse_is_named():
     with pytest.raises(TypeError, match="weight_by_rows must be True or False"):
         shard.zero2(M.loss, optimizer=ops.adam(M.LR), comm=ops.spawn(lambda c: c, 1)[0],
-                    weight_by_rows="yes")
+                    options=shard.ZeroOptions(weight_by_rows="yes"))
 
     def uncountable(comm):
-        step = shard.zero2(M.loss, optimizer=ops.adam(M.LR), comm=comm, weight_by_rows=True)
+        step = shard.zero2(M.loss, optimizer=ops.adam(M.LR), comm=comm,
+                           options=shard.ZeroOptions(weight_by_rows=True))
         state = step.init(M.init_params())
         b = M.batches(1, global_batch=8)[0]
         step(state, {"x": b["x"], "y": b["y"][:4]})
@@ -244,7 +245,7 @@ def test_weighted_ranks_with_16_bit_gradients():
 
     def run(comm):
         step = shard.zero2(M.loss, optimizer=ops.adamw(M.LR), comm=comm, precision=prec,
-                           weight_by_rows=True)
+                           options=shard.ZeroOptions(weight_by_rows=True))
         state = step.init(M.init_params())
         for b in batches:
             state, _ = step(state, rows(b, [0, 6, 8][comm.rank], [0, 6, 8][comm.rank + 1]))

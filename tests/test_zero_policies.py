@@ -20,7 +20,7 @@ def test_injected_inf_skips_exactly_that_step_and_backs_off_the_scale():
 
     def run(comm):
         step = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm, precision=policy,
-                           loss_scale=scaling)
+                           options=shard.ZeroOptions(loss_scale=scaling))
         state = step.init(M.init_params())
         log = []
         for i, b in enumerate(M.batches(6)):
@@ -92,7 +92,8 @@ def test_zero3_keeps_at_most_two_units_of_full_params_alive():
     unit_bytes = width * width * 4
 
     def run(comm):
-        step = shard.zero3(loss, optimizer=ops.adamw(1e-3), comm=comm, prefetch=1)
+        step = shard.zero3(loss, optimizer=ops.adamw(1e-3), comm=comm,
+                           options=shard.ZeroOptions(prefetch=1))
         state = step.init(params)
         b = {"x": rng.standard_normal((8, width)).astype(np.float32),
              "y": rng.standard_normal((8, width)).astype(np.float32)}

@@ -158,8 +158,8 @@ def train(comm, data, model, zero, steps, sequence_parallel=False, device=None):
     mesh = shard.Mesh(comm, {"data": data, "model": model})
     tp = shard.TensorParallel(mesh, specs())
     step = zero(lambda p, b: gpt_loss(p, b, tp=tp, sequence_parallel=sequence_parallel),
-                optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), comm=mesh["data"],
-                clip_norm=CLIP, tensor_parallel=tp)
+                optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), mesh=mesh, clip_norm=CLIP,
+                specs=tp)
     params = init_params()
     if device is not None:
         params = jax.tree.map(lambda x: device.from_host(np.asarray(x)), params)
@@ -184,8 +184,8 @@ def train_pipeline(comm, pipe, data, model, zero, steps, microbatches=2, device=
     mesh = shard.Mesh(comm, {"pipe": pipe, "data": data, "model": model})
     tp = shard.TensorParallel(mesh, layers(specs()))
     stages = shard.pipeline(layered(tp), mesh=mesh, microbatches=microbatches)
-    step = zero(stages, optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), comm=mesh["data"],
-                clip_norm=CLIP, tensor_parallel=tp)
+    step = zero(stages, optimizer=ops.adamw(LR, eps=EPS, weight_decay=WD), mesh=mesh,
+                clip_norm=CLIP, specs=tp)
     params = layers(init_params())
     if device is not None:
         params = jax.tree.map(lambda x: device.from_host(np.asarray(x)), params)

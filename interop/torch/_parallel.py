@@ -38,9 +38,9 @@ needs the two styles to split it along the same dimension (they do for
 ``embedding_rowwise`` and ``colwise_gather_output``).
 
 The module's parameters are its slices from then on: ``functional`` gives
-those, and a step built with ``tensor_parallel=`` keeps them as they are at
-``init``. A list of modules (``interop.torch.layered``'s layers, a pipeline's
-stages) is split by one call, with one plan whose patterns name modules
+those, and a step built on the mesh keeps them as they are at ``init``. A
+list of modules (``interop.torch.layered``'s layers, a pipeline's stages) is
+split by one call, with one plan whose patterns name modules
 inside a layer; the specs are then one dict per layer. ``layered`` refuses
 layers split apart from one another (a model split whole and cut into layers
 afterwards has layers the plan never saw, such as a new output head).
@@ -167,8 +167,8 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] 
         Hugging Face ``_tp_plan``.
 
     Returns:
-      The :class:`shard.TensorParallel` for the step's ``tensor_parallel=``,
-      with a spec per parameter name (for a list: a list of those, one per
+      The :class:`shard.TensorParallel` (the step reads it from the loss), with a
+      spec per parameter name (for a list: a list of those, one per
       layer, which also fits a pipeline stage's layers).
 
     Example::
@@ -176,8 +176,7 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] 
         mesh = shard.Mesh(comm, {"data": 2, "model": 2})
         tp = interop.torch.parallelize(model, mesh)  # a Hugging Face model's own plan
         params, loss = interop.torch.functional(model, loss=lambda m, b: m(**b).loss)
-        step = shard.zero3(loss, optimizer=ops.adamw(1e-3), comm=mesh["data"],
-                           tensor_parallel=tp)
+        step = shard.zero3(loss, optimizer=ops.adamw(1e-3), mesh=mesh)
         state = step.init(params)
     """
     import torch

@@ -181,10 +181,11 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
       extra: JSON-serialisable user state (data-loader position, RNG state),
         as DeepSpeed's ``client_sd``; rank 0's is kept.
 
-    With replicas (``replicate=``, see [Note: replicas]) every rank calls it
-    with the step's ``comm``: the first replica writes, the others wait. With
-    tensor parallelism (``tensor_parallel=``) every rank of the mesh calls it
-    with the step's ``comm`` (see [Note: tensor-parallel checkpoints]).
+    With replicas (a mesh's ``replicate`` axis, see [Note: replicas]) every
+    rank calls it with the step's data axis (``mesh["shard"]``): the first
+    replica writes, the others wait. With tensor parallelism (a ``model``
+    axis) every rank of the mesh calls it with the step's data axis (see
+    [Note: tensor-parallel checkpoints]).
 
     Returns:
       The checkpoint's path. See [Note: checkpoint format].

@@ -279,8 +279,8 @@ def unbound_axis(e: NameError, where: str) -> NotImplementedError | None:
     name = found.group(1) if found else "?"
     return NotImplementedError(
         f"{where}: the loss reduces over axis {name!r}, which this step does not bind; "
-        f"give the step axis_name={name!r} to bind the data ranks to it (see [Note: the "
-        "data axis in the loss])")
+        f"give the step axis_name={name!r} (zero0-3: options=shard.ZeroOptions(axis_name="
+        f"{name!r})) to bind the data ranks to it (see [Note: the data axis in the loss])")
 
 
 @contextlib.contextmanager

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import zlib
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
 
 from ops import Communicator
 
-__all__ = ["Mesh"]
+__all__ = ["Mesh", "Topology"]
 
 
 class Mesh:
@@ -155,3 +156,167 @@ class Mesh:
         axes = ", ".join(f"{n}={s}" for n, s in self.shape.items())
         where = ", ".join(f"{n}={i}" for n, i in self.coords.items())
         return f"Mesh({axes}; rank {self.comm.rank} at {where})"
+
+
+# [Note: topology]
+# A ZeRO step's ranks come from one place: ``zero3(..., mesh=shard.Mesh(...))``
+# (or ``comm=`` for one data axis), resolved once into a :class:`Topology` that
+# every part of the step reads. The mesh's axes are named as FSDP2 and
+# Megatron name them: ``data`` (ZeRO shards over it), or ``replicate`` and
+# ``shard`` (HSDP: ZeRO within ``shard``, the reduced shards summed over
+# ``replicate``), ``model`` (tensor parallelism: the params' split given as
+# ``specs=shard.TensorParallel(mesh, ...)``), and ``pipe`` (pipeline stages,
+# whose own mesh the ``shard.Pipeline`` loss holds). hpZ's secondary shards
+# stay FSDP2's ``reshard_after_forward=L``: a node-by-local mesh over the
+# data axis, made here too. Who logs, the groups the norm and the loss are
+# summed over, the checkpoint's writers and the secondary shards are all
+# read from the topology, never from the arguments again.
+
+_AXES = ("data", "replicate", "shard", "model", "pipe")
+
+
+@dataclass(frozen=True, eq=False)
+class Topology:
+    """A step's ranks, resolved once from ``mesh=`` or ``comm=`` (see
+    [Note: topology]).
+
+    Attributes:
+      data: the ranks ZeRO shards over (the mesh's ``data`` or ``shard`` axis).
+      replicate: HSDP's replicas (the ``replicate`` axis): the ranks that hold
+        this rank's shards too; None without.
+      model: the tensor-parallel ranks (the ``model`` axis); None without.
+      whole: a pipeline's whole mesh, over which the gradient norm and the loss
+        are summed; None when the data ranks (and replicas, model ranks) are all.
+      secondary: hpZ's (this node's ranks, this place's ranks on every node),
+        or None (see [Note: secondary shards]).
+    """
+
+    data: Communicator
+    replicate: Communicator | None = None
+    model: Communicator | None = None
+    whole: Communicator | None = None
+    secondary: tuple[Communicator, Communicator] | None = None
+
+    @property
+    def ranks(self) -> int:
+        """Data-parallel ranks in all: the data axis's, times the replicas'."""
+        return self.data.world_size * (self.replicate.world_size if self.replicate else 1)
+
+    @property
+    def data_rank(self) -> int:
+        """This rank's index among all data ranks (replica ``r``'s rank ``k`` is
+        ``r * S + k``, as for the per-rank keys)."""
+        r = self.replicate.rank if self.replicate is not None else 0
+        return r * self.data.world_size + self.data.rank
+
+    @property
+    def first(self) -> bool:
+        """Whether this rank is the first of every axis (it logs)."""
+        return all(c is None or c.rank == 0
+                   for c in (self.whole or self.data, self.replicate, self.model))
+
+    @classmethod
+    def resolve(cls, where: str, *, mesh: Mesh | None, comm: Communicator | None,
+                model: Communicator | None = None, whole: Communicator | None = None,
+                data_axis: Communicator | None = None) -> Topology:
+        """The topology of ``mesh=`` or ``comm=`` (exactly one); ``model``: the
+        model ranks of a tensor-parallel split, ``whole`` and ``data_axis``: a
+        pipeline's whole mesh and its stage's data ranks. A ValueError or
+        TypeError naming the argument for anything else."""
+        if (mesh is None) == (comm is None):
+            raise TypeError(f"{where}: give the ranks as mesh=shard.Mesh(...) or comm= (one "
+                            f"data axis), exactly one of them; got "
+                            f"{'both' if mesh is not None else 'neither'}")
+        if comm is not None:
+            if isinstance(comm, Mesh):
+                raise TypeError(f"{where}: comm= takes one communicator; pass a shard.Mesh "
+                                "as mesh=")
+            if not isinstance(comm, Communicator):
+                raise TypeError(f"{where}: comm must be an ops.Communicator (from ops.spawn or "
+                                f"ops.init_from_env); got {type(comm).__name__}")
+            if model is not None:
+                raise ValueError(f"{where}: a tensor-parallel split needs its model axis: pass "
+                                 "mesh=shard.Mesh(comm, {'data': D, 'model': M}) rather than "
+                                 "comm=")
+            if data_axis is not None and comm is not data_axis \
+                    and comm.world_size != data_axis.world_size:
+                raise ValueError(f"{where}: a pipeline's step runs on its data axis: pass "
+                                 f"comm=pipe.data ({data_axis.world_size} rank(s)) or the "
+                                 f"pipeline's mesh as mesh=; got a communicator of "
+                                 f"{comm.world_size} ranks")
+            return cls(comm, whole=whole)
+        if not isinstance(mesh, Mesh):
+            raise TypeError(f"{where}: mesh must be a shard.Mesh; got {type(mesh).__name__}")
+        names = set(mesh.axis_names)
+        odd = sorted(names - set(_AXES))
+        if odd:
+            raise ValueError(f"{where}: the mesh's axis {odd[0]!r} is not one a ZeRO step "
+                             f"knows; name its axes from {list(_AXES)} (data, or replicate "
+                             "and shard for HSDP; model; pipe)")
+        if "data" in names and names & {"replicate", "shard"}:
+            raise ValueError(f"{where}: the mesh has 'data' and "
+                             f"{sorted(names & {'replicate', 'shard'})}: HSDP's data ranks are "
+                             "'replicate' x 'shard'; flat ZeRO's are 'data'")
+        if ("replicate" in names) != ("shard" in names):
+            raise ValueError(f"{where}: HSDP's mesh names both 'replicate' and 'shard'; got "
+                             f"{list(mesh.axis_names)}")
+        if "data" not in names and "shard" not in names:
+            raise ValueError(f"{where}: the mesh has no data axis ('data', or 'replicate' and "
+                             f"'shard'); its axes are {list(mesh.axis_names)}")
+        data = mesh["data"] if "data" in names else mesh["shard"]
+        replicate = mesh["replicate"] if "replicate" in names else None
+        if "model" in names and model is None and mesh.shape["model"] > 1:
+            raise ValueError(f"{where}: the mesh has a 'model' axis: give the params' split "
+                             "over it as specs=shard.TensorParallel(mesh, {...}) (or the "
+                             "TensorParallel interop.torch.parallelize returned)")
+        if model is not None and ("model" not in names or model is not mesh["model"]):
+            raise ValueError(f"{where}: the TensorParallel's ranks are not this mesh's "
+                             f"'model' axis: build it on the same mesh "
+                             f"(shard.TensorParallel(mesh, ...)); the axes are "
+                             f"{list(mesh.axis_names)}")
+        if "pipe" in names and (data_axis is not None or mesh.shape["pipe"] > 1):
+            if data_axis is None:
+                raise ValueError(f"{where}: the mesh has a 'pipe' axis: the loss must be a "
+                                 "shard.Pipeline over it (shard.pipeline(...))")
+            if data_axis is not data and data_axis.world_size != data.world_size:
+                raise ValueError(f"{where}: the pipeline's data axis has "
+                                 f"{data_axis.world_size} rank(s), the mesh's 'data' "
+                                 f"{data.world_size}: build the pipeline on this mesh")
+            data = data_axis  # the communicator the stage's own collectives use
+        elif data_axis is not None:
+            raise ValueError(f"{where}: a pipeline's step needs its 'pipe' axis in mesh= (the "
+                             "pipeline's own mesh), or comm=pipe.data")
+        if replicate is not None and whole is not None:
+            raise ValueError(f"{where}: a pipeline's stages have their own data axis; HSDP's "
+                             "'replicate' axis is for a step without pipeline stages")
+        return cls(data, replicate=replicate, model=model, whole=whole)
+
+    def with_secondary(self, where: str, stage: int, reshard: Any) -> Topology:
+        """This topology with ``reshard_after_forward``'s communicators (see
+        [Note: secondary shards]): none for True (or an int equal to the data
+        ranks), else the mesh of ``nodes x reshard_after_forward`` ranks' two
+        axes over the data axis, made here by every rank."""
+        w = self.data.world_size
+        if reshard is True:
+            return self
+        if not isinstance(reshard, (bool, int)):
+            raise TypeError(f"{where}: reshard_after_forward must be True, False or an int (the "
+                            f"ranks per node); got {type(reshard).__name__}")
+        size = 1 if reshard is False else int(reshard)
+        if stage != 3:
+            raise ValueError(f"{where}: reshard_after_forward is stage 3's (zero3): stages 0-2 "
+                             "keep the whole params between steps")
+        if not 1 <= size <= w or w % size:
+            raise ValueError(f"{where}: reshard_after_forward={reshard!r} must divide the data "
+                             f"ranks {w} (the ranks per node, typically torchrun's "
+                             "--nproc-per-node)")
+        if size == w:
+            return self
+        for what, bad in (("a 'replicate' axis", self.replicate is not None),
+                          ("a 'model' axis", self.model is not None),
+                          ("a pipeline", self.whole is not None)):
+            if bad:
+                raise NotImplementedError(f"{where}: reshard_after_forward={reshard!r} does not "
+                                          f"compose with {what}; keep the default True")
+        grid = Mesh(self.data, {"node": w // size, "local": size})
+        return replace(self, secondary=(grid["local"], grid["node"]))

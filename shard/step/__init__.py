@@ -2,7 +2,8 @@
 
 - ``_step.py``: the step, stages 0-3 as one code path ([Note: non-finite
   gradients]); it holds its configuration and calls the parts below;
-- ``_config.py``: :class:`StepConfig`, the step's arguments, checked and frozen;
+- ``_config.py``: :class:`ZeroOptions`, the options a step takes (written once),
+  and :class:`StepConfig`, those checked and frozen with the step's ranks;
 - ``_plan.py``: the :class:`Plan` that ``init`` and ``shard.load`` derive from
   the params (layouts, dtypes, device), carried by every state;
 - ``_init.py``: ``init`` and ``init_from``, unit by unit (whole params, a

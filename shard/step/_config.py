@@ -1,27 +1,189 @@
-"""A ZeRO step's configuration: :class:`StepConfig`, checked once and frozen."""
+"""A ZeRO step's options and configuration: :class:`ZeroOptions`, the options
+``shard.zero3(...)`` takes, written once, and :class:`StepConfig`, those options
+checked and resolved with the step's ranks (a :class:`~shard.core._mesh.Topology`)."""
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from ops import Communicator, FusedOptimizer
 from shard.core._data_rank import check_key
 from shard.core._loss import JaxLoss
+from shard.core._mesh import Mesh, Topology
 from shard.core._optim import is_transformation
 from shard.core._policy import LossScale, Precision
 from shard.core._protocol import LossProvider, Provided, classify
 from shard.offload._offload import Offload
 from shard.offload._step import check_offload
 
-__all__ = ["StepConfig"]
+__all__ = ["StepConfig", "ZeroOptions", "option_docs", "protocol_of", "resolve_topology"]
 
 
-@dataclass(frozen=True, eq=False)
-class StepConfig:
-    """What a :class:`~shard.ZeroStep` is built with: ``shard.zero3(...)``'s
-    arguments, checked. Nothing a step learns later lives here; the layouts,
-    dtypes and device come from the params, in a
+@dataclass(frozen=True, kw_only=True)
+class ZeroOptions:
+    """How a ZeRO step trains: every option of ``shard.zero0``-``zero3`` but the
+    loss, the optimizer and the ranks. The most used ones are also keyword
+    arguments of ``zero3`` itself (``specs``, ``trainable``, ``precision``,
+    ``offload``, ``clip_norm``, ``has_aux``); the rest come as
+    ``options=shard.ZeroOptions(...)``, as FSDP2's policies and DeepSpeed's
+    config sections do.
+
+    Attributes:
+      specs: a spec per leaf, a prefix of the params tree, or one spec
+        (default ``Shard(0)`` everywhere; scalars are replicated). With a mesh
+        whose ``model`` axis splits the params (tensor parallelism), a
+        :class:`shard.TensorParallel` on that mesh: each model rank keeps its
+        slices of the whole params, sharded over the data axis (see [Note:
+        tensor parallelism with ZeRO]); the gradient norm (and clipping) is the
+        whole model's.
+      trainable: which leaves train, for fine-tuning: a pytree of bools shaped
+        like the params (or a prefix of it), or a function of the params
+        returning one, as ``optax.masked`` takes. A leaf marked False is sharded
+        and gathered like the rest but never updated (no weight decay, moments
+        stay zero) and its gradient is left out of the norm. A torch module's
+        ``requires_grad=False`` parameters are frozen without it (see [Note:
+        frozen leaves]). Default: all.
+      precision: a :class:`shard.Precision` (e.g. bf16 params, fp32 reduction).
+        Default: the params' own dtype, so bfloat16 or float16 params compute in
+        it, with float32 masters and moments (params mixing dtypes must say).
+      offload: a :class:`shard.Offload`: the fp32 masters and Adam's moments in
+        host memory (``Offload("host")``) or in files (``Offload("disk",
+        path=...)``), updated there by the same kernel; stages 1-3.
+        ``Offload("host", overlap=True)`` updates each unit during the backward
+        (not with ``clip_norm``).
+      clip_norm: clip gradients to this global norm (computed across all shards).
+      has_aux: the loss returns ``(loss, aux)`` (JAX's ``value_and_grad``
+        convention; a JAX function or ``interop.torch.functional``'s loss), and
+        ``metrics["aux"]`` holds aux, its numeric leaves averaged over the
+        micro-batches and the ranks (a small host collective each step).
+      units: how leaves group into units: None (top-level subtrees), a depth, or
+        a function from a leaf's key path to its unit key.
+      prefetch: how many units ahead to all-gather at stage 3.
+      reshard_after_forward: stage 3 (FSDP2's argument; DeepSpeed's ZeRO++ hpZ,
+        ``zero_hpz_partition_size``): True (default) frees each unit's gathered
+        params after use; an int ``L`` dividing the data ranks, the ranks per
+        node, keeps a secondary shard of each unit inside every group of ``L``
+        consecutive ranks: the forward's gather crosses nodes once (each rank's
+        counterparts on the other nodes), and the backward's gather stays inside
+        the node; it costs ``1/L`` of the compute params per rank for the step
+        (see [Note: secondary shards]). ``False`` keeps them whole (``L = 1``).
+      loss_scale: a :class:`shard.LossScale` for dynamic float16 loss scaling.
+      gradient_accumulation_steps: if given, every step takes
+        ``shard.MicroBatches`` of exactly this many micro-batches (DeepSpeed's
+        key; a refusal names the count otherwise). Default: any number.
+      gradient_divide_factor: what the gradients summed over the data ranks are
+        divided by (FSDP2's ``set_gradient_divide_factor``). Default: the number
+        of data ranks, a mean; ``1.0`` keeps the sum (DeepSpeed's
+        ``"gradient_allreduce_op": "sum"``). Micro-batches are averaged either
+        way.
+      weight_by_rows: ranks whose batches hold different numbers of rows (the
+        leading dimension) weigh by their rows, so the step's update and loss are
+        those of the ranks' batches concatenated, as micro-batches of unequal
+        rows always are (see [Note: rows across ranks]); costs one pass over the
+        gradient shards. Without it each rank's mean weighs the same, and a step
+        whose ranks' rows differ says so in a warning.
+      key: a JAX PRNG key (``jax.random.key(0)``) for a JAX loss that draws
+        random numbers (dropout): the loss is then called with a keyword
+        argument ``key``, a different key on every data rank, step and
+        micro-batch, derived from this one (``shard.step_key``; see [Note:
+        per-rank keys]).
+      axis_name: the data ranks' axis name inside a JAX loss, as under
+        ``shard_map``: ``jax.lax.pmean(x, axis_name)`` is the mean over the data
+        ranks, every replica's included (``psum`` and ``axis_index`` too), so
+        flax's ``BatchNorm(axis_name=...)`` normalises with the global batch's
+        statistics, as torch's ``SyncBatchNorm`` (see [Note: the data axis in
+        the loss]). Each rank then compiles its own loss.
+      loggers: callables ``(step, metrics)`` run after every step on the first
+        rank of the mesh, such as ``shard.CSVLogger(path)`` or
+        ``shard.TensorBoardLogger(log_dir)``.
+
+    Examples:
+      >>> import shard
+      >>> opts = shard.ZeroOptions(prefetch=2, gradient_accumulation_steps=4)
+      >>> opts.prefetch, opts.clip_norm
+      (2, None)
+    """
+
+    specs: Any = None
+    trainable: Any = None
+    precision: Precision | None = None
+    offload: Offload | None = None
+    clip_norm: float | None = None
+    has_aux: bool = False
+    units: Any = None
+    prefetch: int = 1
+    reshard_after_forward: bool | int = True
+    loss_scale: LossScale | None = None
+    gradient_accumulation_steps: int | None = None
+    gradient_divide_factor: float | None = None
+    weight_by_rows: bool = False
+    key: Any = None
+    axis_name: str | None = None
+    loggers: Any = ()
+
+    def merged(self, where: str, **given: Any) -> ZeroOptions:
+        """These options with ``given`` (``zero3``'s own keyword arguments) set;
+        a ValueError naming an option set in both ways to different values."""
+        defaults = {f.name: f.default for f in dataclasses.fields(ZeroOptions)}
+        changes = {}
+        for name, value in given.items():
+            if value is defaults[name]:
+                continue
+            mine = getattr(self, name)
+            if mine is not defaults[name] and mine is not value:
+                raise ValueError(f"{where}: {name} is given as {name}= and in options=; give "
+                                 "it once")
+            changes[name] = value
+        return dataclasses.replace(self, **changes) if changes else self
+
+
+def option_docs() -> dict[str, str]:
+    """Each option's documentation, from :class:`ZeroOptions`'s docstring (the
+    one place it is written), by name."""
+    doc = ZeroOptions.__doc__ or ""
+    section = doc.split("Attributes:\n", 1)[1].split("\n\n", 1)[0]
+    out: dict[str, str] = {}
+    for m in re.finditer(r"^      (\w+): (.*?)(?=^      \w+: |\Z)", section, re.S | re.M):
+        out[m.group(1)] = m.group(2).rstrip()
+    return out
+
+
+def protocol_of(loss_fn: Any) -> tuple[str, LossProvider]:
+    """The loss's kind (see ``classify``) and what the step reads of it (see
+    [Note: the loss protocol]): a loss object's own answers, a JAX function's
+    for a function."""
+    kind = classify(loss_fn)
+    reads = loss_fn if isinstance(loss_fn, LossProvider) else (
+        Provided(loss_fn) if kind == "provider" else LossProvider())
+    return kind, reads
+
+
+def resolve_topology(name: str, stage: int, loss_fn: Any, *, mesh: Mesh | None,
+                     comm: Communicator | None, tensor_parallel: Any,
+                     reshard_after_forward: bool | int) -> tuple[Topology, Any]:
+    """The step's ranks from ``mesh=`` or ``comm=`` and the loss (a pipeline's
+    mesh, a module split by ``interop.torch.parallelize``), and the
+    tensor-parallel split the step runs with (see [Note: topology])."""
+    _, reads = protocol_of(loss_fn)
+    split = reads.tensor_parallel  # interop.torch.parallelize's module
+    if split is not None and tensor_parallel is not None and split is not tensor_parallel:
+        raise ValueError(f"{name}: the loss's module was split by interop.torch.parallelize: "
+                         "its TensorParallel is the step's; drop specs= or pass that one")
+    tp = split if split is not None else tensor_parallel
+    topology = Topology.resolve(name, mesh=mesh, comm=comm,
+                                model=tp.comm if tp is not None else None,
+                                whole=reads.norm_comm, data_axis=reads.data_axis)
+    return topology.with_secondary(name, stage, reshard_after_forward), tp
+
+
+@dataclass(frozen=True, eq=False, kw_only=True)
+class StepConfig(ZeroOptions):
+    """What a :class:`~shard.ZeroStep` is built with: the loss, the optimizer,
+    the ranks and the :class:`ZeroOptions`, checked. Nothing a step learns
+    later lives here; the layouts, dtypes and device come from the params, in a
     :class:`~shard.step._plan.Plan` that every state carries."""
 
     name: str
@@ -29,42 +191,33 @@ class StepConfig:
     loss_fn: LossProvider  # JaxLoss for a JAX function, Provided for a bare object
     kind: str  # "jax", "layered" or "provider" (see classify)
     optimizer: Any  # a FusedOptimizer, or an optax GradientTransformation
-    comm: Communicator
-    specs: Any
-    units: Any
+    topology: Topology
     precision: Precision
-    clip_norm: float | None
-    loss_scale: LossScale | None
-    prefetch: int
     loggers: tuple
-    offload: Offload | None
-    gradient_accumulation_steps: int | None
-    has_aux: bool
-    weight_by_rows: bool
-    replicate: Communicator | None = None  # HSDP: the ranks that hold this rank's shard too
-    tensor_parallel: Any = None  # a shard.TensorParallel: the model ranks of this data rank
-    reshard_after_forward: bool | int = True
-    # hpZ: (this node's ranks, the ranks of this one's place on every node), or None
-    secondary: tuple[Communicator, Communicator] | None = None
-    trainable: Any = None  # which leaves train (see [Note: frozen leaves]); None: all
-    gradient_divide_factor: float | None = None  # None: the data ranks (a mean)
+    tensor_parallel: Any = None  # a shard.TensorParallel: the model ranks' split
     key: tuple | None = None  # (raw data, impl or None): see [Note: per-rank keys]
+
+    __eq__ = object.__eq__  # a configuration is itself (its loss, its communicators)
+    __hash__ = object.__hash__
+
+    @property
+    def comm(self) -> Communicator:
+        """The data axis's communicator: the ranks ZeRO shards over."""
+        return self.topology.data
+
+    @property
+    def replicate(self) -> Communicator | None:
+        """HSDP's replicas (see [Note: replicas]), or None."""
+        return self.topology.replicate
 
     @property
     def ranks(self) -> int:
-        """Data-parallel ranks in all: ``comm``'s, times the replicas'."""
-        return self.comm.world_size * (self.replicate.world_size if self.replicate else 1)
+        """Data-parallel ranks in all: the data axis's, times the replicas'."""
+        return self.topology.ranks
 
     @classmethod
-    def make(cls, loss_fn: Any, *, stage: int, optimizer: Any, comm: Communicator,
-             specs: Any = None, units: Any = None, precision: Precision | None = None,
-             clip_norm: float | None = None, loss_scale: LossScale | None = None,
-             prefetch: int = 1, loggers: Any = (), offload: Offload | None = None,
-             gradient_accumulation_steps: int | None = None,
-             has_aux: bool = False, weight_by_rows: bool = False,
-             replicate: Communicator | None = None, tensor_parallel: Any = None,
-             reshard_after_forward: bool | int = True, trainable: Any = None,
-             gradient_divide_factor: float | None = None, key: Any = None) -> StepConfig:
+    def make(cls, loss_fn: Any, *, stage: int, optimizer: Any, topology: Topology,
+             options: ZeroOptions | None = None, tensor_parallel: Any = None) -> StepConfig:
         """The configuration of ``zero{stage}(loss_fn, ...)``; a TypeError or
         ValueError naming the argument for anything it cannot train with."""
         name = f"zero{stage}"
@@ -75,134 +228,80 @@ class StepConfig:
                             "ops.lion(...) or ops.lamb(...), or an optax GradientTransformation; "
                             "got "
                             f"{type(optimizer).__name__}")
-        if not isinstance(comm, Communicator):
-            raise TypeError(f"{name}: comm must be an ops.Communicator (from ops.spawn or "
-                            f"ops.init_from_env); got {type(comm).__name__}")
-        kind = classify(loss_fn)
-        # what the step reads of the loss (see [Note: the loss protocol]): a loss
-        # object's own answers, a JAX function's for a function
-        reads = loss_fn if isinstance(loss_fn, LossProvider) else (
-            Provided(loss_fn) if kind == "provider" else LossProvider())
-        if clip_norm is not None and not clip_norm > 0:
-            raise ValueError(f"{name}: clip_norm must be > 0; got {clip_norm!r}")
-        if prefetch < 0:
-            raise ValueError(f"{name}: prefetch must be >= 0; got {prefetch}")
-        check_offload(name, stage, offload, clip_norm)
-        if replicate is not None:  # see [Note: replicas]
-            if not isinstance(replicate, Communicator):
-                raise TypeError(f"{name}: replicate must be an ops.Communicator (such as "
-                                f"shard.Mesh(comm, {{'replicate': R, 'shard': S}})['replicate']); "
-                                f"got {type(replicate).__name__}")
+        if options is not None and not isinstance(options, ZeroOptions):
+            raise TypeError(f"{name}: options must be a shard.ZeroOptions(...); got "
+                            f"{type(options).__name__}")
+        o = options or ZeroOptions()
+        kind, reads = protocol_of(loss_fn)
+        if o.clip_norm is not None and not o.clip_norm > 0:
+            raise ValueError(f"{name}: clip_norm must be > 0; got {o.clip_norm!r}")
+        if o.prefetch < 0:
+            raise ValueError(f"{name}: prefetch must be >= 0; got {o.prefetch}")
+        check_offload(name, stage, o.offload, o.clip_norm)
+        if topology.replicate is not None:  # see [Note: replicas]
             if stage == 0:
                 raise ValueError(f"{name}: zero0 keeps everything whole on every rank: give "
-                                 "it the whole communicator instead of replicate=")
-            if reads.norm_comm is not None:
-                raise ValueError(f"{name}: a pipeline's stages have their own data axis; "
-                                 "replicate= is for a step over one communicator")
-            if offload is not None and offload.overlap:
+                                 "it a mesh without a 'replicate' axis")
+            if o.offload is not None and o.offload.overlap:
                 raise ValueError(f"{name}: Offload(overlap=True) updates each unit during "
                                  "the backward, before the replicas' gradients are summed; "
                                  "drop one of them")
-        if tensor_parallel is not None:  # see [Note: tensor parallelism with ZeRO]
-            if not (hasattr(tensor_parallel, "shard") and isinstance(
-                    getattr(tensor_parallel, "comm", None), Communicator)):
-                raise TypeError(f"{name}: tensor_parallel must be a shard.TensorParallel over "
-                                f"a mesh or a communicator; got {tensor_parallel!r}")
-            for what, bad in (("replicate=", replicate is not None),
-                              ("offload=", offload is not None)):
-                if bad:
-                    raise NotImplementedError(f"{name}: tensor_parallel= does not compose "
-                                              f"with {what}; drop one of them")
-        split = reads.tensor_parallel  # interop.torch.parallelize's module
-        if split is not None and split is not tensor_parallel:
-            raise ValueError(f"{name}: the loss's module was split by interop.torch.parallelize: "
-                             "pass the TensorParallel it returned as tensor_parallel=")
-        data = reads.data_axis  # a pipeline stage: ZeRO runs on its data axis
-        if data is not None and comm is not data and comm.world_size != data.world_size:
-            raise ValueError(f"{name}: a pipeline's step runs on its data axis: pass "
-                             f"comm=pipe.data ({data.world_size} rank(s)); got a communicator "
-                             f"of {comm.world_size} ranks")
-        secondary = _secondary(name, stage, comm, reshard_after_forward, replicate=replicate,
-                               tensor_parallel=tensor_parallel, loss_fn=reads)
-        f = gradient_divide_factor
+        for what, bad in (("a 'replicate' axis (HSDP)", topology.replicate is not None),
+                          ("offload=", o.offload is not None)):
+            if tensor_parallel is not None and bad:
+                raise NotImplementedError(f"{name}: a 'model' axis (tensor parallelism) does "
+                                          f"not compose with {what}; drop one of them")
+        if tensor_parallel is not None and o.specs is not None:
+            raise ValueError(f"{name}: specs= is the TensorParallel; ZeRO shards its slices "
+                             "with the default specs")
+        f = o.gradient_divide_factor
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
                               or not f > 0 or f != f or f == float("inf")):
             raise ValueError(f"{name}: gradient_divide_factor must be a finite number > 0; "
                              f"got {f!r}")
-        if f is not None and weight_by_rows:
+        if f is not None and o.weight_by_rows:
             raise ValueError(f"{name}: weight_by_rows divides by the rows of every rank; drop "
                              "gradient_divide_factor= or weight_by_rows=")
-        n = gradient_accumulation_steps
+        n = o.gradient_accumulation_steps
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
             raise ValueError(f"{name}: gradient_accumulation_steps must be an int >= 1; got {n!r}")
-        loggers = (loggers,) if callable(loggers) else tuple(loggers or ())
+        loggers = (o.loggers,) if callable(o.loggers) else tuple(o.loggers or ())
         for lg in loggers:
             if not callable(lg):
                 raise TypeError(f"{name}: loggers must be callables (step, metrics), such as "
                                 f"shard.CSVLogger; got {type(lg).__name__}")
-        if not isinstance(weight_by_rows, bool):
+        if not isinstance(o.weight_by_rows, bool):
             raise TypeError(f"{name}: weight_by_rows must be True or False; got "
-                            f"{weight_by_rows!r}")
-        if weight_by_rows and reads.norm_comm is not None:
+                            f"{o.weight_by_rows!r}")
+        if o.weight_by_rows and topology.whole is not None:
             raise ValueError(f"{name}: weight_by_rows is for data-parallel ranks; a pipeline's "
                              "stages see the same micro-batches (give its data ranks equal "
                              "rows)")
-        if weight_by_rows and offload is not None and offload.overlap:
+        if o.weight_by_rows and o.offload is not None and o.offload.overlap:
             raise ValueError(f"{name}: weight_by_rows needs every rank's rows before any update, "
                              "and Offload(overlap=True) updates during the backward; drop one "
                              "of them")
-        if not isinstance(has_aux, bool):
-            raise TypeError(f"{name}: has_aux must be True or False; got {has_aux!r}")
-        if has_aux and kind != "jax" and not reads.supports_aux:
+        if not isinstance(o.has_aux, bool):
+            raise TypeError(f"{name}: has_aux must be True or False; got {o.has_aux!r}")
+        if o.has_aux and kind != "jax" and not reads.supports_aux:
             raise TypeError(f"{name}: has_aux=True is for a JAX loss function or "
                             "interop.torch.functional's loss; this "
                             f"{type(loss_fn).__name__} returns its loss alone")
         if reads.supports_aux:  # the loss object splits (loss, aux)
-            reads.set_has_aux(has_aux)
+            reads.set_has_aux(o.has_aux)
+        units = o.units
         if units is None:  # a loss object may know its model's units (interop.torch does)
             units = reads.units if kind == "provider" else None
+        key = o.key
         if key is not None:  # see [Note: per-rank keys]
             if kind != "jax":
                 raise NotImplementedError(f"{name}: key= gives a JAX loss function its "
                                           "random keys; this "
                                           f"{type(loss_fn).__name__} draws its own")
             key = check_key(name, key)
-        loss = JaxLoss.shared(loss_fn, has_aux) if kind == "jax" else reads
-        return cls(name, stage, loss, kind, optimizer, comm, specs, units,
-                   precision or Precision(), clip_norm, loss_scale, prefetch, loggers, offload,
-                   gradient_accumulation_steps, has_aux, weight_by_rows, replicate,
-                   tensor_parallel, reshard_after_forward, secondary, trainable,
-                   None if f is None else float(f), key)
-
-
-def _secondary(name: str, stage: int, comm: Communicator, reshard: Any, *, replicate: Any,
-               tensor_parallel: Any, loss_fn: LossProvider
-               ) -> tuple[Communicator, Communicator] | None:
-    """``reshard_after_forward``'s communicators (see [Note: secondary shards]):
-    None for True (or an int equal to the world size), else the mesh of
-    ``nodes x reshard_after_forward`` ranks' two axes, made here by every rank."""
-    w = comm.world_size
-    if reshard is True:
-        return None
-    if not isinstance(reshard, (bool, int)):
-        raise TypeError(f"{name}: reshard_after_forward must be True, False or an int (the "
-                        f"ranks per node); got {type(reshard).__name__}")
-    size = 1 if reshard is False else int(reshard)
-    if stage != 3:
-        raise ValueError(f"{name}: reshard_after_forward is stage 3's (zero3): stages 0-2 keep "
-                         "the whole params between steps")
-    if not 1 <= size <= w or w % size:
-        raise ValueError(f"{name}: reshard_after_forward={reshard!r} must divide the world size "
-                         f"{w} (the ranks per node, typically torchrun's --nproc-per-node)")
-    if size == w:
-        return None
-    for what, bad in (("replicate=", replicate is not None),
-                      ("tensor_parallel=", tensor_parallel is not None),
-                      ("a pipeline", loss_fn.norm_comm is not None)):
-        if bad:
-            raise NotImplementedError(f"{name}: reshard_after_forward={reshard!r} does not "
-                                      f"compose with {what}; keep the default True")
-    from shard.core._mesh import Mesh
-
-    mesh = Mesh(comm, {"node": w // size, "local": size})
-    return mesh["local"], mesh["node"]
+        loss = JaxLoss.shared(loss_fn, o.has_aux) if kind == "jax" else reads
+        fields = {f.name: getattr(o, f.name) for f in dataclasses.fields(ZeroOptions)}
+        fields.update(units=units, key=key, loggers=loggers, precision=o.precision or Precision(),
+                      gradient_divide_factor=None if f is None else float(f))
+        return cls(name=name, stage=stage, loss_fn=loss, kind=kind, optimizer=optimizer,
+                   topology=topology, tensor_parallel=tensor_parallel, **fields)

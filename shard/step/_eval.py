@@ -44,7 +44,7 @@ def evaluate(plan: Plan, units: Units, batch: Any, loss_fn: Any = None) -> Any:
         total = _grads.on_device(plan, loss, "the loss").astype(np.float64)
     # a pipeline's loss is its last stage's: summed over the whole mesh, where
     # each model rank holds the same loss (counted at model rank 0)
-    mesh = c.loss_fn.norm_comm
+    mesh = c.topology.whole
     if mesh is not None and c.tensor_parallel is not None and c.tensor_parallel.rank > 0:
         total = total * 0
     total = ops.all_reduce(mesh or c.comm, total)

@@ -139,7 +139,7 @@ def from_function(c: StepConfig, init_fn: Any, args: tuple, device: Device | Non
     import jax
 
     if c.tensor_parallel is not None:
-        raise NotImplementedError(f"{c.name}.init_from: with tensor_parallel=, give the whole "
+        raise NotImplementedError(f"{c.name}.init_from: with a 'model' axis, give the whole "
                                   f"params to {c.name}.init (it keeps this model rank's slices)")
     tu = ops._tree.tree_util()
     plan = make_plan(c, jax.eval_shape(init_fn, *args), device=device)

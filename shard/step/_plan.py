@@ -267,7 +267,7 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     copy_plans = CopyPlans(layout, full_layout)
     grads = gradient_layout(layout, frozen)
     runs, packing = _frozen_runs(layout, frozen)
-    secondary = config.secondary
+    secondary = config.topology.secondary
     return Plan(config, layout, full_layout, np.dtype(master_dtype), precision, where,
                 fast=config.comm.unchecked(), copy_plans=copy_plans, optimizer=optimizer,
                 grad_layout=grads,

@@ -78,13 +78,14 @@ import numpy as np
 from ops import HOST, Device
 from shard.core._gather import MicroBatches
 from shard.core._layout import Layout
+from shard.core._mesh import Topology
 from shard.core._policy import Precision
 from shard.core._state import TrainState
 from shard.monitor._metrics import StepMetrics
 from shard.monitor._profile import step_breakdown, timed
 from shard.offload._step import Offloader
 from shard.step import _checks, _eval, _grads, _init, _update
-from shard.step._config import StepConfig
+from shard.step._config import StepConfig, ZeroOptions
 from shard.step._plan import Plan
 from shard.step._reduce import GradBuffers, GradReducer
 from shard.step._runtime import LiveBytes
@@ -92,7 +93,8 @@ from shard.step._runtime import LiveBytes
 __all__ = ["ZeroStep"]
 
 log = logging.getLogger(__name__)
-_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(StepConfig))
+_CONFIG_FIELDS = frozenset([f.name for f in dataclasses.fields(StepConfig)]
+                           + ["comm", "replicate", "ranks"])
 
 
 class ZeroStep:
@@ -107,8 +109,11 @@ class ZeroStep:
     ``shard.load`` make it); what it keeps between steps are buffers only.
     """
 
-    def __init__(self, loss_fn: Any, **kwargs: Any) -> None:
-        self.config = StepConfig.make(loss_fn, **kwargs)
+    def __init__(self, loss_fn: Any, *, stage: int, optimizer: Any, topology: Topology,
+                 options: ZeroOptions | None = None, tensor_parallel: Any = None) -> None:
+        self.config = StepConfig.make(loss_fn, stage=stage, optimizer=optimizer,
+                                      topology=topology, options=options or ZeroOptions(),
+                                      tensor_parallel=tensor_parallel)
         self.tracker = LiveBytes()  # live gathered bytes (stage 3's memory bound)
         self._plan: Plan | None = None
         self._grad_buffers: GradBuffers | None = None
@@ -242,10 +247,7 @@ class ZeroStep:
         if tokens is not None:
             metrics.add(tokens_per_s=1e3 * int(tokens) / max(split["step"], 1e-9))
         c = self.config
-        world = c.loss_fn.norm_comm or c.comm  # a pipeline's whole mesh
-        first = (world.rank == 0 and (c.replicate is None or c.replicate.rank == 0)
-                 and (c.tensor_parallel is None or c.tensor_parallel.rank == 0))
-        for logger in c.loggers if first else ():
+        for logger in c.loggers if c.topology.first else ():
             logger(int(state.step), metrics)
         return state, metrics
 

@@ -20,15 +20,15 @@ gradient shards, no host read). The batch's rows are the leading dimension
 its array leaves share.
 
 [Note: replicas]
-With ``replicate=`` (hierarchical ZeRO, FSDP2's HSDP) the step's ``comm``
-shards the state among the ranks of a node and ``replicate`` joins the ranks
-of other nodes that hold the same shards. Everything that gathers or
-reduce-scatters stays inside ``comm``. After the reduce-scatter, each rank's
-gradient shards are summed over the replicas (one all-reduce per unit, the
-only traffic between nodes), so every replica holds the sum over all R x S
-ranks and the update is flat ZeRO's over R x S ranks; the losses and rows of
-the step's one all-reduce are summed over the replicas too, while the norm,
-already the same on every replica, is not. ``init`` checks that the replicas
+With a mesh of ``replicate`` x ``shard`` axes (hierarchical ZeRO, FSDP2's
+HSDP) the ``shard`` axis shards the state among the ranks of a node and
+``replicate`` joins the ranks of other nodes that hold the same shards.
+Everything that gathers or reduce-scatters stays inside ``shard``. After the
+reduce-scatter, each rank's gradient shards are summed over the replicas (one
+all-reduce per unit, the only traffic between nodes), so every replica holds
+the sum over all R x S ranks and the update is flat ZeRO's over R x S ranks;
+the losses and rows of the step's one all-reduce are summed over the replicas
+too, while the norm, already the same on every replica, is not. ``init`` checks that the replicas
 hold the same params and layout; a checkpoint is written by replica 0 alone.
 
 [Note: missing gradients]
@@ -107,7 +107,7 @@ def norm_and_loss(plan: Plan, shards: list[Any], totals: Any) -> None:
         replicated, sharded = sharded + replicated, []
     if sharded:
         ops.sum_of_squares(sharded, out=totals[SUMSQ])
-    mesh = c.loss_fn.norm_comm
+    mesh = c.topology.whole
     if mesh is not None:  # a pipeline stage: over the whole mesh (see [Note: pipeline])
         if replicated and c.comm.rank == 0:  # once per stage
             totals[SUMSQ] += ops.sum_of_squares(replicated)
@@ -160,13 +160,14 @@ def warn_if_rows_differ(c: Any, host: np.ndarray) -> bool:
     the same (see [Note: rows across ranks]); whether it did."""
     n, total = c.ranks, value(host, ROWS)
     if (value(host, COUNTED) != n or n * value(host, ROWS_SQ) == total * total
-            or c.loss_fn.norm_comm is not None):
+            or c.topology.whole is not None):
         return False  # some rank could not count, rows agreed, or a pipeline
     if c.comm.rank == 0:
         log.warning("%s: the ranks' batches hold different numbers of rows (%d rows over %d "
                     "ranks, not %d equal parts): each rank's mean loss weighs the same, so "
-                    "the update is not the mean over all %d rows; pass weight_by_rows=True "
-                    "for that, or give every rank the same rows", c.name, total, n, n, total)
+                    "the update is not the mean over all %d rows; pass "
+                    "options=shard.ZeroOptions(weight_by_rows=True) for that, or give every "
+                    "rank the same rows", c.name, total, n, n, total)
     return True
 
 
@@ -174,7 +175,7 @@ def tracks_missing(c: Any) -> bool:
     """Whether the step asks its loss which leaves got no gradient: a torch
     module's (a JAX gradient is always defined), outside a pipeline, whose
     stages' all-reduce spans other layouts (see [Note: missing gradients])."""
-    return c.kind == "provider" and c.loss_fn.reports_missing and c.loss_fn.norm_comm is None
+    return c.kind == "provider" and c.loss_fn.reports_missing and c.topology.whole is None
 
 
 def count_missing(totals: Any, missing: frozenset[int], device: Any) -> None:
