@@ -13,7 +13,9 @@ params back to the module.
 
 The package, a file per concept (it may import :mod:`shard` and :mod:`ops`):
 
-- ``_adapter.py``: :func:`functional` and :class:`TorchLoss` ([Note: torch ZeRO-3]);
+- ``_functional.py``: :func:`functional`, a module as params and a loss object;
+- ``_adapter.py``: that :class:`TorchLoss` ([Note: torch ZeRO-3]), which holds
+  its module's hooks and buffers;
 - ``_units.py``: the unit-by-unit hooks that gather and release each unit, and
   ``_unit_state.py``, what they work out per layout and track per micro-batch;
 - ``_blocks.py``: which submodules are the units;
@@ -30,7 +32,8 @@ The package, a file per concept (it may import :mod:`shard` and :mod:`ops`):
   ([Note: torch tensor parallelism]).
 """
 
-from interop.torch._adapter import TorchLoss, functional
+from interop.torch._adapter import TorchLoss
+from interop.torch._functional import functional
 from interop.torch._layers import TorchLayered, layered
 from interop.torch._parallel import parallelize
 from interop.torch._state_dict import load_state, state_dict

@@ -76,124 +76,39 @@ a CUDA module trains on CuPy state with no host copy (see [Note: devices]).
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from interop.torch._blocks import default_units, name_of
-from interop.torch._buffers import BufferState
+from interop.torch._buffers import ModuleBuffers
 from interop.torch._meta import MetaParams
-from interop.torch._state_dict import remember_dtypes
-from interop.torch._unit_state import _Step
-from interop.torch._units import ROOT, UnitHooks, check_owner
-from ops.device._dlpack import _torch_device, to_native, torch_view
+from interop.torch._outputs import loss_and_aux
+from interop.torch._units import UnitHooks, check_owner, torch_dtype
+from ops.device._dlpack import _torch_device, torch_view
+from shard.core._protocol import LossProvider
 from shard.monitor._profile import timed
 
-__all__ = ["TorchLoss", "functional"]
+__all__ = ["TorchLoss"]
 
 log = logging.getLogger("interop.torch")
 
-def functional(module: Any, *, loss: Callable[[Any, Any], Any],
-               units: Sequence[Any] | None = None,
-               activation_checkpointing: bool = False,
-               broadcast_buffers: bool = True,
-               param_init_fn: Callable[[Any], None] | None = None, seed: int = 0,
-               device: Any = None) -> tuple[dict[str, Any], TorchLoss]:
-    """A module's parameters as a pytree, and a loss the ZeRO transforms train.
-
-    Args:
-      module: the ``torch.nn.Module`` (one per rank: thread ranks each build
-        or ``copy.deepcopy`` their own).
-      loss: ``loss(module, batch) -> scalar tensor``; ``batch`` is whatever the
-        step is given (torch tensors, numpy arrays...).
-      units: the submodules that form ZeRO-3 units, in execution order
-        (default: see [Note: torch ZeRO-3]).
-      activation_checkpointing: at stage 3, recompute each unit's forward in
-        the backward instead of keeping its activations (less memory, about a
-        third more compute), as FSDP2's and DeepSpeed's activation
-        checkpointing do.
-      broadcast_buffers: give every rank rank 0's buffers (BatchNorm's running
-        statistics) before each forward, as DDP does (see [Note: torch
-        buffers]); checkpoints keep rank 0's either way.
-      param_init_fn: for a module built on the meta device (too large for one
-        rank; see [Note: meta-device init]): ``fn(module)`` initialises one
-        module's own parameters (and buffers) in place. Default: the model's
-        ``_init_weights`` (Hugging Face), else each module's
-        ``reset_parameters()``, as FSDP2's meta-device init calls.
-      seed: for a meta module, the seed of each unit's initialisation (the
-        values depend on it and the units, not on the world size).
-      device: for a meta module, the torch device its units are materialised
-        on (default ``"cpu"``).
-
-    Returns:
-      ``(params, loss_object)``: params is ``{state_dict key: array}`` (numpy
-      for a CPU module, CuPy for a CUDA one) sharing memory with the
-      parameters (tied parameters appear once, under their first name), or
-      for a meta module its meta tensors (shapes, which the step's ``init``
-      materialises one unit at a time);
-      loss_object has ``value_and_grad(params, batch)`` and
-      a ``units`` function that groups the params into units.
-
-    Examples:
-      >>> import copy, torch, ops, shard, interop.torch as it
-      >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
-      ...                             torch.nn.Linear(8, 1))
-      >>> def run(comm):  # thread ranks: each trains its own copy of one model
-      ...     params, loss = it.functional(copy.deepcopy(model),
-      ...                                  loss=lambda m, b: m(b[0]).pow(2).mean())
-      ...     step = shard.zero3(loss, optimizer=ops.adamw(1e-2), comm=comm)
-      ...     state = step.init(params)
-      ...     state, metrics = step(state, (torch.ones(2, 4),))
-      ...     return metrics["skipped"]
-      >>> ops.spawn(run, 2)
-      [False, False]
-    """
-    import torch
-
-    if not isinstance(module, torch.nn.Module):
-        raise TypeError(f"functional: expected a torch.nn.Module; got {type(module).__name__}")
-    named = dict(module.named_parameters())
-    if not named:
-        raise ValueError("functional: the module has no parameters")
-    unit_modules = ([(name_of(module, m), m) for m in units] if units is not None
-                    else default_units(module))
-    meta = None
-    if {p.device.type for p in named.values()} == {"meta"}:
-        meta = MetaParams(module, unit_modules, param_init_fn, seed, device)
-        named = dict(module.named_parameters())
-    elif param_init_fn is not None or device is not None:
-        raise ValueError("functional: param_init_fn= and device= are for a module built on "
-                         "the meta device; this one's parameters have memory already")
-    owners: dict[int, list[str]] = {}
-    for key, m in unit_modules:
-        for p in m.parameters():
-            owners.setdefault(id(p), []).append(key)
-    unit_of = {name: (owners[id(p)][0] if len(owners.get(id(p), [])) == 1 else ROOT)
-               for name, p in named.items()}
-    devices = {p.device for p in named.values()}
-    if len(devices) > 1:
-        raise ValueError(f"functional: the module's parameters are on {sorted(map(str, devices))}; "
-                         "move it to one device first")
-    params = (dict(meta.meta) if meta is not None
-              else {name: to_native(p.data)[0] for name, p in named.items()})
-    remember_dtypes(module)
-    fn = TorchLoss(module, loss, named, unit_of, unit_modules,
-                   activation_checkpointing=bool(activation_checkpointing),
-                   broadcast_buffers=bool(broadcast_buffers))
-    fn._meta, fn._sharded = meta, meta is not None
-    fn._like = {name: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
-                for name, p in named.items()}
-    module.register_state_dict_pre_hook(fn._before_state_dict)
-    # a module split by parallelize: its params are this model rank's slices already
-    fn.tensor_parallel = getattr(module, "_zeroshard_tensor_parallel", None)
-    return params, fn
-
-
-class TorchLoss(UnitHooks, BufferState):
+class TorchLoss(LossProvider):
     """The loss object :func:`functional` returns (see [Note: torch ZeRO-3],
     [Note: torch buffers] and, for what the step reads, [Note: the loss
-    protocol])."""
+    protocol]): the module and the user's loss, with the :class:`UnitHooks`
+    that bind its parameters unit by unit and the :class:`ModuleBuffers` kept
+    beside its state.
+
+    Args:
+      module: the root module, ``loss``: ``loss(module, batch)``.
+      named: the module's parameters by name; ``unit_of``, ``unit_modules``:
+        their units (see :class:`UnitHooks`).
+      activation_checkpointing, broadcast_buffers: :func:`functional`'s.
+      meta: a module built on the meta device: its :class:`MetaParams`.
+      tensor_parallel: the ``shard.TensorParallel`` of a module split by
+        ``interop.torch.parallelize`` (the step reads it), or None.
+    """
 
     supports_aux = True  # the loss may return (loss, aux): the transforms' has_aux=True
     has_aux = False  # set by a step built with has_aux=True
@@ -201,25 +116,28 @@ class TorchLoss(UnitHooks, BufferState):
 
     def __init__(self, module: Any, loss: Callable[[Any, Any], Any], named: dict[str, Any],
                  unit_of: dict[str, str], unit_modules: list[tuple[str, Any]], *,
-                 activation_checkpointing: bool = False, broadcast_buffers: bool = True) -> None:
+                 activation_checkpointing: bool = False, broadcast_buffers: bool = True,
+                 meta: MetaParams | None = None, tensor_parallel: Any = None) -> None:
         self.module, self.loss, self.named = module, loss, named
-        self.activation_checkpointing = activation_checkpointing
-        self.broadcast_buffers = broadcast_buffers
-        self._comm: Any = None
-        self.unit_of, self.unit_modules = unit_of, unit_modules
-        self._active: _Step | None = None  # set while run_units runs
-        self._installed = False
-        self._sharded = False  # a stage-3 step left the params unbound
-        self._rank: int | None = None  # the rank this object serves (see claim)
+        self.unit_of = unit_of
         self._dtype = next(iter(named.values())).dtype  # the module's own param dtype
+        self._hooks = UnitHooks(module, named, unit_of, unit_modules, dtype=self._dtype,
+                                activation_checkpointing=activation_checkpointing)
+        self._buffers = ModuleBuffers(module, broadcast=broadcast_buffers)
+        self._meta = meta
+        self.tensor_parallel = tensor_parallel
+        # the params live in a step's state (a meta module's have no memory yet)
+        self._sharded = meta is not None
+        self._rank: int | None = None  # the rank this object serves (see claim)
         self._compute_dtype: Any = None  # set in a step when mixed precision changes it
         self.cast_forward_inputs = True  # Precision's; the step sets it
-        self._empties: dict[Any, Any] = {}
-        self._kept: dict[int, Any] = {}  # units bound to the state's own buffers
-        self._grad_hooks: list[Any] = []  # see UnitHooks._track_grads
         self._on_gpu = any(p.device.type == "cuda" for p in named.values())
         self._warned = False
-        self._like: dict[str, tuple[tuple[int, ...], str]] = {}  # set by functional
+        self._like = {name: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
+                      for name, p in named.items()}
+        # the leaves of the trainable parameters that got no gradient in the last
+        # micro-batch (see [Note: missing gradients])
+        self.missing: frozenset[int] = frozenset()
 
     def claim(self, comm: Any) -> None:
         """Bind this loss object to ``comm``'s rank (the step's ``init`` calls it): a
@@ -230,7 +148,7 @@ class TorchLoss(UnitHooks, BufferState):
                                  "module and loss: params, loss = interop.torch.functional("
                                  "copy.deepcopy(model), loss=...) inside the function each "
                                  "rank runs")
-        self._comm = comm
+        self._buffers.comm = comm
 
     def set_has_aux(self, value: bool) -> None:
         """The step's ``has_aux``: the loss returns ``(loss, aux)``."""
@@ -277,9 +195,16 @@ class TorchLoss(UnitHooks, BufferState):
         """The unit key of a params leaf (by its key path in the params dict)."""
         return self.unit_of[path[0].key]
 
-    # -- a module built on the meta device ----------------------------------------
-    _meta: MetaParams | None = None
+    # -- buffers (see [Note: torch buffers]) --------------------------------------
+    def module_state(self) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+        """This rank's buffers as host arrays (copies), and the tied names."""
+        return self._buffers.module_state()
 
+    def load_buffers(self, values: dict[str, np.ndarray], where: str) -> None:
+        """Write a checkpoint's buffers into the module (after checking them all)."""
+        self._buffers.load(values, where)
+
+    # -- a module built on the meta device ----------------------------------------
     def materialize(self, paths: list[tuple]) -> list[Any]:
         """The whole, freshly initialised values of the params at ``paths`` (one
         unit's, for the step's ``init``; see [Note: meta-device init])."""
@@ -307,8 +232,8 @@ class TorchLoss(UnitHooks, BufferState):
         for name, p in self.named.items():
             p.data = torch_view(params[name])
             p.grad = None
-        self.sync_buffers()
-        self._install()
+        self._buffers.sync()
+        self._hooks.install(self._before_forward)
         self._set_compute_dtype(next(iter(self.named.values())).dtype)
         cast = self._compute_dtype is not None
         try:
@@ -326,7 +251,7 @@ class TorchLoss(UnitHooks, BufferState):
         for p in self.named.values():
             p.grad = None
             if cast:  # see [Note: torch dtypes]
-                p.data = self._empty(p, self._dtype)
+                p.data = self._hooks.empty(p, self._dtype)
         self._sharded = self._sharded or cast
         return ((out.detach(), aux) if self.has_aux else out.detach()), grads
 
@@ -336,7 +261,7 @@ class TorchLoss(UnitHooks, BufferState):
         a collective); the module's parameters and mode are restored."""
         import torch
 
-        self.sync_buffers()
+        self._buffers.sync()
         before = {name: p.data for name, p in self.named.items()}
         training = self.module.training
         self._set_compute_dtype(_torch_dtype_of(params))
@@ -354,6 +279,32 @@ class TorchLoss(UnitHooks, BufferState):
                 p.data = before[name]
 
     # -- stage 3 --------------------------------------------------------------------
+    def run_units(self, units: Any, reducer: Any, batch: Any, loss_scale: float) -> Any:
+        """One micro-batch, unit by unit (:meth:`UnitHooks.run`)."""
+        self._buffers.sync()
+        self._set_compute_dtype(torch_dtype(units.local[0].dtype if units.stage == 3
+                                             else units.full[0].dtype))
+        self._hooks.install(self._before_forward)
+        try:
+            out, aux = self._hooks.run(units, reducer, lambda: self._call_loss(batch),
+                                       loss_scale, other_dtype=self._compute_dtype is not None)
+        finally:
+            self._compute_dtype = None
+            self._sharded = self._hooks.unbound
+            self.missing = self._hooks.missing
+        return (out.detach(), aux) if self.has_aux else out.detach()
+
+    def _call_loss(self, batch: Any, *, training: bool = True) -> tuple[Any, Any]:
+        """The user's loss on the module: ``(loss, aux)`` (aux None without
+        ``has_aux``, which a step built with ``has_aux=True`` sets)."""
+        import torch
+
+        loss, aux = loss_and_aux(self.loss(self.module, batch), self.has_aux, training=training)
+        if aux is not None:
+            aux = torch.utils._pytree.tree_map(
+                lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
+        return loss, aux
+
     def _set_compute_dtype(self, dtype: Any) -> None:
         self._compute_dtype = dtype if dtype != self._dtype else None
 
@@ -363,7 +314,7 @@ class TorchLoss(UnitHooks, BufferState):
         ``cast_forward_inputs``) when mixed precision changed it."""
         dtype = self._compute_dtype
         if dtype is None or not self.cast_forward_inputs:
-            if self._active is None:
+            if self._hooks.active is None:
                 self._check_usable()
             return None
         import torch
@@ -395,7 +346,7 @@ class TorchLoss(UnitHooks, BufferState):
         """``module.state_dict()``'s pre-hook: never empty tensors in place of the
         trained values (``keep_vars=True`` is the library's own read of the
         buffers)."""
-        if not keep_vars and self._active is None:
+        if not keep_vars and self._hooks.active is None:
             self._check_usable("take the state_dict of")
 
 

@@ -22,17 +22,17 @@ from typing import Any
 
 import numpy as np
 
-from shard.core._protocol import LossProvider
-
-__all__ = ["BufferState"]
+__all__ = ["ModuleBuffers"]
 
 
-class BufferState(LossProvider):
-    """Buffers and tied names of ``TorchLoss``'s module; see the Note."""
+class ModuleBuffers:
+    """The buffers and tied names of the module a ``TorchLoss`` trains (see the
+    Note). ``broadcast``: rank 0's buffers to every rank before each forward,
+    over ``comm`` once the step's ``init`` has given it (``TorchLoss.claim``)."""
 
-    module: Any
-    broadcast_buffers: bool
-    _comm: Any
+    def __init__(self, module: Any, *, broadcast: bool) -> None:
+        self.module, self.broadcast = module, broadcast
+        self.comm: Any = None
 
     def buffers(self) -> dict[str, Any]:
         """The module's persistent buffers by state_dict key (tensors, live)."""
@@ -59,7 +59,7 @@ class BufferState(LossProvider):
             out[key] = host.numpy().copy()
         return out, self.tied_names()
 
-    def load_buffers(self, values: dict[str, np.ndarray], where: str) -> None:
+    def load(self, values: dict[str, np.ndarray], where: str) -> None:
         """Write a checkpoint's buffers into the module (after checking them all)."""
         mine = self.buffers()
         missing, extra = sorted(set(mine) - set(values)), sorted(set(values) - set(mine))
@@ -75,10 +75,10 @@ class BufferState(LossProvider):
             for key, buf in mine.items():
                 buf.copy_(torch.from_numpy(np.array(values[key], order="C")))
 
-    def sync_buffers(self) -> None:
+    def sync(self) -> None:
         """Rank 0's buffers on every rank (see the Note): one broadcast per dtype."""
-        comm = self._comm
-        if not self.broadcast_buffers or comm is None or comm.world_size == 1:
+        comm = self.comm
+        if not self.broadcast or comm is None or comm.world_size == 1:
             return
         import ops
 

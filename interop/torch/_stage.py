@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from interop.torch._units import _torch_dtype
+from interop.torch._units import torch_dtype
 from ops.device._dlpack import torch_view
 from shard.monitor._profile import timed
 
@@ -29,7 +29,7 @@ class TorchStage:
         self.saved: dict[int, Any] = {}
         self.grads: list[list[Any] | None] = [None] * len(layers)
         self.forward_passes = 0
-        self.dtype = _torch_dtype(units.local[0].dtype if self.gathering
+        self.dtype = torch_dtype(units.local[0].dtype if self.gathering
                                   else units.full[0].dtype)  # the compute dtype
         for u in range(len(layers)):  # stages 0-2: whole params, bound for the step
             if self.gathering:

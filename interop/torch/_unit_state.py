@@ -6,10 +6,13 @@ the reference a saved gathered parameter becomes (:class:`_ParamRef`); see
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ops._tree import tree_util
 from ops.device._dlpack import torch_view
+
+if TYPE_CHECKING:
+    from interop.torch._units import UnitHooks
 
 __all__ = ["_ParamRef", "_Persistent", "_Plan", "_Step"]
 
@@ -21,11 +24,11 @@ class _Persistent:
     the gradients' layout ``grads`` (None for a frozen parameter, which has no
     place there; see [Note: frozen leaves])."""
 
-    def __init__(self, hooks: Any, u: int, flat: Any, bucket: Any, grads: Any) -> None:
+    def __init__(self, hooks: UnitHooks, u: int, flat: Any, bucket: Any, grads: Any) -> None:
         self.flat, self.bucket = flat, bucket
-        names = hooks._active.members[u]
+        names = hooks.current.members[u]
         self.params = [hooks.named[name] for name in names]
-        _, self.views = hooks._views_of(u, flat)
+        _, self.views = hooks.views_of(u, flat)
         self.ptrs = [v.data_ptr() for v in self.views]
         self.grads = None
         if bucket is not None and bucket.dtype == flat.dtype:
@@ -40,7 +43,7 @@ class _Plan:
     its leaves' spans (start, end, shape) in its flat buffer, and its params
     with the 0-size tensors they hold while unbound."""
 
-    def __init__(self, hooks: Any, layout: Any, full_layout: Any) -> None:
+    def __init__(self, hooks: UnitHooks, layout: Any, full_layout: Any) -> None:
         self.layout = layout
         self.index = {u.name: i for i, u in enumerate(layout.units)}
         names = [path[0].key for path, _ in tree_util().tree_flatten_with_path(
@@ -50,7 +53,7 @@ class _Plan:
         leaves = full_layout.leaves
         self.spans = {i: [(leaves[j].offset, leaves[j].offset + leaves[j].size, leaves[j].shape)
                           for j in u.leaves] for i, u in enumerate(full_layout.units)}
-        self.empties = {i: [(hooks.named[n], hooks._empty(hooks.named[n])) for n in names]
+        self.empties = {i: [(hooks.named[n], hooks.empty(hooks.named[n])) for n in names]
                         for i, names in self.members.items()}
         self.frozen = frozenset(n for n, p in hooks.named.items() if not p.requires_grad)
         self.leaf_index = {name: j for j, name in enumerate(names)}  # in the layout's order

@@ -1,6 +1,6 @@
 """Driving a torch module unit by unit: the hooks behind [Note: torch ZeRO-3].
 
-:class:`UnitHooks` is the part of ``interop.torch.TorchLoss`` that runs one
+:class:`UnitHooks`, which ``interop.torch.TorchLoss`` holds, runs one
 micro-batch with each unit's params bound only while needed: the wrapped unit
 forwards, the saved-tensor hooks that keep references instead of gathered
 params, the gradient hooks that re-gather a unit for its backward and hand its
@@ -9,15 +9,14 @@ gradients to the reducer.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import Any, cast
 
-from interop.torch._outputs import loss_and_aux
 from interop.torch._unit_state import _ParamRef, _Persistent, _Plan, _Step
 from ops.device._dlpack import torch_view
-from shard.core._protocol import LossProvider
 from shard.monitor._profile import timed
 
-__all__ = ["ROOT", "UnitHooks", "check_owner"]
+__all__ = ["ROOT", "UnitHooks", "check_owner", "torch_dtype"]
 
 ROOT = "<root>"
 
@@ -32,45 +31,57 @@ def check_owner(owner: int | None, comm: Any, name: str, remedy: str) -> int:
     return comm.rank
 
 
-class UnitHooks(LossProvider):
-    """Stage-3 (and stages 0-2 overlap) machinery of ``TorchLoss``; see the Note."""
+class UnitHooks:
+    """The hooks that bind a module's parameters unit by unit (see [Note: torch
+    ZeRO-3]).
 
-    # provided by TorchLoss
-    has_aux: bool
-    module: Any
-    loss: Any
-    named: dict[str, Any]
-    unit_of: dict[str, str]
-    unit_modules: list[tuple[str, Any]]
-    activation_checkpointing: bool
-    _active: Any
-    _installed: bool
-    _sharded: bool
-    _compute_dtype: Any
-    _empties: dict[Any, Any]
-    _dtype: Any
-    _kept: dict[int, Any]
-    _grad_hooks: list[Any]
-    _set_compute_dtype: Any
-    _before_forward: Any
-    sync_buffers: Any
-    # the leaves (indices in the layout's order) of the trainable parameters that got no
-    # gradient in the last micro-batch (see [Note: missing gradients])
-    missing: frozenset[int] = frozenset()
+    Args:
+      module: the root module.
+      named: its parameters by name (the params' keys).
+      unit_of: each parameter's unit key.
+      unit_modules: ``(unit key, module)`` in forward order.
+      dtype: the parameters' own torch dtype (what an unbound parameter holds
+        after a step in another compute dtype; see [Note: torch dtypes]).
+      activation_checkpointing: recompute each unit's forward in the backward.
+    """
 
-    def run_units(self, units: Any, reducer: Any, batch: Any, loss_scale: float) -> Any:
-        """One micro-batch, unit by unit (see [Note: torch ZeRO-3]). Where the
-        state's own buffers are the whole params (stages 0-2, and stage 3 on one
-        rank) they stay bound, and each unit's gradients still go to the reducer
-        as soon as they are complete, so their reduction overlaps the backward."""
+    def __init__(self, module: Any, named: dict[str, Any], unit_of: dict[str, str],
+                 unit_modules: list[tuple[str, Any]], *, dtype: Any,
+                 activation_checkpointing: bool) -> None:
+        self.module, self.named, self.unit_of = module, named, unit_of
+        self.unit_modules, self.dtype = unit_modules, dtype
+        self.activation_checkpointing = activation_checkpointing
+        self.active: _Step | None = None  # set while run runs
+        # whether the last run left the module's parameters unbound (stage 3's
+        # gathered units) or in another dtype than their own
+        self.unbound = False
+        # the leaves (indices in the layout's order) of the trainable parameters that got no
+        # gradient in the last micro-batch (see [Note: missing gradients])
+        self.missing: frozenset[int] = frozenset()
+        self._installed = False
+        self._plan_cache: _Plan | None = None
+        self._empties: dict[Any, Any] = {}
+        self._kept: dict[int, Any] = {}  # units bound to the state's own buffers
+        self._grad_hooks: list[Any] = []  # see _track_grads
+
+    @property
+    def current(self) -> _Step:
+        """The micro-batch running now: the hooks that read it run inside
+        :meth:`run` alone."""
+        return cast(_Step, self.active)
+
+    def run(self, units: Any, reducer: Any, loss: Callable[[], tuple[Any, Any]],
+            loss_scale: float, *, other_dtype: bool) -> tuple[Any, Any]:
+        """One micro-batch, unit by unit (see [Note: torch ZeRO-3]): ``loss()``'s
+        ``(loss, aux)``. Where the state's own buffers are the whole params
+        (stages 0-2, and stage 3 on one rank) they stay bound, and each unit's
+        gradients still go to the reducer as soon as they are complete, so
+        their reduction overlaps the backward. ``other_dtype``: the step
+        computes in another dtype than the parameters' own."""
         plan = self._plan(units)
-        self.sync_buffers()
-        self._active = a = _Step(units, reducer, plan)
+        self.active = a = _Step(units, reducer, plan)
         index, members = a.index, a.members
         a.gathering = not units.persistent
-        self._set_compute_dtype(_torch_dtype(units.local[0].dtype if units.stage == 3
-                                             else units.full[0].dtype))
-        self._install()
         self._track_grads(True)  # which parameters got a gradient (see [Note: missing gradients])
         root = index.get(ROOT)
         try:
@@ -80,7 +91,7 @@ class UnitHooks(LossProvider):
             elif root is not None:
                 self._bind(root, units.flat(root, pinned=True))
             with timed("forward"):
-                out, aux = self._call_loss(batch)
+                out, aux = loss()
             a.phase = "backward"
             a.kept = None
             with timed("backward"):
@@ -92,38 +103,27 @@ class UnitHooks(LossProvider):
                     self._reduce(u)
             self.missing = frozenset(missing)
         finally:
-            cast = self._compute_dtype is not None  # bound to another dtype than its own
             for pairs in a.empties.values():
                 for p, empty in pairs:
                     if a.gathering:  # the module keeps the state's buffers otherwise
                         p.data = empty
-                    elif cast:  # see [Note: torch dtypes]
-                        p.data = self._empty(p, self._dtype)
+                    elif other_dtype:  # see [Note: torch dtypes]
+                        p.data = self.empty(p, self.dtype)
                     p.grad = None
-            self._active = None
-            self._compute_dtype = None
-            self._sharded = a.gathering or cast
-        return (out.detach(), aux) if self.has_aux else out.detach()
-
-    def _call_loss(self, batch: Any, *, training: bool = True) -> tuple[Any, Any]:
-        """The user's loss on the module: ``(loss, aux)`` (aux None without
-        ``has_aux``, which a step built with ``has_aux=True`` sets)."""
-        import torch
-
-        loss, aux = loss_and_aux(self.loss(self.module, batch), self.has_aux, training=training)
-        if aux is not None:
-            aux = torch.utils._pytree.tree_map(
-                lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
-        return loss, aux
+            self.active = None
+            self.unbound = a.gathering or other_dtype
+        return out, aux
 
     def _plan(self, units: Any) -> _Plan:
         """What a step needs to know of the units: worked out once per layout."""
-        cached = getattr(self, "_plan_cache", None)
+        cached = self._plan_cache
         if cached is None or cached.layout is not units.layout:
             cached = self._plan_cache = _Plan(self, units.layout, units.full_layout)
         return cached
 
-    def _install(self) -> None:
+    def install(self, before_forward: Callable[..., Any]) -> None:
+        """Wrap each unit's forward, and hook ``before_forward`` before the
+        root module's (once)."""
         if self._installed:
             return
         for key, m in self.unit_modules:
@@ -132,7 +132,7 @@ class UnitHooks(LossProvider):
             forward = m.forward
 
             def wrapped(*args: Any, _key: str = key, _forward: Any = forward, **kw: Any) -> Any:
-                if self._active is None or not self._active.gathering:
+                if self.active is None or not self.active.gathering:
                     return _forward(*args, **kw)
                 if self.activation_checkpointing:
                     from torch.utils.checkpoint import checkpoint
@@ -142,7 +142,7 @@ class UnitHooks(LossProvider):
                 return self._run_unit(_key, _forward, *args, **kw)
 
             m.forward = wrapped
-        self.module.register_forward_pre_hook(self._before_forward, with_kwargs=True)
+        self.module.register_forward_pre_hook(before_forward, with_kwargs=True)
         self._installed = True
 
     def _track_grads(self, on: bool) -> None:
@@ -164,7 +164,7 @@ class UnitHooks(LossProvider):
     def _gather(self, u: int) -> None:
         """Gather and bind unit ``u``, starting the gather of the unit after it in
         this phase's order."""
-        a = self._active
+        a = self.current
         pos = a.order.index(u)
         upcoming = a.order[pos + 1:] if a.phase == "forward" else a.order[:pos][::-1]
         self._bind(u, a.units.flat(u, upcoming))
@@ -174,7 +174,7 @@ class UnitHooks(LossProvider):
         references, not tensors (see the Note)."""
         import torch
 
-        a = self._active
+        a = self.current
         u = a.index[key]
         if a.kept is not None and a.kept != u:
             self._unbind(a.kept)  # before this unit's copy-out: the two-unit bound
@@ -203,7 +203,7 @@ class UnitHooks(LossProvider):
     def _unpack(self, saved: Any) -> Any:
         if type(saved) is not _ParamRef:
             return saved
-        a = self._active
+        a = self.current
         u, shape, stride, offset = saved
         if u not in a.bound:  # not announced by its outputs' gradient hook
             self._gather(u)
@@ -212,7 +212,7 @@ class UnitHooks(LossProvider):
 
     def _before_backward(self, u: int) -> None:
         """The gradient reached unit ``u``'s outputs: gather it for its backward."""
-        a = self._active
+        a = self.active
         if a is None:
             return
         if a.with_frozen:  # units with frozen params later in the forward are done with
@@ -234,7 +234,7 @@ class UnitHooks(LossProvider):
     def _run_recomputed(self, key: str, forward: Any, *args: Any, **kw: Any) -> Any:
         """A unit's forward under activation checkpointing: the backward recomputes
         it, gathering the unit again."""
-        a = self._active
+        a = self.current
         u = a.index[key]
         if u not in a.bound:
             self._gather(u)
@@ -248,8 +248,8 @@ class UnitHooks(LossProvider):
         """Bind unit ``u``'s parameters to views of its freshly gathered flat
         buffer: one DLPack exchange for the unit, torch views for its leaves."""
         with timed("library"):
-            a = self._active
-            base, leaves = self._views_of(u, flat)
+            a = self.current
+            base, leaves = self.views_of(u, flat)
             a.bound[u] = base
             for (p, _), leaf in zip(a.empties[u], leaves, strict=True):
                 p.data = leaf
@@ -259,7 +259,7 @@ class UnitHooks(LossProvider):
         its gradients in place, their ``.grad``) to views of the state's own
         buffers. The views are made once and kept while the buffers are the
         same objects; binding checks one pointer per parameter."""
-        a = self._active
+        a = self.current
         flat, bucket = a.units.flat(u), a.reducer.bucket(u)
         kept = self._kept.get(u)
         if kept is None or kept.flat is not flat or kept.bucket is not bucket:
@@ -273,19 +273,19 @@ class UnitHooks(LossProvider):
                 p.grad = g
             a.bucketed.add(u)
 
-    def _views_of(self, u: int, flat: Any) -> tuple[Any, list[Any]]:
+    def views_of(self, u: int, flat: Any) -> tuple[Any, list[Any]]:
         """A torch tensor over unit ``u``'s flat buffer, and its leaves' views."""
         base = torch_view(flat)
-        return base, [base[a:b].view(shape) for a, b, shape in self._active.spans[u]]
+        return base, [base[a:b].view(shape) for a, b, shape in self.current.spans[u]]
 
     def _unbind(self, u: int) -> None:
         with timed("library"):
-            if self._active.bound.pop(u, None) is None:
+            if self.current.bound.pop(u, None) is None:
                 return
-            for p, empty in self._active.empties[u]:
+            for p, empty in self.current.empties[u]:
                 p.data = empty
 
-    def _empty(self, p: Any, dtype: Any = None) -> Any:
+    def empty(self, p: Any, dtype: Any = None) -> Any:
         """A 0-size tensor of ``p``'s dtype (or ``dtype``) and device (one per
         kind, shared)."""
         import torch
@@ -302,7 +302,7 @@ class UnitHooks(LossProvider):
         unit_of = self.unit_of
 
         def ready(_param: Any) -> None:
-            a = self._active
+            a = self.active
             if a is None:
                 return
             u = a.index[unit_of[name]]
@@ -317,7 +317,7 @@ class UnitHooks(LossProvider):
         """Unit ``u``'s gradients are complete: take them and release the unit;
         its reduction starts in the units' fixed order (see [Note: torch
         ZeRO-3])."""
-        a = self._active
+        a = self.current
         with timed("library"):
             a.pending[u] = set()
             a.reduced.add(u)
@@ -342,7 +342,7 @@ class UnitHooks(LossProvider):
             self._unbind(u)
 
 
-def _torch_dtype(dtype: Any) -> Any:
+def torch_dtype(dtype: Any) -> Any:
     """The torch dtype of a numpy (or CuPy, or ml_dtypes) dtype."""
     import torch
 
