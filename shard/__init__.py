@@ -21,6 +21,7 @@ from shard.core._mesh import Mesh
 from shard.core._policy import LossScale, Precision
 from shard.core._specs import Replicate, Shard, from_partition_spec, to_partition_spec
 from shard.core._state import DonatedStateError, TrainState
+from shard.data._loader import DataLoader
 from shard.monitor._loggers import CSVLogger, TensorBoardLogger
 from shard.monitor._profile import Breakdown, profile
 from shard.offload._offload import Offload
@@ -34,6 +35,7 @@ __all__ = [
     "Breakdown",
     "CSVLogger",
     "CheckpointError",
+    "DataLoader",
     "DeepSpeedConfig",
     "DonatedStateError",
     "Layered",

@@ -11,7 +11,7 @@ import pytest
 
 PUBLIC = {
     "shard": [
-        "AsyncSave", "Breakdown", "CSVLogger", "CheckpointError", "DeepSpeedConfig",
+        "AsyncSave", "Breakdown", "CSVLogger", "CheckpointError", "DataLoader", "DeepSpeedConfig",
         "DonatedStateError", "Layered", "Layout", "LossScale", "Mesh", "MicroBatches", "Offload",
         "Packed", "Pipeline", "Precision", "PureState", "PureStep", "Replicate", "Shard",
         "TensorBoardLogger", "TensorParallel", "TrainState", "ZeroOptions", "ZeroStep",

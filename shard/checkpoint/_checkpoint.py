@@ -141,7 +141,7 @@ def manifest(state: TrainState, files: list[dict], extra: Any,
     return {
         "format": FORMAT, "version": VERSION, "step": int(state.step),
         "loss_scale": float(state.loss_scale), "good_steps": int(state.good_steps),
-        "hysteresis": int(state.hysteresis),
+        "hysteresis": int(state.hysteresis), "batches": int(state.batches),
         "skips": {leaf.path: int(n) for leaf, n in zip(state.meta.layout.leaves, state.skips,
                                                        strict=True) if n},
         "stage": m.stage, "world_size": m.layout.world_size,

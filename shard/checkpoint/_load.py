@@ -286,6 +286,8 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
                       opt_rest=rest, full_leaves=full_leaves, step=manifest["step"],
                       loss_scale=manifest["loss_scale"], good_steps=manifest["good_steps"],
                       hysteresis=manifest.get("hysteresis"),
+                      # written since shard.DataLoader; older ones: a batch per step
+                      batches=manifest.get("batches", manifest["step"]),
                       skips=[manifest.get("skips", {}).get(leaf.path, 0)
                              for leaf in layout.leaves],
                       copies=copies)

@@ -103,6 +103,8 @@ def check_manifest(directory: Path, manifest: dict) -> None:
     _int(manifest, "good_steps", where)
     if "hysteresis" in manifest:  # written since DeepSpeed's hysteresis; older ones: the config's
         _int(manifest, "hysteresis", where, 1)
+    if "batches" in manifest:  # written since shard.DataLoader; older ones: the step
+        _int(manifest, "batches", where)
     skips = manifest.get("skips", {})
     if not isinstance(skips, dict) or any(
             isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in skips.values()):

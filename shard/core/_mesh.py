@@ -116,6 +116,19 @@ class Mesh:
     def rank(self) -> int:
         return self.comm.rank
 
+    def data_ranks(self) -> tuple[int, int]:
+        """``(this rank's data rank, the data ranks)``: the ``data`` axis's, or
+        HSDP's ``replicate`` x ``shard`` (replica ``r``'s rank ``k`` is ``r * S +
+        k``); a mesh without them is one data rank. Model and pipe ranks of one
+        data rank share it: they see the same rows."""
+        if "data" in self.shape:
+            return self.coords["data"], self.shape["data"]
+        if "replicate" in self.shape and "shard" in self.shape:
+            s = self.shape["shard"]
+            return (self.coords["replicate"] * s + self.coords["shard"],
+                    self.shape["replicate"] * s)
+        return 0, 1
+
     def ranks(self) -> np.ndarray:
         """The grid of global ranks, shaped like the mesh."""
         return np.arange(self.comm.world_size).reshape(tuple(self.shape.values()))

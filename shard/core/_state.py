@@ -92,6 +92,9 @@ class TrainState:
       model_state: the model's non-trainable state (batch-norm statistics: flax
         nnx ``BatchStat``, equinox ``State``, any pytree of arrays), the same
         on every rank; None without one (see [Note: model state]).
+      batches: int64 scalar array, the global batches the step has taken (one
+        per call, a skipped update's included): where a ``shard.DataLoader``
+        resumes (``loader.resume(state)``), checkpointed with the rest.
     """
 
     master: tuple[np.ndarray, ...]
@@ -105,10 +108,11 @@ class TrainState:
     skips: np.ndarray
     meta: StateMeta
     model_state: Any = None
+    batches: np.ndarray = field(default_factory=lambda: np.zeros((), np.int64))
     _live: list = field(default_factory=lambda: [True], compare=False, repr=False)
 
     _FIELDS = ("master", "moments", "opt_rest", "compute", "step", "loss_scale", "good_steps",
-               "hysteresis", "skips", "model_state")
+               "hysteresis", "skips", "model_state", "batches")
 
     # -- views ----------------------------------------------------------------
     @property

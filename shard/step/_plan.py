@@ -301,7 +301,7 @@ def moment_buffers(plan: Plan) -> list[list[Any]]:
 def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,
               full_leaves: list[Any], opt_rest: tuple = (), step: int = 0,
               loss_scale: float | None = None, good_steps: int = 0, hysteresis: int | None = None,
-              skips: Any = None,
+              skips: Any = None, batches: int = 0,
               copies: list[Any] | None = None) -> TrainState:
     """A TrainState over the given master and moment buffers (``plan``'s layout;
     one list of unit buffers per ``plan.optimizer.moments``), and an optax
@@ -339,7 +339,7 @@ def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,
                       np.asarray(step, np.int64), np.asarray(loss_scale, np.float64),
                       np.asarray(good_steps, np.int64), np.asarray(hysteresis, np.int64),
                       np.zeros(len(plan.layout.leaves), np.int64) if skips is None else
-                      np.asarray(skips, np.int64), meta)
+                      np.asarray(skips, np.int64), meta, batches=np.asarray(batches, np.int64))
 
 
 def _warn_if_one_unit_dominates(name: str, full_layout: Layout) -> None:

@@ -378,6 +378,7 @@ class ZeroStep:
 
             state = self._apply(plan, state, shards, grad_scale, totals[_update.SUMSQ], skip)
             return (state.replace(step=np.asarray(int(state.step) + 1, np.int64),
+                                  batches=np.asarray(int(state.batches) + 1, np.int64),
                                   skips=_update.add_skips(state.skips, skip)),
                     StepMetrics(known, totals, finish_and_flag, device.to_host))
         host = device.to_host(totals)  # the step's one read: skip it or not
@@ -396,6 +397,7 @@ class ZeroStep:
                         "skipped", c.name, int(state.step))
         known["skipped"] = not finite
         return state.replace(step=np.asarray(int(state.step) + finite, np.int64),
+                             batches=np.asarray(int(state.batches) + 1, np.int64),
                              loss_scale=np.asarray(new_scale, np.float64),
                              good_steps=np.asarray(good, np.int64),
                              hysteresis=np.asarray(left, np.int64)), StepMetrics(known)
