@@ -189,6 +189,21 @@ def corpus() -> np.ndarray:
     return np.frombuffer(text, np.uint8)
 
 
+class Windows:
+    """The corpus as a map-style dataset for :class:`shard.DataLoader`: window
+    ``i`` is the bytes ``[i * seq, (i + 1) * seq + 1)``, as (inputs, next bytes)."""
+
+    def __init__(self, data: np.ndarray, seq: int) -> None:
+        self.data, self.seq = data, seq
+
+    def __len__(self) -> int:
+        return (len(self.data) - 1) // self.seq
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.from_numpy(self.data[i * self.seq:(i + 1) * self.seq + 1].astype(np.int64))
+        return idx[:-1], idx[1:]
+
+
 def sample_batch(data: np.ndarray, step: int, batch: int, seq: int,
                  seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The global batch of a step: the same on every rank (split it per rank)."""
@@ -221,12 +236,13 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
 
     Every rank must start from the same weights: pass ``model`` (each rank
     trains a deep copy) when ranks are threads, which share torch's RNG.
-    ``save``: a directory; the checkpoint ``<save>/checkpoint`` is written every
-    ``save_every`` steps (``shard.async_save``: the next steps run while the
-    files are written) and at the end (``shard.save``), and
-    ``<save>/metrics.csv`` logs every 10th step. ``resume``: continue from that
-    checkpoint (any world size or stage), with the data stream where it
-    stopped. ``replicas``: hierarchical
+    The batches are a :class:`shard.DataLoader`'s over the corpus's windows
+    (``batch`` of them a step, shuffled every epoch). ``save``: a directory;
+    the checkpoint ``<save>/checkpoint`` is written every ``save_every`` steps
+    (``shard.async_save``: the next steps run while the files are written) and
+    at the end (``shard.save``), and ``<save>/metrics.csv`` logs every 10th
+    step. ``resume``: continue from that checkpoint (any world size or stage),
+    the loader where the run stopped (``loader.resume(state)``). ``replicas``: hierarchical
     ZeRO (HSDP) over ``shard.Mesh(comm, {"replicate": replicas, "shard": ...})``;
     with one replica per node, ZeRO's gathers stay inside each node.
     ``reshard_after_forward``: ZeRO-3 over every rank with each unit's
@@ -242,14 +258,15 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     step = ZERO[stage](loss, optimizer=ops.adamw(lr, weight_decay=0.01), mesh=mesh,
                        clip_norm=1.0, options=shard.ZeroOptions(
                            loggers=loggers, reshard_after_forward=reshard_after_forward))
-    state, first = step.init(params), 0
+    loader = shard.DataLoader(Windows(corpus(), cfg.seq), batch, mesh=mesh)
+    state = step.init(params)
     ckpt = Path(save) / "checkpoint" if save else None
     if resume and ckpt is not None and (ckpt / "manifest.json").exists():
-        state, extra = shard.load(ckpt, step, comm=zero_comm)
-        first = int(extra["next_batch"])
+        state, _ = shard.load(ckpt, step, comm=zero_comm)
+        loader.resume(state)
         if comm.rank == 0:
-            print(f"resumed from {ckpt} at step {first}")
-    data = corpus()
+            print(f"resumed from {ckpt} at step {int(state.batches)}")
+    first = int(state.batches)
     bar = None
     if progress and comm.rank == 0:
         from tqdm import tqdm
@@ -258,18 +275,21 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
                    unit="step")
     losses, t0 = [], time.perf_counter()
     local_tokens = batch // comm.world_size * cfg.seq
-    for i in range(first, steps):
-        state, metrics = step(state, local_part(sample_batch(data, i, batch, cfg.seq), comm),
-                              tokens=local_tokens)
-        losses.append(metrics["loss"])
-        if bar is not None:
-            bar.set_postfix(loss=f"{metrics['loss']:.3f}",
-                            tok_s=f"{metrics['tokens_per_s'] * comm.world_size:,.0f}")
-            bar.update()
-        if ckpt is not None and i + 1 == steps:  # waits for an async save still writing
-            shard.save(state, ckpt, comm=zero_comm, extra={"next_batch": i + 1})
-        elif ckpt is not None and (i + 1) % save_every == 0:
-            shard.async_save(state, ckpt, comm=zero_comm, extra={"next_batch": i + 1})
+    while int(state.batches) < steps:
+        for b in loader:  # to the end of the epoch
+            state, metrics = step(state, b, tokens=local_tokens)
+            done = int(state.batches)
+            losses.append(metrics["loss"])
+            if bar is not None:
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}",
+                                tok_s=f"{metrics['tokens_per_s'] * comm.world_size:,.0f}")
+                bar.update()
+            if ckpt is not None and done == steps:  # waits for an async save still writing
+                shard.save(state, ckpt, comm=zero_comm)
+            elif ckpt is not None and done % save_every == 0:
+                shard.async_save(state, ckpt, comm=zero_comm)
+            if done == steps:
+                break
     if bar is not None:
         bar.close()
     for logger in loggers:

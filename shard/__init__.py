@@ -29,6 +29,7 @@ from shard.pipelines._pipeline import Pipeline, balance_by_time, pipeline
 from shard.step._config import ZeroOptions
 from shard.step._step import ZeroStep
 from shard.tensor_parallel._parallel import Packed, TensorParallel
+from shard.tuning._lr_range import LRRangeTest, lr_range_test
 
 __all__ = [
     "AsyncSave",
@@ -38,6 +39,7 @@ __all__ = [
     "DataLoader",
     "DeepSpeedConfig",
     "DonatedStateError",
+    "LRRangeTest",
     "Layered",
     "Layout",
     "LossScale",
@@ -64,6 +66,7 @@ __all__ = [
     "gather",
     "init_from_env",
     "load",
+    "lr_range_test",
     "make_layout",
     "partition",
     "pipeline",

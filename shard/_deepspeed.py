@@ -42,9 +42,11 @@ silently ignored.
   ``weight_decay``): ``ops.lion``; ``Lamb`` (``lr``, ``betas``, ``eps``,
   ``weight_decay``, ``bias_correction``, ``min_coeff``/``max_coeff``, as
   DeepSpeed's FusedLamb with its defaults 0.01 and 10): ``ops.lamb``;
-- ``scheduler``: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR`` and
-  ``OneCycle`` (with ``cycle_momentum: false``: Adam's ``b1`` is fixed here):
-  the same schedule, as the optimizer's ``count -> lr``;
+- ``scheduler``: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``,
+  ``OneCycle`` (with ``cycle_momentum: false``: Adam's ``b1`` is fixed here)
+  and ``LRRangeTest``: the same schedule, as the optimizer's ``count -> lr``
+  (``shard.lr_range_test(..., schedule=config.optimizer.learning_rate)`` runs
+  the range test on it);
 - ``tensorboard`` and ``csv_monitor`` (``enabled``, ``output_path``,
   ``job_name``): ``shard.TensorBoardLogger`` and ``shard.CSVLogger``;
 - ``wall_clock_breakdown``: every step's ``metrics["time_ms"]`` holds the split.

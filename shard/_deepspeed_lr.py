@@ -1,6 +1,7 @@
 """DeepSpeed's learning-rate schedules as ``count -> lr`` callables: ``WarmupLR``,
-``WarmupDecayLR``, ``WarmupCosineLR`` and ``OneCycle`` (see
-:func:`shard.from_deepspeed_config`)."""
+``WarmupDecayLR``, ``WarmupCosineLR``, ``OneCycle`` and ``LRRangeTest`` (see
+:func:`shard.from_deepspeed_config`; :func:`shard.lr_range_test` runs the
+last as a test)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,8 @@ def schedule(sched: dict, lr: float, bad: list[str]) -> Callable[[int], float]:
     bad += [f"scheduler.{k}" for k in sched]
     if kind == "OneCycle":
         return _one_cycle(p, bad)
+    if kind == "LRRangeTest":
+        return _range_test(p, bad)
     lo = p.pop("warmup_min_lr", 0.0)
     hi = p.pop("warmup_max_lr", lr if kind == "WarmupLR" else 0.001)
     warmup = max(2, int(p.pop("warmup_num_steps", 1000)))
@@ -26,8 +29,8 @@ def schedule(sched: dict, lr: float, bad: list[str]) -> Callable[[int], float]:
     total = p.pop("total_num_steps", None)
     min_ratio, cos_min = p.pop("warmup_min_ratio", 0.0), p.pop("cos_min_ratio", 1e-4)
     if kind not in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR"):
-        bad.append(f"scheduler.type={kind!r} (WarmupLR, WarmupDecayLR, WarmupCosineLR and "
-                   "OneCycle are supported)")
+        bad.append(f"scheduler.type={kind!r} (WarmupLR, WarmupDecayLR, WarmupCosineLR, "
+                   "OneCycle and LRRangeTest are supported)")
     if kind in ("WarmupDecayLR", "WarmupCosineLR") and total is None:
         bad.append(f"scheduler.params.total_num_steps (required by {kind})")
         total = warmup
@@ -55,6 +58,29 @@ def schedule(sched: dict, lr: float, bad: list[str]) -> Callable[[int], float]:
         else:
             gamma = 1.0
         return lo + (hi - lo) * gamma
+
+    return lr_at
+
+
+def _range_test(p: dict, bad: list[str]) -> Callable[[int], float]:
+    """DeepSpeed's ``LRRangeTest``: ``lr_range_test_min_lr * (1 +
+    lr_range_test_step_rate * interval)``, ``interval`` the iterations over
+    ``lr_range_test_step_size`` (floored with ``lr_range_test_staircase``),
+    DeepSpeed's defaults 1e-3, 1.0, 2000 and false. It sets ``min_lr`` at
+    construction (iteration -1) and steps after each update, so update
+    ``count`` has interval ``count / step_size``."""
+    lo = float(p.pop("lr_range_test_min_lr", 1e-3))
+    size = float(p.pop("lr_range_test_step_size", 2000))
+    rate = float(p.pop("lr_range_test_step_rate", 1.0))
+    stairs = bool(p.pop("lr_range_test_staircase", False))
+    if not (lo > 0 and size > 0 and rate >= 0):
+        bad.append("scheduler.params.lr_range_test_min_lr > 0, lr_range_test_step_size > 0 "
+                   "and lr_range_test_step_rate >= 0 (LRRangeTest)")
+    bad += [f"scheduler.params.{k}" for k in p]
+
+    def lr_at(count: int) -> float:
+        interval = count / size
+        return lo * (1 + rate * (math.floor(interval) if stairs else interval))
 
     return lr_at
 

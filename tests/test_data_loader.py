@@ -104,8 +104,9 @@ def train(comm, steps, *, loader_position=None, path=None, save_at=None, stage=2
 
 def test_a_run_resumed_mid_epoch_at_another_world_size_sees_the_same_batches(tmp_path):
     """Global batches of 24 in 2 micro-batches (2 batches a epoch): saved after 3
-    steps at 2 ranks (mid-epoch), resumed at 3 and at 4 ranks, to step 7: the same global rows every step as the run never
-    interrupted, and the same params (to the reduction order of the ranks)."""
+    steps at 2 ranks (mid-epoch), resumed at 3 and at 4 ranks, to step 7: the
+    same global rows every step as the run never interrupted, and the same
+    params (to the reduction order of the ranks)."""
     path = tmp_path / "ckpt"
     want, want_losses, want_rows, n = ops.spawn(
         lambda c: train(c, 7, path=path, save_at=3), 2)[0]
