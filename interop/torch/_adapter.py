@@ -111,6 +111,7 @@ class TorchLoss(LossProvider):
     """
 
     supports_aux = True  # the loss may return (loss, aux): the transforms' has_aux=True
+    counts_flops = "torch"  # see [Note: model FLOPs]
     has_aux = False  # set by a step built with has_aux=True
     reports_missing = True  # see [Note: missing gradients]
 

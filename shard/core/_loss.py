@@ -329,6 +329,14 @@ class JaxLoss(LossProvider):
         # the loss, and with has_aux (loss, aux): for ZeroStep.evaluate
         self.loss_value = jax.jit(lambda p, b: _checked(split_aux(fn(p, b), has_aux), has_aux))
 
+    counts_flops = "xla"
+
+    def program_flops(self, params: Any, batch: Any) -> float:
+        """The FLOPs of the jitted value and gradient (see [Note: model FLOPs])."""
+        from shard.monitor._flops import xla_flops
+
+        return xla_flops(self._vg, params, batch, 1.0)
+
     def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> tuple[Any, Any]:
         try:  # no cost on the step's path unless it raises
             out, grads = self._vg(params, batch, loss_scale)

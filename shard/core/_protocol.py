@@ -98,6 +98,16 @@ class LossProvider:
     #: ``(params, batch) -> loss``: the loss alone, without gradients.
     loss_value: Callable[..., Any] | None = None
 
+    # -- FLOPs (see [Note: model FLOPs]) -------------------------------------------
+    #: How the step counts the loss's FLOPs: ``"xla"`` (``program_flops``),
+    #: ``"torch"`` (torch's FlopCounterMode around its run), or None (not counted).
+    counts_flops: str | None = None
+
+    def program_flops(self, params: Any, batch: Any) -> float:
+        """The FLOPs of the loss's value and gradient at ``params`` (arrays or
+        ``jax.ShapeDtypeStruct``) and ``batch``, from its compiled program."""
+        raise NotImplementedError(f"{type(self).__name__} has no compiled program to count")
+
     # -- a pipeline's layers (``shard.pipeline`` takes a loss with ``layers``) ----
     #: ``(units, layers, *, checkpointing) -> runner``: a stage of torch
     #: modules (``interop.torch.layered``'s); None runs JAX layers.

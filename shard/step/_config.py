@@ -99,6 +99,13 @@ class ZeroOptions:
       loggers: callables ``(step, metrics)`` run after every step on the first
         rank of the mesh, such as ``shard.CSVLogger(path)`` or
         ``shard.TensorBoardLogger(log_dir)``.
+      count_flops: ``metrics["flops"]`` (this rank's forward and backward over
+        the step's micro-batches) and ``metrics["flops_per_s"]``, counted once
+        per batch shape: a JAX loss's from its compiled program, a torch
+        module's by torch's FLOP counter (see [Note: model FLOPs]).
+      peak_flops: this rank's peak FLOP/s (the device's, for the compute
+        dtype): counts FLOPs and adds ``metrics["mfu"]``, the model FLOPs
+        utilisation.
 
     Examples:
       >>> import shard
@@ -123,6 +130,8 @@ class ZeroOptions:
     key: Any = None
     axis_name: str | None = None
     loggers: Any = ()
+    count_flops: bool = False
+    peak_flops: float | None = None
 
     def merged(self, where: str, **given: Any) -> ZeroOptions:
         """These options with ``given`` (``zero3``'s own keyword arguments) set;
@@ -281,6 +290,15 @@ class StepConfig(ZeroOptions):
             raise ValueError(f"{name}: weight_by_rows needs every rank's rows before any update, "
                              "and Offload(overlap=True) updates during the backward; drop one "
                              "of them")
+        peak = o.peak_flops
+        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))
+                                 or not 0 < peak < float("inf")):
+            raise ValueError(f"{name}: peak_flops must be a FLOP/s > 0 (this rank's device's "
+                             f"peak); got {peak!r}")
+        if (o.count_flops or peak is not None) and kind != "jax" and reads.counts_flops is None:
+            raise NotImplementedError(f"{name}: counting FLOPs is built for a JAX loss function "
+                                      "and interop.torch.functional's loss; not for this "
+                                      f"{type(loss_fn).__name__}")
         if not isinstance(o.has_aux, bool):
             raise TypeError(f"{name}: has_aux must be True or False; got {o.has_aux!r}")
         if o.has_aux and kind != "jax" and not reads.supports_aux:
@@ -302,6 +320,7 @@ class StepConfig(ZeroOptions):
         loss = JaxLoss.shared(loss_fn, o.has_aux) if kind == "jax" else reads
         fields = {f.name: getattr(o, f.name) for f in dataclasses.fields(ZeroOptions)}
         fields.update(units=units, key=key, loggers=loggers, precision=o.precision or Precision(),
-                      gradient_divide_factor=None if f is None else float(f))
+                      gradient_divide_factor=None if f is None else float(f),
+                      count_flops=bool(o.count_flops) or peak is not None)
         return cls(name=name, stage=stage, loss_fn=loss, kind=kind, optimizer=optimizer,
                    topology=topology, tensor_parallel=tensor_parallel, **fields)

@@ -71,6 +71,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 import numpy as np
@@ -81,6 +82,7 @@ from shard.core._layout import Layout
 from shard.core._mesh import Topology
 from shard.core._policy import Precision
 from shard.core._state import TrainState
+from shard.monitor._flops import FlopCount
 from shard.monitor._metrics import StepMetrics
 from shard.monitor._profile import step_breakdown, timed
 from shard.offload._step import Offloader
@@ -119,6 +121,7 @@ class ZeroStep:
         self._grad_buffers: GradBuffers | None = None
         self._offloader: Offloader | None = None
         self.model_state_like: Any = None  # init's model_state: what shard.load restores
+        self._flops = FlopCount()  # see [Note: model FLOPs]
 
     def __getattr__(self, name: str) -> Any:
         """The configuration's fields as the step's (``step.stage``,
@@ -247,6 +250,11 @@ class ZeroStep:
         if tokens is not None:
             metrics.add(tokens_per_s=1e3 * int(tokens) / max(split["step"], 1e-9))
         c = self.config
+        if c.count_flops:  # see [Note: model FLOPs]
+            per_s = self._flops.step * 1e3 / max(split["step"], 1e-9)
+            metrics.add(flops=self._flops.step, flops_per_s=per_s)
+            if c.peak_flops:
+                metrics.add(mfu=per_s / c.peak_flops)
         for logger in c.loggers if c.topology.first else ():
             logger(int(state.step), metrics)
         return state, metrics
@@ -300,21 +308,24 @@ class ZeroStep:
         auxes = []
         model_state = state.model_state  # see [Note: model state]
         called = _grads.step_loss(plan, model_state is not None)  # see [Note: per-rank keys]
+        self._flops.step = 0.0
         try:
             with _grads.placement(plan):
                 for i, b in enumerate(micro):
                     reducer.final = i == len(micro) - 1
                     weight = weights[i] if weights else 1.0  # micro-batches of unequal rows
                     b = _grads.keyed_batch(plan, b, int(state.step), i)
-                    if model_state is not None:
-                        loss, (new, aux) = _grads.loss_and_grads(
-                            plan, units, reducer, (b, model_state), scale * weight, called)
-                        model_state = _grads.same_model_state(plan, model_state, new)
-                        if c.has_aux:
-                            auxes.append(aux)
-                    else:
-                        loss = _grads.loss_and_grads(plan, units, reducer, b, scale * weight,
-                                                     called)
+                    with self._counted(plan, called, b if model_state is None
+                                       else (b, model_state)):
+                        if model_state is not None:
+                            loss, (new, aux) = _grads.loss_and_grads(
+                                plan, units, reducer, (b, model_state), scale * weight, called)
+                            model_state = _grads.same_model_state(plan, model_state, new)
+                            if c.has_aux:
+                                auxes.append(aux)
+                        else:
+                            loss = _grads.loss_and_grads(plan, units, reducer, b,
+                                                         scale * weight, called)
                     if leaves:  # no gradient in the step: none in any of its micro-batches
                         got = c.loss_fn.missing
                         missing = got if missing is None else missing & got
@@ -401,6 +412,23 @@ class ZeroStep:
                              loss_scale=np.asarray(new_scale, np.float64),
                              good_steps=np.asarray(good, np.int64),
                              hysteresis=np.asarray(left, np.int64)), StepMetrics(known)
+
+    def _counted(self, plan: Plan, called: Any, batch: Any) -> AbstractContextManager[Any]:
+        """Where the step counts FLOPs, one micro-batch's run, counted (see
+        [Note: model FLOPs]); else nothing."""
+        if not self.config.count_flops:
+            return nullcontext()
+        loss = called if called is not None else self.config.loss_fn
+
+        def program() -> float:
+            import jax
+
+            dtype = plan.precision.param_dtype
+            like = [jax.ShapeDtypeStruct(leaf.shape, dtype or leaf.dtype)
+                    for leaf in plan.full_layout.leaves]
+            return loss.program_flops(plan.full_layout.treedef.unflatten(like), batch)
+
+        return self._flops.micro_batch(loss.counts_flops, loss, batch, program)
 
     def _apply(self, plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
                grad_sumsq: Any, skip: frozenset[int] = frozenset()) -> TrainState:
