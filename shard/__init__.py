@@ -29,10 +29,12 @@ from shard.pipelines._pipeline import Pipeline, balance_by_time, pipeline
 from shard.step._config import ZeroOptions
 from shard.step._step import ZeroStep
 from shard.tensor_parallel._parallel import Packed, TensorParallel
+from shard.tuning._autotune import Autotuned, autotune
 from shard.tuning._lr_range import LRRangeTest, lr_range_test
 
 __all__ = [
     "AsyncSave",
+    "Autotuned",
     "Breakdown",
     "CSVLogger",
     "CheckpointError",
@@ -59,6 +61,7 @@ __all__ = [
     "ZeroOptions",
     "ZeroStep",
     "async_save",
+    "autotune",
     "balance_by_time",
     "estimate_memory",
     "from_deepspeed_config",

@@ -11,14 +11,15 @@ import pytest
 
 PUBLIC = {
     "shard": [
-        "AsyncSave", "Breakdown", "CSVLogger", "CheckpointError", "DataLoader", "DeepSpeedConfig",
-        "DonatedStateError", "LRRangeTest", "Layered", "Layout", "LossScale", "Mesh",
-        "MicroBatches", "Offload", "Packed", "Pipeline", "Precision", "PureState", "PureStep",
-        "Replicate", "Shard", "TensorBoardLogger", "TensorParallel", "TrainState", "ZeroOptions",
-        "ZeroStep", "async_save", "balance_by_time", "estimate_memory", "from_deepspeed_config",
-        "from_partition_spec", "gather", "init_from_env", "load", "lr_range_test", "make_layout",
-        "partition", "pipeline", "profile", "pure_zero3", "save", "spawn", "split_batch",
-        "step_key", "to_partition_spec", "unpartition", "zero0", "zero1", "zero2", "zero3"],
+        "AsyncSave", "Autotuned", "Breakdown", "CSVLogger", "CheckpointError", "DataLoader",
+        "DeepSpeedConfig", "DonatedStateError", "LRRangeTest", "Layered", "Layout", "LossScale",
+        "Mesh", "MicroBatches", "Offload", "Packed", "Pipeline", "Precision", "PureState",
+        "PureStep", "Replicate", "Shard", "TensorBoardLogger", "TensorParallel", "TrainState",
+        "ZeroOptions", "ZeroStep", "async_save", "autotune", "balance_by_time", "estimate_memory",
+        "from_deepspeed_config", "from_partition_spec", "gather", "init_from_env", "load",
+        "lr_range_test", "make_layout", "partition", "pipeline", "profile", "pure_zero3", "save",
+        "spawn", "split_batch", "step_key", "to_partition_spec", "unpartition", "zero0", "zero1",
+        "zero2", "zero3"],
     "shard.checkpoint": ["consolidate", "inspect", "run", "to_orbax"],
     "ops": [
         "AdamState", "BF16", "CollectiveError", "CollectiveTimeout", "Communicator", "Device",
