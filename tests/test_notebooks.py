@@ -21,7 +21,8 @@ CHECKED = {"01_quickstart.ipynb": "largest difference from torch.optim.AdamW",
            "07_3d_parallel.ipynb": "2 x 2 x 2 mesh trains as one process",
            "08_optax_and_friends.ipynb": "with optax.chain(clip_by_global_norm, lion) equals",
            "09_lora_finetuning.ipynb": "PeftModel.from_pretrained loads the adapters trained",
-           "10_flax_models.ipynb": "flax nnx CNN under zero3 matches the per-rank reference"}
+           "10_flax_models.ipynb": "flax nnx CNN under zero3 matches the per-rank reference",
+           "11_training_loop.ipynb": "loader, range test and autotune checked"}
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
@@ -35,6 +36,6 @@ def test_notebook_runs(path, monkeypatch):
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                       for o in c.outputs)
     assert CHECKED[path.name] in outputs
-    if path.name.startswith(("02", "05", "06", "07", "08", "09", "10")):  # the plot was drawn
+    if path.name.startswith(("02", "05", "06", "07", "08", "09", "10", "11")):  # the plot was drawn
         assert any("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
                    for o in c.outputs)
