@@ -163,6 +163,30 @@ def test_samples_without_torch_tensors_are_stacked_and_a_collate_is_used_as_give
     assert joined == [0, 1, 2, 3]
 
 
+def test_a_hugging_face_dataset_gives_its_columns_as_arrays_or_in_its_format():
+    datasets = pytest.importorskip("datasets")
+    table = datasets.Dataset.from_dict({"x": np.arange(40.0).reshape(20, 2).tolist(),
+                                        "id": list(range(20))})
+
+    def run(comm):
+        out = []
+        for data in (table, table.with_format("torch")):
+            batch = next(iter(shard.DataLoader(data, 8, comm=comm, seed=4)))
+            out.append({k: (type(v).__name__, tuple(v.shape)) for k, v in batch.items()})
+            np.testing.assert_array_equal(np.asarray(batch["x"])[:, 0],
+                                          2.0 * np.asarray(batch["id"]))
+            out.append(np.asarray(batch["id"]).tolist())
+        return out
+
+    ranks = ops.spawn(run, 2)
+    for got in ranks:
+        assert got[0] == {"x": ("ndarray", (4, 2)), "id": ("ndarray", (4,))}
+        assert got[2] == {"x": ("Tensor", (4, 2)), "id": ("Tensor", (4,))}
+        assert got[1] == got[3]  # the same rows in either format
+    whole = shard.DataLoader(np.arange(20), 8, seed=4).rows(0)[0].tolist()
+    assert ranks[0][1] + ranks[1][1] == whole  # the order of any data of 20 rows
+
+
 class Failing:
     def __len__(self):
         return 40

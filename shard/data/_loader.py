@@ -43,7 +43,9 @@ class DataLoader:
 
     Args:
       data: a numpy array, or a pytree (dict, tuple, list) of arrays sharing
-        their leading dimension (one row per sample); or a map-style dataset
+        their leading dimension (one row per sample); a Hugging Face
+        ``datasets.Dataset`` (its columns as numpy arrays, or in the format it
+        was given: ``with_format("torch")``); or a map-style dataset
         (``len(data)`` and ``data[i]``, such as a torch ``Dataset``), whose
         samples ``collate`` joins.
       batch_size: the global batch: rows per optimizer step over every data
@@ -267,6 +269,12 @@ def _fetcher(data: Any, collate: Any, where: str) -> Callable[[np.ndarray], Any]
                             "as they are")
         tu = tree_util()
         return lambda idx: tu.tree_map(lambda x: x[idx], data)
+    if hasattr(data, "column_names") and hasattr(data, "with_format") and collate is None:
+        # a Hugging Face datasets.Dataset: its columns for many rows at once, as numpy
+        # arrays unless the dataset was given a format (with_format("torch"), ...)
+        table = data if (getattr(data, "format", None) or {}).get("type") else \
+            data.with_format("numpy")
+        return lambda idx: table[[int(i) for i in idx]]
     if collate is not None and not callable(collate):
         raise TypeError(f"{where}: collate must be a function of a list of samples; got "
                         f"{type(collate).__name__}")
