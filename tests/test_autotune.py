@@ -21,13 +21,17 @@ def need(stage, offload=None):
     return est.get("on_device", est["total"])
 
 
+def whole_model(path):
+    return "all"  # one unit: the whole model gathered at once
+
+
 def test_the_choice_fits_the_budget_and_is_the_fastest_trial(capsys):
     budget = need(2) - 1  # stage 1, and stage 2 without offload, do not fit
 
     def run(comm):
         return shard.autotune(M.loss, M.init_params(), DATA, optimizer=ops.adamw(M.LR),
                               batch_size=24, budget=budget, comm=comm, micro_batches=(1, 2, 5),
-                              prefetch=(1, 2), steps=2)
+                              prefetch=(1, 2), units=(None, whole_model), steps=2)
 
     first, second = ops.spawn(run, 2)
     assert first == second  # every rank the same trials (its slowest rank's times), one choice
@@ -46,7 +50,10 @@ def test_the_choice_fits_the_budget_and_is_the_fastest_trial(capsys):
     assert all(t["ms"] is None for t in first.trials if t["status"].startswith("over budget (e"))
     assert {t["status"] for t in first.trials if t["micro_batches"] == 5} == {
         "batch does not divide"}  # 24 rows do not cut into 5 x 2 ranks
-    assert not any(t["prefetch"] == 2 for t in first.trials if t["stage"] < 3)
+    assert not any(t["prefetch"] == 2 or t["units"] != "-" for t in first.trials
+                   if t["stage"] < 3)  # prefetch and units are stage 3's
+    assert {t["units"] for t in first.trials if t["stage"] == 3} == {"-", "whole_model"}
+    assert first.options.units is (whole_model if c["units"] == "whole_model" else None)
     table = capsys.readouterr().out
     assert table.count("\n| ") == len(first.trials) and "| chosen |" in table
 

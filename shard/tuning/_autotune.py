@@ -4,17 +4,17 @@ autotuner, for one model on the ranks at hand).
 [Note: autotuning]
 The candidates are every combination of the ZeRO stage, the number of
 micro-batches a global batch is cut into (so the micro-batch's rows), host
-offload of the optimizer state and, at stage 3, the prefetch depth, in a
-fixed order. A candidate whose device bytes, as ``shard.estimate_memory``
-counts them (plus stage 3's live units: ``1 + prefetch`` of the largest),
-exceed the budget is not run. The others run ``warmup`` and then ``steps``
-steps on the caller's data through a :class:`shard.DataLoader` (the same
-rows for every candidate); a trial's time is the median step time of its
-slowest rank, and its measured bytes are the state's on the device plus the
-step's peak of gathered units, which must fit the budget too. The fastest
-trial that fits is chosen; ties go to the earlier candidate, so every rank
-chooses the same one. Activations are not counted: leave room for them in
-the budget.
+offload of the optimizer state and, at stage 3, the prefetch depth and the
+units (``units=`` candidates), in a fixed order. A candidate whose device
+bytes, as ``shard.estimate_memory`` counts them (plus stage 3's live units:
+``1 + prefetch`` of the largest), exceed the budget is not run. The others
+run ``warmup`` and then ``steps`` steps on the caller's data through a
+:class:`shard.DataLoader` (the same rows for every candidate); a trial's
+time is the median step time of its slowest rank, and its measured bytes are
+the state's on the device plus the step's peak of gathered units, which must
+fit the budget too. The fastest trial that fits is chosen; ties go to the
+earlier candidate, so every rank chooses the same one. Activations are not
+counted: leave room for them in the budget.
 """
 
 from __future__ import annotations
@@ -61,8 +61,8 @@ class Autotuned:
 
     def table(self) -> str:
         """The trials as a Markdown table, the chosen one marked."""
-        rows = ["| stage | micro-batches | rows | offload | prefetch | estimated | measured "
-                "| ms/step | |", "|---|---|---|---|---|---|---|---|---|"]
+        rows = ["| stage | micro-batches | rows | offload | prefetch | units | estimated "
+                "| measured | ms/step | |", "|---|---|---|---|---|---|---|---|---|---|"]
 
         def mib(b: int | None) -> str:
             return "-" if b is None else _bytes(b)
@@ -70,7 +70,8 @@ class Autotuned:
         for t in self.trials:
             ms = "-" if t["ms"] is None else f"{t['ms']:.2f}"
             rows.append(f"| {t['stage']} | {t['micro_batches']} | {t['rows']} | "
-                        f"{t['offload'] or '-'} | {t['prefetch']} | {mib(t['estimated'])} | "
+                        f"{t['offload'] or '-'} | {t['prefetch']} | {t['units']} | "
+                        f"{mib(t['estimated'])} | "
                         f"{mib(t['measured'])} | {ms} | {t['status']} |")
         return "\n".join(rows)
 
@@ -79,9 +80,10 @@ def autotune(loss_fn: Any, params: Any, data: Any, *, optimizer: Any, batch_size
              budget: int, mesh: Mesh | None = None, comm: Any = None,
              stages: Sequence[int] = (1, 2, 3), micro_batches: Sequence[int] = (1, 2, 4),
              offload: Sequence[str | None] = (None, "host"), prefetch: Sequence[int] = (1, 2),
-             steps: int = 3, warmup: int = 1, seed: int = 0, show: bool = True) -> Autotuned:
-    """Choose the ZeRO stage, micro-batches, offload and prefetch that train
-    ``loss_fn`` fastest within ``budget`` device bytes per rank, by short
+             units: Sequence[Any] = (None,), steps: int = 3, warmup: int = 1, seed: int = 0,
+             show: bool = True) -> Autotuned:
+    """Choose the ZeRO stage, micro-batches, offload, prefetch and units that
+    train ``loss_fn`` fastest within ``budget`` device bytes per rank, by short
     trials (see [Note: autotuning]); a collective: every rank calls it.
 
     Args:
@@ -92,8 +94,10 @@ def autotune(loss_fn: Any, params: Any, data: Any, *, optimizer: Any, batch_size
       batch_size: the global batch (rows per step over every rank and micro-batch).
       budget: device bytes per rank the state and gathered units may take.
       mesh, comm: the ranks, as the transforms take them.
-      stages, micro_batches, offload, prefetch: the candidates' values
-        (``offload``: None or ``"host"``; prefetch counts at stage 3 alone).
+      stages, micro_batches, offload, prefetch, units: the candidates' values
+        (``offload``: None or ``"host"``; prefetch and units count at stage 3
+        alone; ``units`` as ``ZeroOptions(units=)`` takes them: None, a depth,
+        a function).
       steps, warmup: timed and untimed steps per trial.
       seed: the data order's seed.
       show: print the table of trials on the first rank.
@@ -108,31 +112,30 @@ def autotune(loss_fn: Any, params: Any, data: Any, *, optimizer: Any, batch_size
     where = {"mesh": mesh} if mesh is not None else {"comm": comm}
     group = mesh.comm if mesh is not None else comm
     ranks = mesh.data_ranks()[1] if mesh is not None else comm.world_size
-    whole = make_layout(params, None, world_size=1)
-    largest = max(sum(whole.leaves[i].size * np.dtype(whole.leaves[i].dtype).itemsize
-                      for i in u.leaves) for u in whole.units)  # a unit's gathered bytes
     trials = []
-    for stage, k, off, pre in itertools.product(stages, micro_batches, offload, prefetch):
-        if (stage != 3 and pre != prefetch[0]) or (stage == 0 and off is not None):
-            continue  # prefetch is stage 3's; offload is stages 1-3's
+    for stage, k, off, pre, unit in itertools.product(stages, micro_batches, offload,
+                                                      prefetch, range(len(units))):
+        if (stage != 3 and (pre != prefetch[0] or unit)) or (stage == 0 and off is not None):
+            continue  # prefetch and units are stage 3's; offload is stages 1-3's
         trial: dict[str, Any] = {"stage": stage, "micro_batches": k, "offload": off,
-                                 "prefetch": pre, "estimated": None, "measured": None,
-                                 "ms": None}
+                                 "prefetch": pre, "units": _name(units[unit]),
+                                 "estimated": None, "measured": None, "ms": None}
         if batch_size % (k * ranks):
             trials.append({**trial, "rows": "-", "status": "batch does not divide"})
             continue
         trial["rows"] = batch_size // (k * ranks)
         policy = Offload(off) if off else None
         est = estimate_memory(params, stage=stage, world_size=ranks, offload=policy,
-                              optimizer=optimizer)
+                              optimizer=optimizer, units=units[unit])
         need = est.get("on_device", est["total"]) + (
-            (1 + pre) * largest if stage == 3 and ranks > 1 else 0)
+            (1 + pre) * _largest(params, units[unit]) if stage == 3 and ranks > 1 else 0)
         trial["estimated"] = need
         if need > budget:
             trials.append({**trial, "status": "over budget (estimated)"})
             continue
+        trial["_units"] = units[unit]
         ms, measured = _trial(loss_fn, params, data, optimizer, stage, k, policy, pre,
-                              batch_size, where, group, steps, warmup, seed)
+                              units[unit], batch_size, where, group, steps, warmup, seed)
         status = "ok" if measured <= budget else "over budget (measured)"
         trials.append({**trial, "ms": ms, "measured": measured, "status": status})
     ok = [t for t in trials if t["status"] == "ok"]
@@ -143,20 +146,23 @@ def autotune(loss_fn: Any, params: Any, data: Any, *, optimizer: Any, batch_size
     best["status"] = "chosen"
     result = Autotuned(best["stage"], ZeroOptions(
         gradient_accumulation_steps=best["micro_batches"], prefetch=best["prefetch"],
-        offload=Offload(best["offload"]) if best["offload"] else None), tuple(trials))
+        units=best["_units"], offload=Offload(best["offload"]) if best["offload"] else None),
+        tuple({k: v for k, v in t.items() if k != "_units"} for t in trials))
     if show and group.rank == 0:
         print(result.table())
     return result
 
 
 def _trial(loss_fn: Any, params: Any, data: Any, optimizer: Any, stage: int, k: int,
-           offload: Offload | None, prefetch: int, batch_size: int, where: dict[str, Any],
-           group: Any, steps: int, warmup: int, seed: int) -> tuple[float, int]:
+           offload: Offload | None, prefetch: int, units: Any, batch_size: int,
+           where: dict[str, Any], group: Any, steps: int, warmup: int,
+           seed: int) -> tuple[float, int]:
     """One candidate's median step time (its slowest rank's) and measured
     device bytes (the largest over the ranks)."""
     zero = (zero0, zero1, zero2, zero3)[stage]
     step = zero(loss_fn, optimizer=optimizer, offload=offload, **where,
-                options=ZeroOptions(gradient_accumulation_steps=k, prefetch=prefetch))
+                options=ZeroOptions(gradient_accumulation_steps=k, prefetch=prefetch,
+                                    units=units))
     state = step.init(params)
     loader = DataLoader(data, batch_size, gradient_accumulation_steps=k, seed=seed, prefetch=0,
                         **where)
@@ -169,6 +175,18 @@ def _trial(loss_fn: Any, params: Any, data: Any, optimizer: Any, stage: int, k: 
                      state.tiers()["device"] + step.tracker.peak], np.float64)
     every = np.asarray(ops.all_gather(group, mine)).reshape(-1, 2)
     return float(every[:, 0].max()), int(every[:, 1].max())
+
+
+def _largest(params: Any, units: Any) -> int:
+    """The bytes of the largest unit gathered whole."""
+    whole = make_layout(params, None, world_size=1, units=units)
+    return max(sum(whole.leaves[i].size * np.dtype(whole.leaves[i].dtype).itemsize
+                   for i in u.leaves) for u in whole.units)
+
+
+def _name(units: Any) -> str:
+    """A units candidate in the table: None, a depth, or a function's name."""
+    return "-" if units is None else str(getattr(units, "__name__", units))
 
 
 def _forever(loader: DataLoader) -> Any:
