@@ -85,7 +85,7 @@ def test_the_site_builds_strict(tmp_path):
     a docstring mkdocstrings cannot parse, fails it (the notebooks as
     committed; ``make docs`` executes them)."""
     env = dict(os.environ, ZEROSHARD_DOCS_NOTEBOOKS="source", NO_MKDOCS_2_WARNING="1")
-    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-q",
+    out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict",
                           "-f", "docs/mkdocs.yml", "-d", str(tmp_path / "site")],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -104,7 +104,8 @@ class TorchLoss(LossProvider):
       module: the root module, ``loss``: ``loss(module, batch)``.
       named: the module's parameters by name; ``unit_of``, ``unit_modules``:
         their units (see :class:`UnitHooks`).
-      activation_checkpointing, broadcast_buffers: :func:`functional`'s.
+      activation_checkpointing: :func:`functional`'s.
+      broadcast_buffers: :func:`functional`'s.
       meta: a module built on the meta device: its :class:`MetaParams`.
       tensor_parallel: the ``shard.TensorParallel`` of a module split by
         ``interop.torch.parallelize`` (the step reads it), or None.

@@ -93,12 +93,17 @@ def autotune(loss_fn: Any, params: Any, data: Any, *, optimizer: Any, batch_size
       optimizer: the optimizer every trial uses.
       batch_size: the global batch (rows per step over every rank and micro-batch).
       budget: device bytes per rank the state and gathered units may take.
-      mesh, comm: the ranks, as the transforms take them.
-      stages, micro_batches, offload, prefetch, units: the candidates' values
-        (``offload``: None or ``"host"``; prefetch and units count at stage 3
-        alone; ``units`` as ``ZeroOptions(units=)`` takes them: None, a depth,
-        a function).
-      steps, warmup: timed and untimed steps per trial.
+      mesh: the ranks as a :class:`shard.Mesh`, as the transforms take it.
+      comm: or one data axis's communicator.
+      stages: the ZeRO stages to try.
+      micro_batches: the numbers of micro-batches to cut a global batch into.
+      offload: None (no offload) and/or ``"host"`` (the optimizer state in
+        host memory).
+      prefetch: stage 3's prefetch depths.
+      units: stage 3's unit groupings, as ``ZeroOptions(units=)`` takes them
+        (None, a depth, a function).
+      steps: timed steps per trial.
+      warmup: untimed steps before them.
       seed: the data order's seed.
       show: print the table of trials on the first rank.
 

@@ -85,8 +85,10 @@ def lr_range_test(make_step: Callable[[Callable[[int], float]], Any], params: An
         :class:`TrainState`, whose params are gathered: it stays as it is.
       batches: this rank's batches (a :class:`shard.DataLoader`, or any
         iterable; restarted when it runs out).
-      min_lr, max_lr, steps: the sweep: ``steps`` rates growing geometrically
-        from ``min_lr`` to ``max_lr``.
+      min_lr: the sweep's first rate.
+      max_lr: its last: ``steps`` rates grow geometrically from ``min_lr`` to
+        ``max_lr``.
+      steps: the sweep's steps.
       schedule: another sweep, ``count -> lr`` (such as DeepSpeed's linear
         ``LRRangeTest``: ``shard.from_deepspeed_config`` makes it the
         optimizer's ``learning_rate``); it runs ``steps`` steps, or until
