@@ -10,7 +10,7 @@ gradients to the reducer.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from interop.torch._unit_state import _ParamRef, _Persistent, _Plan, _Step
 from ops.device._dlpack import torch_view
@@ -64,11 +64,14 @@ class UnitHooks:
         self._kept: dict[int, Any] = {}  # units bound to the state's own buffers
         self._grad_hooks: list[Any] = []  # see _track_grads
 
+    # The micro-batch running now, as the hooks read it (they run inside run
+    # alone): a plain attribute, read per saved tensor in the backward.
+    _current: _Step
+
     @property
     def current(self) -> _Step:
-        """The micro-batch running now: the hooks that read it run inside
-        :meth:`run` alone."""
-        return cast(_Step, self.active)
+        """The micro-batch running now (inside :meth:`run`)."""
+        return self._current
 
     def run(self, units: Any, reducer: Any, loss: Callable[[], tuple[Any, Any]],
             loss_scale: float, *, other_dtype: bool) -> tuple[Any, Any]:
@@ -79,7 +82,7 @@ class UnitHooks:
         their reduction overlaps the backward. ``other_dtype``: the step
         computes in another dtype than the parameters' own."""
         plan = self._plan(units)
-        self.active = a = _Step(units, reducer, plan)
+        self.active = self._current = a = _Step(units, reducer, plan)
         index, members = a.index, a.members
         a.gathering = not units.persistent
         self._track_grads(True)  # which parameters got a gradient (see [Note: missing gradients])
@@ -111,6 +114,7 @@ class UnitHooks:
                         p.data = self.empty(p, self.dtype)
                     p.grad = None
             self.active = None
+            del self._current  # holds the step's units and reducer
             self.unbound = a.gathering or other_dtype
         return out, aux
 
@@ -164,7 +168,7 @@ class UnitHooks:
     def _gather(self, u: int) -> None:
         """Gather and bind unit ``u``, starting the gather of the unit after it in
         this phase's order."""
-        a = self.current
+        a = self._current
         pos = a.order.index(u)
         upcoming = a.order[pos + 1:] if a.phase == "forward" else a.order[:pos][::-1]
         self._bind(u, a.units.flat(u, upcoming))
@@ -174,7 +178,7 @@ class UnitHooks:
         references, not tensors (see the Note)."""
         import torch
 
-        a = self.current
+        a = self._current
         u = a.index[key]
         if a.kept is not None and a.kept != u:
             self._unbind(a.kept)  # before this unit's copy-out: the two-unit bound
@@ -203,7 +207,7 @@ class UnitHooks:
     def _unpack(self, saved: Any) -> Any:
         if type(saved) is not _ParamRef:
             return saved
-        a = self.current
+        a = self._current
         u, shape, stride, offset = saved
         if u not in a.bound:  # not announced by its outputs' gradient hook
             self._gather(u)
@@ -234,7 +238,7 @@ class UnitHooks:
     def _run_recomputed(self, key: str, forward: Any, *args: Any, **kw: Any) -> Any:
         """A unit's forward under activation checkpointing: the backward recomputes
         it, gathering the unit again."""
-        a = self.current
+        a = self._current
         u = a.index[key]
         if u not in a.bound:
             self._gather(u)
@@ -248,7 +252,7 @@ class UnitHooks:
         """Bind unit ``u``'s parameters to views of its freshly gathered flat
         buffer: one DLPack exchange for the unit, torch views for its leaves."""
         with timed("library"):
-            a = self.current
+            a = self._current
             base, leaves = self.views_of(u, flat)
             a.bound[u] = base
             for (p, _), leaf in zip(a.empties[u], leaves, strict=True):
@@ -259,7 +263,7 @@ class UnitHooks:
         its gradients in place, their ``.grad``) to views of the state's own
         buffers. The views are made once and kept while the buffers are the
         same objects; binding checks one pointer per parameter."""
-        a = self.current
+        a = self._current
         flat, bucket = a.units.flat(u), a.reducer.bucket(u)
         kept = self._kept.get(u)
         if kept is None or kept.flat is not flat or kept.bucket is not bucket:
@@ -276,13 +280,13 @@ class UnitHooks:
     def views_of(self, u: int, flat: Any) -> tuple[Any, list[Any]]:
         """A torch tensor over unit ``u``'s flat buffer, and its leaves' views."""
         base = torch_view(flat)
-        return base, [base[a:b].view(shape) for a, b, shape in self.current.spans[u]]
+        return base, [base[a:b].view(shape) for a, b, shape in self._current.spans[u]]
 
     def _unbind(self, u: int) -> None:
         with timed("library"):
-            if self.current.bound.pop(u, None) is None:
+            if self._current.bound.pop(u, None) is None:
                 return
-            for p, empty in self.current.empties[u]:
+            for p, empty in self._current.empties[u]:
                 p.data = empty
 
     def empty(self, p: Any, dtype: Any = None) -> Any:
@@ -317,7 +321,7 @@ class UnitHooks:
         """Unit ``u``'s gradients are complete: take them and release the unit;
         its reduction starts in the units' fixed order (see [Note: torch
         ZeRO-3])."""
-        a = self.current
+        a = self._current
         with timed("library"):
             a.pending[u] = set()
             a.reduced.add(u)

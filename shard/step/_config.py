@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ops import Communicator, FusedOptimizer
@@ -205,24 +205,19 @@ class StepConfig(ZeroOptions):
     loggers: tuple
     tensor_parallel: Any = None  # a shard.TensorParallel: the model ranks' split
     key: tuple | None = None  # (raw data, impl or None): see [Note: per-rank keys]
+    # The topology's, read on the step's path (plain fields, not properties):
+    comm: Communicator = field(init=False)  # the data axis: the ranks ZeRO shards over
+    replicate: Communicator | None = field(init=False)  # HSDP's replicas, or None
+    ranks: int = field(init=False)  # the data ranks in all, the replicas' included
 
     __eq__ = object.__eq__  # a configuration is itself (its loss, its communicators)
     __hash__ = object.__hash__
 
-    @property
-    def comm(self) -> Communicator:
-        """The data axis's communicator: the ranks ZeRO shards over."""
-        return self.topology.data
-
-    @property
-    def replicate(self) -> Communicator | None:
-        """HSDP's replicas (see [Note: replicas]), or None."""
-        return self.topology.replicate
-
-    @property
-    def ranks(self) -> int:
-        """Data-parallel ranks in all: the data axis's, times the replicas'."""
-        return self.topology.ranks
+    def __post_init__(self) -> None:
+        t = self.topology
+        object.__setattr__(self, "comm", t.data)
+        object.__setattr__(self, "replicate", t.replicate)
+        object.__setattr__(self, "ranks", t.ranks)
 
     @classmethod
     def make(cls, loss_fn: Any, *, stage: int, optimizer: Any, topology: Topology,

@@ -95,8 +95,7 @@ from shard.step._runtime import LiveBytes
 __all__ = ["ZeroStep"]
 
 log = logging.getLogger(__name__)
-_CONFIG_FIELDS = frozenset([f.name for f in dataclasses.fields(StepConfig)]
-                           + ["comm", "replicate", "ranks"])
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(StepConfig))
 
 
 class ZeroStep:
