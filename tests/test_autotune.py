@@ -83,6 +83,9 @@ def test_a_budget_nothing_fits_is_refused_with_the_table():
         with pytest.raises(ValueError, match=r"no candidate fits 8 bytes per rank:\n\| stage"):
             shard.autotune(M.loss, M.init_params(), DATA, optimizer=ops.adamw(M.LR),
                            batch_size=24, budget=8, comm=comm, show=False)
+        with pytest.raises(TypeError, match="give the ranks as mesh= or comm="):
+            shard.autotune(M.loss, M.init_params(), DATA, optimizer=ops.adamw(M.LR),
+                           batch_size=24, budget=10**6)
         with pytest.raises(ValueError, match="budget must be bytes > 0"):
             shard.autotune(M.loss, M.init_params(), DATA, optimizer=ops.adamw(M.LR),
                            batch_size=24, budget=0, comm=comm)

@@ -114,6 +114,8 @@ def autotune(loss_fn: Any, params: Any, data: Any, *, optimizer: Any, batch_size
         raise ValueError(f"autotune: budget must be bytes > 0; got {budget!r}")
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1 or warmup < 0:
         raise ValueError(f"autotune: steps >= 1 and warmup >= 0; got {steps}, {warmup}")
+    if (mesh is None) == (comm is None):
+        raise TypeError("autotune: give the ranks as mesh= or comm=, exactly one of them")
     where = {"mesh": mesh} if mesh is not None else {"comm": comm}
     group = mesh.comm if mesh is not None else comm
     ranks = mesh.data_ranks()[1] if mesh is not None else comm.world_size
