@@ -141,8 +141,7 @@ class DeepSpeedConfig:
         from shard._stages import zero0, zero1, zero2, zero3
 
         if mesh is not None:  # the data ranks: HSDP's replicas x shards, or 'data'
-            ranks = (mesh.shape.get("data") or
-                     mesh.shape.get("replicate", 1) * mesh.shape.get("shard", 1))
+            ranks = mesh.data_ranks()[1]
         else:
             ranks = comm.world_size if comm is not None else 1
         if self.train_batch_size is not None and self.micro_batch_size is not None:

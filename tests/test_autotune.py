@@ -25,7 +25,7 @@ def whole_model(path):
     return "all"  # one unit: the whole model gathered at once
 
 
-def test_the_choice_fits_the_budget_and_is_the_fastest_trial(capsys):
+def test_the_choice_fits_the_budget_and_is_the_fastest_trial(caplog):
     budget = need(2) - 1  # stage 1, and stage 2 without offload, do not fit
 
     def run(comm):
@@ -33,7 +33,8 @@ def test_the_choice_fits_the_budget_and_is_the_fastest_trial(capsys):
                               batch_size=24, budget=budget, comm=comm, micro_batches=(1, 2, 5),
                               prefetch=(1, 2), units=(None, whole_model), steps=2)
 
-    first, second = ops.spawn(run, 2)
+    with caplog.at_level("INFO", logger="shard.tuning._autotune"):
+        first, second = ops.spawn(run, 2)
     assert first == second  # every rank the same trials (its slowest rank's times), one choice
     chosen = [t for t in first.trials if t["status"] == "chosen"]
     assert len(chosen) == 1
@@ -54,7 +55,8 @@ def test_the_choice_fits_the_budget_and_is_the_fastest_trial(capsys):
                    if t["stage"] < 3)  # prefetch and units are stage 3's
     assert {t["units"] for t in first.trials if t["stage"] == 3} == {"-", "whole_model"}
     assert first.options.units is (whole_model if c["units"] == "whole_model" else None)
-    table = capsys.readouterr().out
+    [logged] = [r.getMessage() for r in caplog.records if "autotune: the trials" in r.message]
+    table = logged.split("\n", 1)[1]  # the first rank's log: the table after its heading
     assert table.count("\n| ") == len(first.trials) and "| chosen |" in table
 
 
@@ -63,7 +65,7 @@ def test_the_chosen_options_build_a_step_that_trains():
         result = shard.autotune(M.loss, M.init_params(), DATA, optimizer=ops.adamw(M.LR),
                                 batch_size=24, budget=10**9, comm=comm, stages=(2, 3),
                                 micro_batches=(1, 2), offload=(None,), prefetch=(1,),
-                                steps=1, show=False)
+                                steps=1)
         step = (shard.zero2, shard.zero3)[result.stage - 2](
             M.loss, optimizer=ops.adamw(M.LR), comm=comm, options=result.options)
         loader = shard.DataLoader(DATA, 24, comm=comm,
@@ -82,7 +84,7 @@ def test_a_budget_nothing_fits_is_refused_with_the_table():
     def run(comm):
         with pytest.raises(ValueError, match=r"no candidate fits 8 bytes per rank:\n\| stage"):
             shard.autotune(M.loss, M.init_params(), DATA, optimizer=ops.adamw(M.LR),
-                           batch_size=24, budget=8, comm=comm, show=False)
+                           batch_size=24, budget=8, comm=comm)
         with pytest.raises(TypeError, match="give the ranks as mesh= or comm="):
             shard.autotune(M.loss, M.init_params(), DATA, optimizer=ops.adamw(M.LR),
                            batch_size=24, budget=10**6)

@@ -5,6 +5,7 @@ of the step in ``shard/step/_step.py``)."""
 from __future__ import annotations
 
 import contextlib
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -16,6 +17,7 @@ from ops.device._dlpack import host_copy, jax_view
 from shard.core._data_rank import derived_key, keyed
 from shard.core._loss import JaxLoss
 from shard.core._state import TrainState
+from shard.monitor._flops import FlopCount
 from shard.monitor._profile import timed
 from shard.step import _traced
 from shard.step._reduce import GradBuffers, GradReducer
@@ -120,8 +122,27 @@ def keyed_batch(plan: Plan, batch: Any, step: int, micro_batch: int) -> Any:
     c = plan.config
     if c.key is None:
         return batch
-    rank = c.comm.rank + (c.replicate.rank * c.comm.world_size if c.replicate else 0)
-    return batch, derived_key(*c.key, step=step, rank=rank, micro_batch=micro_batch)
+    return batch, derived_key(*c.key, step=step, rank=c.topology.data_rank,
+                              micro_batch=micro_batch)
+
+
+def counted(plan: Plan, flops: FlopCount, called: Any, batch: Any) -> AbstractContextManager[Any]:
+    """Where the step counts FLOPs, one micro-batch's run counted into ``flops``
+    (see [Note: model FLOPs]); else nothing. ``called``: the loss the step
+    calls, as for :func:`loss_and_grads`."""
+    if not plan.config.count_flops:
+        return nullcontext()
+    loss = called if called is not None else plan.config.loss_fn
+
+    def program() -> float:
+        import jax
+
+        dtype = plan.precision.param_dtype
+        like = [jax.ShapeDtypeStruct(leaf.shape, dtype or leaf.dtype)
+                for leaf in plan.full_layout.leaves]
+        return loss.program_flops(plan.full_layout.treedef.unflatten(like), batch)
+
+    return flops.micro_batch(loss.counts_flops, loss, batch, program)
 
 
 def loss_and_grads(plan: Plan, units: Units, reducer: GradReducer, batch: Any,

@@ -71,7 +71,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any, cast
 
 import numpy as np
@@ -314,8 +313,8 @@ class ZeroStep:
                     reducer.final = i == len(micro) - 1
                     weight = weights[i] if weights else 1.0  # micro-batches of unequal rows
                     b = _grads.keyed_batch(plan, b, int(state.step), i)
-                    with self._counted(plan, called, b if model_state is None
-                                       else (b, model_state)):
+                    with _grads.counted(plan, self._flops, called, b if model_state is None
+                                        else (b, model_state)):
                         if model_state is not None:
                             loss, (new, aux) = _grads.loss_and_grads(
                                 plan, units, reducer, (b, model_state), scale * weight, called)
@@ -411,23 +410,6 @@ class ZeroStep:
                              loss_scale=np.asarray(new_scale, np.float64),
                              good_steps=np.asarray(good, np.int64),
                              hysteresis=np.asarray(left, np.int64)), StepMetrics(known)
-
-    def _counted(self, plan: Plan, called: Any, batch: Any) -> AbstractContextManager[Any]:
-        """Where the step counts FLOPs, one micro-batch's run, counted (see
-        [Note: model FLOPs]); else nothing."""
-        if not self.config.count_flops:
-            return nullcontext()
-        loss = called if called is not None else self.config.loss_fn
-
-        def program() -> float:
-            import jax
-
-            dtype = plan.precision.param_dtype
-            like = [jax.ShapeDtypeStruct(leaf.shape, dtype or leaf.dtype)
-                    for leaf in plan.full_layout.leaves]
-            return loss.program_flops(plan.full_layout.treedef.unflatten(like), batch)
-
-        return self._flops.micro_batch(loss.counts_flops, loss, batch, program)
 
     def _apply(self, plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
                grad_sumsq: Any, skip: frozenset[int] = frozenset()) -> TrainState:

@@ -20,6 +20,7 @@ counted: leave room for them in the budget.
 from __future__ import annotations
 
 import itertools
+import logging
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ from shard.offload._offload import Offload
 from shard.step._config import ZeroOptions
 
 __all__ = ["Autotuned", "autotune"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -80,8 +83,8 @@ def autotune(loss_fn: Any, params: Any, data: Any, *, optimizer: Any, batch_size
              budget: int, mesh: Mesh | None = None, comm: Any = None,
              stages: Sequence[int] = (1, 2, 3), micro_batches: Sequence[int] = (1, 2, 4),
              offload: Sequence[str | None] = (None, "host"), prefetch: Sequence[int] = (1, 2),
-             units: Sequence[Any] = (None,), steps: int = 3, warmup: int = 1, seed: int = 0,
-             show: bool = True) -> Autotuned:
+             units: Sequence[Any] = (None,), steps: int = 3, warmup: int = 1,
+             seed: int = 0) -> Autotuned:
     """Choose the ZeRO stage, micro-batches, offload, prefetch and units that
     train ``loss_fn`` fastest within ``budget`` device bytes per rank, by short
     trials (see [Note: autotuning]); a collective: every rank calls it.
@@ -105,7 +108,6 @@ def autotune(loss_fn: Any, params: Any, data: Any, *, optimizer: Any, batch_size
       steps: timed steps per trial.
       warmup: untimed steps before them.
       seed: the data order's seed.
-      show: print the table of trials on the first rank.
 
     Returns:
       An :class:`Autotuned`; a ValueError when no candidate fits the budget.
@@ -155,8 +157,9 @@ def autotune(loss_fn: Any, params: Any, data: Any, *, optimizer: Any, batch_size
         gradient_accumulation_steps=best["micro_batches"], prefetch=best["prefetch"],
         units=best["_units"], offload=Offload(best["offload"]) if best["offload"] else None),
         tuple({k: v for k, v in t.items() if k != "_units"} for t in trials))
-    if show and group.rank == 0:
-        print(result.table())
+    if group.rank == 0:  # result.table() gives it to the caller
+        log.info("autotune: the trials (%d ranks, budget %d bytes):\n%s", ranks, budget,
+                 result.table())
     return result
 
 
