@@ -230,7 +230,8 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
           cfg: GPTConfig = GPTConfig(), lr: float = 3e-3, model: GPT | None = None,
           progress: bool = True, save: str | Path | None = None, save_every: int = 500,
           resume: bool = False, replicas: int = 1,
-          reshard_after_forward: bool | int = True) -> dict:
+          reshard_after_forward: bool | int = True,
+          invariant_shards: int | None = None) -> dict:
     """Train a GPT with ZeRO ``stage`` up to step ``steps``; returns losses,
     timings and memory.
 
@@ -248,6 +249,9 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     ``reshard_after_forward``: ZeRO-3 over every rank with each unit's
     secondary shard kept inside groups of that many ranks (the ranks per node;
     ZeRO++'s hpZ), so only the forward's gathers cross nodes, once.
+    ``invariant_shards``: the same bits at any number of ranks dividing it
+    (``shard.ZeroOptions(invariant_shards=...)``): a run may resume on
+    another world size and keep its trajectory exactly.
     """
     model = copy.deepcopy(model) if model is not None else build(cfg)
     params, loss = it.functional(model, loss=lm_loss)
@@ -257,7 +261,8 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     zero_comm = mesh["shard" if replicas > 1 else "data"]  # what ZeRO shards over
     step = ZERO[stage](loss, optimizer=ops.adamw(lr, weight_decay=0.01), mesh=mesh,
                        clip_norm=1.0, options=shard.ZeroOptions(
-                           loggers=loggers, reshard_after_forward=reshard_after_forward))
+                           loggers=loggers, reshard_after_forward=reshard_after_forward,
+                           invariant_shards=invariant_shards))
     loader = shard.DataLoader(Windows(corpus(), cfg.seq), batch, mesh=mesh)
     state = step.init(params)
     ckpt = Path(save) / "checkpoint" if save else None
@@ -359,6 +364,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--reshard-after-forward", type=int, default=0, metavar="RANKS",
                     help="ZeRO-3 with each unit's secondary shard inside groups of RANKS "
                          "ranks (the ranks per node; ZeRO++'s hpZ); 0: off")
+    ap.add_argument("--invariant-shards", type=int, default=0, metavar="V",
+                    help="the same bits at any number of ranks dividing V (a power of two "
+                         "dividing the batch): resume on another world size exactly; 0: off")
     ap.add_argument("--sample", type=int, default=200,
                     help="bytes of text to generate at the end (0: none)")
     return ap
@@ -375,7 +383,8 @@ def main(argv: list[str] | None = None) -> None:
         result = train(comm, stage=args.stage, steps=args.steps, batch=args.batch, cfg=cfg,
                        lr=args.lr, model=model, save=args.save, save_every=args.save_every,
                        resume=args.resume, replicas=args.replicas,
-                       reshard_after_forward=args.reshard_after_forward or True)
+                       reshard_after_forward=args.reshard_after_forward or True,
+                       invariant_shards=args.invariant_shards or None)
         table = memory_table(comm, result, cfg)
         if args.sample:  # every rank gathers (a collective); rank 0 samples
             it.load_state(result["module"], result["state"], comm=result["step"].config.comm)

@@ -11,7 +11,7 @@ from ops._adam import fused_adam_multi, fused_adam_step
 from ops._cast import cast
 from ops._lamb import fused_lamb
 from ops._lion import fused_lion
-from ops._norm import global_norm, sum_of_squares
+from ops._norm import exact_square_parts, exact_square_total, global_norm, sum_of_squares
 from ops._optim import (
     AdamState,
     FusedAdam,
@@ -62,6 +62,8 @@ __all__ = [
     "broadcast",
     "cast",
     "device_of",
+    "exact_square_parts",
+    "exact_square_total",
     "fused_adam_multi",
     "fused_adam_step",
     "fused_lamb",

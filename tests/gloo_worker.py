@@ -83,6 +83,14 @@ def check_zero(comm) -> list[str]:
                 failures.append(f"stage {stage}: shard differs by {np.abs(got - exp).max()}")
         if not np.allclose(losses, want_losses, rtol=1e-5):
             failures.append(f"stage {stage}: losses {losses} != {want_losses}")
+    from tests import test_invariance as inv  # invariant_shards: one thread rank's bits
+
+    for stage in (1, 3):
+        got = inv.jax_run(comm, stage=stage, steps=4)
+        want_bits = ops.spawn(lambda c, s=stage: inv.jax_run(c, stage=s, steps=4), 1)[0]
+        if got[1:] != want_bits[1:] or not all(
+                np.array_equal(a, b) for a, b in zip(got[0], want_bits[0], strict=True)):
+            failures.append(f"invariant_shards at stage {stage}: not one rank's bits")
     return failures
 
 
@@ -107,6 +115,14 @@ def check_torch(comm) -> list[str]:
     want = T.reference_dp(model, gpt.lm_loss, batches, comm.world_size)
     got = T.zero_run(comm, 3, None, gpt.lm_loss, batches, model)[0]
     failures += [f"gpt {k}" for k in want if not np.array_equal(got[k], want[k])]
+    from tests import test_invariance as inv  # invariant_shards: one thread rank's bits
+
+    model = gpt.build(inv.CFG)
+    out = gpt.train(comm, steps=4, batch=16, cfg=inv.CFG, model=model, progress=False,
+                    invariant_shards=inv.V)
+    got = shard.gather(out["state"], comm)
+    want, _ = inv.gpt_run(1, steps=4, model=model)
+    failures += [f"gpt invariant_shards {k}" for k in want if not np.array_equal(got[k], want[k])]
     return failures + check_lora(comm)
 
 

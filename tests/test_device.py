@@ -235,14 +235,32 @@ def test_a_planted_host_conversion_in_the_step_fails_on_the_stand_in(monkeypatch
 
     original = _update.norm_and_loss
 
-    def planted(plan, shards, totals):
+    def planted(plan, shards, *rest):
         np.asarray(shards[0])  # a host-only habit
-        return original(plan, shards, totals)
+        return original(plan, shards, *rest)
 
     monkeypatch.setattr(_update, "norm_and_loss", planted)
     ops.spawn(lambda c: train(c, HOST, stage=3, steps=1), 2)  # the host does not mind
     with pytest.raises(TypeError, match="Implicit conversion to a NumPy array"):
         ops.spawn(lambda c: train(c, STANDIN, stage=3, steps=1), 2)
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_invariant_shards_on_device_give_one_ranks_bits(device, stage):
+    """The ordered collectives and the exact norm on device state (see [Note:
+    the same bits at any world size])."""
+    def run(comm):
+        _, state, losses, norms = train(comm, device, stage=stage, steps=3, clip_norm=1.0,
+                                        invariant_shards=4)
+        return [host(x) for x in jax.tree_util.tree_leaves(shard.gather(state, comm))], \
+            losses, norms
+
+    want = ops.spawn(run, 1)[0]
+    for world in (2, 4):
+        got = ops.spawn(run, world)[0]
+        assert got[1:] == want[1:]
+        for a, b in zip(got[0], want[0], strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_the_step_refuses_state_and_params_of_other_devices():

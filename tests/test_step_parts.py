@@ -98,7 +98,7 @@ def test_the_norm_and_loss_part_alone():
     rng = np.random.default_rng(0)
     shards = [rng.standard_normal(u.local_size).astype(np.float32) for u in plan.layout.units]
     totals = np.array([0.0, 2.5])
-    _update.norm_and_loss(plan, shards, totals)
+    _update.norm_and_loss(plan, shards, totals, [])
     want = sum(float(np.sum(g.astype(np.float64) ** 2)) for g in shards)
     np.testing.assert_allclose(totals, [want, 2.5], rtol=1e-6)
 

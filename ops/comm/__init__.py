@@ -10,7 +10,9 @@ processes under torchrun ([Note: gloo algorithms]) and NCCL on GPUs.
 - ``_world.py``: :func:`~ops.init_from_env`, the communicator torchrun's
   environment describes;
 - ``_collectives.py``: :func:`~ops.all_gather`, :func:`~ops.reduce_scatter`,
-  :func:`~ops.all_reduce`, :func:`~ops.broadcast`.
+  :func:`~ops.all_reduce`, :func:`~ops.broadcast`;
+- ``_ordered.py``: sums in a fixed binary tree, the same bits on any number
+  of ranks ([Note: ordered sums]).
 
 It may import :mod:`ops.device` and :mod:`ops.kernels`; the public names are
 :mod:`ops`'s.

@@ -94,6 +94,12 @@ class ShardOptimizer:
     _jitted: list = field(default_factory=list)
     _segments: dict = field(default_factory=dict)  # rank -> Segments
 
+    @property
+    def reduces_leaves(self) -> bool:
+        """Whether an update sums over whole leaves across the ranks (LAMB's
+        trust ratio, Adafactor's block RMS)."""
+        return bool(self._parts) or (self.fused is not None and self.fused.per_tensor)
+
     # -- state ------------------------------------------------------------------
     def init(self, layout: Any, master: list[Any]) -> tuple[list[list[Any]], tuple]:
         """An optax transformation's fresh moment buffers (one list of unit

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["agree_on_layout", "agree_on_values", "cast_inputs", "check_batch", "check_fits",
            "check_is_state", "counted_rows", "digest", "eval_loss", "learning_rate", "model_state",
-           "refuse_keys", "total_rows", "weights"]
+           "refuse_keys", "total_rows", "virtual_shards", "weights"]
 
 
 def digest(device: Device, arrays: list[Any], start: int = 1) -> int:
@@ -103,6 +103,21 @@ def counted_rows(name: str, rank: int, batch: Any) -> int:
         raise ValueError(f"{name}: weight_by_rows weighs each batch by its rows, but rank "
                          f"{rank}'s batch has no array leaves to count")
     return seen[1]
+
+
+def virtual_shards(name: str, rank: int, batch: Any, group: int) -> list[Any]:
+    """``batch`` cut into ``group`` equal, contiguous parts along its rows (see
+    [Note: the same bits at any world size]); a ValueError naming the leaf
+    whose rows it does not divide."""
+    tu = ops._tree.tree_util()
+    flat, tree = tu.tree_flatten_with_path(batch)
+    rows = counted_rows(name, rank, batch)
+    if rows % group:
+        raise ValueError(f"{name}: invariant_shards cuts each rank's micro-batch into {group} "
+                         f"virtual shards; rank {rank}'s has {rows} rows, not a multiple")
+    n = rows // group
+    return [tu.tree_unflatten(tree, [x[j * n:(j + 1) * n] if len(getattr(x, "shape", ())) else x
+                                     for _, x in flat]) for j in range(group)]
 
 
 def total_rows(batches: list[Any]) -> int:

@@ -19,7 +19,8 @@ from shard.core._protocol import LossProvider, Provided, classify
 from shard.offload._offload import Offload
 from shard.offload._step import check_offload
 
-__all__ = ["StepConfig", "ZeroOptions", "option_docs", "protocol_of", "resolve_topology"]
+__all__ = ["StepConfig", "ZeroOptions", "check_invariant", "option_docs", "protocol_of",
+           "resolve_topology"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,6 +107,14 @@ class ZeroOptions:
       peak_flops: this rank's peak FLOP/s (the device's, for the compute
         dtype): counts FLOPs and adds ``metrics["mfu"]``, the model FLOPs
         utilisation.
+      invariant_shards: ``V``, a power of two: the same bits at every number
+        of data ranks dividing ``V``. Each micro-batch is cut into ``V`` fixed
+        virtual shards (``V / W`` on each of ``W`` data ranks, in the data
+        loader's order), each shard's gradient is computed on its own, and
+        they are summed in one binary tree fixed by the data, inside a rank and
+        across ranks; the norm and the loss are exact sums (see [Note: the
+        same bits at any world size]). Costs the smaller micro-batches, the
+        tree's partial sums and reductions after the backward.
 
     Examples:
       >>> import shard
@@ -132,6 +141,7 @@ class ZeroOptions:
     loggers: Any = ()
     count_flops: bool = False
     peak_flops: float | None = None
+    invariant_shards: int | None = None
 
     def merged(self, where: str, **given: Any) -> ZeroOptions:
         """These options with ``given`` (``zero3``'s own keyword arguments) set;
@@ -186,6 +196,33 @@ def resolve_topology(name: str, stage: int, loss_fn: Any, *, mesh: Mesh | None,
                                 model=tp.comm if tp is not None else None,
                                 whole=reads.norm_comm, data_axis=reads.data_axis)
     return topology.with_secondary(name, stage, reshard_after_forward), tp
+
+
+def check_invariant(name: str, o: ZeroOptions, topology: Topology, optimizer: Any,
+                    tensor_parallel: Any) -> None:
+    """A ValueError (or NotImplementedError) naming what ``invariant_shards=``
+    cannot keep invariant (see [Note: the same bits at any world size])."""
+    v = o.invariant_shards
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1 or v & (v - 1):
+        raise ValueError(f"{name}: invariant_shards must be a power of two (the virtual "
+                         f"shards of each micro-batch); got {v!r}")
+    if v % topology.ranks:
+        raise ValueError(f"{name}: invariant_shards={v} is not a multiple of the "
+                         f"{topology.ranks} data ranks; give a power of two they divide")
+    refused = (("a 'model' axis (tensor parallelism)", tensor_parallel is not None),
+               ("a pipeline", topology.whole is not None),
+               ("weight_by_rows=", o.weight_by_rows),
+               ("gradient_divide_factor= (a sum over ranks depends on their number)",
+                o.gradient_divide_factor is not None),
+               ("axis_name= (collectives inside the loss)", o.axis_name is not None),
+               ("Offload(overlap=True) (updates before the whole gradient is summed)",
+                o.offload is not None and o.offload.overlap),
+               ("an optimizer that reduces over whole leaves (LAMB's trust ratio)",
+                isinstance(optimizer, FusedOptimizer) and optimizer.per_tensor))
+    for what, bad in refused:
+        if bad:
+            raise NotImplementedError(f"{name}: invariant_shards= does not compose with {what}; "
+                                      "drop one of them")
 
 
 @dataclass(frozen=True, eq=False, kw_only=True)
@@ -312,6 +349,8 @@ class StepConfig(ZeroOptions):
                                           "random keys; this "
                                           f"{type(loss_fn).__name__} draws its own")
             key = check_key(name, key)
+        if o.invariant_shards is not None:
+            check_invariant(name, o, topology, optimizer, tensor_parallel)
         loss = JaxLoss.shared(loss_fn, o.has_aux) if kind == "jax" else reads
         fields = {f.name: getattr(o, f.name) for f in dataclasses.fields(ZeroOptions)}
         fields.update(units=units, key=key, loggers=loggers, precision=o.precision or Precision(),

@@ -19,8 +19,8 @@ from shard.core._loss import JaxLoss
 from shard.core._state import TrainState
 from shard.monitor._flops import FlopCount
 from shard.monitor._profile import timed
-from shard.step import _traced
-from shard.step._reduce import GradBuffers, GradReducer
+from shard.step import _checks, _traced
+from shard.step._reduce import GradBuffers, GradReducer, OrderedReducer
 from shard.step._runtime import LiveBytes, Units
 
 if TYPE_CHECKING:
@@ -34,9 +34,11 @@ __all__ = [
     "on_device",
     "placement",
     "reduce_dtype",
+    "reducer",
     "same_model_state",
     "step_loss",
     "unit_params",
+    "virtual_shards",
     "whole_params",
 ]
 
@@ -53,6 +55,78 @@ def grad_buffers(plan: Plan, kept: GradBuffers | None) -> GradBuffers:
     if kept is not None and kept.serves(plan.grad_layout, dtype, plan.device):
         return kept
     return GradBuffers(plan.grad_layout, dtype, plan.device)
+
+
+# [Note: the same bits at any world size]
+# ``invariant_shards=V`` fixes every sum of a step by the data, not by the
+# ranks. Each micro-batch (the global one: every data rank's part) is cut into
+# V virtual shards of equal rows; data rank d (replica r's rank k is
+# d = r * S + k) holds shards d * G to d * G + G - 1 (G = V / W), which is
+# how ``shard.DataLoader`` and ``split_batch`` cut a batch: contiguous parts
+# in rank order. Then:
+#
+# - each shard's loss and gradient come from the same program on the same
+#   shapes wherever it runs (``virtual_shards``: G calls of the loss a
+#   micro-batch), so they are the same bits on any rank;
+# - :class:`~shard.step._reduce.OrderedReducer` sums them in one binary tree
+#   over the V shards in order (see [Note: ordered sums] in
+#   ``ops/comm/_ordered.py``): a rank's G in a TreeSum, the ranks' subtrees
+#   by recursive halving (stages 1-3) or doubling (stage 0, the replicas of
+#   HSDP after their shard group: the data rank's low digits are the shard
+#   group's, so that is the same tree); micro-batches' sums are added in
+#   order, the first copied;
+# - the gradient norm is an exact sum (see [Note: exact sums of squares] in
+#   ``ops/_norm.py``), integer parts summed over the ranks, and the loss the
+#   exact sum (``math.fsum``) of every shard's loss;
+# - the gradients are multiplied once, by 1 / (V * micro-batches * loss
+#   scale), the same number on every layout, and the update acts on each
+#   element alone (the fused kernels, optax's jitted update), whichever rank
+#   and offset holds it;
+# - a JAX loss's key (``key=``) is derived from the shard's index and the
+#   micro-batch's, not from the rank.
+#
+# So worlds 1 to V (powers of two), ZeRO 0-3, HSDP, hpZ and host offload give
+# the same bits, and a checkpoint resumes on another world size on the same
+# trajectory. What still changes them: another machine or build (CPU or GPU
+# model, BLAS, XLA or torch version), another thread count inside the
+# compute (``torch.set_num_threads``), a batch order other than the one
+# above, and what ``invariant_shards=`` refuses (tensor and pipeline
+# parallelism, a model state, ``axis_name=``, ``weight_by_rows``,
+# ``gradient_divide_factor=``, ``Offload(overlap=True)``, LAMB's and
+# Adafactor's whole-leaf sums, float64 gradients). The cost: V calls of the
+# loss on smaller batches instead of W; up to log2(G) + 1 partial sums of the
+# whole gradient held until the micro-batch ends (at stage 3 too); the
+# reductions after the backward rather than during it; two small host reads
+# a step (the norm's parts and the losses).
+
+
+def reducer(plan: Plan, buffers: GradBuffers) -> GradReducer:
+    """The step's gradient reduction: ordered where ``invariant_shards=`` asks
+    (see [Note: the same bits at any world size])."""
+    c = plan.config
+    if c.invariant_shards:
+        return OrderedReducer(plan.grad_layout, plan.fast, stage=c.stage,
+                              dtype=reduce_dtype(plan), device=plan.device, buffers=buffers,
+                              plans=plan.grad_plans, group=c.invariant_shards // c.ranks)
+    return GradReducer(plan.grad_layout, plan.fast, stage=c.stage, dtype=reduce_dtype(plan),
+                       device=plan.device, buffers=buffers, plans=plan.grad_plans)
+
+
+def virtual_shards(plan: Plan, state: TrainState, micro: list[Any],
+                   weights: list[float] | None) -> list[Any]:
+    """Each micro-batch's virtual shards on this rank, in order (see [Note: the
+    same bits at any world size]); a refusal for what would change the bits."""
+    c = plan.config
+    if weights is not None:
+        raise ValueError(f"{c.name}: invariant_shards needs micro-batches of equal rows")
+    if state.model_state is not None:
+        raise NotImplementedError(f"{c.name}: invariant_shards= does not keep a model state "
+                                  "(statistics averaged over the ranks) invariant")
+    if reduce_dtype(plan) == np.float64:
+        raise NotImplementedError(f"{c.name}: invariant_shards= sums float32, bfloat16 and "
+                                  "float16 gradients exactly; not float64")
+    group = c.invariant_shards // c.ranks if c.invariant_shards else 1
+    return [v for b in micro for v in _checks.virtual_shards(c.name, c.comm.rank, b, group)]
 
 
 def unit_params(plan: Plan, state: TrainState, tracker: LiveBytes) -> Units:
@@ -122,8 +196,11 @@ def keyed_batch(plan: Plan, batch: Any, step: int, micro_batch: int) -> Any:
     c = plan.config
     if c.key is None:
         return batch
-    return batch, derived_key(*c.key, step=step, rank=c.topology.data_rank,
-                              micro_batch=micro_batch)
+    rank = c.topology.data_rank
+    if c.invariant_shards:  # the virtual shard's own key, whatever the ranks
+        group = c.invariant_shards // c.ranks
+        micro_batch, rank = micro_batch // group, rank * group + micro_batch % group
+    return batch, derived_key(*c.key, step=step, rank=rank, micro_batch=micro_batch)
 
 
 def counted(plan: Plan, flops: FlopCount, called: Any, batch: Any) -> AbstractContextManager[Any]:

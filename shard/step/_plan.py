@@ -263,6 +263,10 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     where = found or device or HOST
     optimizer = on_shards(config.optimizer, layout, stage=config.stage, master_dtype=master_dtype,
                           device_host=where.host, offload=config.offload is not None, fn=fn)
+    if config.invariant_shards and optimizer.reduces_leaves:
+        raise NotImplementedError(f"{fn}: invariant_shards= does not compose with an optimizer "
+                                  "that sums over whole leaves across the ranks (LAMB's trust "
+                                  "ratio, Adafactor's block RMS)")
     frozen = frozen_leaves(config.trainable, loss_fn.frozen, params, fn)
     copy_plans = CopyPlans(layout, full_layout)
     grads = gradient_layout(layout, frozen)

@@ -88,7 +88,7 @@ from shard.offload._step import Offloader
 from shard.step import _checks, _eval, _grads, _init, _update
 from shard.step._config import StepConfig, ZeroOptions
 from shard.step._plan import Plan
-from shard.step._reduce import GradBuffers, GradReducer
+from shard.step._reduce import GradBuffers, OrderedReducer
 from shard.step._runtime import LiveBytes
 
 __all__ = ["ZeroStep"]
@@ -277,6 +277,8 @@ class ZeroStep:
         else:
             weights, rows = _checks.weights(micro), _checks.total_rows(micro)
         micro = [_checks.cast_inputs(plan, b) for b in micro]
+        if c.invariant_shards:  # see [Note: the same bits at any world size]
+            micro, weights = _grads.virtual_shards(plan, state, micro, weights), None
         try:
             return self._run(plan, state, micro, lr, weights, rows)
         finally:
@@ -291,9 +293,7 @@ class ZeroStep:
         c, device = self.config, plan.device
         scale = float(state.loss_scale)
         self._grad_buffers = _grads.grad_buffers(plan, self._grad_buffers)
-        reducer = GradReducer(plan.grad_layout, plan.fast, stage=c.stage,
-                              dtype=_grads.reduce_dtype(plan), device=device,
-                              buffers=self._grad_buffers, plans=plan.grad_plans)
+        reducer = _grads.reducer(plan, self._grad_buffers)
         units = _grads.unit_params(plan, state, self.tracker)
         leaves = len(plan.layout.leaves) if _update.tracks_missing(c) else 0
         totals = _update.fresh_totals(self.__dict__.setdefault("_totals_cache", {}), device,
@@ -303,7 +303,7 @@ class ZeroStep:
         grad_scale = 1.0 / ((c.gradient_divide_factor or w) * k * scale)
         offloader = self._offloader
         overlap = offloader.start_overlap(state, reducer, grad_scale) if offloader else None
-        auxes = []
+        auxes, losses = [], []
         model_state = state.model_state  # see [Note: model state]
         called = _grads.step_loss(plan, model_state is not None)  # see [Note: per-rank keys]
         self._flops.step = 0.0
@@ -332,6 +332,9 @@ class ZeroStep:
                         auxes.append(aux)
                     loss = _grads.on_device(plan, loss, "the loss")
                     totals[_update.LOSS] += loss if weights is None else loss * weight
+                    if isinstance(reducer, OrderedReducer):
+                        reducer.end_call()
+                        losses.append(loss)
             shards = reducer.finish()
             if missing:
                 _update.count_missing(totals, missing, device)
@@ -340,7 +343,7 @@ class ZeroStep:
                 with timed("reduce_wait"):
                     overlap.wait_copied()
             with timed("optimizer"):
-                _update.norm_and_loss(plan, shards, totals)
+                _update.norm_and_loss(plan, shards, totals, losses)
                 if c.weight_by_rows:
                     _update.weigh_by_rows(shards, totals, w * k)
             aux = _grads.mean_aux(plan, auxes) if c.has_aux else None

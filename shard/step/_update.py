@@ -28,8 +28,8 @@ reduce-scatter, each rank's gradient shards are summed over the replicas (one
 all-reduce per unit, the only traffic between nodes), so every replica holds
 the sum over all R x S ranks and the update is flat ZeRO's over R x S ranks;
 the losses and rows of the step's one all-reduce are summed over the replicas
-too, while the norm, already the same on every replica, is not. ``init`` checks that the replicas
-hold the same params and layout; a checkpoint is written by replica 0 alone.
+too, the norm (the same on every replica) not. ``init`` checks that the
+replicas hold the same params and layout; replica 0 alone writes checkpoints.
 
 [Note: missing gradients]
 A torch parameter whose ``.grad`` stays None in a step (a branch the forward
@@ -60,6 +60,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 import ops
+from ops.comm._ordered import tree_all_reduce
 from ops.device._runs import copy_runs
 from shard.core._state import TrainState
 from shard.monitor._profile import timed
@@ -74,6 +75,7 @@ from shard.step._frozen import (
     outside,
     trainable_runs,
 )
+from shard.step._reduce import exact_norm_and_loss
 
 if TYPE_CHECKING:
     from shard.step._plan import Plan
@@ -84,14 +86,16 @@ __all__ = ["add_skips", "apply", "count_missing", "fresh_totals", "norm_and_loss
 log = logging.getLogger("shard.step")
 
 
-def norm_and_loss(plan: Plan, shards: list[Any], totals: Any) -> None:
+def norm_and_loss(plan: Plan, shards: list[Any], totals: Any, losses: list[Any]) -> None:
     """``totals`` (on the device) becomes [global sum of squares of the summed
-    gradients, sum of the micro-batch losses over ranks]: one all-reduce."""
+    gradients, sum of the micro-batch losses over ranks]: one all-reduce
+    (``losses``: each call's, summed exactly for ``invariant_shards=``)."""
     c, layout = plan.config, plan.grad_layout  # frozen leaves hold nothing there
     if plan.replica is not None:  # see [Note: replicas]
         with timed("reduce_wait"):
-            for g in shards:
-                plan.replica.all_reduce_(g, "sum")
+            for g in shards:  # in the ranks' fixed tree for invariant_shards=
+                _ = tree_all_reduce(plan.replica, g) if c.invariant_shards else \
+                    plan.replica.all_reduce_(g, "sum")
     sharded: list[Any] = []
     replicated: list[Any] = []
     skip = set(c.loss_fn.norm_skip)  # copies of a tied weight
@@ -105,7 +109,7 @@ def norm_and_loss(plan: Plan, shards: list[Any], totals: Any) -> None:
             (sharded if b <= unit.sharded_size else replicated).append(g[a:b])
     if c.stage == 0:  # everything is whole (and the same) on every rank
         replicated, sharded = sharded + replicated, []
-    if sharded:
+    if sharded and not c.invariant_shards:
         ops.sum_of_squares(sharded, out=totals[SUMSQ])
     mesh = c.topology.whole
     if mesh is not None:  # a pipeline stage: over the whole mesh (see [Note: pipeline])
@@ -118,6 +122,9 @@ def norm_and_loss(plan: Plan, shards: list[Any], totals: Any) -> None:
     plan.fast.all_reduce_(totals, "sum")
     if plan.replica is not None:  # the losses and rows of every replica; the norm is theirs
         plan.replica.all_reduce_(totals[LOSS.start:], "sum")
+    if c.invariant_shards:  # exact sums (see [Note: the same bits at any world size])
+        totals[SUMSQ], totals[LOSS] = exact_norm_and_loss(plan, sharded, replicated, losses)
+        return
     if replicated:
         totals[SUMSQ] += ops.sum_of_squares(replicated)
     if tp is not None and tp.size > 1:  # the model ranks' slices; the loss is theirs already
