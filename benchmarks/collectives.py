@@ -4,6 +4,8 @@ gloo (run under torchrun, one process per rank):
     torchrun --nproc-per-node 2 benchmarks/collectives.py gloo
 threads (one process, ranks as threads; compared with memcpy bandwidth):
     python benchmarks/collectives.py threads --world 2
+the fixed-tree sums of invariant_shards= against the ring ones, on gloo:
+    torchrun --nproc-per-node 4 benchmarks/collectives.py ordered
 
 Sizes are the whole buffer (the gathered output, the reduce-scatter input), as
 nccl-tests count them; bus bandwidth = size / time * (W - 1) / W, the bytes each
@@ -103,6 +105,54 @@ def gloo_main() -> None:
     comm.barrier()
 
 
+def ordered_main() -> None:
+    """The ordered collectives of [Note: ordered sums] (ops/comm/_ordered.py)
+    against the communicator's own: time, and the bytes each rank sends,
+    counted at its sends, against their formulas."""
+    import torch.distributed as dist
+
+    from ops.comm._ordered import tree_all_reduce, tree_reduce_scatter
+
+    comm = ops.init_from_env()
+    w, rank = comm.world_size, comm.rank
+    sent = [0]
+    isend = comm.isend
+
+    def counted(x, dst, *, tag=0):
+        sent[0] += x.nbytes
+        return isend(x, dst, tag=tag)
+
+    comm.isend = counted  # type: ignore[method-assign]
+    rows = []
+    for nbytes in SIZES[:7]:
+        n = nbytes // 4
+        full, chunk = np.zeros(n, np.float32), np.zeros(n // w, np.float32)
+        it = max(5, iters_for(nbytes) // 4)
+        ring_rs = timed(lambda f=full, x=chunk: comm.reduce_scatter_into(x, f), dist.barrier, it)
+        ring_ar = timed(lambda f=full: comm.all_reduce_(f), dist.barrier, it)
+        sent[0] = 0
+        tree_rs = timed(lambda f=full, x=chunk: tree_reduce_scatter(comm, x, f.copy()),
+                        dist.barrier, it)
+        rs_bytes, sent[0] = sent[0] / (it + 1), 0
+        tree_ar = timed(lambda f=full: tree_all_reduce(comm, f), dist.barrier, it)
+        ar_bytes = sent[0] / (it + 1)
+        rows.append((nbytes, ring_rs, tree_rs, rs_bytes, ring_ar, tree_ar, ar_bytes))
+    if rank == 0:
+        log = w.bit_length() - 1
+        print(f"\ngloo, {w} processes: ring (ours) against the fixed tree; ms (tree/ring), and "
+              f"MiB each rank sends: the tree's counted, each formula's\n")
+        print("| size | reduce-scatter ring | tree | sent: tree, ring (W-1)/W n | all-reduce ring "
+              f"| tree | sent: tree (log2 W = {log}) n, ring 2(W-1)/W n |")
+        print("|---|---|---|---|---|---|---|")
+        mib = 1 << 20
+        for nbytes, rr, tr, rb, ra, ta, ab in rows:
+            print(f"| {fmt(nbytes)} | {rr * 1e3:.2f} | {tr * 1e3:.2f} ({tr / rr:.2f}x) "
+                  f"| {rb / mib:.2f}, {nbytes * (w - 1) / w / mib:.2f} | {ra * 1e3:.2f} "
+                  f"| {ta * 1e3:.2f} ({ta / ra:.2f}x) | {ab / mib:.2f} = {log * nbytes / mib:.2f}, "
+                  f"{2 * nbytes * (w - 1) / w / mib:.2f} |")
+    comm.barrier()
+
+
 def threads_main(world: int) -> None:
     def body(comm):
         out = {}
@@ -133,14 +183,14 @@ def threads_main(world: int) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("backend", choices=["gloo", "threads"])
+    ap.add_argument("backend", choices=["gloo", "threads", "ordered"])
     ap.add_argument("--world", type=int, default=2, help="threads backend: number of ranks")
     args = ap.parse_args()
-    if args.backend == "gloo":
+    if args.backend in ("gloo", "ordered"):
         if "RANK" not in os.environ:
-            raise SystemExit("run the gloo benchmark under torchrun: "
-                             "torchrun --nproc-per-node 2 benchmarks/collectives.py gloo")
-        gloo_main()
+            raise SystemExit("run the gloo benchmarks under torchrun: torchrun "
+                             f"--nproc-per-node 2 benchmarks/collectives.py {args.backend}")
+        gloo_main() if args.backend == "gloo" else ordered_main()
     else:
         threads_main(args.world)
 

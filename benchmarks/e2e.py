@@ -12,6 +12,10 @@ optimizer, and reading the loss); the table gives medians over all passes.
     python benchmarks/e2e.py                         # both sizes, every mode
     python benchmarks/e2e.py --sizes 23m --modes ddp,fsdp2,zero3 --passes 1
     python benchmarks/e2e.py --sizes 23m --modes zero3 --profile
+    python benchmarks/e2e.py --sizes 23m --modes zero3,zero3-inv1,zero3-inv4
+
+``-invK`` rows run with ``invariant_shards=K * W`` (the same bits at any world
+size dividing it; see [Note: the same bits at any world size]).
 
 ``--profile`` adds, for this library's rows, where the step's time goes
 (``shard.profile``, see [Note: step profile] in ``shard/monitor/_profile.py``).
@@ -38,7 +42,8 @@ SIZES = {"23m": dict(layers=6, d=512, heads=8), "91m": dict(layers=12, d=768, he
          "tiny": dict(layers=2, d=32, heads=2)}  # tiny: the benchmark's own check
 VOCAB, SEQ, BATCH, LR, WD = 4096, 128, 8, 1e-4, 0.01
 PEERS = ("ddp", "fsdp2", "deepspeed")
-OURS = ("zero0", "zero1", "zero2", "zero3", "zero3-recompute", "zero3-threads")
+OURS = ("zero0", "zero1", "zero2", "zero3", "zero3-recompute", "zero3-threads",
+        "zero1-inv1", "zero1-inv4", "zero3-inv1", "zero3-inv4")  # invariant_shards=k x W
 MODES = PEERS + OURS
 
 
@@ -122,7 +127,9 @@ def ours_step(mode: str, model, comm):
     params, fn = it.functional(model, loss=lm_loss,
                                activation_checkpointing=mode.endswith("recompute"))
     zero = (shard.zero0, shard.zero1, shard.zero2, shard.zero3)[stage]
-    train = zero(fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm)
+    k = int(mode.split("-inv")[1]) if "-inv" in mode else 0
+    train = zero(fn, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
+                 options=shard.ZeroOptions(invariant_shards=k * comm.world_size or None))
     holder = [train.init(params)]
 
     def step(x, y):

@@ -10,6 +10,7 @@ import numpy as np
 from ops._tree import tree_leaves
 from ops.device._arrays import array_kind, check_array, driver_for, xp_of
 from ops.device._device import device_of
+from ops.kernels._table import EXACT_SLOTS
 
 __all__ = ["exact_square_parts", "exact_square_total", "global_norm", "sum_of_squares"]
 
@@ -78,19 +79,15 @@ def global_norm(tree: Any) -> float:
 
 # [Note: exact sums of squares]
 # A sum of squares whose bits do not depend on how the array is split (over
-# ranks, or into chunks): each float32 element x = m * 2**e (``frexp``, with
-# M = m * 2**24 an integer below 2**24) has x**2 = M**2 * 2**(2e - 48), and
-# M = H * 2**12 + L splits M**2 into H*H * 2**24 + 2*H*L * 2**12 + L*L, three
-# integers below 2**25. Their sums per exponent e (``bincount``, exact in
-# float64 while below 2**53: at most 2**27 elements a pass) are the parts, an
-# int64 array; parts add exactly and in any order (over ranks: an integer
-# all-reduce), and ``exact_square_total`` turns them into one float64, the
-# same bits for the same elements however they were split. bfloat16 and
-# float16 widen to float32 exactly; float64 is not taken. A non-finite element
-# marks the last slot, and makes the total inf.
-
-_EXPONENTS = 277  # frexp's exponents of float32: -148 (subnormals) to 128
-_PASS = 1 << 27
+# ranks, chunks, blocks or threads): an element x = M * 2**(e - 150), e its
+# biased float32 exponent (1 for zeros and subnormals) and M below 2**24, has
+# x**2 = (H * 2**24 + L) * 2**(2e - 300), H and L the high and low 24 bits of
+# M*M. The kernels (``ops/kernels/reduce.cu``) sum H and L for each e as
+# integers, and count non-finite elements: the parts, EXACT_SLOTS int64s that
+# add exactly and in any order (over ranks: an integer sum), from which
+# ``exact_square_total`` makes one float64, the same bits for the same elements
+# however they were split. bfloat16 and float16 widen to float32 exactly;
+# float64 is not taken. A non-finite element makes the total inf.
 
 
 def exact_square_parts(x: Any) -> np.ndarray:
@@ -108,35 +105,22 @@ def exact_square_parts(x: Any) -> np.ndarray:
       >>> ops.exact_square_total(parts)
       25.0
     """
-    out = np.zeros(3 * _EXPONENTS + 1, np.int64)
-    with np.errstate(invalid="ignore"):  # an inf element's parts are nan (marked below)
-        _add_parts(x, out)
-    return out
-
-
-def _add_parts(x: Any, out: np.ndarray) -> None:
-    for a in x if isinstance(x, (list, tuple)) else [x]:
-        check_array("exact_square_parts", "x", a, dtypes=("f32", "bf16", "f16"))
-        if not a.size:
-            continue
-        device = device_of(a)
-        xp = device.xp
-        flat = a.reshape(-1)
-        for start in range(0, flat.size, _PASS):
-            piece = flat[start:start + _PASS]
-            piece = piece.astype(np.float32) if piece.dtype != np.float32 else piece
-            m, e = xp.frexp(piece)
-            big = m.astype(np.float64) * float(1 << 24)  # M, an integer below 2**24
-            hi = xp.floor(big * (1.0 / 4096))
-            lo = big - hi * 4096.0
-            at = e.astype(np.int64) + 148
-            for k, term in enumerate((hi * hi, 2.0 * hi * lo, lo * lo)):
-                sums = xp.bincount(at, weights=term, minlength=_EXPONENTS)
-                host = sums if device.host else device.to_host(sums)
-                if not np.isfinite(host).all():  # an inf or nan element
-                    out[-1] += 1
-                    break
-                out[k * _EXPONENTS:(k + 1) * _EXPONENTS] += host.astype(np.int64)
+    leaves = list(x) if isinstance(x, (list, tuple)) else [x]
+    out = np.zeros(EXACT_SLOTS, np.int64)
+    if not leaves:
+        return out
+    kind = array_kind(leaves[0])
+    groups: dict[str, list[Any]] = {}
+    for leaf in leaves:
+        code = check_array("exact_square_parts", "x", leaf, dtypes=("f32", "bf16", "f16"),
+                           kind=kind)
+        if leaf.size:
+            groups.setdefault(code, []).append(leaf.reshape(-1))
+    device = device_of(leaves[0])
+    on = out if device.host else device.xp.zeros(EXACT_SLOTS, dtype=np.int64)
+    for code, xs in groups.items():
+        driver_for(kind).sum_of_squares(xs, code, on, exact=True)
+    return out if device.host else device.to_host(on)
 
 
 def exact_square_total(parts: np.ndarray) -> float:
@@ -146,8 +130,6 @@ def exact_square_total(parts: np.ndarray) -> float:
     if parts[-1]:
         return math.inf
     total = 0
-    for k, shift in enumerate((24, 12, 0)):
-        for b in np.flatnonzero(parts[k * _EXPONENTS:(k + 1) * _EXPONENTS]):
-            total += int(parts[k * _EXPONENTS + b]) << (shift + 2 * int(b))
-    # x**2's exponent is 2 * (b - 148) - 48; the shifts above started at b = 0
-    return math.ldexp(float(total), -2 * 148 - 48)
+    for e in np.flatnonzero(parts[:256] | parts[256:512]):
+        total += (int(parts[e]) << 24) + int(parts[256 + e]) << (2 * int(e))
+    return math.ldexp(float(total), -300)  # x**2 of exponent e is M*M * 2**(2e - 300)

@@ -92,15 +92,32 @@ def test_exact_sums_of_squares_are_correctly_rounded_however_split():
         ops.exact_square_parts(np.ones(3))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ops.BF16, np.float16])
+def test_the_exact_slots_of_the_cpu_build_and_the_emulated_cuda_kernel_agree(dtype):
+    from ops.testing import xp
+
+    rng = np.random.default_rng(4)
+    for n in (1, 255, 70_001):  # one block, a part of one, several
+        x = (rng.standard_normal(n) * 2.0 ** rng.integers(-20, 10, n)).astype(dtype)
+        host = ops.exact_square_parts(x)
+        np.testing.assert_array_equal(ops.exact_square_parts(xp.asarray(x)), host)
+        want = sum(fractions.Fraction(float(v)) ** 2 for v in x.astype(np.float64))
+        assert ops.exact_square_total(host) == float(want)
+    x[3] = np.nan
+    assert ops.exact_square_parts(xp.asarray(x))[-1] == 1 == ops.exact_square_parts(x)[-1]
+
+
 # -- a JAX loss and Layered: worlds 1-8 x ZeRO 0-3 ------------------------------------
 
 DATA = M.batches(10, global_batch=32)
 
 
 def jax_run(comm, *, stage, loss_fn=M.loss, micro=1, optimizer=None, clip_norm=1.0,
-            invariant=V, steps=10, **options):
+            invariant=V, steps=10, replicas=1, **options):
+    where = {"mesh": shard.Mesh(comm, {"replicate": replicas, "shard": comm.world_size //
+                                       replicas})} if replicas > 1 else {"comm": comm}
     step = ZERO[stage](loss_fn, optimizer=optimizer or ops.adamw(M.LR, weight_decay=M.WD),
-                       comm=comm, clip_norm=clip_norm,
+                       clip_norm=clip_norm, **where,
                        options=shard.ZeroOptions(invariant_shards=invariant, **options))
     state = step.init(M.init_params())
     losses, norms = [], []
@@ -112,8 +129,8 @@ def jax_run(comm, *, stage, loss_fn=M.loss, micro=1, optimizer=None, clip_norm=1
         state, metrics = step(state, shard.MicroBatches(parts) if micro > 1 else parts[0])
         losses.append(metrics["loss"])
         norms.append(metrics["grad_norm"])
-    return [np.asarray(x) for x in jax.tree_util.tree_leaves(shard.gather(state, comm))], \
-        losses, norms
+    full = shard.gather(state, step.config.comm)
+    return [np.asarray(x) for x in jax.tree_util.tree_leaves(full)], losses, norms
 
 
 def assert_same_bits(got, want, what):
@@ -130,6 +147,10 @@ def test_a_jax_model_trains_to_the_same_bits_at_worlds_1_to_8_and_zero_0_to_3(lo
             got = ops.spawn(lambda c, s=stage: jax_run(c, stage=s, loss_fn=loss_fn), world)
             for r, g in enumerate(got):
                 assert_same_bits(g, want, f"zero{stage} at world {world}, rank {r}")
+    for world, kw in ((4, {"replicas": 2}), (8, {"replicas": 4}),  # HSDP, hpZ
+                      (4, {"reshard_after_forward": 2}), (8, {"reshard_after_forward": 4})):
+        got = ops.spawn(lambda c, kw=kw: jax_run(c, stage=3, loss_fn=loss_fn, **kw), world)[0]
+        assert_same_bits(got, want, f"zero3 at world {world} {kw}")
 
 
 def test_without_the_option_the_world_size_shows_in_the_bits():

@@ -94,9 +94,12 @@ class CpuDriver:
         args = (ptrs, sizes, len(tensors), *scalars, sums)
         fn(*(_arg(a, kind) for a, (_, kind) in zip(args, sig, strict=True)))
 
-    def sum_of_squares(self, xs: list[np.ndarray], code: str, out: np.ndarray) -> None:
-        """Write the float64 sum of squares of all of ``xs`` into ``out[0]``."""
-        partial, _ = sumsq_kernels(code)
+    def sum_of_squares(self, xs: list[np.ndarray], code: str, out: np.ndarray, *,
+                       exact: bool = False) -> None:
+        """Write the float64 sum of squares of all of ``xs`` into ``out[0]`` (with
+        ``exact``, add its int64 slots into ``out``: see [Note: exact sums of
+        squares])."""
+        partial, _ = sumsq_kernels(code, exact=exact)
         ptrs = np.array([x.ctypes.data for x in xs], np.int64)
         sizes = np.array([x.size for x in xs], np.int64)
         fn = self._function(partial.family, partial.host, partial.host_signature)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from ops.kernels._build import source
-from ops.kernels._table import LAMB_CHUNK, TABLE, Kernel, sumsq_kernels
+from ops.kernels._table import EXACT_SLOTS, LAMB_CHUNK, TABLE, Kernel, sumsq_kernels
 
 __all__ = ["NVRTC_OPTIONS", "CudaDriver", "cuda_driver"]
 
@@ -143,10 +143,20 @@ class CudaDriver:
             self.launch(apply, self.grid(apply, total), (ptrs, starts, len(tensors), *scalars,
                                                          sums))
 
-    def sum_of_squares(self, xs: list[Any], code: str, out: Any) -> None:
+    def sum_of_squares(self, xs: list[Any], code: str, out: Any, *, exact: bool = False) -> None:
         """Write the float64 sum of squares of all of ``xs`` into ``out[0]``: one
         launch for the per-block partials over every tensor, one to add them (no
-        host synchronisation)."""
+        host synchronisation). With ``exact``, add its int64 slots into ``out``
+        (see [Note: exact sums of squares]): two launches per tensor."""
+        if exact:
+            partial, finish = sumsq_kernels(code, exact=True)
+            for x in xs:
+                if x.size:
+                    grid = self.grid(partial, x.size)
+                    partials = self.xp.empty(grid * EXACT_SLOTS, dtype=np.int64)
+                    self.launch(partial, grid, (x, x.size, partials))
+                    self.launch(finish, 1, (partials, grid, out))
+            return
         if len(xs) == 1:
             self._sum_of_squares(xs[0], code, out)
             return

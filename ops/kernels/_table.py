@@ -15,8 +15,8 @@ import numpy as np
 
 from ops.kernels._dtypes import BF16
 
-__all__ = ["ADAM_MULTI_PARAMS", "LAMB_CHUNK", "TABLE", "Kernel", "adam_kernel", "cast_kernel",
-           "lamb_kernels", "lion_kernel", "runs_kernel", "sumsq_kernels"]
+__all__ = ["ADAM_MULTI_PARAMS", "EXACT_SLOTS", "LAMB_CHUNK", "TABLE", "Kernel", "adam_kernel",
+           "cast_kernel", "lamb_kernels", "lion_kernel", "runs_kernel", "sumsq_kernels"]
 
 # Parameter kinds: "ptr" (an array, or None for a null pointer), "f4", "f8", "i8".
 _ADAM_PARAMS = (
@@ -50,6 +50,7 @@ _LAMB_HOST_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), *_LAMB_SCAL
                      ("sums", "ptr"))
 _LAMB_FINISH_PARAMS = (("chunks", "ptr"), ("n", "i8"), ("partials", "ptr"), ("sums", "ptr"))
 LAMB_CHUNK = 4096  # ZS_LAMB_CHUNK: elements per chunk of the stats pass
+EXACT_SLOTS = 513  # ZS_EXACT_SLOTS: an exact sum of squares' int64 slots
 
 ADAM_MULTI_PARAMS = _ADAM_MULTI_PARAMS
 DTYPE_CODES = ("f32", "bf16", "f16")
@@ -127,6 +128,11 @@ def _entries() -> dict[str, Kernel]:
                              host_params=_SUMSQ_HOST_PARAMS, multi=multi)
         table[multi] = Kernel(multi, "reduce", _SUMSQ_TABLE_PARAMS)
     table["zs_sumsq_finish"] = Kernel("zs_sumsq_finish", "reduce", _FINISH_PARAMS)
+    for x in DTYPE_CODES:  # exact sums of squares: integer slots (see reduce.cu)
+        name = f"zs_exact_sumsq_partial_{x}"
+        table[name] = Kernel(name, "reduce", _SUMSQ_PARAMS, host=f"zs_exact_sumsq_{x}_host",
+                             host_params=_SUMSQ_HOST_PARAMS)
+    table["zs_exact_sumsq_finish"] = Kernel("zs_exact_sumsq_finish", "reduce", _FINISH_PARAMS)
     for name in ("zs_copy_runs_b2", "zs_copy_runs_b4", "zs_copy_runs_b8", "zs_widen_runs_bf16",
                  "zs_widen_runs_f16"):
         table[name] = Kernel(name, "copy", _RUNS_PARAMS, host=name + "_host")
@@ -165,6 +171,8 @@ def runs_kernel(src_dtype: Any, dst_dtype: Any) -> Kernel | None:
     return TABLE[widen[src]] if dst == np.float32 and src in widen else None
 
 
-def sumsq_kernels(code: str) -> tuple[Kernel, Kernel]:
-    """The (per-block partial, one-block finish) pair for a sum of squares."""
-    return TABLE[f"zs_sumsq_partial_{code}"], TABLE["zs_sumsq_finish"]
+def sumsq_kernels(code: str, *, exact: bool = False) -> tuple[Kernel, Kernel]:
+    """The (per-block partial, one-block finish) pair for a sum of squares (with
+    ``exact``, its integer slots: see [Note: exact sums of squares])."""
+    prefix = "zs_exact_sumsq" if exact else "zs_sumsq"
+    return TABLE[f"{prefix}_partial_{code}"], TABLE[f"{prefix}_finish"]

@@ -141,3 +141,97 @@ extern "C" __global__ void __launch_bounds__(ZS_REDUCE_BLOCK)
   double s = zs_block_sum(acc);
   if (threadIdx.x == 0) out[0] = s;
 }
+
+// Exact sums of squares (see [Note: exact sums of squares] in ops/_norm.py).
+// An element x = M * 2**(e - 150), e its biased float32 exponent (1 for zeros
+// and subnormals) and M below 2**24, has x**2 = (H * 2**24 + L) * 2**(2e - 300)
+// with H = M*M >> 24 and L = M*M & (2**24 - 1), both below 2**24. The sums of
+// H and of L for each e, and the count of non-finite elements, are integers:
+// exact in any order, so the result does not depend on the grid, the threads
+// or how the data was split. ZS_EXACT_SLOTS int64s: H by e, L by e, the count.
+#define ZS_EXACT_SLOTS 513
+
+__device__ __forceinline__ unsigned zs_exact_bucket(float v, unsigned long long* sq) {
+  unsigned bits = __float_as_uint(v);
+  unsigned e = (bits >> 23) & 0xffu;
+  unsigned long long m = (bits & 0x7fffffu) | (e ? 0x800000u : 0u);
+  *sq = m * m;
+  return e ? e : 1u;  // 255: inf or nan
+}
+
+// GPU: each block sums into shared memory (integer atomics) and writes its
+// ZS_EXACT_SLOTS sums; zs_exact_sumsq_finish adds the blocks' (integers).
+template <typename T>
+__device__ __forceinline__ void zs_exact_block(const T* __restrict__ x, zs_i64 n,
+                                               zs_i64* __restrict__ partials) {
+  __shared__ unsigned long long sums[ZS_EXACT_SLOTS];
+  for (unsigned k = threadIdx.x; k < ZS_EXACT_SLOTS; k += blockDim.x) sums[k] = 0;
+  __syncthreads();
+  ZS_GRID_STRIDE(i, n) {
+    unsigned long long sq;
+    unsigned e = zs_exact_bucket(zs_to_f32(x[i]), &sq);
+    if (e == 255u) {
+      atomicAdd(&sums[ZS_EXACT_SLOTS - 1], 1ull);
+    } else if (sq) {
+      atomicAdd(&sums[e], sq >> 24);
+      atomicAdd(&sums[256 + e], sq & 0xffffffull);
+    }
+  }
+  __syncthreads();
+  for (unsigned k = threadIdx.x; k < ZS_EXACT_SLOTS; k += blockDim.x)
+    partials[(zs_i64)blockIdx.x * ZS_EXACT_SLOTS + k] = (zs_i64)sums[k];
+}
+
+#ifdef ZS_CPU
+// CPU: each thread sums its contiguous slice into its own slots; the threads'
+// slots are added under a lock (integers: any order).
+template <typename T>
+static void zs_exact_host(const zs_i64* ptrs, const zs_i64* sizes, zs_i64 ntensors,
+                          zs_i64* out) {
+  for (zs_i64 t = 0; t < ntensors; ++t) {
+    const T* x = (const T*)ptrs[t];
+    zs_host_for(sizes[t], [x, out](zs_i64 begin, zs_i64 end) {
+      unsigned long long local[ZS_EXACT_SLOTS] = {0};
+      for (zs_i64 i = begin; i < end; ++i) {
+        unsigned long long sq;
+        unsigned e = zs_exact_bucket(zs_to_f32(x[i]), &sq);
+        if (e == 255u) {
+          local[ZS_EXACT_SLOTS - 1] += 1;
+        } else {
+          local[e] += sq >> 24;
+          local[256 + e] += sq & 0xffffffull;
+        }
+      }
+#pragma omp critical(zs_exact)
+      for (int k = 0; k < ZS_EXACT_SLOTS; ++k) out[k] += (zs_i64)local[k];
+    });
+  }
+}
+#endif
+
+#define ZS_EXACT_ENTRY(SUFFIX, T)                                                    \
+  extern "C" __global__ void __launch_bounds__(ZS_REDUCE_BLOCK)                     \
+      zs_exact_sumsq_partial_##SUFFIX(const T* __restrict__ x, zs_i64 n,            \
+                                      zs_i64* __restrict__ partials) {              \
+    zs_exact_block(x, n, partials);                                                  \
+  }                                                                                  \
+  ZS_HOST(extern "C" void zs_exact_sumsq_##SUFFIX##_host(const zs_i64* __restrict__ ptrs, \
+                                                         const zs_i64* __restrict__ sizes, \
+                                                         zs_i64 n, zs_i64* out) {         \
+    zs_exact_host<T>(ptrs, sizes, n, out);                                                  \
+  })
+
+ZS_EXACT_ENTRY(f32, float)
+ZS_EXACT_ENTRY(bf16, zs_bf16)
+ZS_EXACT_ENTRY(f16, zs_f16)
+
+// Second pass: one block adds the blocks' slots, each thread its own slots.
+extern "C" __global__ void __launch_bounds__(ZS_REDUCE_BLOCK)
+    zs_exact_sumsq_finish(const zs_i64* __restrict__ partials, zs_i64 nparts,
+                          zs_i64* __restrict__ out) {
+  for (zs_i64 k = threadIdx.x; k < ZS_EXACT_SLOTS; k += blockDim.x) {
+    zs_i64 acc = 0;
+    for (zs_i64 b = 0; b < nparts; ++b) acc += partials[b * ZS_EXACT_SLOTS + k];
+    out[k] += acc;
+  }
+}

@@ -5,7 +5,7 @@
 // __global__ grid-stride kernels; g++ compiles the same text with this shim
 // prepended, which (1) turns the CUDA qualifiers into plain C++, (2) provides
 // threadIdx/blockIdx/blockDim/gridDim as thread-locals, and (3) emulates
-// __syncthreads and full-warp shuffles so that a __global__ kernel can be run
+// __syncthreads, full-warp shuffles and integer atomicAdd so that a __global__ kernel can be run
 // on the CPU exactly as launched, one block at a time with one OS thread per
 // CUDA thread (ZS_EMULATE below). The fast CPU drivers (`*_host` entry points)
 // call the same __device__ functions from OpenMP loops.
@@ -93,6 +93,11 @@ static inline T __shfl_down_sync(unsigned mask, T v, unsigned delta) {
 template <typename T>
 static inline T __shfl_xor_sync(unsigned mask, T v, unsigned m) {
   return zs_shfl(mask, v, [m](unsigned lane) { return lane ^ m; });
+}
+
+// Integer atomics on memory the emulated threads share (__shared__ or global).
+static inline unsigned long long atomicAdd(unsigned long long* p, unsigned long long v) {
+  return __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
 }
 
 template <typename... A, size_t... I>
