@@ -1,6 +1,6 @@
 """invariant_shards=: the same bits at every world size dividing it, compared with ==.
 
-See [Note: the same bits at any world size] (shard/step/_grads.py), [Note:
+See [Note: the same bits at any world size] (shard/step/_ordered.py), [Note:
 ordered sums] (ops/comm/_ordered.py) and [Note: exact sums of squares]
 (ops/_norm.py).
 """

@@ -46,10 +46,12 @@ def check_power_of_two(where: str, what: str, n: int) -> None:
 class TreeSum:
     """Terms added one at a time (arrays of one shape, each handed over: the
     sum is built in them), summed as the perfect binary tree over them in
-    order (see [Note: ordered sums])."""
+    order (see [Note: ordered sums]). ``release(x)`` takes back each term
+    whose value was added into another."""
 
-    def __init__(self) -> None:
+    def __init__(self, release: Any = None) -> None:
         self._stack: list[tuple[int, Any]] = []  # (level, the subtree's sum)
+        self._release = release
         self.count = 0
 
     def add(self, x: Any) -> None:
@@ -57,6 +59,8 @@ class TreeSum:
         while self._stack and self._stack[-1][0] == level:
             _, left = self._stack.pop()
             left += x
+            if self._release is not None:
+                self._release(x)
             x, level = left, level + 1
         self._stack.append((level, x))
         self.count += 1

@@ -9,16 +9,18 @@
 - ``_init.py``: ``init`` and ``init_from``, unit by unit (whole params, a
   meta-device module's shapes, or a JAX init function);
 - ``_checks.py``: what a step checks before it changes anything;
-- ``_grads.py``: the gradient phase, each micro-batch's loss and gradients;
+- ``_grads.py``: the gradient phase, each micro-batch's loss and gradients,
+  and the loss alone at a state's params (``evaluate``);
 - ``_runtime.py``: units' full params gathered and their gradients reduced
   ([Note: ZeRO-3 schedule]); ``_reduce.py``: the gradients' reduction into
-  the shards the optimizer reads; ``_traced.py``: a JAX loss cut into one
+  the shards the optimizer reads; ``_ordered.py``: the same reduction, the
+  norm and the loss in an order fixed by the data (``invariant_shards=``,
+  [Note: the same bits at any world size]); ``_traced.py``: a JAX loss cut into one
   segment per unit, so stage 3 runs it unit by unit ([Note: traced units]);
 - ``_update.py``: the gradients' norm, the fused optimizer and the new
   compute params ([Note: missing gradients]);
 - ``_frozen.py``: which leaves train, their runs and their packed moments
-  ([Note: frozen leaves]);
-- ``_eval.py``: the loss at a state's params, with no update.
+  ([Note: frozen leaves]).
 
 It may import :mod:`shard.offload`, :mod:`shard.core`, :mod:`shard.monitor`
 and :mod:`ops`.

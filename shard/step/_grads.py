@@ -1,6 +1,7 @@
 """A step's gradient phase: the units' params as the loss sees them, each
 micro-batch's loss and gradients, handed unit by unit to the reduction (step 1
-of the step in ``shard/step/_step.py``)."""
+of the step in ``shard/step/_step.py``); and the loss alone, with no gradients
+(:meth:`ZeroStep.evaluate`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+import ops
 import ops._tree
 from ops.comm._collectives import all_gather_host
 from ops.device._device import device_of_or_none
@@ -19,14 +21,15 @@ from shard.core._loss import JaxLoss
 from shard.core._state import TrainState
 from shard.monitor._flops import FlopCount
 from shard.monitor._profile import timed
-from shard.step import _checks, _traced
-from shard.step._reduce import GradBuffers, GradReducer, OrderedReducer
+from shard.step import _traced
+from shard.step._reduce import GradBuffers, GradReducer
 from shard.step._runtime import LiveBytes, Units
 
 if TYPE_CHECKING:
     from shard.step._plan import Plan
 
 __all__ = [
+    "evaluate",
     "grad_buffers",
     "keyed_batch",
     "loss_and_grads",
@@ -34,11 +37,9 @@ __all__ = [
     "on_device",
     "placement",
     "reduce_dtype",
-    "reducer",
     "same_model_state",
     "step_loss",
     "unit_params",
-    "virtual_shards",
     "whole_params",
 ]
 
@@ -55,78 +56,6 @@ def grad_buffers(plan: Plan, kept: GradBuffers | None) -> GradBuffers:
     if kept is not None and kept.serves(plan.grad_layout, dtype, plan.device):
         return kept
     return GradBuffers(plan.grad_layout, dtype, plan.device)
-
-
-# [Note: the same bits at any world size]
-# ``invariant_shards=V`` fixes every sum of a step by the data, not by the
-# ranks. Each micro-batch (the global one: every data rank's part) is cut into
-# V virtual shards of equal rows; data rank d (replica r's rank k is
-# d = r * S + k) holds shards d * G to d * G + G - 1 (G = V / W), which is
-# how ``shard.DataLoader`` and ``split_batch`` cut a batch: contiguous parts
-# in rank order. Then:
-#
-# - each shard's loss and gradient come from the same program on the same
-#   shapes wherever it runs (``virtual_shards``: G calls of the loss a
-#   micro-batch), so they are the same bits on any rank;
-# - :class:`~shard.step._reduce.OrderedReducer` sums them in one binary tree
-#   over the V shards in order (see [Note: ordered sums] in
-#   ``ops/comm/_ordered.py``): a rank's G in a TreeSum, the ranks' subtrees
-#   by recursive halving (stages 1-3) or doubling (stage 0, the replicas of
-#   HSDP after their shard group: the data rank's low digits are the shard
-#   group's, so that is the same tree); micro-batches' sums are added in
-#   order, the first copied;
-# - the gradient norm is an exact sum (see [Note: exact sums of squares] in
-#   ``ops/_norm.py``), integer parts summed over the ranks, and the loss the
-#   exact sum (``math.fsum``) of every shard's loss;
-# - the gradients are multiplied once, by 1 / (V * micro-batches * loss
-#   scale), the same number on every layout, and the update acts on each
-#   element alone (the fused kernels, optax's jitted update), whichever rank
-#   and offset holds it;
-# - a JAX loss's key (``key=``) is derived from the shard's index and the
-#   micro-batch's, not from the rank.
-#
-# So worlds 1 to V (powers of two), ZeRO 0-3, HSDP, hpZ and host offload give
-# the same bits, and a checkpoint resumes on another world size on the same
-# trajectory. What still changes them: another machine or build (CPU or GPU
-# model, BLAS, XLA or torch version), another thread count inside the
-# compute (``torch.set_num_threads``), a batch order other than the one
-# above, and what ``invariant_shards=`` refuses (tensor and pipeline
-# parallelism, a model state, ``axis_name=``, ``weight_by_rows``,
-# ``gradient_divide_factor=``, ``Offload(overlap=True)``, LAMB's and
-# Adafactor's whole-leaf sums, float64 gradients). The cost: V calls of the
-# loss on smaller batches instead of W; up to log2(G) + 1 partial sums of the
-# whole gradient held until the micro-batch ends (at stage 3 too); the
-# reductions after the backward rather than during it; two small host reads
-# a step (the norm's parts and the losses).
-
-
-def reducer(plan: Plan, buffers: GradBuffers) -> GradReducer:
-    """The step's gradient reduction: ordered where ``invariant_shards=`` asks
-    (see [Note: the same bits at any world size])."""
-    c = plan.config
-    if c.invariant_shards:
-        return OrderedReducer(plan.grad_layout, plan.fast, stage=c.stage,
-                              dtype=reduce_dtype(plan), device=plan.device, buffers=buffers,
-                              plans=plan.grad_plans, group=c.invariant_shards // c.ranks)
-    return GradReducer(plan.grad_layout, plan.fast, stage=c.stage, dtype=reduce_dtype(plan),
-                       device=plan.device, buffers=buffers, plans=plan.grad_plans)
-
-
-def virtual_shards(plan: Plan, state: TrainState, micro: list[Any],
-                   weights: list[float] | None) -> list[Any]:
-    """Each micro-batch's virtual shards on this rank, in order (see [Note: the
-    same bits at any world size]); a refusal for what would change the bits."""
-    c = plan.config
-    if weights is not None:
-        raise ValueError(f"{c.name}: invariant_shards needs micro-batches of equal rows")
-    if state.model_state is not None:
-        raise NotImplementedError(f"{c.name}: invariant_shards= does not keep a model state "
-                                  "(statistics averaged over the ranks) invariant")
-    if reduce_dtype(plan) == np.float64:
-        raise NotImplementedError(f"{c.name}: invariant_shards= sums float32, bfloat16 and "
-                                  "float16 gradients exactly; not float64")
-    group = c.invariant_shards // c.ranks if c.invariant_shards else 1
-    return [v for b in micro for v in _checks.virtual_shards(c.name, c.comm.rank, b, group)]
 
 
 def unit_params(plan: Plan, state: TrainState, tracker: LiveBytes) -> Units:
@@ -345,3 +274,38 @@ def mean_model_state(plan: Plan, model_state: Any) -> Any:
             at += n
     return tu.tree_unflatten(tree, out)
 
+
+def evaluate(plan: Plan, units: Units, batch: Any, loss_fn: Any = None) -> Any:
+    """The loss at ``units``' params on this rank's ``batch``, averaged over the
+    ranks (a collective); with ``has_aux``, ``(loss, aux)``, aux averaged as the
+    step's metrics are. ``loss_fn`` (a ``JaxLoss``) replaces the step's loss. A
+    ``Layered`` loss, ``interop.torch.layered``'s and a pipeline's run unit by
+    unit, a JAX loss at stage 3 segment by segment (see [Note: traced units]);
+    other losses see the whole params at once."""
+    c = plan.config
+    fn = c.loss_fn if loss_fn is None else loss_fn
+    aux = None
+    with placement(plan):
+        if loss_fn is None and fn.loss_units is not None:  # Layered's too
+            loss = fn.loss_units(units, batch)  # unit by unit
+        elif c.kind == "jax" and not units.persistent:  # see [Note: traced units]
+            loss = _traced.traced(fn).loss_units(units, batch)
+        else:
+            params = whole_params(plan, units)
+            loss = fn.loss_value(params, batch) if fn.loss_value is not None else \
+                fn.value_and_grad(params, batch)[0]
+            del params
+        with_aux = fn.has_aux if isinstance(fn, JaxLoss) else c.has_aux
+        if with_aux and isinstance(loss, tuple):
+            loss, aux = loss
+        total = on_device(plan, loss, "the loss").astype(np.float64)
+    # a pipeline's loss is its last stage's: summed over the whole mesh, where
+    # each model rank holds the same loss (counted at model rank 0)
+    mesh = c.topology.whole
+    if mesh is not None and c.tensor_parallel is not None and c.tensor_parallel.rank > 0:
+        total = total * 0
+    total = ops.all_reduce(mesh or c.comm, total)
+    if c.replicate is not None:
+        total = ops.all_reduce(c.replicate, total)
+    value = float(plan.device.to_host(total)[0]) / c.ranks
+    return (value, mean_aux(plan, [aux])) if with_aux else value

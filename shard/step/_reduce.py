@@ -10,25 +10,17 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-import ops
 from ops import Communicator, Device
-from ops.comm._collectives import all_gather_host
-from ops.comm._ordered import TreeSum, tree_all_reduce, tree_reduce_scatter
 from ops.device._runs import Runs, contiguous_on, copy_runs
 from ops.kernels._table import runs_kernel
 from shard.core._layout import Layout
 from shard.monitor._profile import timed
 
-if TYPE_CHECKING:
-    from shard.step._plan import Plan
-
-__all__ = ["CopyPlans", "GradBuffers", "GradReducer", "OrderedReducer", "exact_norm_and_loss",
-           "wait_quietly"]
+__all__ = ["CopyPlans", "GradBuffers", "GradReducer", "wait_quietly"]
 
 
 class GradReducer:
@@ -233,105 +225,6 @@ class GradReducer:
         return self.shards
 
 
-class OrderedReducer(GradReducer):
-    """The reduction of ``invariant_shards=`` (see [Note: the same bits at any
-    world size]): each virtual shard's gradient packed on its own (no sum
-    with another), the ``group`` shards of a micro-batch summed per unit in a
-    :class:`~ops.comm._ordered.TreeSum`; at the group's end (:meth:`end_group`)
-    every unit, in order, is reduced by the ordered collectives, and the
-    micro-batches' sums are added in order (the first copied). Nothing is in
-    flight between calls."""
-
-    def __init__(self, layout: Layout, comm: Communicator, *, stage: int, dtype: Any,
-                 device: Device, group: int, buffers: GradBuffers | None = None,
-                 plans: CopyPlans | None = None) -> None:
-        super().__init__(layout, comm, stage=stage, dtype=dtype, device=device,
-                         buffers=buffers, plans=plans)
-        self.group = group
-        self._trees: dict[int, TreeSum] = {}
-        self._calls = 0  # the virtual shards of this micro-batch so far
-        self._summed: set[int] = set()  # units whose shard holds a micro-batch's sum
-
-    def bucket(self, u: int) -> Any | None:
-        return None  # every shard's gradient apart, never summed in place
-
-    def _add(self, u: int, grads: list[Any]) -> None:
-        unit, w = self.layout.units[u], self.layout.world_size
-        tree = self._trees.setdefault(u, TreeSum())
-        while tree.count < self._calls:  # no gradient in an earlier shard: zero
-            tree.add(self.device.zeros(unit.sharded_size * w + unit.replicated_size, self.dtype))
-        if tree.count > self._calls:
-            raise RuntimeError(f"unit {u}'s gradient was added twice for one virtual shard")
-        buf = self.device.empty(unit.sharded_size * w + unit.replicated_size, self.dtype)
-        packed, replicated = buf[:unit.sharded_size * w], buf[unit.sharded_size * w:]
-        replicated[...] = 0
-        kernel = self._pack(u, grads, packed)
-        for i, g in zip(unit.leaves, grads, strict=True):
-            leaf = self.layout.leaves[i]
-            if not (kernel and leaf.sharded):
-                self.layout.pack_grad(leaf, None if g is None else self._on_device(i, g),
-                                      packed, replicated, add=not leaf.sharded)
-        tree.add(buf)
-
-    def added(self, u: int) -> None:
-        raise RuntimeError("OrderedReducer keeps no bucket: add() each gradient")
-
-    def end_call(self) -> None:
-        """One virtual shard's gradients are all added; at the group's last,
-        every unit is reduced over the ranks (in unit order, on every rank)."""
-        self._calls += 1
-        if self._calls < self.group:
-            return
-        with timed("reduce_wait"):
-            for u, unit in enumerate(self.layout.units):
-                if unit.local_size:
-                    self._add_group(u, unit)
-        self._trees, self._calls = {}, 0
-
-    def _add_group(self, u: int, unit: Any) -> None:
-        w, s = self.layout.world_size, unit.sharded_size
-        tree = self._trees.get(u) or TreeSum()
-        while tree.count < self.group:
-            tree.add(self.device.zeros(s * w + unit.replicated_size, self.dtype))
-        buf = tree.total()
-        shard = self.shards[u]
-        out = shard if u not in self._summed else self.device.empty(unit.local_size, self.dtype)
-        if s and self.stage == 0:  # whole gradients, the same on every rank
-            out[:s] = tree_all_reduce(self.comm, buf[:s])
-        elif s:
-            tree_reduce_scatter(self.comm, out[:s], buf[:s * w])
-        if unit.replicated_size:
-            out[s:] = tree_all_reduce(self.comm, buf[s * w:])
-        if u in self._summed:
-            shard += out
-        self._summed.add(u)
-
-    def finish(self) -> list[Any]:
-        if self._calls:
-            raise RuntimeError(f"OrderedReducer: {self._calls} virtual shards of a micro-batch "
-                               f"of {self.group} were added")
-        for u, unit in enumerate(self.layout.units):
-            if u not in self._summed:
-                self.shards[u][:unit.local_size] = 0
-        return self.shards
-
-
-def exact_norm_and_loss(plan: Plan, sharded: list[Any], replicated: list[Any],
-                        losses: list[Any]) -> tuple[float, float]:
-    """The sum of squares of the gradients (this rank's ``sharded`` sections
-    over the data ranks, the ``replicated`` ones once) and the sum of every
-    virtual shard's loss, each exact, so the same bits however the ranks split
-    them (see [Note: the same bits at any world size])."""
-    parts = ops.exact_square_parts(sharded)
-    parts = all_gather_host(plan.fast, parts).reshape(plan.fast.world_size, -1).sum(axis=0)
-    parts += ops.exact_square_parts(replicated)
-    mine = plan.device.to_host(plan.device.xp.concatenate(losses)).astype(np.float64)
-    every = all_gather_host(plan.fast, mine)
-    if plan.replica is not None:
-        every = all_gather_host(plan.replica, every)
-    return ops.exact_square_total(parts), math.fsum(every.tolist())
-
-
 class CopyPlans:
     """The run tables of a layout's unit copies (see ``ops/device/_runs.py``), each made
     once and kept by the step with its device tables."""
@@ -369,6 +262,9 @@ class GradBuffers:
         self.flat = device.empty(layout.local_size(), dtype)
         bounds = np.cumsum([0, *(u.local_size for u in layout.units)]).tolist()
         self.units = [self.flat[a:b] for a, b in itertools.pairwise(bounds)]
+        # scratch buffers by size, kept for the next step: the ordered reduction's
+        # partial sums (see [Note: the same bits at any world size])
+        self.spare: dict[int, list[Any]] = {}
 
     def serves(self, layout: Layout, dtype: Any, device: Device) -> bool:
         return layout is self.layout and dtype == self.dtype and device is self.device

@@ -85,10 +85,11 @@ from shard.monitor._flops import FlopCount
 from shard.monitor._metrics import StepMetrics
 from shard.monitor._profile import step_breakdown, timed
 from shard.offload._step import Offloader
-from shard.step import _checks, _eval, _grads, _init, _update
+from shard.step import _checks, _grads, _init, _ordered, _update
 from shard.step._config import StepConfig, ZeroOptions
+from shard.step._ordered import OrderedReducer
 from shard.step._plan import Plan
-from shard.step._reduce import GradBuffers, OrderedReducer
+from shard.step._reduce import GradBuffers
 from shard.step._runtime import LiveBytes
 
 __all__ = ["ZeroStep"]
@@ -104,7 +105,7 @@ class ZeroStep:
     parts with explicit inputs: the checks (``_checks.py``), the gradient phase
     (``_grads.py``, ``_reduce.py``, ``_runtime.py``), the update
     (``_update.py``, or ``shard/offload/``'s :class:`Offloader`) and
-    evaluation (``_eval.py``). What it derives from the params, a
+    evaluation (``_grads.py``). What it derives from the params, a
     :class:`~shard.step._plan.Plan`, comes with each state (``init`` and
     ``shard.load`` make it); what it keeps between steps are buffers only.
     """
@@ -278,7 +279,7 @@ class ZeroStep:
             weights, rows = _checks.weights(micro), _checks.total_rows(micro)
         micro = [_checks.cast_inputs(plan, b) for b in micro]
         if c.invariant_shards:  # see [Note: the same bits at any world size]
-            micro, weights = _grads.virtual_shards(plan, state, micro, weights), None
+            micro, weights = _ordered.virtual_shards(plan, state, micro, weights), None
         try:
             return self._run(plan, state, micro, lr, weights, rows)
         finally:
@@ -293,7 +294,7 @@ class ZeroStep:
         c, device = self.config, plan.device
         scale = float(state.loss_scale)
         self._grad_buffers = _grads.grad_buffers(plan, self._grad_buffers)
-        reducer = _grads.reducer(plan, self._grad_buffers)
+        reducer = _ordered.reducer(plan, self._grad_buffers)
         units = _grads.unit_params(plan, state, self.tracker)
         leaves = len(plan.layout.leaves) if _update.tracks_missing(c) else 0
         totals = _update.fresh_totals(self.__dict__.setdefault("_totals_cache", {}), device,
@@ -458,7 +459,7 @@ class ZeroStep:
             loss_fn = called
             batch = _grads.keyed_batch(plan, batch, int(state.step), 0)
             batch = (batch, state.model_state) if with_state else batch
-        out = _eval.evaluate(plan, _grads.unit_params(plan, state, self.tracker), batch, loss_fn)
+        out = _grads.evaluate(plan, _grads.unit_params(plan, state, self.tracker), batch, loss_fn)
         if state.model_state is None:
             return out
         value, (_, aux) = out  # (loss, (new model state, aux)): the state stays as it was

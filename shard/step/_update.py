@@ -75,7 +75,7 @@ from shard.step._frozen import (
     outside,
     trainable_runs,
 )
-from shard.step._reduce import exact_norm_and_loss
+from shard.step._ordered import exact_norm_and_loss
 
 if TYPE_CHECKING:
     from shard.step._plan import Plan
@@ -88,13 +88,14 @@ log = logging.getLogger("shard.step")
 
 def norm_and_loss(plan: Plan, shards: list[Any], totals: Any, losses: list[Any]) -> None:
     """``totals`` (on the device) becomes [global sum of squares of the summed
-    gradients, sum of the micro-batch losses over ranks]: one all-reduce
-    (``losses``: each call's, summed exactly for ``invariant_shards=``)."""
+    gradients, sum of the losses (``losses``, each call's) over ranks]."""
     c, layout = plan.config, plan.grad_layout  # frozen leaves hold nothing there
-    if plan.replica is not None:  # see [Note: replicas]
+    if plan.replica is not None:  # see [Note: replicas]; ordered for invariant_shards=
         with timed("reduce_wait"):
-            for g in shards:  # in the ranks' fixed tree for invariant_shards=
-                _ = tree_all_reduce(plan.replica, g) if c.invariant_shards else \
+            for g in shards:
+                if c.invariant_shards:
+                    tree_all_reduce(plan.replica, g)
+                else:
                     plan.replica.all_reduce_(g, "sum")
     sharded: list[Any] = []
     replicated: list[Any] = []
