@@ -104,12 +104,23 @@ def test_torch_losses_return_aux_too(stage):
         np.testing.assert_allclose(aux["mse"], 2 * value, rtol=1e-5)
 
 
-def test_a_torch_loss_object_takes_the_flag_of_the_step_built_last():
+def test_two_steps_sharing_a_torch_loss_object_each_keep_their_own_has_aux():
+    """The step hands the loss its options per call (``configured``): building a
+    second step on the same object changes nothing of the first."""
     comm = ops.spawn(lambda c: c, 1)[0]
-    params, fn = it.functional(copy.deepcopy(T.built(T.MLP)), loss=T.mse)
-    shard.zero1(fn, optimizer=ops.adamw(M.LR), comm=comm, has_aux=True)
-    assert fn.has_aux
-    step = shard.zero1(fn, optimizer=ops.adamw(M.LR), comm=comm)
-    assert not fn.has_aux
-    _, metrics = step(step.init(params), T.data(1)[0])
-    assert "aux" not in metrics and np.isfinite(metrics["loss"])
+
+    def loss(model, batch):  # a Hugging Face style output: the loss and the rest
+        x, y = batch
+        err = ((model(x) - y) ** 2).mean()
+        return {"loss": err, "mse": err.detach() * 2}
+
+    params, fn = it.functional(copy.deepcopy(T.built(T.MLP)), loss=loss)
+    with_aux = shard.zero1(fn, optimizer=ops.adamw(M.LR), comm=comm, has_aux=True)
+    plain = shard.zero1(fn, optimizer=ops.adamw(M.LR), comm=comm)
+    a, b = with_aux.init(params), plain.init(params)
+    for batch in T.data(2):
+        a, got = with_aux(a, batch)
+        b, alone = plain(b, batch)
+        np.testing.assert_allclose(got["aux"]["mse"], 2 * got["loss"], rtol=1e-5)
+        assert "aux" not in alone and got["loss"] == alone["loss"]
+    assert not fn.has_aux  # nothing of either step stays on the object

@@ -75,8 +75,9 @@ a CUDA module trains on CuPy state with no host copy (see [Note: devices]).
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -113,7 +114,7 @@ class TorchLoss(LossProvider):
 
     supports_aux = True  # the loss may return (loss, aux): the transforms' has_aux=True
     counts_flops = "torch"  # see [Note: model FLOPs]
-    has_aux = False  # set by a step built with has_aux=True
+    has_aux = False  # True inside a call of a step built with has_aux=True
     reports_missing = True  # see [Note: missing gradients]
 
     def __init__(self, module: Any, loss: Callable[[Any, Any], Any], named: dict[str, Any],
@@ -132,7 +133,7 @@ class TorchLoss(LossProvider):
         self._sharded = meta is not None
         self._rank: int | None = None  # the rank this object serves (see claim)
         self._compute_dtype: Any = None  # set in a step when mixed precision changes it
-        self.cast_forward_inputs = True  # Precision's; the step sets it
+        self.cast_forward_inputs = True  # Precision's, inside a step's call (configured)
         self._on_gpu = any(p.device.type == "cuda" for p in named.values())
         self._warned = False
         self._like = {name: (tuple(p.shape), str(p.dtype).removeprefix("torch."))
@@ -152,14 +153,18 @@ class TorchLoss(LossProvider):
                                  "rank runs")
         self._buffers.comm = comm
 
-    def set_has_aux(self, value: bool) -> None:
-        """The step's ``has_aux``: the loss returns ``(loss, aux)``."""
-        self.has_aux = value
-
-    def set_cast_forward_inputs(self, value: bool) -> None:
-        """The precision policy's ``cast_forward_inputs``: the module casts its
-        floating inputs to the compute dtype in its forward."""
-        self.cast_forward_inputs = value
+    @contextlib.contextmanager
+    def configured(self, *, has_aux: bool, cast_forward_inputs: bool) -> Iterator[None]:
+        """One step's call: its ``has_aux`` (the loss returns ``(loss, aux)``)
+        and its precision policy's ``cast_forward_inputs`` (the module casts
+        its floating inputs to the compute dtype in its forward), restored
+        after (see [Note: the loss protocol])."""
+        before = self.has_aux, self.cast_forward_inputs
+        self.has_aux, self.cast_forward_inputs = has_aux, cast_forward_inputs
+        try:
+            yield
+        finally:
+            self.has_aux, self.cast_forward_inputs = before
 
     def hooks_usable(self, comm: Any) -> bool:
         """Whether stage 3 may run collectives inside the backward (see the Note)."""

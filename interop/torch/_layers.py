@@ -151,13 +151,19 @@ class TorchLayered(LossProvider):
                  inputs: Callable[[Any], Any] | None, named: list[dict[str, Any]]) -> None:
         self.layers, self.loss, self.named = layers, loss, named
         self.inputs = inputs or _first_input
-        self.cast_forward_inputs = True  # Precision's; the step sets it
+        self.cast_forward_inputs = True  # Precision's, inside a step's call (configured)
         self._rank: int | None = None
 
-    def set_cast_forward_inputs(self, value: bool) -> None:
-        """The precision policy's ``cast_forward_inputs``: the first layer casts
-        its floating input to the compute dtype."""
-        self.cast_forward_inputs = value
+    @contextlib.contextmanager
+    def configured(self, *, has_aux: bool, cast_forward_inputs: bool) -> Iterator[None]:
+        """One step's call: its precision policy's ``cast_forward_inputs`` (the
+        first layer casts its floating input to the compute dtype), restored
+        after."""
+        before, self.cast_forward_inputs = self.cast_forward_inputs, cast_forward_inputs
+        try:
+            yield
+        finally:
+            self.cast_forward_inputs = before
 
     def claim(self, comm: Any) -> None:
         """Bind this object to ``comm``'s rank (see ``TorchLoss.claim``)."""

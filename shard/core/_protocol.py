@@ -13,10 +13,12 @@ one, and a user's object that is not is wrapped in :class:`Provided`, which
 answers ``value_and_grad`` from it and the defaults for the rest.
 
 What the step hands a loss is explicit too: ``claim(comm)`` at ``init``
-(the rank a torch module serves), ``set_cast_forward_inputs`` from the
-precision policy, ``set_has_aux`` from the transform's ``has_aux=``, and, per
-step, the params, the batch, the loss scale, or, unit by unit, the units and
-the gradient reducer (``run_units``).
+(the rank a torch module serves); around each of its calls, ``configured``
+with the transform's ``has_aux=`` and the precision policy's
+``cast_forward_inputs`` (a context: nothing of the step's options stays on
+the loss object afterwards, so two steps may share one and ask differently);
+and, per call, the params, the batch, the loss scale, or, unit by unit, the
+units and the gradient reducer (``run_units``).
 """
 
 from __future__ import annotations
@@ -127,13 +129,14 @@ class LossProvider:
     def claim(self, comm: Any) -> None:
         """Bind the loss to ``comm``'s rank (``init`` calls it); by default nothing."""
 
-    def set_cast_forward_inputs(self, value: bool) -> None:
-        """The precision policy's ``cast_forward_inputs``, for a loss that casts
-        its own inputs (a torch module); by default nothing."""
-
-    def set_has_aux(self, value: bool) -> None:
-        """The transform's ``has_aux``, for a loss object that splits
-        ``(loss, aux)`` itself (``supports_aux``); by default nothing."""
+    def configured(self, *, has_aux: bool,
+                   cast_forward_inputs: bool) -> AbstractContextManager[Any]:
+        """A context in which the loss runs as one step asks: its ``has_aux``
+        (for a loss object that splits ``(loss, aux)`` itself,
+        ``supports_aux``) and its precision policy's ``cast_forward_inputs``
+        (for a loss that casts its own inputs, a torch module's); by default
+        nothing."""
+        return nullcontext()
 
     def evaluating(self) -> AbstractContextManager[Any]:
         """A context in which the loss runs in eval mode (a torch module's)."""

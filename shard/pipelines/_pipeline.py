@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -207,9 +208,11 @@ class Pipeline(LossProvider):
         ``interop.torch.layered``)."""
         self.loss.claim(self.world)
 
-    def set_cast_forward_inputs(self, value: bool) -> None:
-        """A torch stage's own casting of its first input (``Precision``'s)."""
-        self.loss.set_cast_forward_inputs(value)
+    def configured(self, *, has_aux: bool,
+                   cast_forward_inputs: bool) -> AbstractContextManager[Any]:
+        """The stage's loss as the step asks (a torch stage casts its first
+        input as ``Precision`` says)."""
+        return self.loss.configured(has_aux=has_aux, cast_forward_inputs=cast_forward_inputs)
 
     @property
     def jax_batch(self) -> bool:

@@ -337,8 +337,6 @@ class StepConfig(ZeroOptions):
             raise TypeError(f"{name}: has_aux=True is for a JAX loss function or "
                             "interop.torch.functional's loss; this "
                             f"{type(loss_fn).__name__} returns its loss alone")
-        if reads.supports_aux:  # the loss object splits (loss, aux)
-            reads.set_has_aux(o.has_aux)
         units = o.units
         if units is None:  # a loss object may know its model's units (interop.torch does)
             units = reads.units if kind == "provider" else None

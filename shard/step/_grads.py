@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from shard.step._plan import Plan
 
 __all__ = [
+    "configured",
     "evaluate",
     "grad_buffers",
     "keyed_batch",
@@ -98,6 +99,15 @@ def placement(plan: Plan) -> Any:
     import jax
 
     return jax.default_device(jax.devices("cpu")[0])
+
+
+def configured(plan: Plan, loss_fn: Any = None) -> AbstractContextManager[Any]:
+    """The step's loss (or ``loss_fn``) run with the step's ``has_aux`` and
+    precision policy (see [Note: the loss protocol])."""
+    c = plan.config
+    loss = c.loss_fn if loss_fn is None else loss_fn
+    return loss.configured(has_aux=c.has_aux,
+                           cast_forward_inputs=plan.precision.cast_forward_inputs)
 
 
 def step_loss(plan: Plan, with_state: bool, loss_fn: Any = None) -> JaxLoss | None:
@@ -285,7 +295,7 @@ def evaluate(plan: Plan, units: Units, batch: Any, loss_fn: Any = None) -> Any:
     c = plan.config
     fn = c.loss_fn if loss_fn is None else loss_fn
     aux = None
-    with placement(plan):
+    with placement(plan), configured(plan, fn):
         if loss_fn is None and fn.loss_units is not None:  # Layered's too
             loss = fn.loss_units(units, batch)  # unit by unit
         elif c.kind == "jax" and not units.persistent:  # see [Note: traced units]

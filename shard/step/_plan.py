@@ -237,7 +237,7 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
         if len(dtypes) > 1:  # 16-bit params: compute in their dtype, if they agree
             raise ValueError(f"{fn}: the params mix dtypes {dtypes}; say which one the loss "
                              "computes in: precision=shard.Precision(param_dtype=...)")
-        precision = Precision(param_dtype=dtypes[0], reduce_dtype=precision.reduce_dtype)
+        precision = dataclasses.replace(precision, param_dtype=dtypes[0])
     master_dtype = master_dtype_of(layout)
     if master_dtype == np.float64 and precision.param_dtype not in (None, np.dtype(np.float64)):
         raise NotImplementedError(f"{fn}: float64 params keep float64 masters, which mixed "
@@ -256,7 +256,6 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
         agree_on_layout(tp.comm, layout, fn)
         model_whole = frozenset(i for i, d in enumerate(tp.dims(params, whole=False))
                                 if d is None)
-    loss_fn.set_cast_forward_inputs(precision.cast_forward_inputs)  # a torch module casts itself
     full_layout = make_layout(params, config.specs, world_size=1, units=config.units)
     if config.stage == 3 and w > 1 and config.comm.rank == 0:
         _warn_if_one_unit_dominates(config.name, full_layout)

@@ -309,7 +309,7 @@ class ZeroStep:
         called = _grads.step_loss(plan, model_state is not None)  # see [Note: per-rank keys]
         self._flops.step = 0.0
         try:
-            with _grads.placement(plan):
+            with _grads.placement(plan), _grads.configured(plan):
                 for i, b in enumerate(micro):
                     reducer.final = i == len(micro) - 1
                     weight = weights[i] if weights else 1.0  # micro-batches of unequal rows
