@@ -7,6 +7,7 @@ ordered sums] (ops/comm/_ordered.py) and [Note: exact sums of squares]
 
 from __future__ import annotations
 
+import copy
 import fractions
 
 import jax
@@ -179,10 +180,20 @@ def test_micro_batches_offload_optax_bf16_and_keys_keep_the_bits(variant):
     kw = VARIANTS[variant]
     want = ops.spawn(lambda c: jax_run(c, stage=1, steps=4, **kw), 1)[0]
     for stage, world in ((1, 8), (3, 2), (3, 8)):
-        if variant == "bf16 reduction" and stage == 1:
-            continue
         got = ops.spawn(lambda c, s=stage: jax_run(c, stage=s, steps=4, **kw), world)[0]
         assert_same_bits(got, want, f"{variant}: zero{stage} at world {world}")
+
+
+def test_hsdp_sums_the_replicas_of_each_micro_batch_in_the_tree():
+    """Replica r's rank k is data rank r * S + k: each micro-batch's sum over the
+    shard group, then over the replicas, before the micro-batches are added."""
+    want = ops.spawn(lambda c: jax_run(c, stage=1, micro=2, steps=4), 1)[0]
+    for stage, world, replicas in ((1, 4, 2), (3, 4, 2), (2, 8, 4), (3, 8, 2)):
+        got = ops.spawn(lambda c, s=stage, r=replicas: jax_run(
+            c, stage=s, micro=2, steps=4, replicas=r), world)
+        for rank, g in enumerate(got):
+            assert_same_bits(g, want, f"zero{stage}, {replicas} replicas of {world // replicas}, "
+                                      f"rank {rank}")
 
 
 # -- the GPT example (a torch module): ZeRO 0-3, HSDP, hpZ; resumed across worlds ------
@@ -270,8 +281,11 @@ def test_batches_and_states_it_cannot_cut_are_refused_before_anything_changes():
         state = step.init(M.init_params())
         before = [np.array(x) for x in jax.tree_util.tree_leaves(state.params)]
         b = DATA[0]
-        with pytest.raises(ValueError, match="not a multiple"):
+        with pytest.raises(ValueError, match=r"2 virtual shards a rank.*\[\[5\], \[5\]\]"):
             step(state, {k: v[:5] for k, v in b.items()})  # 5 rows into 2 shards a rank
+        rows = 8 if comm.rank == 0 else 4  # every rank refuses, naming every rank's rows
+        with pytest.raises(ValueError, match=r"\[\[8\], \[4\]\]"):
+            step(state, {k: v[:rows] for k, v in b.items()})
         with pytest.raises(ValueError, match="equal rows"):
             step(state, shard.MicroBatches([{k: v[:8] for k, v in b.items()},
                                             {k: v[:4] for k, v in b.items()}]))
@@ -292,3 +306,29 @@ def test_batches_and_states_it_cannot_cut_are_refused_before_anything_changes():
             step(state, {k: v.astype(np.float64) for k, v in DATA[0].items()})
 
     ops.spawn(float64, 1)
+
+
+@pytest.mark.parametrize("layer", ["batch norm", "dropout"])
+def test_torch_modules_whose_results_depend_on_the_split_are_refused(layer):
+    import interop.torch as it
+
+    extra = torch.nn.BatchNorm1d(8) if layer == "batch norm" else torch.nn.Dropout(0.1)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), extra, torch.nn.Linear(8, 1))
+
+    def loss(module, batch):
+        x, y = batch
+        return ((module(x) - y) ** 2).mean()
+
+    def run(comm):
+        params, fn = it.functional(copy.deepcopy(model), loss=loss)
+        step = shard.zero1(fn, optimizer=ops.adamw(1e-2), comm=comm,
+                           options=shard.ZeroOptions(invariant_shards=2))
+        state = step.init(params)
+        batch = (torch.randn(4, 4), torch.randn(4, 1))
+        with pytest.raises(NotImplementedError, match=f"invariant_shards.*{type(extra).__name__}"):
+            step(state, batch)
+        fn.module.eval()  # statistics frozen, no dropout: nothing depends on the split
+        state, metrics = step(state, batch)
+        assert np.isfinite(metrics["loss"])
+
+    ops.spawn(run, 2)

@@ -85,7 +85,7 @@ import numpy as np
 from interop.torch._buffers import ModuleBuffers
 from interop.torch._meta import MetaParams
 from interop.torch._outputs import loss_and_aux
-from interop.torch._units import UnitHooks, check_owner, torch_dtype
+from interop.torch._units import UnitHooks, check_owner, rank_dependent, torch_dtype
 from ops.device._dlpack import _torch_device, torch_view
 from shard.core._protocol import LossProvider
 from shard.monitor._profile import timed
@@ -165,6 +165,10 @@ class TorchLoss(LossProvider):
             yield
         finally:
             self.has_aux, self.cast_forward_inputs = before
+
+    def layout_dependent(self) -> str | None:
+        """A module's running statistics or dropout (see ``rank_dependent``)."""
+        return rank_dependent(self.module.named_modules())
 
     def hooks_usable(self, comm: Any) -> bool:
         """Whether stage 3 may run collectives inside the backward (see the Note)."""

@@ -39,7 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from interop.torch._stage import TorchStage
-from interop.torch._units import check_owner
+from interop.torch._units import check_owner, rank_dependent
 from ops.device._dlpack import to_native, torch_view
 from shard.core._protocol import LossProvider
 from shard.monitor._profile import timed
@@ -164,6 +164,12 @@ class TorchLayered(LossProvider):
             yield
         finally:
             self.cast_forward_inputs = before
+
+    def layout_dependent(self) -> str | None:
+        """A layer's running statistics or dropout (see ``rank_dependent``)."""
+        return rank_dependent((f"layer {i}{'.' + n if n else ''}", m)
+                              for i, layer in enumerate(self.layers)
+                              for n, m in layer.named_modules())
 
     def claim(self, comm: Any) -> None:
         """Bind this object to ``comm``'s rank (see ``TorchLoss.claim``)."""

@@ -16,7 +16,7 @@ from interop.torch._unit_state import _ParamRef, _Persistent, _Plan, _Step
 from ops.device._dlpack import torch_view
 from shard.monitor._profile import timed
 
-__all__ = ["ROOT", "UnitHooks", "check_owner", "torch_dtype"]
+__all__ = ["ROOT", "UnitHooks", "check_owner", "rank_dependent", "torch_dtype"]
 
 ROOT = "<root>"
 
@@ -344,6 +344,24 @@ class UnitHooks:
                 a.issued += 1
         if a.gathering and a.index.get(ROOT) != u and (u in a.past or u not in a.lingers):
             self._unbind(u)
+
+
+def rank_dependent(modules: Any) -> str | None:
+    """The first of ``modules`` (``(name, module)`` pairs) in training mode whose
+    results depend on the batches it saw in order, besides its gradients:
+    running statistics (batch norm) or random draws from torch's generator
+    (dropout), named; None if there is none."""
+    import torch
+
+    for name, m in modules:
+        if not m.training:
+            continue
+        if isinstance(m, torch.nn.modules.batchnorm._NormBase) and m.track_running_stats:
+            return f"the running statistics of {name or 'the module'} ({type(m).__name__})"
+        if isinstance(m, torch.nn.modules.dropout._DropoutNd) and m.p > 0:
+            return (f"the random draws of {name or 'the module'} ({type(m).__name__}, from "
+                    "torch's generator; put it in eval mode or p=0)")
+    return None
 
 
 def torch_dtype(dtype: Any) -> Any:

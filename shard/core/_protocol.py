@@ -138,6 +138,13 @@ class LossProvider:
         nothing."""
         return nullcontext()
 
+    def layout_dependent(self) -> str | None:
+        """What of the loss, besides its gradients, depends on how the batch is
+        split over ranks (a torch module's running statistics, or its random
+        draws from torch's generator), named; None by default. ``invariant_shards=``
+        refuses such a loss."""
+        return None
+
     def evaluating(self) -> AbstractContextManager[Any]:
         """A context in which the loss runs in eval mode (a torch module's)."""
         return nullcontext()

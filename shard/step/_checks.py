@@ -20,9 +20,9 @@ from shard.core._state import TrainState
 if TYPE_CHECKING:
     from shard.step._plan import Plan
 
-__all__ = ["agree_on_layout", "agree_on_values", "cast_inputs", "check_batch", "check_fits",
-           "check_is_state", "counted_rows", "digest", "eval_loss", "learning_rate", "model_state",
-           "refuse_keys", "total_rows", "virtual_shards", "weights"]
+__all__ = ["agree_on_layout", "agree_on_values", "batch_rows", "cast_inputs", "check_batch",
+           "check_fits", "check_is_state", "counted_rows", "digest", "eval_loss", "learning_rate",
+           "model_state", "refuse_keys", "total_rows", "virtual_shards", "weights"]
 
 
 def digest(device: Device, arrays: list[Any], start: int = 1) -> int:
@@ -84,8 +84,15 @@ def weights(batches: list[Any]) -> list[float] | None:
 
 
 def counted_rows(name: str, rank: int, batch: Any) -> int:
-    """A batch's rows, the leading dimension its array leaves share, for
-    ``weight_by_rows``; a ValueError names the leaves that disagree."""
+    """A batch's rows for ``weight_by_rows`` (see :func:`batch_rows`)."""
+    return batch_rows(f"{name}: weight_by_rows weighs each batch by its rows, but on rank "
+                      f"{rank}", batch)
+
+
+def batch_rows(where: str, batch: Any) -> int:
+    """A batch's rows, the leading dimension its array leaves share; a
+    ValueError (after ``where``) names the leaves that disagree, or a batch
+    with none."""
     tu = ops._tree.tree_util()
     seen: tuple[str, int] | None = None
     for path, x in tu.tree_flatten_with_path(batch)[0]:
@@ -95,29 +102,23 @@ def counted_rows(name: str, rank: int, batch: Any) -> int:
         if seen is None:
             seen = (tu.keystr(path), int(shape[0]))
         elif int(shape[0]) != seen[1]:
-            raise ValueError(f"{name}: weight_by_rows weighs each batch by its rows, but on rank "
-                             f"{rank} batch{seen[0]} has {seen[1]} rows but "
+            raise ValueError(f"{where} batch{seen[0]} has {seen[1]} rows but "
                              f"batch{tu.keystr(path)} {int(shape[0])}; give array leaves that "
                              "share their leading dimension")
     if seen is None:
-        raise ValueError(f"{name}: weight_by_rows weighs each batch by its rows, but rank "
-                         f"{rank}'s batch has no array leaves to count")
+        raise ValueError(f"{where} the batch has no array leaves to count rows of")
     return seen[1]
 
 
-def virtual_shards(name: str, rank: int, batch: Any, group: int) -> list[Any]:
-    """``batch`` cut into ``group`` equal, contiguous parts along its rows (see
-    [Note: the same bits at any world size]); a ValueError naming the leaf
-    whose rows it does not divide."""
+def virtual_shards(batch: Any, rows: int, group: int) -> list[Any]:
+    """``batch`` (of ``rows`` rows, which ``group`` divides) cut into ``group``
+    equal, contiguous parts along its rows (see [Note: the same bits at any
+    world size])."""
     tu = ops._tree.tree_util()
-    flat, tree = tu.tree_flatten_with_path(batch)
-    rows = counted_rows(name, rank, batch)
-    if rows % group:
-        raise ValueError(f"{name}: invariant_shards cuts each rank's micro-batch into {group} "
-                         f"virtual shards; rank {rank}'s has {rows} rows, not a multiple")
+    flat, tree = tu.tree_flatten(batch)
     n = rows // group
     return [tu.tree_unflatten(tree, [x[j * n:(j + 1) * n] if len(getattr(x, "shape", ())) else x
-                                     for _, x in flat]) for j in range(group)]
+                                     for x in flat]) for j in range(group)]
 
 
 def total_rows(batches: list[Any]) -> int:

@@ -39,13 +39,13 @@ __all__ = ["OrderedReducer", "exact_norm_and_loss", "reducer", "virtual_shards"]
 # - each shard's loss and gradient come from the same program on the same
 #   shapes wherever it runs (``virtual_shards``: G calls of the loss a
 #   micro-batch), so they are the same bits on any rank;
-# - :class:`~shard.step._reduce.OrderedReducer` sums them in one binary tree
-#   over the V shards in order (see [Note: ordered sums] in
-#   ``ops/comm/_ordered.py``): a rank's G in a TreeSum, the ranks' subtrees
-#   by recursive halving (stages 1-3) or doubling (stage 0, the replicas of
-#   HSDP after their shard group: the data rank's low digits are the shard
-#   group's, so that is the same tree); micro-batches' sums are added in
-#   order, the first copied;
+# - :class:`OrderedReducer` sums them in one binary tree over the V shards
+#   in order (see [Note: ordered sums] in ``ops/comm/_ordered.py``): a rank's
+#   G in a TreeSum, the ranks' subtrees by recursive halving (stages 1-3) or
+#   doubling (stage 0), then under HSDP the replicas' subtrees (the data
+#   rank's low digits are the shard group's, so that is the same tree), each
+#   micro-batch on its own; the micro-batches' sums are added in order, the
+#   first copied;
 # - the gradient norm is an exact sum (see [Note: exact sums of squares] in
 #   ``ops/_norm.py``), integer parts summed over the ranks, and the loss the
 #   exact sum (``math.fsum``) of every shard's loss;
@@ -61,10 +61,12 @@ __all__ = ["OrderedReducer", "exact_norm_and_loss", "reducer", "virtual_shards"]
 # trajectory. What still changes them: another machine or build (CPU or GPU
 # model, BLAS, XLA or torch version), another thread count inside the
 # compute (``torch.set_num_threads``), a batch order other than the one
-# above, and what ``invariant_shards=`` refuses (tensor and pipeline
-# parallelism, a model state, ``axis_name=``, ``weight_by_rows``,
-# ``gradient_divide_factor=``, ``Offload(overlap=True)``, LAMB's and
-# Adafactor's whole-leaf sums, float64 gradients). The cost: V calls of the
+# above, and what ``invariant_shards=`` refuses before anything changes
+# (tensor and pipeline parallelism, a model state, a torch module's running
+# statistics or dropout in training mode, ranks whose micro-batches differ in
+# rows, ``axis_name=``, ``weight_by_rows``, ``gradient_divide_factor=``,
+# ``Offload(overlap=True)``, LAMB's and Adafactor's whole-leaf sums, float64
+# gradients). ``metrics["aux"]`` stays a mean of the ranks' means. The cost: V calls of the
 # loss on smaller batches instead of W; up to log2(G) + 1 partial sums of the
 # whole gradient held until the micro-batch ends (at stage 3 too); the
 # reductions after the backward rather than during it; two small host reads
@@ -78,7 +80,8 @@ def reducer(plan: Plan, buffers: GradBuffers) -> GradReducer:
     if c.invariant_shards:
         return OrderedReducer(plan.grad_layout, plan.fast, stage=c.stage,
                               dtype=reduce_dtype(plan), device=plan.device, buffers=buffers,
-                              plans=plan.grad_plans, group=c.invariant_shards // c.ranks)
+                              plans=plan.grad_plans, group=c.invariant_shards // c.ranks,
+                              replica=plan.replica)
     return GradReducer(plan.grad_layout, plan.fast, stage=c.stage, dtype=reduce_dtype(plan),
                        device=plan.device, buffers=buffers, plans=plan.grad_plans)
 
@@ -96,27 +99,44 @@ def virtual_shards(plan: Plan, state: TrainState, micro: list[Any],
     if reduce_dtype(plan) == np.float64:
         raise NotImplementedError(f"{c.name}: invariant_shards= sums float32, bfloat16 and "
                                   "float16 gradients exactly; not float64")
+    why = c.loss_fn.layout_dependent()
+    if why is not None:
+        raise NotImplementedError(f"{c.name}: invariant_shards= cannot keep {why} the same "
+                                  "at every world size")
     group = c.invariant_shards // c.ranks if c.invariant_shards else 1
-    return [v for b in micro for v in _checks.virtual_shards(c.name, c.comm.rank, b, group)]
+    rows = np.array([_checks.batch_rows(f"{c.name}: invariant_shards cuts each micro-batch by "
+                                        f"its rows, but on rank {c.comm.rank}", b)
+                     for b in micro], np.int64)
+    every = all_gather_host(plan.fast, rows)  # every rank refuses alike, before any compute
+    if plan.replica is not None:
+        every = all_gather_host(plan.replica, every)
+    every = every.reshape(c.ranks, len(micro))
+    if (every != every[0]).any() or every[0][0] % group:
+        raise ValueError(f"{c.name}: invariant_shards cuts each micro-batch into {group} "
+                         f"virtual shards a rank, of equal rows on every rank; the ranks' "
+                         f"micro-batches have {every.tolist()} rows")
+    return [v for b, n in zip(micro, rows.tolist(), strict=True)
+            for v in _checks.virtual_shards(b, n, group)]
 
 
 class OrderedReducer(GradReducer):
     """The reduction of ``invariant_shards=`` (see [Note: the same bits at any
     world size]): each virtual shard's gradient packed on its own (no sum
     with another), the ``group`` shards of a micro-batch summed per unit in a
-    :class:`~ops.comm._ordered.TreeSum`; at the group's end (:meth:`end_group`)
-    every unit, in order, is reduced by the ordered collectives, and the
-    micro-batches' sums are added in order (the first copied). Nothing is in
-    flight between calls."""
+    :class:`~ops.comm._ordered.TreeSum`; at the group's end (:meth:`end_call`)
+    every unit, in order, is reduced by the ordered collectives (over the
+    shard group, then HSDP's ``replica`` group), and the micro-batches' sums
+    are added in order (the first copied). Nothing is in flight between
+    calls."""
 
     def __init__(self, layout: Layout, comm: Communicator, *, stage: int, dtype: Any,
-                 device: Device, group: int, buffers: GradBuffers | None = None,
-                 plans: CopyPlans | None = None) -> None:
+                 device: Device, group: int, replica: Communicator | None = None,
+                 buffers: GradBuffers | None = None, plans: CopyPlans | None = None) -> None:
         buffers = buffers or GradBuffers(layout, dtype, device)
         super().__init__(layout, comm, stage=stage, dtype=dtype, device=device,
-                         buffers=buffers, plans=plans)
+                         buffers=buffers, plans=plans, accumulate=False)
         self._spare = buffers.spare
-        self.group = group
+        self.group, self.replica = group, replica
         self._trees: dict[int, TreeSum] = {}
         self._calls = 0  # the virtual shards of this micro-batch so far
         self._summed: set[int] = set()  # units whose shard holds a micro-batch's sum
@@ -188,6 +208,8 @@ class OrderedReducer(GradReducer):
             tree_reduce_scatter(self.comm, out[:s], buf[:s * w])
         if unit.replicated_size:
             out[s:] = tree_all_reduce(self.comm, buf[s * w:])
+        if self.replica is not None:  # HSDP: the replicas' subtrees, this micro-batch's
+            tree_all_reduce(self.replica, out[:unit.local_size])
         if u in self._summed:
             shard += out
             self._release(out)

@@ -30,11 +30,13 @@ class GradReducer:
     complete (asynchronously) and keep only this rank's shard, summed over
     micro-batches. Stages 0 and 1 accumulate the full gradient locally and
     reduce once, in :meth:`finish`. Replicated leaves are all-reduced.
+    ``accumulate=False``: none of those sums (a subclass that reduces each
+    gradient as it comes writes the shards itself).
     """
 
     def __init__(self, layout: Layout, comm: Communicator, *, stage: int, dtype: Any,
                  device: Device, buffers: GradBuffers | None = None,
-                 plans: CopyPlans | None = None) -> None:
+                 plans: CopyPlans | None = None, accumulate: bool = True) -> None:
         self.layout, self.comm, self.stage, self.device = layout, comm, stage, device
         self.plans = plans or CopyPlans(layout, layout)
         self.dtype = np.dtype(dtype)
@@ -44,7 +46,7 @@ class GradReducer:
         # nothing is reduced
         self.solo = comm.world_size == 1
         buffers = buffers or GradBuffers(layout, self.dtype, device)
-        if stage >= 2 and not self.solo:  # the first reduce-scatter writes the section
+        if (stage >= 2 and not self.solo) or not accumulate:  # the first reduction writes it
             self.shards = buffers.units
             for u, shard in zip(layout.units, self.shards, strict=True):
                 if u.replicated_size:
@@ -55,7 +57,7 @@ class GradReducer:
         # stages 0-1 (and one rank): the full gradients, summed over micro-batches;
         # where they have the shards' layout (one rank, or stage 0, whose
         # all-reduce works in place) they are the shards' sharded sections
-        self._full = (None if stage > 1 and not self.solo else
+        self._full = (None if (stage > 1 and not self.solo) or not accumulate else
                       [s[:u.sharded_size] for u, s in zip(layout.units, self.shards, strict=True)]
                       if self.solo or stage == 0 else
                       [device.zeros(u.sharded_size * w, self.dtype) for u in layout.units])

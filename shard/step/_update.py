@@ -60,7 +60,6 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 import ops
-from ops.comm._ordered import tree_all_reduce
 from ops.device._runs import copy_runs
 from shard.core._state import TrainState
 from shard.monitor._profile import timed
@@ -90,13 +89,10 @@ def norm_and_loss(plan: Plan, shards: list[Any], totals: Any, losses: list[Any])
     """``totals`` (on the device) becomes [global sum of squares of the summed
     gradients, sum of the losses (``losses``, each call's) over ranks]."""
     c, layout = plan.config, plan.grad_layout  # frozen leaves hold nothing there
-    if plan.replica is not None:  # see [Note: replicas]; ordered for invariant_shards=
-        with timed("reduce_wait"):
+    if plan.replica is not None and not c.invariant_shards:  # see [Note: replicas]
+        with timed("reduce_wait"):  # (ordered ones sum the replicas per micro-batch)
             for g in shards:
-                if c.invariant_shards:
-                    tree_all_reduce(plan.replica, g)
-                else:
-                    plan.replica.all_reduce_(g, "sum")
+                plan.replica.all_reduce_(g, "sum")
     sharded: list[Any] = []
     replicated: list[Any] = []
     skip = set(c.loss_fn.norm_skip)  # copies of a tied weight
