@@ -57,6 +57,30 @@ def test_ordered_collectives_sum_every_element_in_one_tree(world):
         assert not np.array_equal(want, np.sum(np.stack(xs), axis=0))
 
 
+def test_ordered_collectives_on_the_nccl_backend_and_device_memory():
+    """NCCL's point-to-point (sends queued and issued with the next receive, in
+    one group), over the stand-in that waits for each send's receive."""
+    nccl = pytest.importorskip("cupy.cuda.nccl")
+    from ops.testing import STANDIN
+    from tests.nccl_standin import run_ranks
+
+    rng = np.random.default_rng(9)
+    xs = [(rng.standard_normal(12) * 10.0 ** rng.integers(-6, 6, 12)).astype(np.float32)
+          for _ in range(4)]
+    want = tree_sum([x.copy() for x in xs])
+
+    def run(comm):
+        out = STANDIN.empty(3, np.float32)
+        tree_reduce_scatter(comm, out, STANDIN.from_host(xs[comm.rank].copy()))
+        whole = tree_all_reduce(comm, STANDIN.from_host(xs[comm.rank].copy()))
+        return STANDIN.to_host(out), STANDIN.to_host(whole)
+
+    results, _ = run_ranks(4, run, nccl, rendezvous=True)
+    for r, (out, whole) in enumerate(results):
+        np.testing.assert_array_equal(out, want[r * 3:(r + 1) * 3])
+        np.testing.assert_array_equal(whole, want)
+
+
 def test_a_tree_sum_of_terms_as_they_come_is_the_written_tree():
     rng = np.random.default_rng(0)
     terms = [rng.standard_normal(64).astype(np.float32) * 10.0 ** k for k in range(-4, 4)]
