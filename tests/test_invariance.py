@@ -310,6 +310,10 @@ def test_batches_and_states_it_cannot_cut_are_refused_before_anything_changes():
         rows = 8 if comm.rank == 0 else 4  # every rank refuses, naming every rank's rows
         with pytest.raises(ValueError, match=r"\[\[8\], \[4\]\]"):
             step(state, {k: v[:rows] for k, v in b.items()})
+        bad = {"x": b["x"][:4], "y": b["y"][:3 if comm.rank else 4]}  # rank 1's leaves disagree
+        with pytest.raises(ValueError, match=r"rank 1 batch\['x'\] has 4 rows" if comm.rank
+                           else r"\[\[4\], \[-1\]\]"):  # no rank waits for the other
+            step(state, bad)
         with pytest.raises(ValueError, match="equal rows"):
             step(state, shard.MicroBatches([{k: v[:8] for k, v in b.items()},
                                             {k: v[:4] for k, v in b.items()}]))

@@ -86,13 +86,10 @@ def reducer(plan: Plan, buffers: GradBuffers) -> GradReducer:
                        device=plan.device, buffers=buffers, plans=plan.grad_plans)
 
 
-def virtual_shards(plan: Plan, state: TrainState, micro: list[Any],
-                   weights: list[float] | None) -> list[Any]:
+def virtual_shards(plan: Plan, state: TrainState, micro: list[Any]) -> list[Any]:
     """Each micro-batch's virtual shards on this rank, in order (see [Note: the
     same bits at any world size]); a refusal for what would change the bits."""
     c = plan.config
-    if weights is not None:
-        raise ValueError(f"{c.name}: invariant_shards needs micro-batches of equal rows")
     if state.model_state is not None:
         raise NotImplementedError(f"{c.name}: invariant_shards= does not keep a model state "
                                   "(statistics averaged over the ranks) invariant")
@@ -104,14 +101,20 @@ def virtual_shards(plan: Plan, state: TrainState, micro: list[Any],
         raise NotImplementedError(f"{c.name}: invariant_shards= cannot keep {why} the same "
                                   "at every world size")
     group = c.invariant_shards // c.ranks if c.invariant_shards else 1
-    rows = np.array([_checks.batch_rows(f"{c.name}: invariant_shards cuts each micro-batch by "
-                                        f"its rows, but on rank {c.comm.rank}", b)
-                     for b in micro], np.int64)
+    try:
+        rows = np.array([_checks.batch_rows(f"{c.name}: invariant_shards cuts each micro-batch "
+                                            f"by its rows, but on rank {c.comm.rank}", b)
+                         for b in micro], np.int64)
+        mine = None
+    except ValueError as e:  # the others still gather, then refuse too
+        rows, mine = np.full(len(micro), -1, np.int64), e
     every = all_gather_host(plan.fast, rows)  # every rank refuses alike, before any compute
     if plan.replica is not None:
         every = all_gather_host(plan.replica, every)
     every = every.reshape(c.ranks, len(micro))
-    if (every != every[0]).any() or every[0][0] % group:
+    if mine is not None:
+        raise mine
+    if (every != every[0][0]).any() or every[0][0] % group:
         raise ValueError(f"{c.name}: invariant_shards cuts each micro-batch into {group} "
                          f"virtual shards a rank, of equal rows on every rank; the ranks' "
                          f"micro-batches have {every.tolist()} rows")

@@ -279,7 +279,7 @@ class ZeroStep:
             weights, rows = _checks.weights(micro), _checks.total_rows(micro)
         micro = [_checks.cast_inputs(plan, b) for b in micro]
         if c.invariant_shards:  # see [Note: the same bits at any world size]
-            micro, weights = _ordered.virtual_shards(plan, state, micro, weights), None
+            micro, weights = _ordered.virtual_shards(plan, state, micro), None
         try:
             return self._run(plan, state, micro, lr, weights, rows)
         finally:
