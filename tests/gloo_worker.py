@@ -257,6 +257,12 @@ def main() -> None:
                                                   strict=True))
             report["loss_diff"] = float(np.abs(np.subtract(losses, want_losses)).max())
             report["norm_diff"] = float(np.abs(np.subtract(norms, want_norms)).max())
+            from tests import test_invariance as inv  # 4 processes, one thread rank's bits
+
+            got = inv.jax_run(comm, stage=3, steps=4)
+            bits = ops.spawn(lambda c: inv.jax_run(c, stage=3, steps=4), 1)[0]
+            report["invariant"] = got[1:] == bits[1:] and all(
+                np.array_equal(a, b) for a, b in zip(got[0], bits[0], strict=True))
         elif scenario == "mismatch":
             ops.all_gather(comm, np.ones(100_000 + comm.rank, np.float32))
         report["ok"] = True
