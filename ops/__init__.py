@@ -1,7 +1,8 @@
 """ops: kernels, communicators and functional collectives for zeroshard.
 
 Arrays and the metal: single-source CUDA/CPU kernels (fused Adam/AdamW, sums of
-squares, casts, fused Lion and LAMB) and the optimizers built on them; communicators (threads, gloo,
+squares, exact ones too, casts, block-quantised int8, fused Lion and LAMB) and the
+optimizers built on them; communicators (threads, gloo,
 NCCL) and the functional collectives over them. numpy arrays run the CPU
 build of each kernel, device arrays (cupy, or the strict stand-in of
 :mod:`ops.testing`) its CUDA build: see [Note: devices] in ``ops/device/_device.py``.
@@ -22,6 +23,7 @@ from ops._optim import (
     lamb,
     lion,
 )
+from ops._quant import dequantize_blocks, quantize_blocks
 from ops.comm._base import (
     CollectiveError,
     CollectiveTimeout,
@@ -61,6 +63,7 @@ __all__ = [
     "all_reduce",
     "broadcast",
     "cast",
+    "dequantize_blocks",
     "device_of",
     "exact_square_parts",
     "exact_square_total",
@@ -72,6 +75,7 @@ __all__ = [
     "init_from_env",
     "lamb",
     "lion",
+    "quantize_blocks",
     "reduce_scatter",
     "spawn",
     "sum_of_squares",

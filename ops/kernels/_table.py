@@ -15,8 +15,9 @@ import numpy as np
 
 from ops.kernels._dtypes import BF16
 
-__all__ = ["ADAM_MULTI_PARAMS", "EXACT_SLOTS", "LAMB_CHUNK", "TABLE", "Kernel", "adam_kernel",
-           "cast_kernel", "lamb_kernels", "lion_kernel", "runs_kernel", "sumsq_kernels"]
+__all__ = ["ADAM_MULTI_PARAMS", "EXACT_SLOTS", "LAMB_CHUNK", "QUANT_GROUP", "TABLE", "Kernel",
+           "adam_kernel", "cast_kernel", "lamb_kernels", "lion_kernel", "runs_kernel",
+           "sumsq_kernels"]
 
 # Parameter kinds: "ptr" (an array, or None for a null pointer), "f4", "f8", "i8".
 _ADAM_PARAMS = (
@@ -26,6 +27,8 @@ _ADAM_PARAMS = (
     ("grad_scale", "f4"), ("max_norm", "f4"),
 )
 _CAST_PARAMS = (("x", "ptr"), ("y", "ptr"), ("n", "i8"))
+_QUANT_PARAMS = (("x", "ptr"), ("q", "ptr"), ("scales", "ptr"), ("n", "i8"))
+_DEQUANT_PARAMS = (("q", "ptr"), ("scales", "ptr"), ("y", "ptr"), ("n", "i8"))
 _SUMSQ_PARAMS = (("x", "ptr"), ("n", "i8"), ("partials", "ptr"))
 _SUMSQ_HOST_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), ("out", "ptr"))
 _ADAM_MULTI_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), *_ADAM_PARAMS[6:])
@@ -51,6 +54,7 @@ _LAMB_HOST_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), *_LAMB_SCAL
 _LAMB_FINISH_PARAMS = (("chunks", "ptr"), ("n", "i8"), ("partials", "ptr"), ("sums", "ptr"))
 LAMB_CHUNK = 4096  # ZS_LAMB_CHUNK: elements per chunk of the stats pass
 EXACT_SLOTS = 513  # ZS_EXACT_SLOTS: an exact sum of squares' int64 slots
+QUANT_GROUP = 256  # ZS_QUANT_GROUP: elements per int8 group and its scale
 
 ADAM_MULTI_PARAMS = _ADAM_MULTI_PARAMS
 DTYPE_CODES = ("f32", "bf16", "f16")
@@ -128,6 +132,11 @@ def _entries() -> dict[str, Kernel]:
                              host_params=_SUMSQ_HOST_PARAMS, multi=multi)
         table[multi] = Kernel(multi, "reduce", _SUMSQ_TABLE_PARAMS)
     table["zs_sumsq_finish"] = Kernel("zs_sumsq_finish", "reduce", _FINISH_PARAMS)
+    for x in DTYPE_CODES:  # block-quantised int8 (see quant.cu)
+        table[f"zs_quantize_{x}"] = Kernel(f"zs_quantize_{x}", "quant", _QUANT_PARAMS,
+                                           host=f"zs_quantize_{x}_host")
+        table[f"zs_dequantize_{x}"] = Kernel(f"zs_dequantize_{x}", "quant", _DEQUANT_PARAMS,
+                                             host=f"zs_dequantize_{x}_host")
     for x in DTYPE_CODES:  # exact sums of squares: integer slots (see reduce.cu)
         name = f"zs_exact_sumsq_partial_{x}"
         table[name] = Kernel(name, "reduce", _SUMSQ_PARAMS, host=f"zs_exact_sumsq_{x}_host",

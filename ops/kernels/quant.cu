@@ -1,0 +1,101 @@
+// Block-quantised int8 (ZeRO++'s qwZ): every group of ZS_QUANT_GROUP elements
+// keeps int8 values and one float32 scale, amax / 127 (amax the group's largest
+// |x|; 0 for a group of zeros): q = rint(x * (127 / amax)), within [-127, 127],
+// and x is read back as q * scale, at most scale / 2 from it (less the float
+// rounding of the products). IEEE operations only, so the CPU build and the GPU
+// give the same bits.
+//
+// GPU: one block of ZS_QUANT_GROUP threads per group (grid-stride over groups),
+// the group's amax by warp shuffles and shared memory. CPU: groups in parallel.
+#include "common.cuh"
+
+#define ZS_QUANT_GROUP 256  // launchers must use exactly this block size
+
+__device__ __forceinline__ signed char zs_quant_one(float x, float inv) {
+  float r = rintf(x * inv);
+  r = r > 127.f ? 127.f : (r < -127.f ? -127.f : r);
+  return (signed char)r;
+}
+
+__device__ __forceinline__ float zs_quant_inv(float amax) {
+  return amax > 0.f ? 127.f / amax : 0.f;
+}
+
+// The largest of `v` over the block; valid in every thread.
+__device__ __forceinline__ float zs_block_max(float v) {
+  __shared__ float warp_max[ZS_QUANT_GROUP / 32];
+  __shared__ float block_max;
+  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_down_sync(0xffffffffu, v, off));
+  unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) warp_max[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < blockDim.x / 32 ? warp_max[lane] : 0.f;
+    for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_down_sync(0xffffffffu, v, off));
+    if (lane == 0) block_max = v;
+  }
+  __syncthreads();
+  v = block_max;
+  __syncthreads();  // block_max is read before the next group writes it
+  return v;
+}
+
+template <typename T>
+__device__ __forceinline__ void zs_quantize_groups(const T* __restrict__ x,
+                                                   signed char* __restrict__ q,
+                                                   float* __restrict__ scales, zs_i64 n) {
+  zs_i64 groups = (n + ZS_QUANT_GROUP - 1) / ZS_QUANT_GROUP;
+  for (zs_i64 g = blockIdx.x; g < groups; g += gridDim.x) {
+    zs_i64 i = g * ZS_QUANT_GROUP + threadIdx.x;
+    float v = i < n ? zs_to_f32(x[i]) : 0.f;
+    float amax = zs_block_max(fabsf(v));
+    if (i < n) q[i] = zs_quant_one(v, zs_quant_inv(amax));
+    if (threadIdx.x == 0) scales[g] = amax / 127.f;
+  }
+}
+
+#ifdef ZS_CPU
+template <typename T>
+static void zs_quantize_host(const T* x, signed char* q, float* scales, zs_i64 n) {
+  zs_i64 groups = (n + ZS_QUANT_GROUP - 1) / ZS_QUANT_GROUP;
+  zs_host_for(groups, [=](zs_i64 begin, zs_i64 end) {
+    for (zs_i64 g = begin; g < end; ++g) {
+      zs_i64 lo = g * ZS_QUANT_GROUP, hi = lo + ZS_QUANT_GROUP < n ? lo + ZS_QUANT_GROUP : n;
+      float amax = 0.f;
+      for (zs_i64 i = lo; i < hi; ++i) amax = fmaxf(amax, fabsf(zs_to_f32(x[i])));
+      float inv = zs_quant_inv(amax);
+      for (zs_i64 i = lo; i < hi; ++i) q[i] = zs_quant_one(zs_to_f32(x[i]), inv);
+      scales[g] = amax / 127.f;
+    }
+  });
+}
+#endif
+
+#define ZS_QUANT_ENTRY(SUFFIX, T)                                                        \
+  extern "C" __global__ void __launch_bounds__(ZS_QUANT_GROUP)                          \
+      zs_quantize_##SUFFIX(const T* __restrict__ x, signed char* __restrict__ q,        \
+                           float* __restrict__ scales, zs_i64 n) {                      \
+    zs_quantize_groups(x, q, scales, n);                                                 \
+  }                                                                                      \
+  ZS_HOST(extern "C" void zs_quantize_##SUFFIX##_host(const T* x, signed char* q,      \
+                                                      float* scales, zs_i64 n) {       \
+    zs_quantize_host(x, q, scales, n);                                                   \
+  })                                                                                     \
+  extern "C" __global__ void __launch_bounds__(ZS_QUANT_GROUP)                          \
+      zs_dequantize_##SUFFIX(const signed char* __restrict__ q,                         \
+                             const float* __restrict__ scales, T* __restrict__ y,       \
+                             zs_i64 n) {                                                 \
+    ZS_GRID_STRIDE(i, n) zs_store(y, i, (float)q[i] * scales[i / ZS_QUANT_GROUP]);      \
+  }                                                                                      \
+  ZS_HOST(extern "C" void zs_dequantize_##SUFFIX##_host(const signed char* q,          \
+                                                        const float* scales, T* y,      \
+                                                        zs_i64 n) {                     \
+    zs_host_for(n, [=](zs_i64 begin, zs_i64 end) {                                      \
+      for (zs_i64 i = begin; i < end; ++i)                                               \
+        zs_store(y, i, (float)q[i] * scales[i / ZS_QUANT_GROUP]);                        \
+    });                                                                                  \
+  })
+
+ZS_QUANT_ENTRY(f32, float)
+ZS_QUANT_ENTRY(bf16, zs_bf16)
+ZS_QUANT_ENTRY(f16, zs_f16)
