@@ -117,3 +117,91 @@ def test_lamb_stats_kernel_is_race_free_and_each_missing_barrier_is_caught(tmp_p
         assert got == want > 0
     else:
         assert "ThreadSanitizer: data race" in run.stderr
+
+
+QUANT_DRIVER = r"""
+#include <cstdio>
+#include <vector>
+int main() {
+  // four groups and one block: the block's shared maxima are reused for each
+  const long long n = 3 * 256 + 5;
+  std::vector<float> x(n);
+  for (long long i = 0; i < n; ++i) x[i] = (float)((i * 37) % 101 - 50) * (1.0f + (i / 256));
+  std::vector<signed char> q(n), q2(n);
+  std::vector<float> s(4), s2(4);
+  const float* px = x.data(); signed char* pq = q.data(); float* ps = s.data();
+  void* args[] = {&px, &pq, &ps, (void*)&n};
+  unsigned grid[3] = {1, 1, 1}, block[3] = {256, 1, 1};
+  zs_emu_zs_quantize_f32(grid, block, args);
+  zs_quantize_f32_host(px, q2.data(), s2.data(), n);
+  std::printf("%d\n", (int)(q == q2 && s == s2));
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
+@pytest.mark.parametrize("removed", [None, 0, 1])
+def test_quantize_kernel_is_race_free_and_each_missing_barrier_is_caught(tmp_path, removed):
+    """The int8 quantisation's block maximum runs once per group in the same
+    block: its first barrier orders the warps' maxima before warp 0 reads them,
+    its second orders the block's maximum before every thread reads it (and
+    those reads before the next group's writes)."""
+    src = source("quant", "cpu")
+    assert src.count("__syncthreads();") == 2
+    if removed is not None:
+        at = -1
+        for _ in range(removed + 1):
+            at = src.index("__syncthreads();", at + 1)
+        src = src[:at] + src[at + len("__syncthreads();"):]
+    run = _run(tmp_path, src, f"quant{removed}", driver=QUANT_DRIVER)
+    if removed is None:
+        assert run.returncode == 0 and "ThreadSanitizer" not in run.stderr, run.stderr[-2000:]
+        assert run.stdout.strip() == "1"  # the emulated kernel equals the host build
+    else:
+        assert "ThreadSanitizer: data race" in run.stderr
+
+
+EXACT_DRIVER = r"""
+#include <cstdio>
+#include <vector>
+int main() {
+  // two blocks striding over the elements, then the one-block finish
+  const long long n = 5000, nparts = 2;
+  std::vector<float> x(n);
+  for (long long i = 0; i < n; ++i) x[i] = (float)((i % 7) - 3) * (1.0f + (float)(i % 3));
+  std::vector<long long> partials(nparts * 513), out(513, 0), host(513, 0);
+  const float* px = x.data(); long long* pp = partials.data(); long long* po = out.data();
+  void* a1[] = {&px, (void*)&n, &pp};
+  void* a2[] = {&pp, (void*)&nparts, &po};
+  unsigned grid[3] = {2, 1, 1}, one[3] = {1, 1, 1}, block[3] = {256, 1, 1};
+  zs_emu_zs_exact_sumsq_partial_f32(grid, block, a1);
+  zs_emu_zs_exact_sumsq_finish(one, block, a2);
+  long long ptr = (long long)px, size = n;
+  zs_exact_sumsq_f32_host(&ptr, &size, 1, host.data());
+  std::printf("%d\n", (int)(out == host));
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
+@pytest.mark.parametrize("removed", [None, 0, 1])
+def test_exact_sum_of_squares_kernel_is_race_free_and_each_missing_barrier_is_caught(tmp_path,
+                                                                                      removed):
+    """The exact kernel's shared slots: the first barrier orders their zeroing
+    before any thread adds to them, the second the adds before the slots are
+    written out."""
+    src = source("reduce", "cpu")
+    start = src.index("zs_exact_block(")  # the exact kernel's own barriers
+    if removed is not None:
+        at = start - 1
+        for _ in range(removed + 1):
+            at = src.index("__syncthreads();", at + 1)
+        src = src[:at] + src[at + len("__syncthreads();"):]
+    run = _run(tmp_path, src, f"exact{removed}", driver=EXACT_DRIVER)
+    if removed is None:
+        assert run.returncode == 0 and "ThreadSanitizer" not in run.stderr, run.stderr[-2000:]
+        assert run.stdout.strip() == "1"  # the emulated kernel equals the host build
+    else:
+        assert "ThreadSanitizer: data race" in run.stderr

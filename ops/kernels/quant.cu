@@ -34,10 +34,8 @@ __device__ __forceinline__ float zs_block_max(float v) {
     for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_down_sync(0xffffffffu, v, off));
     if (lane == 0) block_max = v;
   }
-  __syncthreads();
-  v = block_max;
-  __syncthreads();  // block_max is read before the next group writes it
-  return v;
+  __syncthreads();  // and a thread reads block_max before it reaches the next group's first
+  return block_max;
 }
 
 template <typename T>
