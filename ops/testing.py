@@ -252,8 +252,6 @@ def _wrap_result(fn: Any) -> Any:
     def call(*args: Any, out: Any = None, **kwargs: Any) -> Any:
         raw = [_unwrap(a, fn.__name__) if isinstance(a, (StandInArray, np.ndarray)) else a
                for a in args]
-        kwargs = {k: _unwrap(v, fn.__name__) if isinstance(v, StandInArray) else v
-                  for k, v in kwargs.items()}
         DEVICE_OPS.add("kernel")
         if out is not None:
             fn(*raw, out=_unwrap(out, fn.__name__), **kwargs)
@@ -330,8 +328,7 @@ xp = types.SimpleNamespace(
     zeros_like=lambda x, dtype=None: _zeros(x.shape, dtype or x.dtype),
     **{name: _wrap_result(getattr(np, name)) for name in (
         "add", "subtract", "multiply", "divide", "sqrt", "square", "sum", "isfinite", "any",
-        "all", "abs", "maximum", "minimum", "floor", "bincount")},
-    frexp=lambda x: tuple(_result(part) for part in np.frexp(_unwrap(x, "frexp"))),
+        "all", "abs", "maximum", "minimum")},
 )
 
 

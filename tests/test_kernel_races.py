@@ -50,6 +50,24 @@ def _run(tmp_path, src: str, name: str, driver: str = DRIVER) -> subprocess.Comp
                           env={"TSAN_OPTIONS": "halt_on_error=0 exitcode=66"})
 
 
+def _race_run(tmp_path, src: str, name: str, driver: str, removed: int | None,
+              start: int = 0) -> subprocess.CompletedProcess:
+    """``src`` run under ThreadSanitizer with its ``removed``-th barrier at or after
+    ``start`` taken out (None: as written); a run as written must be race-free,
+    one with a barrier removed must show a data race (asserted here)."""
+    if removed is not None:
+        at = start - 1
+        for _ in range(removed + 1):
+            at = src.index("__syncthreads();", at + 1)
+        src = src[:at] + src[at + len("__syncthreads();"):]
+    run = _run(tmp_path, src, f"{name}{removed}", driver=driver)
+    if removed is None:
+        assert run.returncode == 0 and "ThreadSanitizer" not in run.stderr, run.stderr[-2000:]
+    else:
+        assert "ThreadSanitizer: data race" in run.stderr
+    return run
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
 def test_reduction_kernels_are_race_free_and_a_missing_barrier_is_caught(tmp_path):
     src = source("reduce", "cpu")
@@ -105,18 +123,10 @@ def test_lamb_stats_kernel_is_race_free_and_each_missing_barrier_is_caught(tmp_p
     previous chunk's reads, its second orders the writes before the reads."""
     src = source("lamb", "cpu")
     assert src.count("__syncthreads();") == 2
-    if removed is not None:
-        at = -1
-        for _ in range(removed + 1):
-            at = src.index("__syncthreads();", at + 1)
-        src = src[:at] + src[at + len("__syncthreads();"):]
-    run = _run(tmp_path, src, f"lamb{removed}", driver=LAMB_DRIVER)
+    run = _race_run(tmp_path, src, "lamb", LAMB_DRIVER, removed)
     if removed is None:
-        assert run.returncode == 0 and "ThreadSanitizer" not in run.stderr, run.stderr[-2000:]
         got, want = (float(x) for x in run.stdout.split())
         assert got == want > 0
-    else:
-        assert "ThreadSanitizer: data race" in run.stderr
 
 
 QUANT_DRIVER = r"""
@@ -149,17 +159,9 @@ def test_quantize_kernel_is_race_free_and_each_missing_barrier_is_caught(tmp_pat
     those reads before the next group's writes)."""
     src = source("quant", "cpu")
     assert src.count("__syncthreads();") == 2
-    if removed is not None:
-        at = -1
-        for _ in range(removed + 1):
-            at = src.index("__syncthreads();", at + 1)
-        src = src[:at] + src[at + len("__syncthreads();"):]
-    run = _run(tmp_path, src, f"quant{removed}", driver=QUANT_DRIVER)
+    run = _race_run(tmp_path, src, "quant", QUANT_DRIVER, removed)
     if removed is None:
-        assert run.returncode == 0 and "ThreadSanitizer" not in run.stderr, run.stderr[-2000:]
         assert run.stdout.strip() == "1"  # the emulated kernel equals the host build
-    else:
-        assert "ThreadSanitizer: data race" in run.stderr
 
 
 EXACT_DRIVER = r"""
@@ -194,14 +196,6 @@ def test_exact_sum_of_squares_kernel_is_race_free_and_each_missing_barrier_is_ca
     written out."""
     src = source("reduce", "cpu")
     start = src.index("zs_exact_block(")  # the exact kernel's own barriers
-    if removed is not None:
-        at = start - 1
-        for _ in range(removed + 1):
-            at = src.index("__syncthreads();", at + 1)
-        src = src[:at] + src[at + len("__syncthreads();"):]
-    run = _run(tmp_path, src, f"exact{removed}", driver=EXACT_DRIVER)
+    run = _race_run(tmp_path, src, "exact", EXACT_DRIVER, removed, start)
     if removed is None:
-        assert run.returncode == 0 and "ThreadSanitizer" not in run.stderr, run.stderr[-2000:]
         assert run.stdout.strip() == "1"  # the emulated kernel equals the host build
-    else:
-        assert "ThreadSanitizer: data race" in run.stderr

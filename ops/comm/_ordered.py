@@ -31,12 +31,12 @@ from typing import Any
 from ops.comm._base import Communicator
 from ops.device._device import device_of
 
-__all__ = ["TreeSum", "check_power_of_two", "tree_all_reduce", "tree_reduce_scatter"]
+__all__ = ["TreeSum", "tree_all_reduce", "tree_reduce_scatter"]
 
 _TAG = 7919  # the ordered collectives' point-to-point messages
 
 
-def check_power_of_two(where: str, what: str, n: int) -> None:
+def _check_power_of_two(where: str, what: str, n: int) -> None:
     """A ValueError naming ``what`` unless ``n`` is a power of two."""
     if n < 1 or n & (n - 1):
         raise ValueError(f"{where}: {what} must be a power of two for a fixed summation "
@@ -78,7 +78,7 @@ def tree_reduce_scatter(comm: Communicator, out: Any, x: Any) -> Any:
     equal segments, ``out`` one of them), summed in the fixed tree of [Note:
     ordered sums]. ``x`` is overwritten (it holds the partial sums)."""
     w, r = comm.world_size, comm.rank
-    check_power_of_two("tree_reduce_scatter", "the number of ranks", w)
+    _check_power_of_two("tree_reduce_scatter", "the number of ranks", w)
     if x.size != out.size * w:
         raise ValueError(f"tree_reduce_scatter: the input has {x.size} elements; "
                          f"{w} ranks x the output's {out.size} = {out.size * w} needed")
@@ -105,7 +105,7 @@ def tree_all_reduce(comm: Communicator, x: Any) -> Any:
     """The ranks' sum of ``x``, in place, summed in the fixed tree of [Note:
     ordered sums] (the same bits on every rank)."""
     w, r = comm.world_size, comm.rank
-    check_power_of_two("tree_all_reduce", "the number of ranks", w)
+    _check_power_of_two("tree_all_reduce", "the number of ranks", w)
     flat = x.reshape(-1)
     got = device_of(x).empty(flat.size, x.dtype) if w > 1 else None
     d = 1
