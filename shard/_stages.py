@@ -51,9 +51,9 @@ def _bound_to_ranks(fn: Any, axis_name: Any, topology: Topology, tp: Any, where:
     """``fn`` with ``axis_name`` bound to this rank's data ranks: its
     ``jax.lax.psum`` over the name is an all-reduce over the data ranks (the
     all-reduce of the cotangent its derivative), its ``axis_index`` the rank.
-    Each rank's loss is then its own function, compiled by that rank alone,
-    so no rank waits on another's compile while its collectives wait."""
-    import jax
+    Both take the rank as an operand, so every data rank traces the same
+    program (see [Note: one program for a group's ranks] in
+    ``ops/comm/_xla.py``)."""
     import jax.numpy as jnp
 
     from shard.core._data_rank import bind_axis
@@ -71,20 +71,23 @@ def _bound_to_ranks(fn: Any, axis_name: Any, topology: Topology, tp: Any, where:
                                   "parallelism) is not built")
     # the data ranks, every replica's included, where replica r's rank k is
     # data rank r * S + k (as for the keys)
-    groups = [Collectives(c) for c in (topology.data, topology.replicate) if c is not None]
+    data = Collectives(topology.data)
+    replicas = Collectives(topology.replicate) if topology.replicate is not None else None
 
-    def total(x: Any) -> Any:
-        for group in groups:
-            x = group.all_reduce(x)
+    def psum(x: Any) -> Any:
+        # "copy" all-reduces the cotangent, "reduce" the value: together an
+        # all-reduce both ways, each with the rank an operand
+        for group in (data, replicas):
+            if group is not None:
+                x = group.apply("reduce", group.apply("copy", x))
         return x
 
-    @jax.custom_vjp
-    def psum(x: Any) -> Any:
-        return total(x)
-    psum.defvjp(lambda x: (total(x), None), lambda _, ct: (total(ct),))
-    rank = topology.data_rank
-    return bind_axis(fn, axis_name, topology.ranks, psum=psum,
-                     index=lambda: jnp.asarray(rank, jnp.int32), where=where)
+    def index() -> Any:
+        k = data.ids()[0] if data.size > 1 else 0
+        r = replicas.ids()[0] if replicas is not None and replicas.size > 1 else 0
+        return jnp.asarray(r * data.size + k, jnp.int32)
+
+    return bind_axis(fn, axis_name, topology.ranks, psum=psum, index=index, where=where)
 
 
 _DOC = """ZeRO stage {stage} of ``loss_fn``: {what}.

@@ -112,7 +112,7 @@ def test_segments_follow_first_use_and_carry_what_later_ones_read():
 
     def check(step, state, comm):
         traced = shard.step._traced.traced(step.config.loss_fn)
-        (program,) = [p for (layout, (_, _, shapes)), p in traced._programs.items()
+        (program,) = [p for (layout, (_, _, shapes)), (p, _) in traced._programs.items()
                       if layout == step.plan.full_layout and shapes[0][0] == (3,)]
         seen["order"] = [list(program.layout.units[u].leaves) for u in program.order]
         seen["unused"] = program.unused

@@ -12,7 +12,10 @@ processes under torchrun ([Note: gloo algorithms]) and NCCL on GPUs.
 - ``_collectives.py``: :func:`~ops.all_gather`, :func:`~ops.reduce_scatter`,
   :func:`~ops.all_reduce`, :func:`~ops.broadcast`;
 - ``_ordered.py``: sums in a fixed binary tree, the same bits on any number
-  of ranks ([Note: ordered sums]).
+  of ranks ([Note: ordered sums]);
+- ``_xla.py``: collectives that a JAX program calls with the rank as an
+  operand, and one compile of a program for every rank and object that
+  traces it ([Note: one program for a group's ranks]).
 
 It may import :mod:`ops.device` and :mod:`ops.kernels`; the public names are
 :mod:`ops`'s.

@@ -61,6 +61,7 @@ class ThreadGroup:
         # sub-groups made by split: (group, its members' ranks here)
         self._children: dict[tuple[int, int], tuple[ThreadGroup, list[int]]] = {}
         self._parent: ThreadGroup | None = None
+        self._split: tuple[int, list[int]] = (0, [])  # (the split that made it, its ranks there)
 
     def communicators(self) -> list[ThreadCommunicator]:
         return [ThreadCommunicator(self, r) for r in range(self.world_size)]
@@ -272,13 +273,25 @@ class ThreadCommunicator(Communicator):
             key = (self._splits, color)
             if key not in parent._children:
                 child = ThreadGroup(len(members), parent.timeout)
-                child._parent = parent
+                child._parent, child._split = parent, (self._splits, members)
                 parent._children[key] = (child, members)
             child = parent._children[key][0]
             failure = parent.failure
         if failure is not None:  # failed before this group was made: so is the group
             child.fail(-1, failure[1])
         return ThreadCommunicator(child, members.index(self.rank))
+
+
+def lineage(group: ThreadGroup, rank: int) -> tuple[ThreadGroup, tuple[int, ...], int]:
+    """Where rank ``rank`` of ``group`` comes from: the root group that the
+    splits began at, which splits made ``group`` (the same for every color of
+    a split: its siblings share it) and the rank's rank in the root."""
+    splits: list[int] = []
+    while group._parent is not None:
+        number, members = group._split
+        splits.append(number)
+        rank, group = members[rank], group._parent
+    return group, tuple(reversed(splits)), rank
 
 
 class _RoundWork(Work):

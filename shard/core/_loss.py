@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from ops.comm._xla import SharedJit
 from ops.device._dlpack import jax_view
 from shard.core._data_rank import unbound_axis
 from shard.core._protocol import LossProvider
@@ -78,8 +79,8 @@ class Layered(LossProvider):
                         return jax.vjp(lambda p, c: f(p, c, b), p, c)[1](ct)
                     return bwd
 
-                self._bwd = [jax.jit(make_bwd(f)) for f in self.layers]
-                self._fwd = [jax.jit(f) for f in self.layers]
+                self._bwd = [SharedJit(make_bwd(f)) for f in self.layers]
+                self._fwd = [SharedJit(f) for f in self.layers]
         return self._fwd, self._bwd
 
     def unit_layers(self, layout: Any) -> list[_UnitLayer]:
@@ -201,14 +202,14 @@ class _UnitLayer:
         self.f, self.treedef, self.pieces, self.size = f, treedef, pieces, size
         self._plans: dict[Any, tuple[Any, Any]] = {}
         self._lock = threading.Lock()
-        self.apply = jax.jit(lambda flat, c, b: f(self.params(flat), c, b))
+        self.apply = SharedJit(lambda flat, c, b: f(self.params(flat), c, b))
 
         def recompute(flat: Any, c: Any, b: Any, ct: Any) -> Any:
             g, dc = jax.vjp(lambda ls, c: f(self.treedef.unflatten(ls), c, b),
                             self.leaves(flat), c)[1](ct)
             return self.flat_grad(g, flat.dtype), dc
 
-        self.recompute = jax.jit(recompute)
+        self.recompute = SharedJit(recompute)
 
     def leaves(self, flat: Any) -> list[Any]:
         return [flat[o:o + n].reshape(shape) for o, n, shape in self.pieces]
@@ -242,9 +243,8 @@ class _UnitLayer:
                 plan = self._plans.get(key)
                 if plan is None:
                     plan = self._plan()
-                    out, kept = plan[0](flat, c, b)  # traces: fills the plan's sources
+                    plan[0].prepare(flat, c, b)  # traces (fills the plan's sources); runs nothing
                     self._plans[key] = plan
-                    return out, (plan, kept)
         out, kept = plan[0](flat, c, b)
         return out, (plan, kept)
 
@@ -270,7 +270,7 @@ class _UnitLayer:
             g, dc = jax.tree_util.tree_unflatten(meta[0], res)(ct)
             return self.flat_grad(g, flat.dtype), dc
 
-        return jax.jit(fwd), jax.jit(bwd)
+        return SharedJit(fwd), SharedJit(bwd)
 
     def backward(self, saved: Any, flat: Any, c: Any, b: Any, ct: Any) -> tuple[Any, Any]:
         """``(d params, d carry)`` of the cotangent ``ct``, from the saved residuals
@@ -325,17 +325,23 @@ class JaxLoss(LossProvider):
             check_scalar(loss)
             return (loss * s, aux) if has_aux else loss * s
 
-        self._vg = jax.jit(jax.value_and_grad(scaled, has_aux=has_aux))
+        # compiled once for every rank and loss object whose program is the same
+        # (see [Note: one program for a group's ranks] in ops/comm/_xla.py)
+        self._vg_fn = jax.value_and_grad(scaled, has_aux=has_aux)
+        self._vg = SharedJit(self._vg_fn)
         # the loss, and with has_aux (loss, aux): for ZeroStep.evaluate
-        self.loss_value = jax.jit(lambda p, b: _checked(split_aux(fn(p, b), has_aux), has_aux))
+        self.loss_value = SharedJit(lambda p, b: _checked(split_aux(fn(p, b), has_aux),
+                                                          has_aux))
 
     counts_flops = "xla"
 
     def program_flops(self, params: Any, batch: Any) -> float:
         """The FLOPs of the jitted value and gradient (see [Note: model FLOPs])."""
+        import jax
+
         from shard.monitor._flops import xla_flops
 
-        return xla_flops(self._vg, params, batch, 1.0)
+        return xla_flops(jax.jit(self._vg_fn), params, batch, 1.0)
 
     def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> tuple[Any, Any]:
         try:  # no cost on the step's path unless it raises

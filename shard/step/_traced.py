@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from ops.comm._xla import SLOTS, SharedJit, program_key, rank_scope, ready
 from ops.device._dlpack import jax_view
 from shard.core._data_rank import evaluate, named_axes_refused
 from shard.core._loss import _placed, _UnitLayer, check_scalar, split_aux
@@ -74,14 +75,17 @@ class TracedUnits:
 
     def __init__(self, fn: Callable[..., Any], has_aux: bool) -> None:
         self.fn, self.has_aux = fn, has_aux
-        self._programs: dict[Any, _Program] = {}
-        self._by_id: dict[Any, tuple[Any, _Program]] = {}
+        self._programs: dict[Any, tuple[_Program, Any]] = {}  # (program, ranks operand)
+        self._by_id: dict[Any, tuple[Any, tuple[_Program, Any]]] = {}
         self._lock = threading.Lock()
 
-    def program(self, units: Any, batch: Any) -> _Program:
-        """The cut program for this layout and batch (traced on first use; the
-        last :data:`KEEP` are kept, keyed by value, so step objects of equal
-        layouts share them)."""
+    def program(self, units: Any, batch: Any) -> tuple[_Program, Any]:
+        """The cut program for this layout and batch, and this loss's ranks
+        operand for it (traced on first use; the last :data:`KEEP` are kept,
+        keyed by value, so step objects of equal layouts share them; a program
+        equal to another loss's, as the thread ranks' tensor-parallel losses
+        are, is that one: see [Note: one program for a group's ranks] in
+        ``ops/comm/_xla.py``)."""
         import jax
 
         layout = units.full_layout
@@ -95,7 +99,9 @@ class TracedUnits:
             key = (layout, signature)
             found = self._programs.pop(key, None)
             if found is None:
-                found = _Program(self.fn, self.has_aux, layout, dtypes, batch)
+                closed, aux_tree, values = _trace(self.fn, self.has_aux, layout, dtypes, batch)
+                found = (_shared(closed, aux_tree, self.has_aux, layout, signature),
+                         ready(jax.device_put(values)))
             self._programs[key] = found  # the most recent last
             while len(self._programs) > KEEP:
                 self._programs.pop(next(iter(self._programs)))
@@ -109,12 +115,68 @@ class TracedUnits:
         ``has_aux``); each unit's gradient of ``scale * loss`` goes to
         ``reducer``."""
         batch = _placed(batch)
-        return self.program(units, batch).run(units, reducer, batch, scale)
+        program, ranks = self.program(units, batch)
+        return program.run(units, reducer, (batch, ranks), scale)
 
     def loss_units(self, units: Any, batch: Any) -> Any:
         """The loss (and aux), forward only, segment by segment."""
         batch = _placed(batch)
-        return self.program(units, batch).forward_only(units, batch)
+        program, ranks = self.program(units, batch)
+        return program.forward_only(units, (batch, ranks))
+
+
+_SHARED: dict[Any, _Program] = {}  # programs by value, for every loss that traces one
+_SHARED_LOCK = threading.Lock()
+
+
+def _shared(closed: Any, aux_tree: Any, has_aux: bool, layout: Any,
+            signature: Any) -> _Program:
+    """The one :class:`_Program` of this traced program, layout and signature."""
+    key = (program_key(closed, aux_tree)[0], layout, signature, has_aux)
+    with _SHARED_LOCK:
+        found = _SHARED.pop(key, None)
+        if found is None:
+            found = _Program(closed, aux_tree, has_aux, layout)
+        _SHARED[key] = found  # the most recent last
+        while len(_SHARED) > 4 * KEEP:
+            _SHARED.pop(next(iter(_SHARED)))
+        return found
+
+
+def _trace(fn: Callable[..., Any], has_aux: bool, layout: Any, dtypes: tuple[np.dtype, ...],
+           batch: Any) -> tuple[Any, Any, np.ndarray]:
+    """The loss's program over the params' leaves, the batch's leaves and the
+    ranks operand, with nested jit calls inlined: (closed jaxpr, aux tree,
+    this loss's values of the ranks operand)."""
+    import jax
+
+    leaf_unit = [0] * len(layout.leaves)
+    for u, unit in enumerate(layout.units):
+        for i in unit.leaves:
+            leaf_unit[i] = u
+    params = [jax.ShapeDtypeStruct(leaf.shape, dtypes[leaf_unit[i]])
+              for i, leaf in enumerate(layout.leaves)]
+    b_leaves, b_tree = jax.tree_util.tree_flatten(batch)
+    n_p = len(layout.leaves)
+    found: dict[str, Any] = {}
+
+    def flat_fn(*xs: Any) -> Any:
+        p = layout.treedef.unflatten(list(xs[:n_p]))
+        with rank_scope(xs[-1]) as scope:
+            out = fn(p, jax.tree_util.tree_unflatten(b_tree, list(xs[n_p:-1])))
+        found["values"] = scope.values
+        loss, aux = split_aux(out, has_aux)
+        check_scalar(loss)
+        found["aux_tree"] = jax.tree_util.tree_structure(aux)
+        return [loss, *jax.tree_util.tree_leaves(aux)]
+
+    args = [*params, *b_leaves, jax.ShapeDtypeStruct((SLOTS,), np.int32)]
+    with timed("forward"):
+        with named_axes_refused("zero3"):
+            closed = jax.make_jaxpr(flat_fn)(*args)
+        closed = jax.make_jaxpr(lambda *xs: evaluate(closed.jaxpr, list(closed.consts),
+                                                     list(xs)))(*args)
+    return closed, found["aux_tree"], found["values"]
 
 
 def _dtype_of(x: Any) -> Any:
@@ -135,39 +197,19 @@ def jax_extended(dtype: Any) -> bool:
 
 
 class _Program:
-    """The loss's program for one layout and batch signature, cut into segments."""
+    """The loss's program for one layout and batch signature, cut into segments
+    (its batch leaves end with the ranks operand)."""
 
-    def __init__(self, fn: Callable[..., Any], has_aux: bool, layout: Any,
-                 dtypes: tuple[np.dtype, ...], batch: Any) -> None:
-        import jax
+    def __init__(self, closed: Any, aux_tree: Any, has_aux: bool, layout: Any) -> None:
         from jax.extend.core import Literal
 
-        self.layout, self.has_aux = layout, has_aux
+        self.layout, self.has_aux, self.aux_tree = layout, has_aux, aux_tree
         n_units = len(layout.units)
         leaf_unit = [0] * len(layout.leaves)
         for u, unit in enumerate(layout.units):
             for i in unit.leaves:
                 leaf_unit[i] = u
-        params = layout.treedef.unflatten([
-            jax.ShapeDtypeStruct(leaf.shape, dtypes[leaf_unit[i]])
-            for i, leaf in enumerate(layout.leaves)])
-        b_leaves, b_tree = jax.tree_util.tree_flatten(batch)
         n_p = len(layout.leaves)
-
-        def flat_fn(*xs: Any) -> Any:
-            p = layout.treedef.unflatten(list(xs[:n_p]))
-            out = fn(p, jax.tree_util.tree_unflatten(b_tree, list(xs[n_p:])))
-            loss, aux = split_aux(out, has_aux)
-            check_scalar(loss)
-            self.aux_tree = jax.tree_util.tree_structure(aux)
-            return [loss, *jax.tree_util.tree_leaves(aux)]
-
-        with timed("forward"):
-            with named_axes_refused("zero3"):
-                closed = jax.make_jaxpr(flat_fn)(*jax.tree_util.tree_leaves(params), *b_leaves)
-            closed = jax.make_jaxpr(lambda *xs: evaluate(closed.jaxpr, list(closed.consts),
-                                                         list(xs)))(
-                *jax.tree_util.tree_leaves(params), *b_leaves)
         jaxpr = closed.jaxpr
         self.consts = list(closed.consts)
         self.constvars = list(jaxpr.constvars)
@@ -361,9 +403,8 @@ class _Segment(_UnitLayer):
                 plan = self._kept
                 if plan is None:
                     plan = self._plan()
-                    out_d, out_nd, kept = plan[0](flat, cd, cnd, b)  # traces
+                    plan[0].prepare(flat, cd, cnd, b)  # traces and compiles; runs nothing
                     self._kept = plan
-                    return out_d, out_nd, (plan, kept)
         out_d, out_nd, kept = plan[0](flat, cd, cnd, b)
         return out_d, out_nd, (plan, kept)
 
@@ -390,7 +431,7 @@ class _Segment(_UnitLayer):
             g, dcd = jax.tree_util.tree_unflatten(meta[0], res)(ct)
             return self.flat_grad(g, flat.dtype), dcd
 
-        return jax.jit(fwd), jax.jit(bwd)
+        return SharedJit(fwd), SharedJit(bwd)
 
     def backward(self, saved: Any, flat: Any, cd: Any, cnd: Any,  # type: ignore[override]
                  b: Any, ct: Any) -> tuple[Any, Any]:

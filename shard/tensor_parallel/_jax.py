@@ -46,17 +46,24 @@ import numpy as np
 
 from ops import Communicator
 from ops.comm._collectives import to_comm
+from ops.comm._xla import host_call, ranks_operand, register
 
 __all__ = ["Collectives"]
 
 
 class Collectives:
-    """The differentiable collectives over one communicator (see the Note)."""
+    """The differentiable collectives over one communicator (see the Note).
+
+    The rank is an operand of each collective's callback and of each slice
+    (:func:`ops.comm._xla.ranks_operand`), and the callbacks are the group's
+    and its siblings', so every rank traces the same program (see [Note: one
+    program for a group's ranks] in ``ops/comm/_xla.py``)."""
 
     def __init__(self, comm: Communicator) -> None:
         self.comm, self.rank, self.size = comm, comm.rank, comm.world_size
         self._fns: dict[str, Callable[..., Any]] = {}
         if self.size > 1:
+            self.place = register(comm, self)
             self._build()
 
     # -- host side: what the callbacks run --------------------------------------
@@ -72,14 +79,6 @@ class Collectives:
         fn(there, *staged)
         return self.comm.device.to_host_into(there, out)
 
-    def _host_all_reduce(self, op: str) -> Callable[[Any], np.ndarray]:
-        def run(x: Any) -> np.ndarray:
-            out = np.array(x, copy=True, order="C")
-            flat = out.reshape(-1)
-            self._on_comm(lambda o, _: self.comm.all_reduce_(o, op), flat, flat)
-            return out
-        return run
-
     def stacked(self, x: Any) -> np.ndarray:
         """Every model rank's ``x`` (host memory), stacked on a new first axis."""
         x = np.ascontiguousarray(x)
@@ -87,93 +86,85 @@ class Collectives:
         self._on_comm(self.comm.all_gather_into, out.reshape(-1), x.reshape(-1))
         return out
 
-    def _host_all_gather(self, axis: int) -> Callable[[Any], np.ndarray]:
-        def run(x: Any) -> np.ndarray:
-            out = self.stacked(x)
-            # (T, ..., n, ...) -> (..., T, n, ...) -> (..., T n, ...): one copy
-            shape = list(out.shape[1:])
-            shape[axis] *= self.size
-            return np.moveaxis(out, 0, axis).reshape(shape)
-        return run
-
-    def _host_reduce_scatter(self, axis: int) -> Callable[[Any], np.ndarray]:
-        def run(x: Any) -> np.ndarray:
-            x = np.asarray(x)
-            shape = list(x.shape)
-            shape[axis:axis + 1] = [self.size, shape[axis] // self.size]
-            # each rank's chunk along axis contiguous, in rank order: one copy
-            chunks = np.ascontiguousarray(np.moveaxis(x.reshape(shape), axis, 0))
-            out = np.empty(chunks.shape[1:], x.dtype)
-            self._on_comm(lambda o, c: self.comm.reduce_scatter_into(o, c, "sum"),
-                          out.reshape(-1), chunks.reshape(-1))
-            return out
-        return run
-
     def host(self, name: str, x: Any) -> np.ndarray:
         """The collective ``name`` (``all_gather``, ``reduce_scatter`` or
         ``all_reduce``, a sum) of a host array along its first axis, for
         callbacks made elsewhere (``shard/_pure_program.py``)."""
         if name == "all_gather":
-            return self._host_all_gather(0)(x)
+            return _host_all_gather(self, 0, x)
         if name == "reduce_scatter":
-            return self._host_reduce_scatter(0)(x)
-        return self._host_all_reduce("sum")(x)
+            return _host_reduce_scatter(self, 0, x)
+        return _host_all_reduce(self, "sum", x)
 
     # -- device side: ordered callbacks -----------------------------------------
-    def _call(self, host: Callable[[Any], np.ndarray], x: Any, shape: tuple[int, ...]) -> Any:
+    def ids(self) -> Any:
+        """``[rank, who]``: this rank in its group, and in its family's root
+        (which finds it from a shared callback), as JAX values (operands of
+        the program where one is being shared; see the class)."""
+        return ranks_operand(self.place)
+
+    def _call(self, host: Callable[..., np.ndarray], arg: Any, x: Any, shape: tuple[int, ...],
+              ids: Any) -> Any:
         import jax
         from jax.experimental import io_callback
 
-        return io_callback(host, jax.ShapeDtypeStruct(shape, x.dtype), x, ordered=True)
+        return io_callback(host_call(self.place, host, arg),
+                           jax.ShapeDtypeStruct(shape, x.dtype), ids[1], x, ordered=True)
 
     def all_reduce(self, x: Any, op: str = "sum") -> Any:
         """The elementwise ``op`` of every rank's ``x`` (not differentiable: use
         :meth:`reduce` or :meth:`copy` where a gradient flows)."""
         if self.size == 1:
             return x
-        return self._call(self._host_all_reduce(op), x, x.shape)
+        return self._all_reduce(x, self.ids(), op)
 
-    def _all_gather(self, x: Any, axis: int) -> Any:
+    def _all_reduce(self, x: Any, ids: Any, op: str = "sum") -> Any:
+        return self._call(_host_all_reduce, op, x, x.shape, ids)
+
+    def _all_gather(self, x: Any, ids: Any, axis: int) -> Any:
         shape = list(x.shape)
         shape[axis] *= self.size
-        return self._call(self._host_all_gather(axis), x, tuple(shape))
+        return self._call(_host_all_gather, axis, x, tuple(shape), ids)
 
-    def _reduce_scatter(self, x: Any, axis: int) -> Any:
+    def _reduce_scatter(self, x: Any, ids: Any, axis: int) -> Any:
         if x.shape[axis] % self.size:
             raise ValueError(f"reduce_scatter: dimension {axis} of {tuple(x.shape)} does not "
                              f"divide over {self.size} model ranks")
         shape = list(x.shape)
         shape[axis] //= self.size
-        return self._call(self._host_reduce_scatter(axis), x, tuple(shape))
+        return self._call(_host_reduce_scatter, axis, x, tuple(shape), ids)
 
-    def _slice(self, x: Any, axis: int) -> Any:
+    def _slice(self, x: Any, ids: Any, axis: int) -> Any:
         import jax
 
         if x.shape[axis] % self.size:
             raise ValueError(f"scatter: dimension {axis} of {tuple(x.shape)} does not divide "
                              f"over {self.size} model ranks")
         n = x.shape[axis] // self.size
-        return jax.lax.slice_in_dim(x, self.rank * n, (self.rank + 1) * n, axis=axis)
+        return jax.lax.dynamic_slice_in_dim(x, ids[0] * n, n, axis=axis)
 
     def _build(self) -> None:
         import jax
 
+        # the ranks are an argument, not a closure: a custom_vjp rule must not
+        # close over a value of the trace it is called from
         @jax.custom_vjp
-        def copy(x: Any) -> Any:
+        def copy(x: Any, ids: Any) -> Any:
             return x
-        copy.defvjp(lambda x: (x, None), lambda _, ct: (self.all_reduce(ct),))
+        copy.defvjp(lambda x, ids: (x, ids), lambda ids, ct: (self._all_reduce(ct, ids), None))
 
         @jax.custom_vjp
-        def reduce(x: Any) -> Any:
-            return self.all_reduce(x)
-        reduce.defvjp(lambda x: (self.all_reduce(x), None), lambda _, ct: (ct,))
+        def reduce(x: Any, ids: Any) -> Any:
+            return self._all_reduce(x, ids)
+        reduce.defvjp(lambda x, ids: (self._all_reduce(x, ids), None),
+                      lambda _, ct: (ct, None))
 
-        def pair(fwd: Callable[[Any, int], Any], bwd: Callable[[Any, int], Any]) -> Any:
-            def f(x: Any, axis: int) -> Any:
-                return fwd(x, axis)
-            f = jax.custom_vjp(f, nondiff_argnums=(1,))
-            f.defvjp(lambda x, axis: (fwd(x, axis), None),
-                     lambda axis, _, ct: (bwd(ct, axis),))
+        def pair(fwd: Callable[[Any, Any, int], Any], bwd: Callable[[Any, Any, int], Any]) -> Any:
+            def f(x: Any, ids: Any, axis: int) -> Any:
+                return fwd(x, ids, axis)
+            f = jax.custom_vjp(f, nondiff_argnums=(2,))
+            f.defvjp(lambda x, ids, axis: (fwd(x, ids, axis), ids),
+                     lambda axis, ids, ct: (bwd(ct, ids, axis), None))
             return f
 
         self._fns = {
@@ -196,5 +187,34 @@ class Collectives:
             return x
         fn = self._fns[name]
         if axis is None:
-            return fn(x)
-        return fn(x, self._axis(x, axis))
+            return fn(x, self.ids())
+        return fn(x, self.ids(), self._axis(x, axis))
+
+
+# The host side of the callbacks, one function each for every group (see
+# host_call): ``coll`` is the calling rank's Collectives.
+def _host_all_reduce(coll: Collectives, op: str, x: Any) -> np.ndarray:
+    out = np.array(x, copy=True, order="C")
+    flat = out.reshape(-1)
+    coll._on_comm(lambda o, _: coll.comm.all_reduce_(o, op), flat, flat)
+    return out
+
+
+def _host_all_gather(coll: Collectives, axis: int, x: Any) -> np.ndarray:
+    out = coll.stacked(x)
+    # (T, ..., n, ...) -> (..., T, n, ...) -> (..., T n, ...): one copy
+    shape = list(out.shape[1:])
+    shape[axis] *= coll.size
+    return np.moveaxis(out, 0, axis).reshape(shape)
+
+
+def _host_reduce_scatter(coll: Collectives, axis: int, x: Any) -> np.ndarray:
+    x = np.asarray(x)
+    shape = list(x.shape)
+    shape[axis:axis + 1] = [coll.size, shape[axis] // coll.size]
+    # each rank's chunk along axis contiguous, in rank order: one copy
+    chunks = np.ascontiguousarray(np.moveaxis(x.reshape(shape), axis, 0))
+    out = np.empty(chunks.shape[1:], x.dtype)
+    coll._on_comm(lambda o, c: coll.comm.reduce_scatter_into(o, c, "sum"),
+                  out.reshape(-1), chunks.reshape(-1))
+    return out

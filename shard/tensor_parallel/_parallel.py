@@ -238,6 +238,11 @@ class TensorParallel:
         return tu.tree_unflatten(treedef, out)
 
     # -- the collectives (see [Note: tensor-parallel collectives]) -----------------
+    def _rank_value(self) -> Any:
+        """This model rank inside a JAX program: an operand where the ranks
+        share the program (see :class:`~shard.tensor_parallel._jax.Collectives`)."""
+        return self.collectives.ids()[0] if self.size > 1 else 0
+
     def copy(self, x: Any) -> Any:
         """Megatron's *f*: the identity forward, an all-reduce of the gradient."""
         return self.collectives.apply("copy", x)
@@ -301,7 +306,7 @@ class TensorParallel:
         import jax.numpy as jnp
 
         n = table.shape[0]
-        local = ids - self.rank * n
+        local = ids - self._rank_value() * n
         inside = (local >= 0) & (local < n)
         rows = jnp.take(table, jnp.where(inside, local, 0), axis=0)
         rows = jnp.where(inside[..., None], rows, jnp.zeros((), rows.dtype))
@@ -321,10 +326,12 @@ class TensorParallel:
         logits = logits.astype(jnp.promote_types(logits.dtype, jnp.float32))
         n = logits.shape[-1]
         top = jax.lax.stop_gradient(jnp.max(logits, axis=-1))
+        rank = self._rank_value()
         if self.size > 1:  # the same shift on every rank: the largest of theirs
-            top = jnp.max(self.collectives._all_gather(top[None], 0), axis=0)
+            top = jnp.max(self.collectives._all_gather(top[None], self.collectives.ids(), 0),
+                          axis=0)
         z = logits - top[..., None]
-        local = labels - self.rank * n
+        local = labels - rank * n
         inside = (local >= 0) & (local < n)
         picked = jnp.take_along_axis(z, jnp.where(inside, local, 0)[..., None], axis=-1)[..., 0]
         picked = jnp.where(inside, picked, jnp.zeros((), z.dtype))
