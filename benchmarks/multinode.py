@@ -1,5 +1,5 @@
-"""Two hosts over a shaped link: flat ZeRO-3 against hierarchical ZeRO (HSDP) and
-ZeRO-3 with node-local secondary shards (hpZ).
+"""Two hosts over a shaped link: flat ZeRO-3 against hierarchical ZeRO (HSDP),
+ZeRO-3 with node-local secondary shards (hpZ) and with int8 gathers (qwZ).
 
 Two network namespaces of this machine, joined by a veth link whose ends a
 token bucket limits to ``--rate`` (1 Gbit/s by default), run ``examples/gpt.py``'s
@@ -17,6 +17,10 @@ ZeRO-3 with ``reshard_after_forward=2`` (see [Note: secondary shards]) about
 1.5x: each rank's shard of every unit crosses once, to its counterpart on the
 other host (0.5x), and the gradients' reduce-scatter is flat ZeRO-3's (1x);
 its optimizer state stays sharded over all 4 ranks, where HSDP's is over 2.
+ZeRO-3 with ``quantized_weights=True`` (ZeRO++'s qwZ, see [Note: quantized
+gathers]) gathers int8 values and a float32 scale per 256: its gathers send
+``(1 + 4 / 256) / 4`` of flat ZeRO-3's float32 bytes, so about 2 x 0.254 +
+1 = 1.5x the params' bytes.
 Needs root and network namespaces (``ip netns``), as the tests do.
 
 Usage: sudo python benchmarks/multinode.py [--rate 1gbit] [--steps 12] [--rounds 3]
@@ -39,14 +43,14 @@ sys.path.insert(0, str(ROOT))
 from tests import netns  # noqa: E402
 from tests.multiproc import free_port  # noqa: E402
 
-MODES = ("flat", "hsdp", "hpz")
+MODES = ("flat", "hsdp", "hpz", "qwz")
 
 
 def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]]:
     env = dict(os.environ, ZS_OUT=str(out), ZS_STEPS=str(args.steps), PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS="1", ZS_D=str(args.d_model), ZS_LAYERS=str(args.layers),
                ZS_REPLICAS="2" if mode == "hsdp" else "1",
-               ZS_RESHARD="2" if mode == "hpz" else "0")
+               ZS_RESHARD="2" if mode == "hpz" else "0", ZS_QWZ="1" if mode == "qwz" else "0")
     with netns.two_hosts(rate=args.rate) as hosts:
         port, procs = free_port(), []
         for i, h in enumerate(hosts):

@@ -231,7 +231,7 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
           progress: bool = True, save: str | Path | None = None, save_every: int = 500,
           resume: bool = False, replicas: int = 1,
           reshard_after_forward: bool | int = True,
-          invariant_shards: int | None = None) -> dict:
+          invariant_shards: int | None = None, quantized_weights: bool = False) -> dict:
     """Train a GPT with ZeRO ``stage`` up to step ``steps``; returns losses,
     timings and memory.
 
@@ -251,7 +251,8 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     ZeRO++'s hpZ), so only the forward's gathers cross nodes, once.
     ``invariant_shards``: the same bits at any number of ranks dividing it
     (``shard.ZeroOptions(invariant_shards=...)``): a run may resume on
-    another world size and keep its trajectory exactly.
+    another world size and keep its trajectory exactly. ``quantized_weights``:
+    stage 3's gathers move int8 params with a scale per block (ZeRO++'s qwZ).
     """
     model = copy.deepcopy(model) if model is not None else build(cfg)
     params, loss = it.functional(model, loss=lm_loss)
@@ -262,7 +263,8 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     step = ZERO[stage](loss, optimizer=ops.adamw(lr, weight_decay=0.01), mesh=mesh,
                        clip_norm=1.0, options=shard.ZeroOptions(
                            loggers=loggers, reshard_after_forward=reshard_after_forward,
-                           invariant_shards=invariant_shards))
+                           invariant_shards=invariant_shards,
+                           quantized_weights=quantized_weights))
     loader = shard.DataLoader(Windows(corpus(), cfg.seq), batch, mesh=mesh)
     state = step.init(params)
     ckpt = Path(save) / "checkpoint" if save else None
@@ -367,6 +369,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--invariant-shards", type=int, default=0, metavar="V",
                     help="the same bits at any number of ranks dividing V (a power of two "
                          "dividing the batch): resume on another world size exactly; 0: off")
+    ap.add_argument("--quantized-weights", action="store_true",
+                    help="stage 3: all-gather the params as int8 with a scale per block "
+                         "(ZeRO++'s qwZ)")
     ap.add_argument("--sample", type=int, default=200,
                     help="bytes of text to generate at the end (0: none)")
     return ap
@@ -384,7 +389,8 @@ def main(argv: list[str] | None = None) -> None:
                        lr=args.lr, model=model, save=args.save, save_every=args.save_every,
                        resume=args.resume, replicas=args.replicas,
                        reshard_after_forward=args.reshard_after_forward or True,
-                       invariant_shards=args.invariant_shards or None)
+                       invariant_shards=args.invariant_shards or None,
+                       quantized_weights=args.quantized_weights)
         table = memory_table(comm, result, cfg)
         if args.sample:  # every rank gathers (a collective); rank 0 samples
             it.load_state(result["module"], result["state"], comm=result["step"].config.comm)

@@ -15,6 +15,7 @@ silently ignored.
   ``shard.Offload("disk", path=nvme_path)``; ``offload_param`` ``cpu`` at
   stage 3 adds ``params="host"``; ``zero_hpz_partition_size`` (ZeRO++'s hpZ,
   the ranks per node; 1, the default, is off): ``reshard_after_forward``;
+  ``zero_quantized_weights`` (ZeRO++'s qwZ, stage 3): ``quantized_weights``;
 - ``fp16``: ``enabled``, ``initial_scale_power``, ``loss_scale_window``,
   ``min_loss_scale``, ``hysteresis`` (DeepSpeed's default 2) and
   ``consecutive_hysteresis``: ``Precision(float16)`` and a
@@ -130,6 +131,7 @@ class DeepSpeedConfig:
     loggers: tuple = field(default=())
     reshard_after_forward: bool | int = True
     gradient_divide_factor: float | None = None
+    quantized_weights: bool = False
 
     def transform(self, loss_fn: Any, *, comm: Any = None, mesh: Any = None,
                   **overrides: Any) -> ZeroStep:
@@ -166,7 +168,8 @@ class DeepSpeedConfig:
             precision=self.precision, clip_norm=self.clip_norm, loss_scale=self.loss_scale,
             loggers=self.loggers, gradient_accumulation_steps=self.gradient_accumulation_steps,
             offload=self.offload or None, reshard_after_forward=self.reshard_after_forward,
-            gradient_divide_factor=self.gradient_divide_factor)
+            gradient_divide_factor=self.gradient_divide_factor,
+            quantized_weights=self.quantized_weights)
         return zero(loss_fn, optimizer=optimizer, mesh=mesh, comm=comm,
                     options=dataclasses.replace(options, **overrides))
 
@@ -249,6 +252,11 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
         bad.append(f"zero_optimization.zero_hpz_partition_size={hpz} below stage 3")
     elif hpz > 1:
         reshard = hpz
+    qwz = zero.pop("zero_quantized_weights", False)
+    if not isinstance(qwz, bool):
+        bad.append(f"zero_optimization.zero_quantized_weights={qwz!r} (true or false)")
+    elif qwz and stage != 3:
+        bad.append("zero_optimization.zero_quantized_weights=true below stage 3")
     bad += [f"zero_optimization.{k}" for k in zero]
 
     precision, loss_scale = precision_of(cfg, bad, tuning)
@@ -273,7 +281,8 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
                            loss_scale=loss_scale, clip_norm=float(clip) if clip else None,
                            gradient_accumulation_steps=accumulation, micro_batch_size=micro,
                            train_batch_size=total, offload=offload, loggers=loggers,
-                           reshard_after_forward=reshard, gradient_divide_factor=divide)
+                           reshard_after_forward=reshard, gradient_divide_factor=divide,
+                           quantized_weights=qwz is True and stage == 3)
 
 
 def _resolve(cfg: dict, args: dict) -> tuple[dict, list[str]]:

@@ -21,7 +21,8 @@ def main() -> None:
                         layers=int(os.environ.get("ZS_LAYERS", "2")), heads=2)
     out = gpt.train(comm, stage=3, steps=int(os.environ.get("ZS_STEPS", "4")), batch=8,
                     cfg=cfg, progress=False, replicas=int(os.environ.get("ZS_REPLICAS", "1")),
-                    reshard_after_forward=int(os.environ.get("ZS_RESHARD", "0")) or True)
+                    reshard_after_forward=int(os.environ.get("ZS_RESHARD", "0")) or True,
+                    quantized_weights=os.environ.get("ZS_QWZ") == "1")
     params = shard.gather(out["state"], out["step"].config.comm)
     if comm.rank == 0:
         report = {"world": comm.world_size, "losses": [float(x) for x in out["losses"]],

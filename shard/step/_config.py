@@ -115,6 +115,12 @@ class ZeroOptions:
         across ranks; the norm and the loss are exact sums (see [Note: the
         same bits at any world size]). Costs the smaller micro-batches, the
         tree's partial sums and reductions after the backward.
+      quantized_weights: stage 3 all-gathers each unit's params as int8 with
+        a float32 scale per block of 256 (DeepSpeed's ZeRO++ qwZ,
+        ``zero_quantized_weights``) and computes with them dequantized: about
+        a quarter of float32's bytes on the wire (half of bfloat16's), each
+        value within half its block's scale of the master's. The shards the
+        optimizer updates stay exact.
 
     Examples:
       >>> import shard
@@ -142,6 +148,7 @@ class ZeroOptions:
     count_flops: bool = False
     peak_flops: float | None = None
     invariant_shards: int | None = None
+    quantized_weights: bool = False
 
     def merged(self, where: str, **given: Any) -> ZeroOptions:
         """These options with ``given`` (``zero3``'s own keyword arguments) set;
@@ -295,6 +302,19 @@ class StepConfig(ZeroOptions):
         if tensor_parallel is not None and o.specs is not None:
             raise ValueError(f"{name}: specs= is the TensorParallel; ZeRO shards its slices "
                              "with the default specs")
+        if not isinstance(o.quantized_weights, bool):
+            raise TypeError(f"{name}: quantized_weights must be True or False; got "
+                            f"{o.quantized_weights!r}")
+        if o.quantized_weights:
+            if stage != 3:
+                raise ValueError(f"{name}: quantized_weights= quantizes stage 3's all-gather "
+                                 "of the params; stages 0-2 gather none")
+            for what, bad in (("reshard_after_forward=L (secondary shards)",
+                               topology.secondary is not None),
+                              ("invariant_shards=", o.invariant_shards is not None)):
+                if bad:
+                    raise NotImplementedError(f"{name}: quantized_weights= does not compose "
+                                              f"with {what}; drop one of them")
         f = o.gradient_divide_factor
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
                               or not f > 0 or f != f or f == float("inf")):

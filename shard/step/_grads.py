@@ -68,7 +68,8 @@ def unit_params(plan: Plan, state: TrainState, tracker: LiveBytes) -> Units:
         list(state.master) if stage == 0 else None)
     return Units(plan.layout, plan.fast, stage=stage, device=plan.device, local=local,
                  full=full, full_layout=plan.full_layout, prefetch=plan.config.prefetch,
-                 tracker=tracker, plans=plan.copy_plans, secondary=plan.secondary)
+                 tracker=tracker, plans=plan.copy_plans, secondary=plan.secondary,
+                 quantized=plan.config.quantized_weights)
 
 
 def whole_params(plan: Plan, units: Units) -> Any:

@@ -74,6 +74,7 @@ from typing import Any, cast
 import numpy as np
 
 from ops import Communicator, Device
+from ops._quant import dequantize_blocks, quantize_blocks
 from ops.device._runs import copy_runs
 from shard.core._layout import Layout
 from shard.monitor._profile import timed
@@ -114,8 +115,10 @@ class Units:
                  local: list[Any], full: list[Any] | None,
                  full_layout: Layout, prefetch: int = 1,
                  tracker: LiveBytes | None = None, plans: CopyPlans | None = None,
-                 secondary: tuple[Communicator, Communicator] | None = None) -> None:
+                 secondary: tuple[Communicator, Communicator] | None = None,
+                 quantized: bool = False) -> None:
         self.layout, self.comm, self.stage, self.device = layout, comm, stage, device
+        self.quantized = quantized  # see [Note: quantized gathers]
         self.secondary = secondary  # (local, node): see [Note: secondary shards]
         self._secondaries: dict[int, Any] = {}  # u: its secondary shard, kept for the step
         self._order: tuple[int, ...] | None = None
@@ -201,12 +204,42 @@ class Units:
             shard = self.device.asarray(shard)  # host (Offload(params="host")): a copy over
         if not unit.sharded_size:
             work = None
+        elif self.quantized:
+            work = self._quantized(out, shard[:unit.sharded_size])
         elif self.secondary is None:
             work = self.comm.all_gather_async(out, shard[:unit.sharded_size])
         else:
             work = self._two_hops(u, out, shard[:unit.sharded_size])
         self._inflight[u] = (out, work, shard)
         return True
+
+    def _quantized(self, out: Any, shard: Any) -> Any:
+        """[Note: quantized gathers]
+        With ``quantized_weights=`` (ZeRO++'s qwZ) each rank block-quantizes
+        its section of the unit (:func:`ops.quantize_blocks`: int8 values, a
+        float32 scale per 256 of them, its blocks starting at the section's
+        start), the ranks all-gather the values and the scales, and each
+        section is dequantized into its place in the gather buffer in the
+        compute dtype. The copy-out into the unit's layout then runs as for
+        an exact gather. A section's bytes on the wire are ``n + 4 *
+        ceil(n / 256)`` for ``n`` elements, against ``4 n`` (float32) or
+        ``2 n`` (bfloat16); the values the loss sees are each within half its
+        block's scale (``amax / 127``) of the master's."""
+        if np.dtype(shard.dtype).name not in ("float32", "bfloat16", "float16"):
+            raise TypeError(f"quantized_weights=: the compute params are {shard.dtype}; "
+                            "block quantization takes float32, bfloat16 or float16")
+        q, scales = quantize_blocks(shard)
+        w, n, k = self.comm.world_size, shard.size, scales.size
+        q_all = self.device.empty(n * w, np.int8)
+        s_all = self.device.empty(k * w, np.float32)
+        works = [self.comm.all_gather_async(q_all, q), self.comm.all_gather_async(s_all, scales)]
+
+        def dequantized() -> Any:
+            for r in range(w):
+                dequantize_blocks(q_all[r * n:(r + 1) * n], s_all[r * k:(r + 1) * k],
+                                  out.dtype, out=out[r * n:(r + 1) * n])
+            return out
+        return _Dequantized(works, dequantized)
 
     def _two_hops(self, u: int, out: Any, shard: Any) -> Any:
         """Unit ``u``'s gather into ``out`` from its secondary shard, gathering
@@ -308,6 +341,19 @@ class Units:
         inflight, self._inflight = self._inflight, {}
         # a two-hop gather's first hop only: the second would start a collective
         wait_quietly(getattr(work, "first", work) for _, work, _ in inflight.values())
+
+
+class _Dequantized:
+    """The gathers of a unit's int8 values and scales, then the sections
+    dequantized (see [Note: quantized gathers])."""
+
+    def __init__(self, works: list[Any], then: Any) -> None:
+        self.works, self.then = works, then
+
+    def wait(self) -> Any:
+        for work in self.works:
+            work.wait()
+        return self.then()
 
 
 class _Then:
