@@ -20,7 +20,8 @@ its optimizer state stays sharded over all 4 ranks, where HSDP's is over 2.
 ZeRO-3 with ``quantized_weights=True`` (ZeRO++'s qwZ, see [Note: quantized
 gathers]) gathers int8 values and a float32 scale per 256: its gathers send
 ``(1 + 4 / 256) / 4`` of flat ZeRO-3's float32 bytes, so about 2 x 0.254 +
-1 = 1.5x the params' bytes.
+1 = 1.5x the params' bytes. Both together (``hpz-qwz``) quantize the one gather
+that crosses the link: about 0.5 x 0.254 + 1 = 1.13x.
 Needs root and network namespaces (``ip netns``), as the tests do.
 
 Usage: sudo python benchmarks/multinode.py [--rate 1gbit] [--steps 12] [--rounds 3]
@@ -43,14 +44,15 @@ sys.path.insert(0, str(ROOT))
 from tests import netns  # noqa: E402
 from tests.multiproc import free_port  # noqa: E402
 
-MODES = ("flat", "hsdp", "hpz", "qwz")
+MODES = ("flat", "hsdp", "hpz", "qwz", "hpz-qwz")
 
 
 def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]]:
     env = dict(os.environ, ZS_OUT=str(out), ZS_STEPS=str(args.steps), PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS="1", ZS_D=str(args.d_model), ZS_LAYERS=str(args.layers),
                ZS_REPLICAS="2" if mode == "hsdp" else "1",
-               ZS_RESHARD="2" if mode == "hpz" else "0", ZS_QWZ="1" if mode == "qwz" else "0")
+               ZS_RESHARD="2" if mode.startswith("hpz") else "0",
+               ZS_QWZ="1" if mode.endswith("qwz") else "0")
     with netns.two_hosts(rate=args.rate) as hosts:
         port, procs = free_port(), []
         for i, h in enumerate(hosts):

@@ -177,10 +177,11 @@ def test_multinode_benchmark_prints_its_table():
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line for line in out.stdout.splitlines()
             if line.startswith(("| flat", "| hsdp", "| hpz", "| qwz"))}
-    assert set(rows) == {"flat", "hsdp", "hpz", "qwz"}, out.stdout
+    assert set(rows) == {"flat", "hsdp", "hpz", "qwz", "hpz-qwz"}, out.stdout
     ratio = {k: float(v.split("|")[5]) for k, v in rows.items()}  # bytes / params' bytes
     assert ratio["hsdp"] < ratio["hpz"] < ratio["flat"], out.stdout
     assert ratio["qwz"] < ratio["flat"] * 0.6, out.stdout  # the gathers at about a quarter
+    assert ratio["hsdp"] < ratio["hpz-qwz"] < ratio["hpz"], out.stdout
 
 
 def elastic(out: Path, ckpt: Path, **more: str) -> dict[str, str]:

@@ -120,7 +120,9 @@ class ZeroOptions:
         ``zero_quantized_weights``) and computes with them dequantized: about
         a quarter of float32's bytes on the wire (half of bfloat16's), each
         value within half its block's scale of the master's. The shards the
-        optimizer updates stay exact.
+        optimizer updates stay exact. With ``reshard_after_forward=L`` the
+        gathers across nodes are the quantized ones (as ZeRO++ composes qwZ
+        and hpZ).
 
     Examples:
       >>> import shard
@@ -309,9 +311,7 @@ class StepConfig(ZeroOptions):
             if stage != 3:
                 raise ValueError(f"{name}: quantized_weights= quantizes stage 3's all-gather "
                                  "of the params; stages 0-2 gather none")
-            for what, bad in (("reshard_after_forward=L (secondary shards)",
-                               topology.secondary is not None),
-                              ("invariant_shards=", o.invariant_shards is not None)):
+            for what, bad in (("invariant_shards=", o.invariant_shards is not None),):
                 if bad:
                     raise NotImplementedError(f"{name}: quantized_weights= does not compose "
                                               f"with {what}; drop one of them")

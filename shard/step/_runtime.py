@@ -204,8 +204,8 @@ class Units:
             shard = self.device.asarray(shard)  # host (Offload(params="host")): a copy over
         if not unit.sharded_size:
             work = None
-        elif self.quantized:
-            work = self._quantized(out, shard[:unit.sharded_size])
+        elif self.quantized and self.secondary is None:
+            work = self._quantized(self.comm, out, shard[:unit.sharded_size])
         elif self.secondary is None:
             work = self.comm.all_gather_async(out, shard[:unit.sharded_size])
         else:
@@ -213,7 +213,7 @@ class Units:
         self._inflight[u] = (out, work, shard)
         return True
 
-    def _quantized(self, out: Any, shard: Any) -> Any:
+    def _quantized(self, comm: Communicator, out: Any, shard: Any) -> Any:
         """[Note: quantized gathers]
         With ``quantized_weights=`` (ZeRO++'s qwZ) each rank block-quantizes
         its section of the unit (:func:`ops.quantize_blocks`: int8 values, a
@@ -224,15 +224,19 @@ class Units:
         an exact gather. A section's bytes on the wire are ``n + 4 *
         ceil(n / 256)`` for ``n`` elements, against ``4 n`` (float32) or
         ``2 n`` (bfloat16); the values the loss sees are each within half its
-        block's scale (``amax / 127``) of the master's."""
+        block's scale (``amax / 127``) of the master's. With secondary shards
+        (hpZ) the first hop, across nodes, is the quantized one: each node's
+        secondary shard is dequantized once a step and the gathers inside the
+        node move it exactly, so the values are those of the flat quantized
+        gather (ZeRO++ composes qwZ and hpZ so)."""
         if np.dtype(shard.dtype).name not in ("float32", "bfloat16", "float16"):
             raise TypeError(f"quantized_weights=: the compute params are {shard.dtype}; "
                             "block quantization takes float32, bfloat16 or float16")
         q, scales = quantize_blocks(shard)
-        w, n, k = self.comm.world_size, shard.size, scales.size
+        w, n, k = comm.world_size, shard.size, scales.size
         q_all = self.device.empty(n * w, np.int8)
         s_all = self.device.empty(k * w, np.float32)
-        works = [self.comm.all_gather_async(q_all, q), self.comm.all_gather_async(s_all, scales)]
+        works = [comm.all_gather_async(q_all, q), comm.all_gather_async(s_all, scales)]
 
         def dequantized() -> Any:
             for r in range(w):
@@ -252,8 +256,9 @@ class Units:
                                   self.device)
         self._secondaries[u] = kept
         self.pinned_bytes += kept.nbytes
-        return _Then(node.all_gather_async(kept, shard),
-                     lambda: local.all_gather_async(out, kept))
+        first = (self._quantized(node, kept, shard) if self.quantized else
+                 node.all_gather_async(kept, shard))
+        return _Then(first, lambda: local.all_gather_async(out, kept))
 
     def get(self, u: int, upcoming: list[int] | tuple = (), *,
             pinned: bool = False) -> list[Any]:
