@@ -180,7 +180,8 @@ def test_multinode_benchmark_prints_its_table():
     assert set(rows) == {"flat", "hsdp", "hpz", "qwz", "hpz-qwz"}, out.stdout
     ratio = {k: float(v.split("|")[5]) for k, v in rows.items()}  # bytes / params' bytes
     assert ratio["hsdp"] < ratio["hpz"] < ratio["flat"], out.stdout
-    assert ratio["qwz"] < ratio["flat"] * 0.6, out.stdout  # the gathers at about a quarter
+    # the two gathers (2x the params, flat) at about a quarter: at least 1x less
+    assert ratio["qwz"] < ratio["flat"] - 1, out.stdout
     assert ratio["hsdp"] < ratio["hpz-qwz"] < ratio["hpz"], out.stdout
 
 

@@ -161,3 +161,21 @@ def test_eight_tensor_parallel_ranks_train_as_one_process_at_stage_3():
         np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
         for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
             np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
+
+
+def test_a_rank_s_collectives_outlive_another_object_over_its_group():
+    """Two TensorParallel objects over one group: the one made later and
+    dropped leaves the first one's collectives running."""
+    import gc
+
+    def run(comm):
+        tp = shard.TensorParallel(comm)
+        shard.TensorParallel(comm).shard({"w": np.ones(4)})  # made, used, dropped
+        gc.collect()
+        x = jnp.full(3, float(comm.rank + 1))
+        eager = np.asarray(tp.reduce(x))
+        traced = np.asarray(_xla.SharedJit(lambda v: tp.reduce(v))(x))
+        return eager.tolist(), traced.tolist()
+
+    for eager, traced in shard.spawn(run, 2):
+        assert eager == traced == [3.0, 3.0, 3.0]

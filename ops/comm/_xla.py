@@ -68,7 +68,7 @@ KEEP = 64  # compiled programs kept, the most recently used
 
 _LOCK = threading.Lock()
 _FAMILIES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-_MEMBERS: dict[Any, weakref.WeakValueDictionary[int, Any]] = {}
+_MEMBERS: dict[Any, dict[int, weakref.WeakSet[Any]]] = {}
 _NEXT = itertools.count(1)
 _CALLBACKS: dict[tuple[Any, ...], Callable[..., Any]] = {}
 
@@ -98,8 +98,10 @@ def _place(comm: Any) -> tuple[Any, tuple[int, ...], int]:
 
 
 def register(comm: Any, obj: Any) -> Member:
-    """Make ``obj`` this rank's member of ``comm``'s family (held weakly: it
-    lives as long as its owner keeps it); returns the rank's place."""
+    """Make ``obj`` one of this rank's members of ``comm``'s family (held
+    weakly: it lives as long as its owner keeps it; any live member of a rank
+    runs its collectives, as all wrap the same group); returns the rank's
+    place."""
     root, splits, who = _place(comm)
     with _LOCK:
         rid = _FAMILIES.get(root)
@@ -111,15 +113,15 @@ def register(comm: Any, obj: Any) -> Member:
             for dead in [k for k in _CALLBACKS if k[0][0] not in live]:
                 del _CALLBACKS[dead]
         family = (rid, *splits)
-        _MEMBERS.setdefault(family, weakref.WeakValueDictionary())[who] = obj
+        _MEMBERS.setdefault(family, {}).setdefault(who, weakref.WeakSet()).add(obj)
     return Member(family, comm.rank, who)
 
 
 def member(family: tuple[int, ...], who: int) -> Any:
-    """The object that rank ``who`` (of the family's root) registered."""
+    """An object that rank ``who`` (of the family's root) registered, alive."""
     try:
-        return _MEMBERS[family][who]
-    except KeyError:
+        return next(iter(_MEMBERS[family][who]))
+    except (KeyError, StopIteration):
         raise RuntimeError(f"rank {who} of {family} has no registered member: the object that "
                            "ran its collectives is gone (keep the loss, or the TensorParallel "
                            "it uses, alive while its programs run)") from None
