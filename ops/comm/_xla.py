@@ -278,13 +278,11 @@ class _Compiled:
 
 
 _PROGRAMS: OrderedDict[str, _Compiled] = OrderedDict()
-compiles = 0  # programs compiled through SharedJit in this process (tests read it)
 
 
 def compiled(key: str, keep: list[Any], compile_fn: Callable[[], Any]) -> Any:
     """The executable of the program ``key``, compiled by ``compile_fn`` by the
     first caller; later callers wait for it (nothing runs under its lock)."""
-    global compiles
     with _LOCK:
         entry = _PROGRAMS.get(key)
         if entry is None:
@@ -296,8 +294,6 @@ def compiled(key: str, keep: list[Any], compile_fn: Callable[[], Any]) -> Any:
     with entry.lock:
         if entry.executable is None:
             entry.executable, entry.keep = compile_fn(), keep
-            with _LOCK:
-                compiles += 1
         return entry.executable
 
 
