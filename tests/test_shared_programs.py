@@ -13,7 +13,6 @@ import pytest
 import ops
 import shard
 from ops.comm import _xla
-from tests import tp_models as gpt
 
 
 class _Compiles:
@@ -148,19 +147,6 @@ def test_ranks_with_losses_of_their_own_compile_each_program_once(zero):
         four_losses = shard.spawn(lambda c: _mlp(c, zero, 2), 4)
     assert four.loss == two.loss > 0, (two.loss, four.loss)
     np.testing.assert_allclose(four_losses[0], two_losses[0], rtol=1e-5)
-
-
-def test_eight_tensor_parallel_ranks_train_as_one_process_at_stage_3():
-    """Eight thread ranks (data 4, model 2) whose segments call the model
-    ranks' collectives: each runs its own executable of the one traced
-    program (see the Note) and they train as one process."""
-    steps = 2
-    got = shard.spawn(lambda c: gpt.train(c, 4, 2, shard.zero3, steps), 8)
-    want_params, want_losses, _ = gpt.reference(steps)
-    for _, params, _, losses, _ in got:
-        np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
-        for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(want_params), strict=True):
-            np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5)
 
 
 def test_a_rank_s_collectives_outlive_another_object_over_its_group():

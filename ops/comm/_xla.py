@@ -31,12 +31,16 @@ the running one's collectives).
 
 A program with effects (its collectives' callbacks) is compiled once per
 thread instead: eight thread ranks running one such executable at once
-deadlocked in XLA's CPU runtime, four of them inside their callbacks and the
-other four never started (each rank's own executable of the same program
-ran). Its trace is still shared (the traced units of stage 3 cut it once), and
-its inputs are made ready before it runs: XLA runs a program whose inputs are
-still being computed on a small pool of its own threads, where ranks waiting
-in collectives could leave no thread for the ranks they wait for.
+deadlocked in XLA's CPU runtime, four of them inside their callbacks on
+XLA's worker threads and the other four never started. Its trace is still
+shared (the traced units of stage 3 cut it once), and its inputs are made
+ready before it runs: XLA runs a program whose inputs are still being
+computed on a small pool of its own threads, where ranks waiting in
+collectives could leave no thread for the ranks they wait for. Even so, more
+than four thread ranks blocked in callbacks at once can exhaust that pool
+(eight tensor-parallel thread ranks at stage 3 hung once in five runs with an
+executable each); processes (gloo, NCCL) run one rank each and are not
+exposed to it.
 
 A program that still differs between ranks (a rank read as a Python number
 outside :func:`ranks_operand`) gets a key of its own, as before: sharing is
