@@ -32,7 +32,7 @@ from ops.comm._base import (
     Work,
     aligned_empty,
 )
-from ops.comm._collectives import all_gather, all_reduce, broadcast, reduce_scatter
+from ops.comm._collectives import all_gather, all_reduce, all_to_all, broadcast, reduce_scatter
 from ops.comm._spawn import spawn
 from ops.comm._threads import ThreadCommunicator, ThreadGroup
 from ops.comm._world import init_from_env
@@ -61,6 +61,7 @@ __all__ = [
     "aligned_empty",
     "all_gather",
     "all_reduce",
+    "all_to_all",
     "broadcast",
     "cast",
     "dequantize_blocks",

@@ -46,6 +46,10 @@ def check_all(comm) -> list[str]:
                 want = np.split(total[:m] / (w if op == "mean" else 1), w)[comm.rank]
                 if not np.allclose(got, want, rtol=rt, atol=rt * w):
                     failures.append(f"reduce_scatter {op} {name} n={n}")
+            got = ops.all_to_all(comm, mine[:m])
+            if not np.array_equal(got, np.concatenate([np.split(x[:m], w)[comm.rank]
+                                                       for x in xs])):
+                failures.append(f"all_to_all {name} n={n}")
             got = ops.all_reduce(comm, mine).astype(np.float64)
             if not np.allclose(got, total, rtol=rt, atol=rt * w):
                 failures.append(f"all_reduce {name} n={n}")

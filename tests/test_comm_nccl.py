@@ -37,11 +37,14 @@ def test_collectives_through_the_nccl_entry_points(world, dtype):
         comm.all_reduce_(summed, "sum")
         bcast = x.copy()
         comm.broadcast_(bcast, src=world - 1)
-        return tuple(a.get() for a in (gathered, scattered, summed, bcast))
+        swapped = comm.allocate(k * world, dtype)
+        comm.all_to_all_into(swapped, x)
+        return tuple(a.get() for a in (gathered, scattered, summed, bcast, swapped))
 
     results, comms = _run(world, body)
     total = np.sum([x.astype(np.float64) for x in xs], axis=0)
-    for r, (gathered, scattered, summed, bcast) in enumerate(results):
+    for r, (gathered, scattered, summed, bcast, swapped) in enumerate(results):
+        np.testing.assert_array_equal(swapped, np.concatenate([x[r * k:(r + 1) * k] for x in xs]))
         np.testing.assert_array_equal(gathered, np.concatenate(xs))
         np.testing.assert_allclose(scattered.astype(np.float64),
                                    (total / world)[r * k:(r + 1) * k], rtol=1e-2)
@@ -51,8 +54,12 @@ def test_collectives_through_the_nccl_entry_points(world, dtype):
     if world == 1:  # one rank sends nothing: the results above are its inputs
         assert calls == []
         return
-    assert [c[0] for c in calls] == ["allGather", "reduceScatter", "allReduce", "broadcast"]
-    assert [c[1] for c in calls] == [k * world, k, k * world, k * world]  # element counts
+    peers = [p for p in range(world) if p != 0]
+    assert [c[0] for c in calls] == ["allGather", "reduceScatter", "allReduce", "broadcast",
+                                     *["send"] * len(peers), *["recv"] * len(peers)]
+    assert [c[1] for c in calls] == [k * world, k, k * world, k * world,
+                                     *[k] * 2 * len(peers)]  # element counts
+    assert [c[3] for c in calls[4:]] == peers * 2  # a send and a receive per peer
 
 
 def test_unsupported_dtype_and_non_contiguous_buffers_are_refused():
@@ -133,3 +140,18 @@ def test_two_ranks_sending_to_each_other_at_once_complete_as_one_group():
     assert all(r[1] == [] for r in results)
     kinds = [c[0] for c in comms[0].comm.calls]
     assert kinds[:4] == ["send", "send", "recv", "recv"]  # header and payload, each way
+
+
+def test_all_to_all_is_one_group_with_sends_that_wait_for_their_receive():
+    """Every peer's send and receive in one NCCL group: with sends held until
+    received (as a GPU's may be), three ranks exchange without waiting on each
+    other's sends."""
+    def body(comm):
+        x = STANDIN.from_host(np.arange(6, dtype=np.float32) + 10 * comm.rank)
+        out = STANDIN.empty(6, np.float32)
+        comm.all_to_all_into(out, x)
+        return STANDIN.to_host(out).tolist()
+
+    results, _ = run_ranks(3, body, nccl, rendezvous=True)
+    for r, got in enumerate(results):
+        assert got == [float(10 * s + 2 * r + i) for s in range(3) for i in range(2)]

@@ -57,6 +57,18 @@ def test_reduce_scatter(world, dtype, n, op):
                                    atol=_tol(dtype) * world)
 
 
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("n", SIZES[:3])
+def test_all_to_all(world, n):
+    xs = [np.arange(world * n * 2, dtype=np.float32).reshape(world * n, 2) + 1000 * r
+          for r in range(world)]
+    outs = ops.spawn(lambda comm: ops.all_to_all(comm, xs[comm.rank]), world)
+    for r, out in enumerate(outs):
+        assert out.shape == (world * n, 2)
+        want = np.concatenate([np.split(x, world)[r] for x in xs])
+        np.testing.assert_array_equal(out, want)
+
+
 def test_reduce_scatter_in_a_wider_dtype():
     world, n = 4, 4096
     xs = [np.full(n, 1 + 2.0**-8, BF16) for _ in range(world)]  # 1 + half a bf16 ulp

@@ -10,7 +10,7 @@ processes under torchrun ([Note: gloo algorithms]) and NCCL on GPUs.
 - ``_world.py``: :func:`~ops.init_from_env`, the communicator torchrun's
   environment describes;
 - ``_collectives.py``: :func:`~ops.all_gather`, :func:`~ops.reduce_scatter`,
-  :func:`~ops.all_reduce`, :func:`~ops.broadcast`;
+  :func:`~ops.all_reduce`, :func:`~ops.all_to_all`, :func:`~ops.broadcast`;
 - ``_ordered.py``: sums in a fixed binary tree, the same bits on any number
   of ranks ([Note: ordered sums]);
 - ``_xla.py``: collectives that a JAX program calls with the rank as an

@@ -12,6 +12,10 @@ per-rank chunk of k elements:
   rank's chunk of the elementwise sum (or mean) of every rank's x. Ranks are
   added in rank order where the backend controls the order, so results are
   reproducible.
+- ``all_to_all_into(out, x)``: x and out have W*k elements; out[r*k:(r+1)*k]
+  is rank r's x[me*k:(me+1)*k], ``me`` this rank (the transpose of the ranks'
+  sections: ZeRO++'s quantized gradient reduction sends each rank its
+  sections so). ``out`` must not overlap ``x``.
 - ``all_reduce_(x, op)`` and ``broadcast_(x, src)`` work in place.
 
 [Note: point-to-point]
@@ -159,6 +163,9 @@ class Communicator(abc.ABC):
     @abc.abstractmethod
     def _barrier(self) -> None: ...
 
+    def _all_to_all(self, out: Any, x: Any) -> None:
+        raise NotImplementedError(f"all_to_all: the {self.backend} backend has none")
+
     def allocate(self, n: int, dtype: Any, *, device: Device | None = None) -> Any:
         """A flat buffer on ``device`` (default: the backend's own memory: 64-byte
         aligned host memory, or the GPU for NCCL)."""
@@ -196,6 +203,15 @@ class Communicator(abc.ABC):
             return self._alone(out, x)
         _issued()
         _inside(self._reduce_scatter, out, x, op)
+        return out
+
+    def all_to_all_into(self, out: Any, x: Any) -> Any:
+        self._check_all_to_all(out, x)
+        self._drain()
+        if self.world_size == 1:
+            return self._alone(out, x)
+        _issued()
+        _inside(self._all_to_all, out, x)
         return out
 
     def all_reduce_(self, x: Any, op: str = "sum") -> Any:
@@ -315,6 +331,12 @@ class Communicator(abc.ABC):
             return self._done("reduce_scatter", self.reduce_scatter_into(out, x, op))
         return self._submit("reduce_scatter", self._reduce_scatter, out, x, op)
 
+    def all_to_all_async(self, out: Any, x: Any) -> Work:
+        self._check_all_to_all(out, x)
+        if self.world_size == 1:
+            return self._done("all_to_all", self.all_to_all_into(out, x))
+        return self._submit("all_to_all", self._all_to_all, out, x)
+
     def all_reduce_async(self, x: Any, op: str = "sum") -> Work:
         self._check_op("all_reduce", op)
         self._check_memory("all_reduce", x)
@@ -386,6 +408,14 @@ class Communicator(abc.ABC):
     def _check_op(self, name: str, op: str) -> None:
         if op not in OPS:
             raise ValueError(f"{name}: op must be one of {OPS}; got {op!r}")
+
+    def _check_all_to_all(self, out: Any, x: Any) -> None:
+        self._check_sizes("all_to_all", out.size, x.size, out, x)
+        if x.size % self.world_size:
+            raise ValueError(f"all_to_all on rank {self.rank}: {x.size} elements do not split "
+                             f"into {self.world_size} equal sections")
+        if out is x:
+            raise ValueError("all_to_all: out must be another buffer than x")
 
     def _check_sizes(self, name: str, got: int, want: int, out: Any, x: Any) -> None:
         if got != want:

@@ -17,7 +17,7 @@ from ops.comm._base import Communicator
 from ops.device._device import device_of
 from ops.device._dlpack import to_native
 
-__all__ = ["all_gather", "all_gather_host", "all_reduce", "broadcast", "from_comm",
+__all__ = ["all_gather", "all_gather_host", "all_reduce", "all_to_all", "broadcast", "from_comm",
            "reduce_scatter", "to_comm"]
 
 
@@ -98,6 +98,30 @@ def reduce_scatter(comm: Communicator, x: Any, *, op: str = "sum", dtype: Any = 
     comm.reduce_scatter_into(buf, flat, op)
     shape = (lead // comm.world_size, *native.shape[1:])
     return back(buf.reshape(shape)) if out is None else out
+
+
+def all_to_all(comm: Communicator, x: Any) -> Any:
+    """Each rank's ``x`` split along its first axis into ``world_size`` equal
+    chunks, chunk r sent to rank r: the result's chunk s is rank s's chunk
+    for this rank (``torch.distributed.all_to_all_single``'s equal split).
+
+    Args:
+      comm: this rank's communicator.
+      x: an array whose first dimension divides by world_size; every rank
+        passes the same shape and dtype.
+
+    Returns:
+      An array of ``x``'s shape and kind.
+    """
+    native, back = to_native(x)
+    flat = _flat("all_to_all", native)
+    lead = native.shape[0] if native.ndim else 1
+    if lead % comm.world_size:
+        raise ValueError(f"all_to_all: the first dimension ({lead}) must divide by "
+                         f"world_size={comm.world_size}")
+    buf = comm.allocate(flat.size, flat.dtype, device=device_of(flat))
+    comm.all_to_all_into(buf, flat)
+    return back(buf.reshape(native.shape))
 
 
 def all_reduce(comm: Communicator, x: Any, *, op: str = "sum") -> Any:

@@ -41,7 +41,8 @@ from ops.device._dlpack import torch_view
 __all__ = ["GlooCommunicator"]
 
 SMALL_BYTES = 0
-_CODES = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4, "p2p": 5}
+_CODES = {"all_gather": 1, "reduce_scatter": 2, "all_reduce": 3, "broadcast": 4, "p2p": 5,
+          "all_to_all": 6}
 _NAMES = {v: k for k, v in _CODES.items()}
 _HEADER_TAG = 0x5A53  # headers travel on their own tag, never matched with payloads
 _P2P_TAG = 0x100000  # point-to-point tag t: payload on _P2P_TAG + 2t, header on + 2t + 1
@@ -183,6 +184,15 @@ class GlooCommunicator(Communicator):
                 o.add_(staging[r])
         if op == "mean":
             o.div_(w)
+
+    def _all_to_all(self, out: Any, x: Any) -> None:
+        o, t, k = torch_view(out), torch_view(x), x.size // self.world_size
+        me = slice(self.rank * k, (self.rank + 1) * k)
+        o[me].copy_(t[me])
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        self._run("all_to_all", self._pairwise, "all_to_all", x, 0,
+                  [(p, t[p * k:(p + 1) * k]) for p in peers],
+                  [(p, o[p * k:(p + 1) * k]) for p in peers])
 
     def _all_reduce(self, x: Any, op: str) -> None:
         t = torch_view(x.reshape(-1))

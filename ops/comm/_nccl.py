@@ -158,6 +158,23 @@ class NcclCommunicator(Communicator):
         self._launch("reduce_scatter", self.comm.reduceScatter, _ptr(x), _ptr(out), out.size,
                      self.dtype_of("reduce_scatter", x), self._op(op))
 
+    def _all_to_all(self, out: Any, x: Any) -> None:
+        """One NCCL group of a send and a receive per peer (as torch's
+        all_to_all_single on NCCL); this rank's own section is a copy."""
+        k, dtype = x.size // self.world_size, self.dtype_of("all_to_all", x)
+        peers = [p for p in range(self.world_size) if p != self.rank]
+        self._nccl.groupStart()
+        try:
+            for p in peers:
+                self._launch("all_to_all", self.comm.send, _ptr(x[p * k:(p + 1) * k]), k, dtype, p)
+            for p in peers:
+                self._launch("all_to_all", self.comm.recv, _ptr(out[p * k:(p + 1) * k]), k, dtype,
+                             p)
+        finally:
+            self._nccl.groupEnd()
+        me = slice(self.rank * k, (self.rank + 1) * k)
+        self.device.xp.copyto(out[me], x[me])
+
     def _all_reduce(self, x: Any, op: str) -> None:
         self._launch("all_reduce", self.comm.allReduce, _ptr(x), _ptr(x), x.size,
                      self.dtype_of("all_reduce", x), self._op(op))

@@ -233,6 +233,9 @@ class ThreadCommunicator(Communicator):
     def _reduce_scatter(self, out: Any, x: Any, op: str) -> None:
         self._start("reduce_scatter", out, x, op).wait()
 
+    def _all_to_all(self, out: Any, x: Any) -> None:
+        self._start("all_to_all", out, x).wait()
+
     def _all_reduce(self, x: Any, op: str) -> None:
         self._start("all_reduce", x, x, op).wait()
 
@@ -370,6 +373,15 @@ def _run_reduce_scatter(ranks: list[tuple]) -> None:
         device_of(out).xp.copyto(out, _sum(xs, r * k, (r + 1) * k, op))
 
 
+def _run_all_to_all(ranks: list[tuple]) -> None:
+    xs = [x.reshape(-1) for _, x, _ in ranks]
+    k = xs[0].size // len(ranks)
+    for r, (out, _, _) in enumerate(ranks):
+        xp = device_of(out).xp
+        for s, xs_s in enumerate(xs):
+            xp.copyto(out[s * k:(s + 1) * k], xs_s[r * k:(r + 1) * k])
+
+
 def _run_all_reduce(ranks: list[tuple]) -> None:
     xs = [x for _, x, _ in ranks]
     total = _sum(xs, 0, xs[0].size, ranks[0][2])
@@ -386,4 +398,5 @@ def _run_broadcast(ranks: list[tuple]) -> None:
 
 _RUN: dict[str, Callable[[list[tuple]], None]] = {
     "all_gather": _run_all_gather, "reduce_scatter": _run_reduce_scatter,
-    "all_reduce": _run_all_reduce, "broadcast": _run_broadcast, "barrier": lambda ranks: None}
+    "all_reduce": _run_all_reduce, "all_to_all": _run_all_to_all, "broadcast": _run_broadcast,
+    "barrier": lambda ranks: None}

@@ -115,6 +115,9 @@ class RoutedCommunicator(Communicator):
     def _reduce_scatter(self, out: Any, x: Any, op: str) -> None:
         self._for(x)._reduce_scatter(out, x, op)
 
+    def _all_to_all(self, out: Any, x: Any) -> None:
+        self._for(x)._all_to_all(out, x)
+
     def _all_reduce(self, x: Any, op: str) -> None:
         self._for(x)._all_reduce(x, op)
 
