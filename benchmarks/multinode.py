@@ -1,5 +1,6 @@
 """Two hosts over a shaped link: flat ZeRO-3 against hierarchical ZeRO (HSDP),
-ZeRO-3 with node-local secondary shards (hpZ) and with int8 gathers (qwZ).
+ZeRO-3 with node-local secondary shards (hpZ), int8 gathers (qwZ) and int8
+gradient reductions (qgZ).
 
 Two network namespaces of this machine, joined by a veth link whose ends a
 token bucket limits to ``--rate`` (1 Gbit/s by default), run ``examples/gpt.py``'s
@@ -22,9 +23,17 @@ gathers]) gathers int8 values and a float32 scale per 256: its gathers send
 ``(1 + 4 / 256) / 4`` of flat ZeRO-3's float32 bytes, so about 2 x 0.254 +
 1 = 1.5x the params' bytes. Both together (``hpz-qwz``) quantize the one gather
 that crosses the link: about 0.5 x 0.254 + 1 = 1.13x.
+ZeRO-3 with ``quantized_gradients=True`` (ZeRO++'s qgZ, see [Note: quantized
+gradient reduction]) sends each rank's sections for the other host's ranks
+as int8 and scales: the gradients' 1x becomes about 0.254x, so 2.25x in
+all. With hpZ and qwZ as well (``hpz-qwz-qgz``, ZeRO++ whole) the gradients
+are summed exactly inside each host first and each rank sends the other
+host's half of its node sum, quantized: 0.5 x 0.254 = 0.13x for the
+gathers and as much for the gradients, about 0.25x in all.
 Needs root and network namespaces (``ip netns``), as the tests do.
 
 Usage: sudo python benchmarks/multinode.py [--rate 1gbit] [--steps 12] [--rounds 3]
+                                          [--modes flat hsdp ...]
 """
 
 from __future__ import annotations
@@ -44,7 +53,7 @@ sys.path.insert(0, str(ROOT))
 from tests import netns  # noqa: E402
 from tests.multiproc import free_port  # noqa: E402
 
-MODES = ("flat", "hsdp", "hpz", "qwz", "hpz-qwz")
+MODES = ("flat", "hsdp", "hpz", "qwz", "hpz-qwz", "qgz", "hpz-qwz-qgz")
 
 
 def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]]:
@@ -52,7 +61,7 @@ def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]
                OMP_NUM_THREADS="1", ZS_D=str(args.d_model), ZS_LAYERS=str(args.layers),
                ZS_REPLICAS="2" if mode == "hsdp" else "1",
                ZS_RESHARD="2" if mode.startswith("hpz") else "0",
-               ZS_QWZ="1" if mode.endswith("qwz") else "0")
+               ZS_QWZ="1" if "qwz" in mode else "0", ZS_QGZ="1" if "qgz" in mode else "0")
     with netns.two_hosts(rate=args.rate) as hosts:
         port, procs = free_port(), []
         for i, h in enumerate(hosts):
@@ -80,15 +89,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--d-model", type=int, default=128, help="the GPT's width")
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES),
+                    help="the modes to run (flat is always run: the ratios are against it)")
     args = ap.parse_args()
+    modes = ["flat", *[m for m in args.modes if m != "flat"]]
     why = netns.unavailable()
     if why is not None:
         raise SystemExit(f"multinode: {why}")
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
-    sent: dict[str, list[float]] = {mode: [] for mode in MODES}
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    sent: dict[str, list[float]] = {mode: [] for mode in modes}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
-            for mode in MODES:
+            for mode in modes:
                 report, nbytes = run(mode, args, Path(tmp) / f"{mode}{r}.json")
                 times[mode].append(report["seconds"] / args.steps)
                 sent[mode].append(max(nbytes) / args.steps)
@@ -101,7 +113,7 @@ def main() -> None:
     print("| mode | ms/step | vs flat | MiB sent per host and step | x params' bytes |")
     print("|---|---|---|---|---|")
     flat = statistics.median(times["flat"])
-    for mode in MODES:
+    for mode in modes:
         t, b = statistics.median(times[mode]), statistics.median(sent[mode])
         print(f"| {mode} | {t * 1e3:.0f} | {t / flat:.2f} | {b / 2**20:.2f} | "
               f"{b / param_bytes:.2f} |")

@@ -231,7 +231,8 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
           progress: bool = True, save: str | Path | None = None, save_every: int = 500,
           resume: bool = False, replicas: int = 1,
           reshard_after_forward: bool | int = True,
-          invariant_shards: int | None = None, quantized_weights: bool = False) -> dict:
+          invariant_shards: int | None = None, quantized_weights: bool = False,
+          quantized_gradients: bool = False) -> dict:
     """Train a GPT with ZeRO ``stage`` up to step ``steps``; returns losses,
     timings and memory.
 
@@ -253,6 +254,9 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     (``shard.ZeroOptions(invariant_shards=...)``): a run may resume on
     another world size and keep its trajectory exactly. ``quantized_weights``:
     stage 3's gathers move int8 params with a scale per block (ZeRO++'s qwZ).
+    ``quantized_gradients``: the gradients' reduce-scatter moves int8 with a
+    scale per block (ZeRO++'s qgZ; with ``reshard_after_forward``, exact inside
+    each group and quantized across).
     """
     model = copy.deepcopy(model) if model is not None else build(cfg)
     params, loss = it.functional(model, loss=lm_loss)
@@ -264,7 +268,8 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
                        clip_norm=1.0, options=shard.ZeroOptions(
                            loggers=loggers, reshard_after_forward=reshard_after_forward,
                            invariant_shards=invariant_shards,
-                           quantized_weights=quantized_weights))
+                           quantized_weights=quantized_weights,
+                           quantized_gradients=quantized_gradients))
     loader = shard.DataLoader(Windows(corpus(), cfg.seq), batch, mesh=mesh)
     state = step.init(params)
     ckpt = Path(save) / "checkpoint" if save else None
@@ -372,6 +377,9 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--quantized-weights", action="store_true",
                     help="stage 3: all-gather the params as int8 with a scale per block "
                          "(ZeRO++'s qwZ)")
+    ap.add_argument("--quantized-gradients", action="store_true",
+                    help="stages 1-3: reduce-scatter the gradients as int8 with a scale per "
+                         "block (ZeRO++'s qgZ)")
     ap.add_argument("--sample", type=int, default=200,
                     help="bytes of text to generate at the end (0: none)")
     return ap
@@ -390,7 +398,8 @@ def main(argv: list[str] | None = None) -> None:
                        resume=args.resume, replicas=args.replicas,
                        reshard_after_forward=args.reshard_after_forward or True,
                        invariant_shards=args.invariant_shards or None,
-                       quantized_weights=args.quantized_weights)
+                       quantized_weights=args.quantized_weights,
+                       quantized_gradients=args.quantized_gradients)
         table = memory_table(comm, result, cfg)
         if args.sample:  # every rank gathers (a collective); rank 0 samples
             it.load_state(result["module"], result["state"], comm=result["step"].config.comm)

@@ -1,6 +1,8 @@
-"""Block-quantised int8 arrays (ZeRO++'s qwZ): :func:`quantize_blocks` and
-:func:`dequantize_blocks`, one kernel source for the CPU and the GPU
-(``ops/kernels/quant.cu``)."""
+"""Block-quantised int8 arrays (ZeRO++'s qwZ and qgZ): :func:`quantize_blocks`
+and :func:`dequantize_blocks`, one kernel source for the CPU and the GPU
+(``ops/kernels/quant.cu``), and :func:`reduce_scatter_quantized`, a
+reduce-scatter whose sections cross the wire as int8 ([Note: quantized
+gradient reduction])."""
 
 from __future__ import annotations
 
@@ -8,11 +10,12 @@ from typing import Any
 
 import numpy as np
 
+from ops.comm._base import Communicator
 from ops.device._arrays import array_kind, check_array, driver_for, dtype_code
 from ops.device._device import device_of
 from ops.kernels._table import QUANT_GROUP, TABLE
 
-__all__ = ["dequantize_blocks", "quantize_blocks"]
+__all__ = ["dequantize_blocks", "quantize_blocks", "reduce_scatter_quantized"]
 
 
 def quantize_blocks(x: Any) -> tuple[Any, Any]:
@@ -40,10 +43,16 @@ def quantize_blocks(x: Any) -> tuple[Any, Any]:
     xp = device_of(x).xp
     q = xp.empty(x.size, dtype=np.int8)
     scales = xp.empty(-(-x.size // QUANT_GROUP), dtype=np.float32)
+    _quantize_into(code, x.reshape(-1), q, scales)
+    return q, scales
+
+
+def _quantize_into(code: str, x: Any, q: Any, scales: Any) -> None:
+    """:func:`quantize_blocks` of the checked flat ``x`` into ``q`` and
+    ``scales`` (views of larger buffers, laid out as it returns them)."""
     if x.size:
         driver_for(array_kind(x)).elementwise(TABLE[f"zs_quantize_{code}"], x.size,
-                                              (x.reshape(-1), q, scales, x.size))
-    return q, scales
+                                              (x, q, scales, x.size))
 
 
 def dequantize_blocks(q: Any, scales: Any, dtype: Any = np.float32, *, out: Any = None) -> Any:
@@ -84,3 +93,108 @@ def dequantize_blocks(q: Any, scales: Any, dtype: Any = np.float32, *, out: Any 
         driver_for(kind).elementwise(TABLE[f"zs_dequantize_{code}"], q.size,
                                      (q, scales, out, q.size))
     return out
+
+
+def reduce_scatter_quantized(comm: Communicator, out: Any, x: Any, *,
+                             hierarchy: tuple[Communicator, Communicator] | None = None) -> Any:
+    """[Note: quantized gradient reduction]
+    ``comm.reduce_scatter_into(out, x, "sum")`` with the sections that cross
+    the wire as int8 (ZeRO++'s qgZ): each rank block-quantizes every other
+    rank's section of ``x`` (:func:`quantize_blocks`, blocks from the
+    section's start), an all-to-all sends each rank its sections' values and
+    scales, and each rank dequantizes them and adds them to its own section,
+    which never left it, in rank order in float32. Rank ``r``'s section
+    arrives within half of each of its blocks' scales (``amax / 127``): the
+    sum within the sum of those bounds. A rank sends ``(W - 1)(k + 4
+    ceil(k / 256))`` bytes for sections of ``k`` elements, where the exact
+    reduce-scatter sends ``(W - 1) k`` elements (4 bytes each in float32).
+
+    With ``hierarchy=(local, node)`` (the W ranks as ``W / L`` nodes of ``L``
+    consecutive ranks, as ``reshard_after_forward=L`` groups them; see [Note:
+    secondary shards] in ``shard/step/_runtime.py``), the reduction runs in
+    two hops, as ZeRO++'s hierarchical qgZ: first an exact reduce-scatter
+    inside the node, which leaves place ``l`` of the node with the node's sum
+    of the sections of place ``l`` on every node, and then the quantized
+    all-to-all above across the nodes, among the ranks at place ``l``. A rank
+    then sends ``(N - 1)(k + 4 ceil(k / 256))`` bytes across nodes for N
+    nodes, ``1 / L`` of the flat form's.
+
+    The inside hop (if any) and the quantization run now; the all-to-all
+    runs asynchronously; ``wait()`` on the returned handle adds the sections
+    and returns ``out``.
+
+    Args:
+      comm: this rank's communicator (W ranks).
+      out: this rank's section of the sum: ``k`` elements of float32,
+        bfloat16 or float16.
+      x: the ``W k`` elements this rank adds, of ``out``'s dtype.
+      hierarchy: ``(local, node)``: this node's ranks and this place's ranks
+        on every node, or None for the flat form.
+    """
+    k, w = out.size, comm.world_size
+    code = check_array("reduce_scatter_quantized", "x", x.reshape(-1),
+                       dtypes=("f32", "bf16", "f16"))
+    check_array("reduce_scatter_quantized", "out", out, dtypes=(code,), shape=(k,), writeable=True,
+                kind=array_kind(x))
+    if x.size != w * k:
+        raise ValueError(f"reduce_scatter_quantized on rank {comm.rank}: with world_size={w}, "
+                         f"input of {x.size} and output of {k} elements do not fit")
+    x = x.reshape(-1)
+    if hierarchy is None or w == 1:
+        return _QuantizedReduction(comm, out, x, code)
+    local, node = hierarchy
+    per_node, nodes = local.world_size, node.world_size
+    if per_node * nodes != w:
+        raise ValueError(f"reduce_scatter_quantized: {nodes} nodes of {per_node} ranks are not "
+                         f"the communicator's {w}")
+    xp = device_of(x).xp
+    by_place = xp.empty(w * k, dtype=x.dtype)  # (nodes, per_node, k) -> (per_node, nodes, k)
+    for n in range(nodes):
+        for p in range(per_node):
+            xp.copyto(by_place[(p * nodes + n) * k:(p * nodes + n + 1) * k],
+                      x[(n * per_node + p) * k:(n * per_node + p + 1) * k])
+    node_sum = xp.empty(nodes * k, dtype=x.dtype)
+    local.reduce_scatter_into(node_sum, by_place, "sum")
+    return _QuantizedReduction(node, out, node_sum, code)
+
+
+class _QuantizedReduction:
+    """A quantized reduce-scatter in flight (see [Note: quantized gradient
+    reduction]): the sections quantized and their all-to-all started."""
+
+    def __init__(self, comm: Communicator, out: Any, x: Any, code: str) -> None:
+        w, k, me = comm.world_size, out.size, comm.rank
+        blocks = -(-k // QUANT_GROUP)
+        xp = device_of(x).xp
+        self.comm, self.out, self.x, self.xp = comm, out, x, xp
+        q, scales = xp.empty(w * k, dtype=np.int8), xp.empty(w * blocks, dtype=np.float32)
+        for r in range(w):
+            if r != me:
+                _quantize_into(code, x[r * k:(r + 1) * k], q[r * k:(r + 1) * k],
+                               scales[r * blocks:(r + 1) * blocks])
+        self.q, self.scales = xp.empty(w * k, dtype=np.int8), xp.empty(w * blocks, dtype=np.float32)
+        self.works = ([comm.all_to_all_async(self.q, q), comm.all_to_all_async(self.scales, scales)]
+                      if w > 1 else [])
+        self.blocks = blocks
+
+    def wait(self) -> Any:
+        for work in self.works:
+            work.wait()
+        comm, out, xp, k, b = self.comm, self.out, self.xp, self.out.size, self.blocks
+        f32 = np.dtype(out.dtype) == np.float32
+        total = out if f32 else xp.empty(k, dtype=np.float32)
+        part = xp.empty(k, dtype=np.float32)
+        for r in range(comm.world_size):
+            if r == comm.rank:
+                mine = self.x[r * k:(r + 1) * k]
+                xp.copyto(part, mine if f32 else mine.astype(np.float32))
+            else:
+                dequantize_blocks(self.q[r * k:(r + 1) * k], self.scales[r * b:(r + 1) * b],
+                                  np.float32, out=part)
+            if r == 0:
+                xp.copyto(total, part)
+            else:
+                xp.add(total, part, out=total)
+        if not f32:
+            out[...] = total.astype(out.dtype)
+        return out

@@ -16,6 +16,8 @@ silently ignored.
   stage 3 adds ``params="host"``; ``zero_hpz_partition_size`` (ZeRO++'s hpZ,
   the ranks per node; 1, the default, is off): ``reshard_after_forward``;
   ``zero_quantized_weights`` (ZeRO++'s qwZ, stage 3): ``quantized_weights``;
+  ``zero_quantized_gradients`` (ZeRO++'s qgZ, stages 1-3):
+  ``quantized_gradients``;
 - ``fp16``: ``enabled``, ``initial_scale_power``, ``loss_scale_window``,
   ``min_loss_scale``, ``hysteresis`` (DeepSpeed's default 2) and
   ``consecutive_hysteresis``: ``Precision(float16)`` and a
@@ -132,6 +134,7 @@ class DeepSpeedConfig:
     reshard_after_forward: bool | int = True
     gradient_divide_factor: float | None = None
     quantized_weights: bool = False
+    quantized_gradients: bool = False
 
     def transform(self, loss_fn: Any, *, comm: Any = None, mesh: Any = None,
                   **overrides: Any) -> ZeroStep:
@@ -169,7 +172,8 @@ class DeepSpeedConfig:
             loggers=self.loggers, gradient_accumulation_steps=self.gradient_accumulation_steps,
             offload=self.offload or None, reshard_after_forward=self.reshard_after_forward,
             gradient_divide_factor=self.gradient_divide_factor,
-            quantized_weights=self.quantized_weights)
+            quantized_weights=self.quantized_weights,
+            quantized_gradients=self.quantized_gradients)
         return zero(loss_fn, optimizer=optimizer, mesh=mesh, comm=comm,
                     options=dataclasses.replace(options, **overrides))
 
@@ -257,6 +261,12 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
         bad.append(f"zero_optimization.zero_quantized_weights={qwz!r} (true or false)")
     elif qwz and stage != 3:
         bad.append("zero_optimization.zero_quantized_weights=true below stage 3")
+    qgz = zero.pop("zero_quantized_gradients", False)
+    if not isinstance(qgz, bool):
+        bad.append(f"zero_optimization.zero_quantized_gradients={qgz!r} (true or false)")
+    elif qgz and stage == 0:
+        bad.append("zero_optimization.zero_quantized_gradients=true at stage 0 (it quantizes "
+                   "the reduce-scatter of stages 1-3)")
     bad += [f"zero_optimization.{k}" for k in zero]
 
     precision, loss_scale = precision_of(cfg, bad, tuning)
@@ -282,7 +292,8 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
                            gradient_accumulation_steps=accumulation, micro_batch_size=micro,
                            train_batch_size=total, offload=offload, loggers=loggers,
                            reshard_after_forward=reshard, gradient_divide_factor=divide,
-                           quantized_weights=qwz is True and stage == 3)
+                           quantized_weights=qwz is True and stage == 3,
+                           quantized_gradients=qgz is True and stage > 0)
 
 
 def _resolve(cfg: dict, args: dict) -> tuple[dict, list[str]]:

@@ -22,7 +22,8 @@ def main() -> None:
     out = gpt.train(comm, stage=3, steps=int(os.environ.get("ZS_STEPS", "4")), batch=8,
                     cfg=cfg, progress=False, replicas=int(os.environ.get("ZS_REPLICAS", "1")),
                     reshard_after_forward=int(os.environ.get("ZS_RESHARD", "0")) or True,
-                    quantized_weights=os.environ.get("ZS_QWZ") == "1")
+                    quantized_weights=os.environ.get("ZS_QWZ") == "1",
+                    quantized_gradients=os.environ.get("ZS_QGZ") == "1")
     params = shard.gather(out["state"], out["step"].config.comm)
     if comm.rank == 0:
         report = {"world": comm.world_size, "losses": [float(x) for x in out["losses"]],

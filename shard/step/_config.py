@@ -123,6 +123,15 @@ class ZeroOptions:
         optimizer updates stay exact. With ``reshard_after_forward=L`` the
         gathers across nodes are the quantized ones (as ZeRO++ composes qwZ
         and hpZ).
+      quantized_gradients: stages 1-3 reduce-scatter the gradients with each
+        rank's sections for the others sent as int8 with a float32 scale per
+        block of 256 and summed in float32 on arrival (DeepSpeed's ZeRO++
+        qgZ, ``zero_quantized_gradients``; see [Note: quantized gradient
+        reduction] in ``ops/_quant.py``): about a quarter of float32's bytes,
+        each other rank's section within half its block's scale. With
+        ``reshard_after_forward=L`` the sum is exact inside each node and
+        quantized across the nodes, ``1 / L`` of the flat form's bytes there
+        (ZeRO++'s hierarchical qgZ).
 
     Examples:
       >>> import shard
@@ -151,6 +160,7 @@ class ZeroOptions:
     peak_flops: float | None = None
     invariant_shards: int | None = None
     quantized_weights: bool = False
+    quantized_gradients: bool = False
 
     def merged(self, where: str, **given: Any) -> ZeroOptions:
         """These options with ``given`` (``zero3``'s own keyword arguments) set;
@@ -314,6 +324,20 @@ class StepConfig(ZeroOptions):
             for what, bad in (("invariant_shards=", o.invariant_shards is not None),):
                 if bad:
                     raise NotImplementedError(f"{name}: quantized_weights= does not compose "
+                                              f"with {what}; drop one of them")
+        if not isinstance(o.quantized_gradients, bool):
+            raise TypeError(f"{name}: quantized_gradients must be True or False; got "
+                            f"{o.quantized_gradients!r}")
+        if o.quantized_gradients:
+            if stage == 0:
+                raise ValueError(f"{name}: quantized_gradients= quantizes the gradients' "
+                                 "reduce-scatter; zero0 all-reduces them: use zero1-zero3")
+            for what, bad in (("invariant_shards=", o.invariant_shards is not None),
+                              ("a 'replicate' axis (HSDP: the gradients cross nodes in the "
+                               "replicas' all-reduce, which stays exact)",
+                               topology.replicate is not None)):
+                if bad:
+                    raise NotImplementedError(f"{name}: quantized_gradients= does not compose "
                                               f"with {what}; drop one of them")
         f = o.gradient_divide_factor
         if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))

@@ -83,7 +83,8 @@ def reducer(plan: Plan, buffers: GradBuffers) -> GradReducer:
                               plans=plan.grad_plans, group=c.invariant_shards // c.ranks,
                               replica=plan.replica)
     return GradReducer(plan.grad_layout, plan.fast, stage=c.stage, dtype=reduce_dtype(plan),
-                       device=plan.device, buffers=buffers, plans=plan.grad_plans)
+                       device=plan.device, buffers=buffers, plans=plan.grad_plans,
+                       quantized=c.quantized_gradients, hierarchy=plan.secondary)
 
 
 def virtual_shards(plan: Plan, state: TrainState, micro: list[Any]) -> list[Any]:

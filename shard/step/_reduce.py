@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from ops import Communicator, Device
+from ops._quant import reduce_scatter_quantized
 from ops.device._runs import Runs, contiguous_on, copy_runs
 from ops.kernels._table import runs_kernel
 from shard.core._layout import Layout
@@ -31,13 +32,23 @@ class GradReducer:
     micro-batches. Stages 0 and 1 accumulate the full gradient locally and
     reduce once, in :meth:`finish`. Replicated leaves are all-reduced.
     ``accumulate=False``: none of those sums (a subclass that reduces each
-    gradient as it comes writes the shards itself).
+    gradient as it comes writes the shards itself). ``quantized``: the
+    reduce-scatters send int8 (ZeRO++'s qgZ, see [Note: quantized gradient
+    reduction] in ``ops/_quant.py``), in two hops over ``hierarchy`` (the
+    node's ranks, this place's ranks on every node) where it is given.
     """
 
     def __init__(self, layout: Layout, comm: Communicator, *, stage: int, dtype: Any,
                  device: Device, buffers: GradBuffers | None = None,
-                 plans: CopyPlans | None = None, accumulate: bool = True) -> None:
+                 plans: CopyPlans | None = None, accumulate: bool = True,
+                 quantized: bool = False,
+                 hierarchy: tuple[Communicator, Communicator] | None = None) -> None:
         self.layout, self.comm, self.stage, self.device = layout, comm, stage, device
+        self.quantized, self.hierarchy = quantized, hierarchy
+        if quantized and np.dtype(dtype).name not in ("float32", "bfloat16", "float16"):
+            raise TypeError(f"quantized_gradients=: the gradients are reduced in "
+                            f"{np.dtype(dtype)}; block quantization takes float32, bfloat16 "
+                            "or float16")
         self.plans = plans or CopyPlans(layout, layout)
         self.dtype = np.dtype(dtype)
         w = comm.world_size if stage > 0 else 1
@@ -93,16 +104,14 @@ class GradReducer:
             if self.final and unit.sharded_size:  # complete: reduce it while others compute
                 if self.on_final is not None and self.stage >= 1 and not unit.replicated_size:
                     self._handed.add(u)
-                    self.on_final(u, [(None, _DONE if self.solo else
-                                       self.comm.reduce_scatter_async(
-                                           shard[:unit.sharded_size], self._full[u], op="sum"))])
+                    self.on_final(u, [(None, _DONE if self.solo else self._reduce_scatter(
+                        shard[:unit.sharded_size], self._full[u]))])
                     return
                 if self.solo:
                     return
                 self._early[u] = (
                     self.comm.all_reduce_async(self._full[u], "sum") if self.stage == 0 else
-                    self.comm.reduce_scatter_async(shard[:unit.sharded_size], self._full[u],
-                                                   op="sum"))
+                    self._reduce_scatter(shard[:unit.sharded_size], self._full[u]))
             return
         packed = self.device.empty(unit.sharded_size * w, self.dtype)
         if self._pack(u, grads, packed):  # the sharded leaves in one launch
@@ -122,7 +131,7 @@ class GradReducer:
             out = (shard[:unit.sharded_size] if first
                    else self.device.empty(unit.sharded_size, self.dtype))
             self._written.add(u)
-            work = self.comm.reduce_scatter_async(out, packed, op="sum")
+            work = self._reduce_scatter(out, packed)
             if self.final and self.on_final is not None and not unit.replicated_size:
                 self._handed.add(u)
                 parts = [(o, wk) for v, o, wk in self._pending if v == u]
@@ -130,6 +139,13 @@ class GradReducer:
                 self.on_final(u, [*parts, (None if first else out, work)])
             else:
                 self._pending.append((u, None if first else out, work))
+
+    def _reduce_scatter(self, out: Any, x: Any) -> Any:
+        """The sum over the ranks of ``x``'s sections, this rank's into ``out``,
+        started (a handle)."""
+        if self.quantized:
+            return reduce_scatter_quantized(self.comm, out, x, hierarchy=self.hierarchy)
+        return self.comm.reduce_scatter_async(out, x, op="sum")
 
     def _pack(self, u: int, grads: list[Any], packed: Any) -> bool:
         """Copy unit ``u``'s sharded leaves' gradients into ``packed`` (its (W, S)
@@ -219,8 +235,7 @@ class GradReducer:
                     elif self.stage == 0:
                         self.comm.all_reduce_(self._full[u], "sum")
                     else:
-                        self.comm.reduce_scatter_into(shard[:unit.sharded_size], self._full[u],
-                                                      "sum")
+                        self._reduce_scatter(shard[:unit.sharded_size], self._full[u]).wait()
             if unit.replicated_size and not self.solo:
                 with timed("reduce_wait"):
                     self.comm.all_reduce_(shard[unit.sharded_size:], "sum")

@@ -1,0 +1,269 @@
+"""ZeRO++'s qgZ: a reduce-scatter whose sections cross the wire as int8
+(ops._quant.reduce_scatter_quantized, [Note: quantized gradient reduction]),
+flat and in two hops, against a numpy model of the algorithm, bit for bit."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import ops
+from ops._quant import reduce_scatter_quantized
+from ops.testing import STANDIN
+
+BLOCK = 256
+
+
+def _quantized(section):
+    """numpy's model of quantize_blocks then dequantize_blocks to float32."""
+    back = np.empty(section.size, np.float32)
+    for lo in range(0, section.size, BLOCK):
+        x = section[lo:lo + BLOCK].astype(np.float32)
+        amax = np.abs(x).max()
+        inv = np.float32(127) / amax if amax > 0 else np.float32(0)
+        q = np.clip(np.rint(x * inv), -127, 127)
+        back[lo:lo + BLOCK] = q.astype(np.float32) * (amax / np.float32(127))
+    return back
+
+
+def _flat_model(xs, me, k):
+    """Rank ``me``'s sum: its own section exact, every other rank's quantized,
+    added in rank order in float32."""
+    total = None
+    for r, x in enumerate(xs):
+        part = x[me * k:(me + 1) * k]
+        part = part.astype(np.float32) if r == me else _quantized(part)
+        total = part if total is None else total + part
+    return total
+
+
+def _two_hop_model(xs, me, k, per_node):
+    """The node's exact reduce-scatter by place, then the flat model across nodes."""
+    nodes = len(xs) // per_node
+    node, place = divmod(me, per_node)
+    sums = []
+    for m in range(nodes):  # node m's partial sums at this place: its ranks in order
+        mine = [xs[m * per_node + p] for p in range(per_node)]
+        sections = [np.concatenate([x[(n * per_node + place) * k:(n * per_node + place + 1) * k]
+                                    for n in range(nodes)]) for x in mine]
+        acc = sections[0].copy()
+        for s in sections[1:]:
+            acc += s
+        sums.append(acc)
+    return _flat_model(sums, node, k)
+
+
+def _inputs(world, k, seed=0):
+    rng = np.random.default_rng(seed)
+    return [(rng.standard_normal(world * k) * 10.0 ** rng.integers(-3, 2, world * k))
+            .astype(np.float32) for _ in range(world)]
+
+
+def _run(world, k, per_node=None, device=None):
+    xs = _inputs(world, k)
+
+    def rank(comm):
+        hierarchy = None
+        if per_node is not None:
+            hierarchy = (comm.split(comm.rank // per_node), comm.split(comm.rank % per_node))
+        x = xs[comm.rank] if device is None else device.from_host(xs[comm.rank])
+        out = (np.empty(k, np.float32) if device is None else device.empty(k, np.float32))
+        got = reduce_scatter_quantized(comm, out, x, hierarchy=hierarchy).wait()
+        assert got is out
+        return got if device is None else device.to_host(got)
+
+    return xs, ops.spawn(rank, world)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [0, 5, 300])
+def test_the_flat_form_is_the_numpy_model_bit_for_bit(world, k):
+    xs, outs = _run(world, k)
+    for me, out in enumerate(outs):
+        np.testing.assert_array_equal(out, _flat_model(xs, me, k))
+
+
+@pytest.mark.parametrize(("world", "per_node"), [(4, 2), (6, 2), (6, 3)])
+def test_two_hops_are_the_numpy_model_bit_for_bit(world, per_node):
+    k = 300
+    xs, outs = _run(world, k, per_node)
+    for me, out in enumerate(outs):
+        np.testing.assert_array_equal(out, _two_hop_model(xs, me, k, per_node))
+
+
+def test_on_the_device_the_same_bits_as_on_the_host():
+    _, host = _run(3, 300)
+    _, device = _run(3, 300, device=STANDIN)
+    for h, d in zip(host, device, strict=True):
+        np.testing.assert_array_equal(h, d)
+
+
+def test_each_sum_is_within_the_other_ranks_half_scales_of_the_exact_one():
+    world, k = 4, 700
+    xs, outs = _run(world, k)
+    for me, out in enumerate(outs):
+        exact = np.sum([x[me * k:(me + 1) * k].astype(np.float64) for x in xs], axis=0)
+        bound = np.zeros(k)
+        for r, x in enumerate(xs):
+            if r != me:
+                section = x[me * k:(me + 1) * k]
+                for lo in range(0, k, BLOCK):
+                    bound[lo:lo + BLOCK] += np.abs(section[lo:lo + BLOCK]).max() / 127 / 2
+        err = np.abs(out.astype(np.float64) - exact)
+        assert (err <= bound * (1 + 1e-5) + 1e-6 * np.abs(exact)).all()
+        assert err.max() > 0  # the quantized sections are not exact
+
+
+def test_what_crosses_the_wire_is_int8_values_and_a_scale_per_block():
+    """The sections another rank receives are int8 and float32 scales: about a
+    quarter of the exact reduce-scatter's float32 bytes."""
+    world, k, sent = 3, 1000, []
+
+    class Counting:
+        def __init__(self, comm):
+            self._comm, self.world_size, self.rank = comm, comm.world_size, comm.rank
+
+        def all_to_all_async(self, out, x):
+            sent.append((self.rank, x.dtype, x.nbytes))
+            return self._comm.all_to_all_async(out, x)
+
+    xs = _inputs(world, k)
+    ops.spawn(lambda comm: reduce_scatter_quantized(
+        Counting(comm), np.empty(k, np.float32), xs[comm.rank]).wait(), world)
+    mine = sorted((dtype.name, n) for r, dtype, n in sent if r == 0)
+    assert mine == [("float32", world * 4 * 4), ("int8", world * k)]  # 4 blocks of 256
+    exact = (world - 1) * k * 4  # bytes rank 0 sends in a float32 reduce-scatter
+    assert (world - 1) * (k + 4 * 4) / exact < 0.27
+
+
+def test_bad_arguments_are_refused_before_anything_moves():
+    def rank(comm):
+        with pytest.raises(ValueError, match="do not fit"):
+            reduce_scatter_quantized(comm, np.empty(3, np.float32), np.ones(7, np.float32))
+        with pytest.raises(TypeError, match="out must have dtype float32"):
+            reduce_scatter_quantized(comm, np.empty(3, np.float16), np.ones(6, np.float32))
+        with pytest.raises(TypeError, match="x must have dtype"):
+            reduce_scatter_quantized(comm, np.empty(3, np.float64), np.ones(6, np.float64))
+        return True
+
+    assert all(ops.spawn(rank, 2))
+
+
+# -- in the ZeRO step: quantized_gradients= (DeepSpeed's zero_quantized_gradients) ----------
+
+def _params():
+    rng = np.random.default_rng(0)  # unit 0: 1073 values, sections of 2 blocks at 3 ranks
+    return [{"w": rng.standard_normal((37, 29)).astype(np.float32) * 0.3},
+            {"w": rng.standard_normal((29, 3)).astype(np.float32) * 0.3,
+             "b": rng.standard_normal(3).astype(np.float32) * 0.1}]
+
+
+def _loss(p, b):
+    import jax.numpy as jnp
+
+    h = jnp.tanh(b["x"] @ p[0]["w"])
+    return jnp.mean((h @ p[1]["w"] + p[1]["b"] - b["y"]) ** 2)
+
+
+def _batch(k, rows=12):
+    rng = np.random.default_rng(100 + k)
+    return {"x": rng.standard_normal((rows, 37)).astype(np.float32),
+            "y": rng.standard_normal((rows, 3)).astype(np.float32)}
+
+
+def _train(comm, zero, steps=6, **options):
+    import shard
+
+    step = zero(_loss, optimizer=ops.adamw(1e-2), comm=comm,
+                options=shard.ZeroOptions(**options))
+    state, losses = step.init(_params()), []
+    for k in range(steps):
+        state, metrics = step(state, shard.split_batch(_batch(k), rank=comm.rank,
+                                                       world_size=comm.world_size))
+        losses.append(metrics["loss"])
+    return losses, shard.gather(state, comm)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_training_with_quantized_gradients_follows_the_exact_run(stage):
+    import shard
+
+    zero = (None, shard.zero1, shard.zero2, shard.zero3)[stage]
+    exact = shard.spawn(lambda c: _train(c, zero), 3)
+    quantized = shard.spawn(lambda c: _train(c, zero, quantized_gradients=True), 3)
+    for (losses, params), (want_losses, want) in zip(quantized, exact, strict=True):
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-2)
+        for a, b in zip(params, want, strict=True):
+            for key in a:  # Adam moves a near-zero gradient of another sign by lr a step
+                assert np.abs(a[key] - b[key]).mean() < 2e-3, key
+                assert np.abs(a[key] - b[key]).max() <= 6 * 1e-2 * 1.01, key
+        assert not np.array_equal(params[0]["w"], want[0]["w"])
+    assert all(q[0] == quantized[0][0] for q in quantized)  # every rank, the same losses
+
+
+def test_with_secondary_shards_only_the_hop_across_nodes_is_quantized():
+    """hpZ's groups of 2 of 4 ranks: the gradients are summed exactly inside each
+    group and quantized across groups (all-to-alls on the 'node' communicator
+    only), and the run follows the exact one."""
+    import shard
+    from shard.step import _reduce
+
+    calls = []
+    real = _reduce.reduce_scatter_quantized
+
+    def spy(comm, out, x, *, hierarchy=None):
+        calls.append(hierarchy is not None and hierarchy[1].world_size == 2)
+        return real(comm, out, x, hierarchy=hierarchy)
+
+    _reduce.reduce_scatter_quantized = spy
+    try:
+        both = shard.spawn(lambda c: _train(c, shard.zero3, steps=3, quantized_gradients=True,
+                                            quantized_weights=True, reshard_after_forward=2), 4)
+    finally:
+        _reduce.reduce_scatter_quantized = real
+    exact = shard.spawn(lambda c: _train(c, shard.zero3, steps=3), 4)
+    assert calls and all(calls)
+    for (losses, params), (want_losses, want) in zip(both, exact, strict=True):
+        np.testing.assert_allclose(losses, want_losses, rtol=2e-2)
+        assert np.abs(params[0]["w"] - want[0]["w"]).mean() < 2e-3
+
+
+def test_what_quantized_gradients_do_not_compose_with_is_refused_by_name():
+    import shard
+
+    def run(comm):
+        errors = []
+        for zero, kw in ((shard.zero0, {}), (shard.zero3, {"invariant_shards": 4}),
+                         (shard.zero2, {"quantized_gradients": 1})):
+            kw = {"quantized_gradients": True, **kw}
+            try:
+                zero(_loss, optimizer=ops.adamw(1e-2), comm=comm, options=shard.ZeroOptions(**kw))
+            except (TypeError, ValueError, NotImplementedError) as e:
+                errors.append((type(e).__name__, str(e)))
+        mesh = shard.Mesh(comm, {"replicate": 2, "shard": 2})
+        try:
+            shard.zero3(_loss, optimizer=ops.adamw(1e-2), mesh=mesh,
+                        options=shard.ZeroOptions(quantized_gradients=True))
+        except NotImplementedError as e:
+            errors.append((type(e).__name__, str(e)))
+        return errors
+
+    errors = shard.spawn(run, 4)[0]
+    assert [t for t, _ in errors] == ["ValueError", "NotImplementedError", "TypeError",
+                                      "NotImplementedError"]
+    assert all("quantized_gradients" in m for _, m in errors)
+    assert "invariant_shards" in errors[1][1] and "replicate" in errors[3][1]
+
+
+def test_deepspeeds_zero_quantized_gradients_maps_onto_the_option():
+    import shard
+
+    base = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW",
+                                                                "params": {"lr": 1e-3}}}
+    for stage in (1, 2, 3):
+        cfg = shard.from_deepspeed_config({**base, "zero_optimization": {
+            "stage": stage, "zero_quantized_gradients": True}})
+        assert cfg.quantized_gradients is True
+    with pytest.raises(ValueError, match="zero_quantized_gradients=true at stage 0"):
+        shard.from_deepspeed_config({**base, "zero_optimization": {
+            "stage": 0, "zero_quantized_gradients": True}})
