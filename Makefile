@@ -65,6 +65,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/e2e.py --profile
 	$(PY) benchmarks/offload.py
 	$(PY) benchmarks/pipeline.py
+	$(PY) benchmarks/compression.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache site

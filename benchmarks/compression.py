@@ -1,0 +1,119 @@
+"""Convergence with ZeRO++'s compressed collectives: the demo GPT's loss curve
+with qwZ, qgZ and both (with hpZ) against exact ZeRO-3.
+
+``examples/gpt.py``'s GPT (byte-level language modelling of Python's standard
+library sources) trains ``--steps`` steps on ``--ranks`` thread ranks, from
+the same weights on the same batches, once per mode:
+
+- ``exact``: ZeRO-3;
+- ``qwz``: ``quantized_weights=True`` (int8 all-gathers of the params);
+- ``qgz``: ``quantized_gradients=True`` (int8 all-to-all reduction of the
+  gradients);
+- ``hpz-qwz-qgz``: both, with ``reshard_after_forward=--group`` (ZeRO++);
+- ``exact-half``: exact ZeRO-3 on half the ranks, the same global batches:
+  the exact run with its floating-point sums in another order, whose gap is
+  the noise floor the others are read against (training amplifies any
+  difference in the last bits into a different trajectory).
+
+The table gives each mode's mean loss over the last ``--tail`` steps and its
+gap to the exact run's, in percent; ``--plot`` draws the curves (a moving
+mean over 10 steps) into a PNG file.
+
+Usage: python benchmarks/compression.py [--steps 300] [--ranks 4] [--plot curves.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import ops  # noqa: E402
+from examples import gpt  # noqa: E402
+
+MODES = {"exact": {}, "qwz": {"quantized_weights": True},
+         "qgz": {"quantized_gradients": True},
+         "hpz-qwz-qgz": {"quantized_weights": True, "quantized_gradients": True,
+                         "reshard_after_forward": None},
+         "exact-half": {}}
+
+
+def run(mode: str, args: argparse.Namespace, model: gpt.GPT, cfg: gpt.GPTConfig) -> tuple:
+    options = dict(MODES[mode])
+    if "reshard_after_forward" in options:
+        options["reshard_after_forward"] = args.group
+    ranks = args.ranks // 2 if mode == "exact-half" else args.ranks
+    t0 = time.perf_counter()
+    out = ops.spawn(lambda comm: gpt.train(comm, stage=3, steps=args.steps, batch=args.batch,
+                                           cfg=cfg, model=model, progress=False, **options),
+                    ranks)
+    return np.asarray(out[0]["losses"], np.float64), time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--ranks", type=int, default=4)
+    ap.add_argument("--group", type=int, default=2,
+                    help="hpZ's ranks per node in the hpz-qwz-qgz mode")
+    ap.add_argument("--batch", type=int, default=16, help="sequences per step, all ranks")
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--tail", type=int, default=50, help="steps the final loss averages")
+    ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    ap.add_argument("--plot", type=Path, help="write the curves to this PNG file")
+    args = ap.parse_args()
+    modes = ["exact", *[m for m in args.modes if m != "exact"]]
+    cfg = gpt.GPTConfig(d=args.d_model, layers=args.layers)
+    import torch
+
+    torch.set_num_threads(1)
+    model = gpt.build(cfg)
+    curves, seconds = {}, {}
+    for mode in modes:
+        curves[mode], seconds[mode] = run(mode, args, model, cfg)
+        print(f"{mode}: {seconds[mode]:.0f} s, loss {curves[mode][0]:.3f} -> "
+              f"{curves[mode][-args.tail:].mean():.4f}", flush=True)
+    tail = min(args.tail, args.steps)
+    exact = curves["exact"][-tail:].mean()
+    print(f"\nGPT d={args.d_model} layers={args.layers}, {args.ranks} thread ranks, batch "
+          f"{args.batch}, {args.steps} steps; the final loss is the mean of the last {tail}\n")
+    print("| mode | final loss | gap to exact | largest gap of a step | seconds |")
+    print("|---|---|---|---|---|")
+    for mode in modes:
+        final = curves[mode][-tail:].mean()
+        worst = np.abs(curves[mode] / curves["exact"] - 1).max()
+        print(f"| {mode} | {final:.4f} | {100 * (final / exact - 1):+.2f}% | "
+              f"{100 * worst:.2f}% | {seconds[mode]:.0f} |")
+    if args.plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4))
+        window = min(10, args.steps)
+        for mode in modes:
+            smooth = np.convolve(curves[mode], np.ones(window) / window, mode="valid")
+            ax.plot(np.arange(window, args.steps + 1), smooth, label=mode,
+                    lw=2 if mode == "exact" else 1.2,
+                    ls="-" if mode.startswith("exact") else "--",
+                    color="0.6" if mode == "exact-half" else None)
+        ax.set_xlabel("step")
+        ax.set_ylabel(f"loss (mean of {window} steps)")
+        ax.set_title(f"demo GPT, ZeRO-3 on {args.ranks} ranks: exact and compressed")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+        print(f"\ncurves: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,28 @@
+"""benchmarks/compression.py runs end to end (a tiny GPT, a few steps: a check, not a
+measurement)."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_compression_benchmark_prints_its_table_and_draws_the_curves(tmp_path, monkeypatch,
+                                                                     capsys):
+    png = tmp_path / "curves.png"
+    monkeypatch.setattr(sys, "argv", ["compression.py", "--steps", "12", "--tail", "4",
+                                      "--d-model", "32", "--layers", "1", "--batch", "8",
+                                      "--plot", str(png)])
+    runpy.run_path(str(ROOT / "benchmarks" / "compression.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in out.splitlines()
+            if line.startswith("| ") and not line.startswith("| mode")}
+    assert set(rows) == {"exact", "qwz", "qgz", "hpz-qwz-qgz", "exact-half"}, out
+    assert rows["exact"][1].strip() == "+0.00%", out
+    for final, gap in rows.values():
+        assert abs(float(gap.strip().rstrip("%"))) < 5, out  # 12 steps: close, not equal
+        assert float(final) > 0
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
