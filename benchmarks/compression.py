@@ -8,7 +8,7 @@ the same weights on the same batches, once per mode:
 - ``exact``: ZeRO-3;
 - ``qwz``: ``quantized_weights=True`` (int8 all-gathers of the params);
 - ``qgz``: ``quantized_gradients=True`` (int8 all-to-all reduction of the
-  gradients);
+  gradients); ``qgz4``: ``quantized_gradients=4`` (int4);
 - ``hpz-qwz-qgz``: both, with ``reshard_after_forward=--group`` (ZeRO++);
 - ``exact-half``: exact ZeRO-3 on half the ranks, the same global batches:
   the exact run with its floating-point sums in another order, whose gap is
@@ -38,7 +38,7 @@ import ops  # noqa: E402
 from examples import gpt  # noqa: E402
 
 MODES = {"exact": {}, "qwz": {"quantized_weights": True},
-         "qgz": {"quantized_gradients": True},
+         "qgz": {"quantized_gradients": True}, "qgz4": {"quantized_gradients": 4},
          "hpz-qwz-qgz": {"quantized_weights": True, "quantized_gradients": True,
                          "reshard_after_forward": None},
          "exact-half": {}}

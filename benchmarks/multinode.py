@@ -29,7 +29,8 @@ as int8 and scales: the gradients' 1x becomes about 0.254x, so 2.25x in
 all. With hpZ and qwZ as well (``hpz-qwz-qgz``, ZeRO++ whole) the gradients
 are summed exactly inside each host first and each rank sends the other
 host's half of its node sum, quantized: 0.5 x 0.254 = 0.13x for the
-gathers and as much for the gradients, about 0.25x in all.
+gathers and as much for the gradients, about 0.25x in all; with int4 gradients
+(``hpz-qwz-qgz4``) 0.5 x 0.129 = 0.06x for them, about 0.19x in all.
 Needs root and network namespaces (``ip netns``), as the tests do.
 
 Usage: sudo python benchmarks/multinode.py [--rate 1gbit] [--steps 12] [--rounds 3]
@@ -53,7 +54,7 @@ sys.path.insert(0, str(ROOT))
 from tests import netns  # noqa: E402
 from tests.multiproc import free_port  # noqa: E402
 
-MODES = ("flat", "hsdp", "hpz", "qwz", "hpz-qwz", "qgz", "hpz-qwz-qgz")
+MODES = ("flat", "hsdp", "hpz", "qwz", "hpz-qwz", "qgz", "hpz-qwz-qgz", "hpz-qwz-qgz4")
 
 
 def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]]:
@@ -61,7 +62,8 @@ def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]
                OMP_NUM_THREADS="1", ZS_D=str(args.d_model), ZS_LAYERS=str(args.layers),
                ZS_REPLICAS="2" if mode == "hsdp" else "1",
                ZS_RESHARD="2" if mode.startswith("hpz") else "0",
-               ZS_QWZ="1" if "qwz" in mode else "0", ZS_QGZ="1" if "qgz" in mode else "0")
+               ZS_QWZ="1" if "qwz" in mode else "0",
+               ZS_QGZ="4" if mode.endswith("qgz4") else "8" if "qgz" in mode else "0")
     with netns.two_hosts(rate=args.rate) as hosts:
         port, procs = free_port(), []
         for i, h in enumerate(hosts):

@@ -232,7 +232,7 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
           resume: bool = False, replicas: int = 1,
           reshard_after_forward: bool | int = True,
           invariant_shards: int | None = None, quantized_weights: bool = False,
-          quantized_gradients: bool = False) -> dict:
+          quantized_gradients: bool | int = False) -> dict:
     """Train a GPT with ZeRO ``stage`` up to step ``steps``; returns losses,
     timings and memory.
 
@@ -254,9 +254,9 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     (``shard.ZeroOptions(invariant_shards=...)``): a run may resume on
     another world size and keep its trajectory exactly. ``quantized_weights``:
     stage 3's gathers move int8 params with a scale per block (ZeRO++'s qwZ).
-    ``quantized_gradients``: the gradients' reduce-scatter moves int8 with a
-    scale per block (ZeRO++'s qgZ; with ``reshard_after_forward``, exact inside
-    each group and quantized across).
+    ``quantized_gradients``: the gradients' reduce-scatter moves int8 (or with
+    ``4`` int4) with a scale per block (ZeRO++'s qgZ; with
+    ``reshard_after_forward``, exact inside each group and quantized across).
     """
     model = copy.deepcopy(model) if model is not None else build(cfg)
     params, loss = it.functional(model, loss=lm_loss)
@@ -377,9 +377,10 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--quantized-weights", action="store_true",
                     help="stage 3: all-gather the params as int8 with a scale per block "
                          "(ZeRO++'s qwZ)")
-    ap.add_argument("--quantized-gradients", action="store_true",
-                    help="stages 1-3: reduce-scatter the gradients as int8 with a scale per "
-                         "block (ZeRO++'s qgZ)")
+    ap.add_argument("--quantized-gradients", type=int, nargs="?", const=8, default=0,
+                    choices=(8, 4), metavar="BITS",
+                    help="stages 1-3: reduce-scatter the gradients as int8 (or int4: 4) with "
+                         "a scale per block (ZeRO++'s qgZ)")
     ap.add_argument("--sample", type=int, default=200,
                     help="bytes of text to generate at the end (0: none)")
     return ap
@@ -399,7 +400,7 @@ def main(argv: list[str] | None = None) -> None:
                        reshard_after_forward=args.reshard_after_forward or True,
                        invariant_shards=args.invariant_shards or None,
                        quantized_weights=args.quantized_weights,
-                       quantized_gradients=args.quantized_gradients)
+                       quantized_gradients=args.quantized_gradients or False)
         table = memory_table(comm, result, cfg)
         if args.sample:  # every rank gathers (a collective); rank 0 samples
             it.load_state(result["module"], result["state"], comm=result["step"].config.comm)

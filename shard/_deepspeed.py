@@ -17,7 +17,8 @@ silently ignored.
   the ranks per node; 1, the default, is off): ``reshard_after_forward``;
   ``zero_quantized_weights`` (ZeRO++'s qwZ, stage 3): ``quantized_weights``;
   ``zero_quantized_gradients`` (ZeRO++'s qgZ, stages 1-3):
-  ``quantized_gradients``;
+  ``quantized_gradients=True``, int8 (DeepSpeed's kernels send int4: pass
+  ``quantized_gradients=4`` to ``transform`` for that);
 - ``fp16``: ``enabled``, ``initial_scale_power``, ``loss_scale_window``,
   ``min_loss_scale``, ``hysteresis`` (DeepSpeed's default 2) and
   ``consecutive_hysteresis``: ``Precision(float16)`` and a

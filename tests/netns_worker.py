@@ -23,7 +23,7 @@ def main() -> None:
                     cfg=cfg, progress=False, replicas=int(os.environ.get("ZS_REPLICAS", "1")),
                     reshard_after_forward=int(os.environ.get("ZS_RESHARD", "0")) or True,
                     quantized_weights=os.environ.get("ZS_QWZ") == "1",
-                    quantized_gradients=os.environ.get("ZS_QGZ") == "1")
+                    quantized_gradients=int(os.environ.get("ZS_QGZ", "0")) or False)
     params = shard.gather(out["state"], out["step"].config.comm)
     if comm.rank == 0:
         report = {"world": comm.world_size, "losses": [float(x) for x in out["losses"]],

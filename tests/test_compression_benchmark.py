@@ -20,7 +20,7 @@ def test_compression_benchmark_prints_its_table_and_draws_the_curves(tmp_path, m
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): line.split("|")[2:4] for line in out.splitlines()
             if line.startswith("| ") and not line.startswith("| mode")}
-    assert set(rows) == {"exact", "qwz", "qgz", "hpz-qwz-qgz", "exact-half"}, out
+    assert set(rows) == {"exact", "qwz", "qgz", "qgz4", "hpz-qwz-qgz", "exact-half"}, out
     assert rows["exact"][1].strip() == "+0.00%", out
     for final, gap in rows.values():
         assert abs(float(gap.strip().rstrip("%"))) < 5, out  # 12 steps: close, not equal

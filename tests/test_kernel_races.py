@@ -144,7 +144,14 @@ int main() {
   unsigned grid[3] = {1, 1, 1}, block[3] = {256, 1, 1};
   zs_emu_zs_quantize_f32(grid, block, args);
   zs_quantize_f32_host(px, q2.data(), s2.data(), n);
-  std::printf("%d\n", (int)(q == q2 && s == s2));
+  // and the int4 form, whose pairs also meet through a warp shuffle
+  std::vector<unsigned char> h(n / 2 + 1), h2(n / 2 + 1);
+  std::vector<float> t(4), t2(4);
+  unsigned char* ph = h.data(); float* pt = t.data();
+  void* args4[] = {&px, &ph, &pt, (void*)&n};
+  zs_emu_zs_quantize4_f32(grid, block, args4);
+  zs_quantize4_f32_host(px, h2.data(), t2.data(), n);
+  std::printf("%d\n", (int)(q == q2 && s == s2 && h == h2 && t == t2));
   return 0;
 }
 """
@@ -153,7 +160,7 @@ int main() {
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
 @pytest.mark.parametrize("removed", [None, 0, 1])
 def test_quantize_kernel_is_race_free_and_each_missing_barrier_is_caught(tmp_path, removed):
-    """The int8 quantisation's block maximum runs once per group in the same
+    """The int8 (and int4) quantisation's block maximum runs once per group in the same
     block: its first barrier orders the warps' maxima before warp 0 reads them,
     its second orders the block's maximum before every thread reads it (and
     those reads before the next group's writes)."""

@@ -14,30 +14,31 @@ from ops.testing import STANDIN
 BLOCK = 256
 
 
-def _quantized(section):
+def _quantized(section, bits=8):
     """numpy's model of quantize_blocks then dequantize_blocks to float32."""
+    top = np.float32(127 if bits == 8 else 7)
     back = np.empty(section.size, np.float32)
     for lo in range(0, section.size, BLOCK):
         x = section[lo:lo + BLOCK].astype(np.float32)
         amax = np.abs(x).max()
-        inv = np.float32(127) / amax if amax > 0 else np.float32(0)
-        q = np.clip(np.rint(x * inv), -127, 127)
-        back[lo:lo + BLOCK] = q.astype(np.float32) * (amax / np.float32(127))
+        inv = top / amax if amax > 0 else np.float32(0)
+        q = np.clip(np.rint(x * inv), -top, top)
+        back[lo:lo + BLOCK] = q.astype(np.float32) * (amax / top)
     return back
 
 
-def _flat_model(xs, me, k):
+def _flat_model(xs, me, k, bits=8):
     """Rank ``me``'s sum: its own section exact, every other rank's quantized,
     added in rank order in float32."""
     total = None
     for r, x in enumerate(xs):
         part = x[me * k:(me + 1) * k]
-        part = part.astype(np.float32) if r == me else _quantized(part)
+        part = part.astype(np.float32) if r == me else _quantized(part, bits)
         total = part if total is None else total + part
     return total
 
 
-def _two_hop_model(xs, me, k, per_node):
+def _two_hop_model(xs, me, k, per_node, bits=8):
     """The node's exact reduce-scatter by place, then the flat model across nodes."""
     nodes = len(xs) // per_node
     node, place = divmod(me, per_node)
@@ -50,7 +51,7 @@ def _two_hop_model(xs, me, k, per_node):
         for s in sections[1:]:
             acc += s
         sums.append(acc)
-    return _flat_model(sums, node, k)
+    return _flat_model(sums, node, k, bits)
 
 
 def _inputs(world, k, seed=0):
@@ -59,7 +60,7 @@ def _inputs(world, k, seed=0):
             .astype(np.float32) for _ in range(world)]
 
 
-def _run(world, k, per_node=None, device=None):
+def _run(world, k, per_node=None, device=None, bits=8):
     xs = _inputs(world, k)
 
     def rank(comm):
@@ -68,39 +69,43 @@ def _run(world, k, per_node=None, device=None):
             hierarchy = (comm.split(comm.rank // per_node), comm.split(comm.rank % per_node))
         x = xs[comm.rank] if device is None else device.from_host(xs[comm.rank])
         out = (np.empty(k, np.float32) if device is None else device.empty(k, np.float32))
-        got = reduce_scatter_quantized(comm, out, x, hierarchy=hierarchy).wait()
+        got = reduce_scatter_quantized(comm, out, x, hierarchy=hierarchy, bits=bits).wait()
         assert got is out
         return got if device is None else device.to_host(got)
 
     return xs, ops.spawn(rank, world)
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("k", [0, 5, 300])
-def test_the_flat_form_is_the_numpy_model_bit_for_bit(world, k):
-    xs, outs = _run(world, k)
+def test_the_flat_form_is_the_numpy_model_bit_for_bit(world, k, bits):
+    xs, outs = _run(world, k, bits=bits)
     for me, out in enumerate(outs):
-        np.testing.assert_array_equal(out, _flat_model(xs, me, k))
+        np.testing.assert_array_equal(out, _flat_model(xs, me, k, bits))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize(("world", "per_node"), [(4, 2), (6, 2), (6, 3)])
-def test_two_hops_are_the_numpy_model_bit_for_bit(world, per_node):
-    k = 300
-    xs, outs = _run(world, k, per_node)
+def test_two_hops_are_the_numpy_model_bit_for_bit(world, per_node, bits):
+    k = 301  # odd: int4's last byte holds one value
+    xs, outs = _run(world, k, per_node, bits=bits)
     for me, out in enumerate(outs):
-        np.testing.assert_array_equal(out, _two_hop_model(xs, me, k, per_node))
+        np.testing.assert_array_equal(out, _two_hop_model(xs, me, k, per_node, bits))
 
 
-def test_on_the_device_the_same_bits_as_on_the_host():
-    _, host = _run(3, 300)
-    _, device = _run(3, 300, device=STANDIN)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_on_the_device_the_same_bits_as_on_the_host(bits):
+    _, host = _run(3, 300, bits=bits)
+    _, device = _run(3, 300, device=STANDIN, bits=bits)
     for h, d in zip(host, device, strict=True):
         np.testing.assert_array_equal(h, d)
 
 
-def test_each_sum_is_within_the_other_ranks_half_scales_of_the_exact_one():
+@pytest.mark.parametrize("bits", [8, 4])
+def test_each_sum_is_within_the_other_ranks_half_scales_of_the_exact_one(bits):
     world, k = 4, 700
-    xs, outs = _run(world, k)
+    xs, outs = _run(world, k, bits=bits)
     for me, out in enumerate(outs):
         exact = np.sum([x[me * k:(me + 1) * k].astype(np.float64) for x in xs], axis=0)
         bound = np.zeros(k)
@@ -108,15 +113,18 @@ def test_each_sum_is_within_the_other_ranks_half_scales_of_the_exact_one():
             if r != me:
                 section = x[me * k:(me + 1) * k]
                 for lo in range(0, k, BLOCK):
-                    bound[lo:lo + BLOCK] += np.abs(section[lo:lo + BLOCK]).max() / 127 / 2
+                    top = 127 if bits == 8 else 7
+                    bound[lo:lo + BLOCK] += np.abs(section[lo:lo + BLOCK]).max() / top / 2
         err = np.abs(out.astype(np.float64) - exact)
         assert (err <= bound * (1 + 1e-5) + 1e-6 * np.abs(exact)).all()
         assert err.max() > 0  # the quantized sections are not exact
 
 
-def test_what_crosses_the_wire_is_int8_values_and_a_scale_per_block():
-    """The sections another rank receives are int8 and float32 scales: about a
-    quarter of the exact reduce-scatter's float32 bytes."""
+@pytest.mark.parametrize("bits", [8, 4])
+def test_what_crosses_the_wire_is_int8_values_and_a_scale_per_block(bits):
+    """The sections another rank receives are int8 (int4: two a byte) and
+    float32 scales: about a quarter (an eighth) of the exact reduce-scatter's
+    float32 bytes."""
     world, k, sent = 3, 1000, []
 
     class Counting:
@@ -129,11 +137,13 @@ def test_what_crosses_the_wire_is_int8_values_and_a_scale_per_block():
 
     xs = _inputs(world, k)
     ops.spawn(lambda comm: reduce_scatter_quantized(
-        Counting(comm), np.empty(k, np.float32), xs[comm.rank]).wait(), world)
+        Counting(comm), np.empty(k, np.float32), xs[comm.rank], bits=bits).wait(), world)
     mine = sorted((dtype.name, n) for r, dtype, n in sent if r == 0)
-    assert mine == [("float32", world * 4 * 4), ("int8", world * k)]  # 4 blocks of 256
+    values = world * k * bits // 8
+    assert mine == [("float32", world * 4 * 4),  # 4 blocks of 256
+                    ("int8" if bits == 8 else "uint8", values)]
     exact = (world - 1) * k * 4  # bytes rank 0 sends in a float32 reduce-scatter
-    assert (world - 1) * (k + 4 * 4) / exact < 0.27
+    assert (world - 1) * (k * bits // 8 + 4 * 4) / exact < (0.27 if bits == 8 else 0.14)
 
 
 def test_bad_arguments_are_refused_before_anything_moves():
@@ -144,6 +154,9 @@ def test_bad_arguments_are_refused_before_anything_moves():
             reduce_scatter_quantized(comm, np.empty(3, np.float16), np.ones(6, np.float32))
         with pytest.raises(TypeError, match="x must have dtype"):
             reduce_scatter_quantized(comm, np.empty(3, np.float64), np.ones(6, np.float64))
+        with pytest.raises(ValueError, match="bits must be 8 or 4"):
+            reduce_scatter_quantized(comm, np.empty(3, np.float32), np.ones(6, np.float32),
+                                     bits=1)
         return True
 
     assert all(ops.spawn(rank, 2))
@@ -184,18 +197,19 @@ def _train(comm, zero, steps=6, **options):
     return losses, shard.gather(state, comm)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_training_with_quantized_gradients_follows_the_exact_run(stage):
+@pytest.mark.parametrize(("stage", "bits"), [(1, True), (2, True), (3, True), (3, 4)])
+def test_training_with_quantized_gradients_follows_the_exact_run(stage, bits):
     import shard
 
     zero = (None, shard.zero1, shard.zero2, shard.zero3)[stage]
     exact = shard.spawn(lambda c: _train(c, zero), 3)
-    quantized = shard.spawn(lambda c: _train(c, zero, quantized_gradients=True), 3)
+    quantized = shard.spawn(lambda c: _train(c, zero, quantized_gradients=bits), 3)
+    coarse = 1 if bits is True else 3  # int4's scales are 127 / 7 times int8's
     for (losses, params), (want_losses, want) in zip(quantized, exact, strict=True):
-        np.testing.assert_allclose(losses, want_losses, rtol=1e-2)
+        np.testing.assert_allclose(losses, want_losses, rtol=1e-2 * coarse)
         for a, b in zip(params, want, strict=True):
             for key in a:  # Adam moves a near-zero gradient of another sign by lr a step
-                assert np.abs(a[key] - b[key]).mean() < 2e-3, key
+                assert np.abs(a[key] - b[key]).mean() < 2e-3 * coarse, key
                 assert np.abs(a[key] - b[key]).max() <= 6 * 1e-2 * 1.01, key
         assert not np.array_equal(params[0]["w"], want[0]["w"])
     assert all(q[0] == quantized[0][0] for q in quantized)  # every rank, the same losses
@@ -211,9 +225,9 @@ def test_with_secondary_shards_only_the_hop_across_nodes_is_quantized():
     calls = []
     real = _reduce.reduce_scatter_quantized
 
-    def spy(comm, out, x, *, hierarchy=None):
-        calls.append(hierarchy is not None and hierarchy[1].world_size == 2)
-        return real(comm, out, x, hierarchy=hierarchy)
+    def spy(comm, out, x, *, hierarchy=None, bits=8):
+        calls.append(hierarchy is not None and hierarchy[1].world_size == 2 and bits == 8)
+        return real(comm, out, x, hierarchy=hierarchy, bits=bits)
 
     _reduce.reduce_scatter_quantized = spy
     try:
@@ -234,7 +248,7 @@ def test_what_quantized_gradients_do_not_compose_with_is_refused_by_name():
     def run(comm):
         errors = []
         for zero, kw in ((shard.zero0, {}), (shard.zero3, {"invariant_shards": 4}),
-                         (shard.zero2, {"quantized_gradients": 1})):
+                         (shard.zero2, {"quantized_gradients": 2})):
             kw = {"quantized_gradients": True, **kw}
             try:
                 zero(_loss, optimizer=ops.adamw(1e-2), comm=comm, options=shard.ZeroOptions(**kw))

@@ -29,6 +29,7 @@ _ADAM_PARAMS = (
 _CAST_PARAMS = (("x", "ptr"), ("y", "ptr"), ("n", "i8"))
 _QUANT_PARAMS = (("x", "ptr"), ("q", "ptr"), ("scales", "ptr"), ("n", "i8"))
 _DEQUANT_PARAMS = (("q", "ptr"), ("scales", "ptr"), ("y", "ptr"), ("n", "i8"))
+# the int4 forms take the same (q: ceil(n / 2) bytes, two values each)
 _SUMSQ_PARAMS = (("x", "ptr"), ("n", "i8"), ("partials", "ptr"))
 _SUMSQ_HOST_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), ("out", "ptr"))
 _ADAM_MULTI_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), *_ADAM_PARAMS[6:])
@@ -132,11 +133,15 @@ def _entries() -> dict[str, Kernel]:
                              host_params=_SUMSQ_HOST_PARAMS, multi=multi)
         table[multi] = Kernel(multi, "reduce", _SUMSQ_TABLE_PARAMS)
     table["zs_sumsq_finish"] = Kernel("zs_sumsq_finish", "reduce", _FINISH_PARAMS)
-    for x in DTYPE_CODES:  # block-quantised int8 (see quant.cu)
+    for x in DTYPE_CODES:  # block-quantised int8 and int4 (see quant.cu)
         table[f"zs_quantize_{x}"] = Kernel(f"zs_quantize_{x}", "quant", _QUANT_PARAMS,
                                            host=f"zs_quantize_{x}_host")
         table[f"zs_dequantize_{x}"] = Kernel(f"zs_dequantize_{x}", "quant", _DEQUANT_PARAMS,
                                              host=f"zs_dequantize_{x}_host")
+        table[f"zs_quantize4_{x}"] = Kernel(f"zs_quantize4_{x}", "quant", _QUANT_PARAMS,
+                                            host=f"zs_quantize4_{x}_host")
+        table[f"zs_dequantize4_{x}"] = Kernel(f"zs_dequantize4_{x}", "quant", _DEQUANT_PARAMS,
+                                              host=f"zs_dequantize4_{x}_host")
     for x in DTYPE_CODES:  # exact sums of squares: integer slots (see reduce.cu)
         name = f"zs_exact_sumsq_partial_{x}"
         table[name] = Kernel(name, "reduce", _SUMSQ_PARAMS, host=f"zs_exact_sumsq_{x}_host",

@@ -1,4 +1,4 @@
-// Block-quantised int8 (ZeRO++'s qwZ): every group of ZS_QUANT_GROUP elements
+// Block-quantised int8 (ZeRO++'s qwZ and qgZ), and int4 below: every group of ZS_QUANT_GROUP elements
 // keeps int8 values and one float32 scale, amax / 127 (amax the group's largest
 // |x|; 0 for a group of zeros): q = rint(x * (127 / amax)), within [-127, 127],
 // and x is read back as q * scale, at most scale / 2 from it (less the float
@@ -97,3 +97,88 @@ static void zs_quantize_host(const T* x, signed char* q, float* scales, zs_i64 n
 ZS_QUANT_ENTRY(f32, float)
 ZS_QUANT_ENTRY(bf16, zs_bf16)
 ZS_QUANT_ENTRY(f16, zs_f16)
+
+// Block-quantised int4 (ZeRO++'s qgZ at 4 bits): the same groups, scale
+// amax / 7, q = rint(x * (7 / amax)) within [-7, 7], stored as q + 8 in a
+// nibble: element 2i in the low nibble of byte i, 2i + 1 in the high one (a
+// missing last element reads as 0). A group starts at an even index, so a byte
+// never holds two groups.
+__device__ __forceinline__ float zs_quant4_inv(float amax) {
+  return amax > 0.f ? 7.f / amax : 0.f;
+}
+
+__device__ __forceinline__ unsigned zs_quant4_one(float x, float inv) {
+  float r = rintf(x * inv);
+  r = r > 7.f ? 7.f : (r < -7.f ? -7.f : r);
+  return (unsigned)((int)r + 8);
+}
+
+template <typename T>
+__device__ __forceinline__ void zs_quantize4_groups(const T* __restrict__ x,
+                                                    unsigned char* __restrict__ q,
+                                                    float* __restrict__ scales, zs_i64 n) {
+  zs_i64 groups = (n + ZS_QUANT_GROUP - 1) / ZS_QUANT_GROUP;
+  for (zs_i64 g = blockIdx.x; g < groups; g += gridDim.x) {
+    zs_i64 i = g * ZS_QUANT_GROUP + threadIdx.x;
+    float v = i < n ? zs_to_f32(x[i]) : 0.f;
+    float amax = zs_block_max(fabsf(v));
+    unsigned nib = zs_quant4_one(v, zs_quant4_inv(amax));
+    unsigned high = __shfl_down_sync(0xffffffffu, nib, 1);  // the odd neighbour's
+    if (threadIdx.x % 2 == 0 && i < n) q[i / 2] = (unsigned char)(nib | (high << 4));
+    if (threadIdx.x == 0) scales[g] = amax / 7.f;
+  }
+}
+
+#ifdef ZS_CPU
+template <typename T>
+static void zs_quantize4_host(const T* x, unsigned char* q, float* scales, zs_i64 n) {
+  zs_i64 groups = (n + ZS_QUANT_GROUP - 1) / ZS_QUANT_GROUP;
+  zs_host_for(groups, [=](zs_i64 begin, zs_i64 end) {
+    for (zs_i64 g = begin; g < end; ++g) {
+      zs_i64 lo = g * ZS_QUANT_GROUP, hi = lo + ZS_QUANT_GROUP < n ? lo + ZS_QUANT_GROUP : n;
+      float amax = 0.f;
+      for (zs_i64 i = lo; i < hi; ++i) amax = fmaxf(amax, fabsf(zs_to_f32(x[i])));
+      float inv = zs_quant4_inv(amax);
+      for (zs_i64 i = lo; i < hi; i += 2) {
+        unsigned high = i + 1 < hi ? zs_quant4_one(zs_to_f32(x[i + 1]), inv) : 8u;
+        q[i / 2] = (unsigned char)(zs_quant4_one(zs_to_f32(x[i]), inv) | (high << 4));
+      }
+      scales[g] = amax / 7.f;
+    }
+  });
+}
+#endif
+
+__device__ __forceinline__ float zs_dequant4_one(const unsigned char* q, const float* scales,
+                                                 zs_i64 i) {
+  int nib = (q[i / 2] >> ((i % 2) * 4)) & 15;
+  return (float)(nib - 8) * scales[i / ZS_QUANT_GROUP];
+}
+
+#define ZS_QUANT4_ENTRY(SUFFIX, T)                                                       \
+  extern "C" __global__ void __launch_bounds__(ZS_QUANT_GROUP)                          \
+      zs_quantize4_##SUFFIX(const T* __restrict__ x, unsigned char* __restrict__ q,     \
+                            float* __restrict__ scales, zs_i64 n) {                     \
+    zs_quantize4_groups(x, q, scales, n);                                                \
+  }                                                                                      \
+  ZS_HOST(extern "C" void zs_quantize4_##SUFFIX##_host(const T* x, unsigned char* q,   \
+                                                       float* scales, zs_i64 n) {      \
+    zs_quantize4_host(x, q, scales, n);                                                  \
+  })                                                                                     \
+  extern "C" __global__ void __launch_bounds__(ZS_QUANT_GROUP)                          \
+      zs_dequantize4_##SUFFIX(const unsigned char* __restrict__ q,                      \
+                              const float* __restrict__ scales, T* __restrict__ y,      \
+                              zs_i64 n) {                                                \
+    ZS_GRID_STRIDE(i, n) zs_store(y, i, zs_dequant4_one(q, scales, i));                 \
+  }                                                                                      \
+  ZS_HOST(extern "C" void zs_dequantize4_##SUFFIX##_host(const unsigned char* q,       \
+                                                         const float* scales, T* y,     \
+                                                         zs_i64 n) {                    \
+    zs_host_for(n, [=](zs_i64 begin, zs_i64 end) {                                      \
+      for (zs_i64 i = begin; i < end; ++i) zs_store(y, i, zs_dequant4_one(q, scales, i)); \
+    });                                                                                  \
+  })
+
+ZS_QUANT4_ENTRY(f32, float)
+ZS_QUANT4_ENTRY(bf16, zs_bf16)
+ZS_QUANT4_ENTRY(f16, zs_f16)

@@ -128,7 +128,9 @@ class ZeroOptions:
         block of 256 and summed in float32 on arrival (DeepSpeed's ZeRO++
         qgZ, ``zero_quantized_gradients``; see [Note: quantized gradient
         reduction] in ``ops/_quant.py``): about a quarter of float32's bytes,
-        each other rank's section within half its block's scale. With
+        each other rank's section within half its block's scale. ``4``: as
+        int4 (two values a byte, a scale of ``amax / 7``), about an eighth;
+        ``True`` is ``8``. With
         ``reshard_after_forward=L`` the sum is exact inside each node and
         quantized across the nodes, ``1 / L`` of the flat form's bytes there
         (ZeRO++'s hierarchical qgZ).
@@ -160,7 +162,7 @@ class ZeroOptions:
     peak_flops: float | None = None
     invariant_shards: int | None = None
     quantized_weights: bool = False
-    quantized_gradients: bool = False
+    quantized_gradients: bool | int = False
 
     def merged(self, where: str, **given: Any) -> ZeroOptions:
         """These options with ``given`` (``zero3``'s own keyword arguments) set;
@@ -325,9 +327,10 @@ class StepConfig(ZeroOptions):
                 if bad:
                     raise NotImplementedError(f"{name}: quantized_weights= does not compose "
                                               f"with {what}; drop one of them")
-        if not isinstance(o.quantized_gradients, bool):
-            raise TypeError(f"{name}: quantized_gradients must be True or False; got "
-                            f"{o.quantized_gradients!r}")
+        qgz = o.quantized_gradients
+        if not (isinstance(qgz, bool) or (isinstance(qgz, int) and qgz in (8, 4))):
+            raise TypeError(f"{name}: quantized_gradients must be True, False, 8 or 4 (the "
+                            f"bits); got {qgz!r}")
         if o.quantized_gradients:
             if stage == 0:
                 raise ValueError(f"{name}: quantized_gradients= quantizes the gradients' "

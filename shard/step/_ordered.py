@@ -84,7 +84,8 @@ def reducer(plan: Plan, buffers: GradBuffers) -> GradReducer:
                               replica=plan.replica)
     return GradReducer(plan.grad_layout, plan.fast, stage=c.stage, dtype=reduce_dtype(plan),
                        device=plan.device, buffers=buffers, plans=plan.grad_plans,
-                       quantized=c.quantized_gradients, hierarchy=plan.secondary)
+                       quantized=8 if c.quantized_gradients is True else
+                       int(c.quantized_gradients), hierarchy=plan.secondary)
 
 
 def virtual_shards(plan: Plan, state: TrainState, micro: list[Any]) -> list[Any]:

@@ -32,16 +32,17 @@ class GradReducer:
     micro-batches. Stages 0 and 1 accumulate the full gradient locally and
     reduce once, in :meth:`finish`. Replicated leaves are all-reduced.
     ``accumulate=False``: none of those sums (a subclass that reduces each
-    gradient as it comes writes the shards itself). ``quantized``: the
-    reduce-scatters send int8 (ZeRO++'s qgZ, see [Note: quantized gradient
-    reduction] in ``ops/_quant.py``), in two hops over ``hierarchy`` (the
-    node's ranks, this place's ranks on every node) where it is given.
+    gradient as it comes writes the shards itself). ``quantized``: 8 or 4,
+    the reduce-scatters send int8 or int4 (ZeRO++'s qgZ, see [Note: quantized
+    gradient reduction] in ``ops/_quant.py``), in two hops over ``hierarchy``
+    (the node's ranks, this place's ranks on every node) where it is given;
+    0: exact.
     """
 
     def __init__(self, layout: Layout, comm: Communicator, *, stage: int, dtype: Any,
                  device: Device, buffers: GradBuffers | None = None,
                  plans: CopyPlans | None = None, accumulate: bool = True,
-                 quantized: bool = False,
+                 quantized: int = 0,
                  hierarchy: tuple[Communicator, Communicator] | None = None) -> None:
         self.layout, self.comm, self.stage, self.device = layout, comm, stage, device
         self.quantized, self.hierarchy = quantized, hierarchy
@@ -144,7 +145,8 @@ class GradReducer:
         """The sum over the ranks of ``x``'s sections, this rank's into ``out``,
         started (a handle)."""
         if self.quantized:
-            return reduce_scatter_quantized(self.comm, out, x, hierarchy=self.hierarchy)
+            return reduce_scatter_quantized(self.comm, out, x, hierarchy=self.hierarchy,
+                                            bits=self.quantized)
         return self.comm.reduce_scatter_async(out, x, op="sum")
 
     def _pack(self, u: int, grads: list[Any], packed: Any) -> bool:
