@@ -1,8 +1,8 @@
-"""Block-quantised int8 arrays (ZeRO++'s qwZ and qgZ): :func:`quantize_blocks`
-and :func:`dequantize_blocks`, one kernel source for the CPU and the GPU
-(``ops/kernels/quant.cu``), and :func:`reduce_scatter_quantized`, a
-reduce-scatter whose sections cross the wire as int8 ([Note: quantized
-gradient reduction])."""
+"""Block-quantised int8 and int4 arrays (ZeRO++'s qwZ and qgZ):
+:func:`quantize_blocks` and :func:`dequantize_blocks`, one kernel source for
+the CPU and the GPU (``ops/kernels/quant.cu``), and
+:func:`reduce_scatter_quantized`, a reduce-scatter whose sections cross the
+wire quantized ([Note: quantized gradient reduction])."""
 
 from __future__ import annotations
 

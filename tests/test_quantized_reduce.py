@@ -4,12 +4,19 @@ flat and in two hops, against a numpy model of the algorithm, bit for bit."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import ops
+import shard
 from ops._quant import reduce_scatter_quantized
 from ops.testing import STANDIN
+from shard.step import _reduce
+from tests import zero_models as M
+from tests.test_offload import assert_same, trajectory
+from tests.test_offload_overlap import OVERLAP
+from tests.test_offload_overlap import _run as _run_overlapped
 
 BLOCK = 256
 
@@ -172,8 +179,6 @@ def _params():
 
 
 def _loss(p, b):
-    import jax.numpy as jnp
-
     h = jnp.tanh(b["x"] @ p[0]["w"])
     return jnp.mean((h @ p[1]["w"] + p[1]["b"] - b["y"]) ** 2)
 
@@ -185,8 +190,6 @@ def _batch(k, rows=12):
 
 
 def _train(comm, zero, steps=6, **options):
-    import shard
-
     step = zero(_loss, optimizer=ops.adamw(1e-2), comm=comm,
                 options=shard.ZeroOptions(**options))
     state, losses = step.init(_params()), []
@@ -199,8 +202,6 @@ def _train(comm, zero, steps=6, **options):
 
 @pytest.mark.parametrize(("stage", "bits"), [(1, True), (2, True), (3, True), (3, 4)])
 def test_training_with_quantized_gradients_follows_the_exact_run(stage, bits):
-    import shard
-
     zero = (None, shard.zero1, shard.zero2, shard.zero3)[stage]
     exact = shard.spawn(lambda c: _train(c, zero), 3)
     quantized = shard.spawn(lambda c: _train(c, zero, quantized_gradients=bits), 3)
@@ -219,8 +220,6 @@ def test_with_secondary_shards_only_the_hop_across_nodes_is_quantized():
     """hpZ's groups of 2 of 4 ranks: the gradients are summed exactly inside each
     group and quantized across groups (all-to-alls on the 'node' communicator
     only), and the run follows the exact one."""
-    import shard
-    from shard.step import _reduce
 
     calls = []
     real = _reduce.reduce_scatter_quantized
@@ -243,8 +242,6 @@ def test_with_secondary_shards_only_the_hop_across_nodes_is_quantized():
 
 
 def test_what_quantized_gradients_do_not_compose_with_is_refused_by_name():
-    import shard
-
     def run(comm):
         errors = []
         for zero, kw in ((shard.zero0, {}), (shard.zero3, {"invariant_shards": 4}),
@@ -270,8 +267,6 @@ def test_what_quantized_gradients_do_not_compose_with_is_refused_by_name():
 
 
 def test_deepspeeds_zero_quantized_gradients_maps_onto_the_option():
-    import shard
-
     base = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW",
                                                                 "params": {"lr": 1e-3}}}
     for stage in (1, 2, 3):
@@ -281,3 +276,36 @@ def test_deepspeeds_zero_quantized_gradients_maps_onto_the_option():
     with pytest.raises(ValueError, match="zero_quantized_gradients=true at stage 0"):
         shard.from_deepspeed_config({**base, "zero_optimization": {
             "stage": 0, "zero_quantized_gradients": True}})
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_quantized_gradients_on_the_device_are_the_hosts_bit_for_bit(device, stage):
+    """The device path (the stand-in's emulated kernels, or CuPy's) quantizes,
+    sends and sums the same bits as the host's."""
+    host = ops.spawn(lambda c: trajectory(c, stage, quantized_gradients=True), 3)
+    on_device = ops.spawn(lambda c: trajectory(c, stage, device=device,
+                                               quantized_gradients=True), 3)
+    exact = ops.spawn(lambda c: trajectory(c, stage), 3)
+    for d, h, e in zip(on_device, host, exact, strict=True):
+        assert_same(d, h)
+        assert d[1] != e[1]  # and they are not the exact run's
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_overlapped_offload_and_micro_batches_with_quantized_gradients(stage):
+    """Offload(overlap=True) hands each unit's quantized reduction to its copier
+    thread; with micro-batches every one's reduction is quantized and summed:
+    the trajectory is the unoffloaded quantized one, bit for bit."""
+    def micro(comm):
+        return [shard.MicroBatches([shard.split_batch(b, rank=comm.rank, world_size=2)
+                                    for b in M.batches(3, seed=s)]) for s in range(3)]
+
+    want = ops.spawn(lambda c: _run_overlapped(c, stage, micro(c), quantized_gradients=True), 2)
+    got = ops.spawn(lambda c: _run_overlapped(c, stage, micro(c), offload=OVERLAP,
+                                              quantized_gradients=True), 2)
+    exact = ops.spawn(lambda c: _run_overlapped(c, stage, micro(c)), 2)
+    for (gp, gm), (wp, wm), (ep, _) in zip(got, want, exact, strict=True):
+        for a, b in zip(gp, wp, strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert gm == wm
+        assert any(not np.array_equal(a, b) for a, b in zip(gp, ep, strict=True))
