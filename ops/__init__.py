@@ -1,8 +1,9 @@
 """ops: kernels, communicators and functional collectives for zeroshard.
 
 Arrays and the metal: single-source CUDA/CPU kernels (fused Adam/AdamW, sums of
-squares, exact ones too, casts, block-quantised int8, fused Lion and LAMB) and the
-optimizers built on them; communicators (threads, gloo,
+squares, exact ones too, casts, block-quantised int8 and int4, 1-bit signs with
+error feedback, fused Lion and LAMB) and the optimizers built on them (1-bit Adam
+too); communicators (threads, gloo,
 NCCL) and the functional collectives over them. numpy arrays run the CPU
 build of each kernel, device arrays (cupy, or the strict stand-in of
 :mod:`ops.testing`) its CUDA build: see [Note: devices] in ``ops/device/_device.py``.
@@ -13,6 +14,7 @@ from ops._cast import cast
 from ops._lamb import fused_lamb
 from ops._lion import fused_lion
 from ops._norm import exact_square_parts, exact_square_total, global_norm, sum_of_squares
+from ops._onebit import onebit_adam
 from ops._optim import (
     AdamState,
     FusedAdam,
@@ -76,6 +78,7 @@ __all__ = [
     "init_from_env",
     "lamb",
     "lion",
+    "onebit_adam",
     "quantize_blocks",
     "reduce_scatter",
     "spawn",

@@ -17,16 +17,18 @@ _FN = "fused_adam_step"
 
 
 def adam_scalars(*, step: int, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, decoupled: bool) -> dict[str, float]:
+                 weight_decay: float, decoupled: bool,
+                 bias_correction: bool = True) -> dict[str, float]:
     """The kernel's host-side scalars, computed in float64 as torch does.
 
     Rounding ``1 - beta2`` in float32 instead moves every ``exp_avg_sq`` by 1e-5
     relative; so every derived constant is formed here and rounded once.
     """
     beta1, beta2 = betas
+    bc1, bc2 = (1.0 - beta1**step, 1.0 - beta2**step) if bias_correction else (1.0, 1.0)
     return {
         "beta1": beta1, "beta2": beta2, "omb1": 1.0 - beta1, "omb2": 1.0 - beta2,
-        "step_size": lr / (1.0 - beta1**step), "bc2_sqrt": math.sqrt(1.0 - beta2**step),
+        "step_size": lr / bc1, "bc2_sqrt": math.sqrt(bc2),
         "eps": eps,
         "decay": 1.0 - lr * weight_decay if decoupled else 1.0,
         "l2": 0.0 if decoupled else weight_decay,
@@ -34,14 +36,16 @@ def adam_scalars(*, step: int, lr: float, betas: tuple[float, float], eps: float
 
 
 def _check_hyper(step: Any, lr: float, betas: tuple[float, float], eps: float,
-                 weight_decay: float, fn: str = _FN) -> None:
+                 weight_decay: float, fn: str = _FN, bias_correction: bool = True) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"{fn}: step is the 1-based count of this update and must be an int "
                          f">= 1; got {step!r}")
     if not lr >= 0.0:
         raise ValueError(f"{fn}: lr must be >= 0; got {lr!r}")
-    if len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas):
+    if bias_correction and (len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas)):
         raise ValueError(f"{fn}: betas must be two numbers in [0, 1); got {betas!r}")
+    if len(betas) != 2 or not all(0.0 <= b <= 1.0 for b in betas):  # 1: a moment held
+        raise ValueError(f"{fn}: betas must be two numbers in [0, 1]; got {betas!r}")
     if not eps >= 0.0 or not weight_decay >= 0.0:
         raise ValueError(f"{fn}: eps and weight_decay must be >= 0; got {eps!r}, {weight_decay!r}")
 
@@ -51,8 +55,8 @@ def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, ste
                     weight_decay: float = 0.0, decoupled: bool = True,
                     grad_scale: float | None = None, grad_sumsq: Any = None,
                     max_norm: float | None = None, param_copy: Any = None,
-                    donate: bool = True, read_from: tuple[Any, Any, Any] | None = None
-                    ) -> tuple[Any, Any, Any]:
+                    donate: bool = True, read_from: tuple[Any, Any, Any] | None = None,
+                    bias_correction: bool = True) -> tuple[Any, Any, Any]:
     """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) update, fused.
 
     Reads param, grad and both moments once and writes param and moments once
@@ -98,6 +102,9 @@ def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, ste
         out-of-place update in the same single pass, equal bit for bit to the
         in-place one. A skipped update (``grad_sumsq`` not finite) writes
         nothing there either.
+      bias_correction: False drops Adam's bias correction (DeepSpeed's
+        ``FusedAdam(bias_correction=False)``, 1-bit Adam's update); a beta
+        may then be 1, which keeps that moment as it is.
 
     Returns:
       ``(param, exp_avg, exp_avg_sq)`` after the update.
@@ -115,13 +122,13 @@ def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, ste
       >>> [round(float(x), 4) for x in p]
       [0.9, 0.9, 0.9, 0.9]
     """
-    _check_hyper(step, lr, betas, eps, weight_decay)
+    _check_hyper(step, lr, betas, eps, weight_decay, bias_correction=bias_correction)
     _check_global(param, grad_sumsq, max_norm)
     codes, bufs = _check_tensor(param, grad, exp_avg, exp_avg_sq, param_copy, donate)
     if not donate:
         bufs = (bufs[0].copy(), bufs[1], bufs[2].copy(), bufs[3].copy(), bufs[4])
     scalars = _scalars(step, lr, betas, eps, weight_decay, decoupled, grad_scale, grad_sumsq,
-                       max_norm)
+                       max_norm, bias_correction)
     p, g, m, v, c = bufs
     if read_from is not None:
         src = _check_sources(read_from, p, "f64" if codes[0] == "f64" else "f32")
@@ -146,7 +153,8 @@ def fused_adam_multi(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequ
                      weight_decay: float = 0.0, decoupled: bool = True,
                      grad_scale: float | None = None, grad_sumsq: Any = None,
                      max_norm: float | None = None, param_copies: Sequence[Any] | None = None,
-                     donate: bool = True) -> tuple[list, list, list]:
+                     donate: bool = True, bias_correction: bool = True
+                     ) -> tuple[list, list, list]:
     """:func:`fused_adam_step` over many tensors at once.
 
     Tensors sharing grad and copy dtypes go through one call: on the CPU one
@@ -159,7 +167,7 @@ def fused_adam_multi(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequ
     Returns:
       ``(params, exp_avgs, exp_avg_sqs)`` as lists.
     """
-    _check_hyper(step, lr, betas, eps, weight_decay)
+    _check_hyper(step, lr, betas, eps, weight_decay, bias_correction=bias_correction)
     n = len(params)
     copies = list(param_copies) if param_copies is not None else [None] * n
     if not len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(copies) == n:
@@ -177,7 +185,7 @@ def fused_adam_multi(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequ
         groups.setdefault(codes, []).append(bufs)
         out.append(bufs)
     scalars = _scalars(step, lr, betas, eps, weight_decay, decoupled, grad_scale, grad_sumsq,
-                       max_norm)
+                       max_norm, bias_correction)
     driver = driver_for(array_kind(params[0]))
     for codes, tensors in groups.items():
         if codes[0] == "f64":
@@ -268,10 +276,11 @@ def _adam_float64(p: Any, g: Any, m: Any, v: Any, scalars: tuple) -> None:
 
 def _scalars(step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
              decoupled: bool, grad_scale: float | None, grad_sumsq: Any,
-             max_norm: float | None) -> tuple:
+             max_norm: float | None, bias_correction: bool = True) -> tuple:
     """The kernel's arguments from ``sumsq`` on (see ops/kernels/_table.py)."""
     s = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                     decoupled=decoupled)  # float64; the kernels round them once, to float32
+                     decoupled=decoupled, bias_correction=bias_correction)  # float64, rounded
+    # once by the kernels, to float32
     return (grad_sumsq, s["beta1"], s["beta2"], s["omb1"], s["omb2"], s["step_size"],
             s["bc2_sqrt"], s["eps"], s["decay"], s["l2"],
             1.0 if grad_scale is None else grad_scale, 0.0 if max_norm is None else max_norm)

@@ -42,6 +42,14 @@ class LionState(NamedTuple):
     mu: Any
 
 
+class OneBit(NamedTuple):
+    """What a ZeRO step needs of 1-bit Adam (``ops.onebit_adam``): the updates
+    before its compressed phase, and the momentum's ``b1``."""
+
+    freeze_step: int
+    b1: float
+
+
 class FusedOptimizer(NamedTuple):
     """An optax-shaped optimizer with a donating fused ``apply``.
 
@@ -51,7 +59,10 @@ class FusedOptimizer(NamedTuple):
     ``state(count, *moments)`` builds its state from them. ``per_tensor``:
     the update reduces over each whole leaf (LAMB's trust ratio), so its
     ``apply`` takes each leaf as a tensor and a ``reduce=`` that sums the
-    per-leaf sums of a leaf split over ranks.
+    per-leaf sums of a leaf split over ranks. ``onebit``: 1-bit Adam's
+    (``ops.onebit_adam``) :class:`OneBit`: after ``freeze_step`` updates the
+    ZeRO step sends the momentum compressed instead of the gradients (see
+    [Note: 1-bit Adam] in ``ops/_onebit.py``); None for every other optimizer.
     """
 
     init: Callable[[Any], Any]
@@ -61,6 +72,7 @@ class FusedOptimizer(NamedTuple):
     moments: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     state: Callable[..., Any] = AdamState
     per_tensor: bool = False
+    onebit: OneBit | None = None
 
 
 FusedAdam = FusedOptimizer  # what ops.adam and ops.adamw return, by its first name

@@ -46,6 +46,10 @@ silently ignored.
   ``weight_decay``): ``ops.lion``; ``Lamb`` (``lr``, ``betas``, ``eps``,
   ``weight_decay``, ``bias_correction``, ``min_coeff``/``max_coeff``, as
   DeepSpeed's FusedLamb with its defaults 0.01 and 10): ``ops.lamb``;
+  ``OneBitAdam`` (``lr``, ``betas``, ``eps``, ``weight_decay``,
+  ``freeze_step``; ``cuda_aware`` and ``comm_backend_name`` pick DeepSpeed's
+  transport, which here is the communicator's): ``ops.onebit_adam``, under
+  ``zero1``/``zero2`` (DeepSpeed runs it without ZeRO only);
 - ``scheduler``: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``,
   ``OneCycle`` (with ``cycle_momentum: false``: Adam's ``b1`` is fixed here)
   and ``LRRangeTest``: the same schedule, as the optimizer's ``count -> lr``
@@ -75,7 +79,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ops import FusedOptimizer, adam, adamw, lamb, lion
+from ops import FusedOptimizer, adam, adamw, lamb, lion, onebit_adam
 from shard._deepspeed_lr import schedule
 from shard._deepspeed_precision import allreduce_op, precision_of
 from shard.core._policy import LossScale, Precision
@@ -346,7 +350,11 @@ def _optimizer(cfg: dict, bad: list[str]) -> FusedOptimizer | None:
     wd = params.pop("weight_decay", 0.0)
     if kind != "lion":
         eps = params.pop("eps", 1e-8)
-    if kind == "lamb":  # DeepSpeed's FusedLamb defaults
+    if kind == "onebitadam":  # DeepSpeed's OnebitAdam defaults; the transport is the comm's
+        freeze = params.pop("freeze_step", 100000)
+        for key in ("cuda_aware", "comm_backend_name", "bias_correction"):
+            params.pop(key, None)  # (OnebitAdam reads no bias_correction either)
+    elif kind == "lamb":  # DeepSpeed's FusedLamb defaults
         trust = (params.pop("min_coeff", 0.01), params.pop("max_coeff", 10.0))
         bias_correction = params.pop("bias_correction", True)
         if params.get("max_grad_norm", 0.0) in (0, 0.0):
@@ -356,12 +364,15 @@ def _optimizer(cfg: dict, bad: list[str]) -> FusedOptimizer | None:
         params.pop("torch_adam", None)  # which implementation: the fused kernel either way
     bad += [f"optimizer.params.{k}" + (" (use gradient_clipping)" if k == "max_grad_norm" else "")
             for k in params]
-    if kind not in ("adam", "adamw", "lion", "lamb"):
-        bad.append(f"optimizer.type={raw!r} (Adam, AdamW, Lion and Lamb are supported)")
+    if kind not in ("adam", "adamw", "lion", "lamb", "onebitadam"):
+        bad.append(f"optimizer.type={raw!r} (Adam, AdamW, Lion, Lamb and OneBitAdam are "
+                   "supported)")
     sched = dict(cfg.pop("scheduler", {}) or {})
     rate = schedule(sched, lr, bad) if sched else lr
     if kind == "lion":
         return lion(rate, b1, b2, wd)
+    if kind == "onebitadam":
+        return onebit_adam(rate, freeze, b1, b2, eps, wd)
     if kind == "lamb":
         return lamb(rate, b1, b2, eps, weight_decay=wd, trust_clip=trust,
                     bias_correction=bool(bias_correction))

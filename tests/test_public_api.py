@@ -28,7 +28,7 @@ PUBLIC = {
         "all_gather", "all_reduce", "all_to_all", "broadcast", "cast", "dequantize_blocks",
         "device_of",
         "exact_square_parts", "exact_square_total", "fused_adam_multi", "fused_adam_step",
-        "fused_lamb", "fused_lion", "global_norm", "init_from_env", "lamb", "lion",
+        "fused_lamb", "fused_lion", "global_norm", "init_from_env", "lamb", "lion", "onebit_adam",
         "quantize_blocks", "reduce_scatter", "spawn", "sum_of_squares"],
     "ops.testing": ["DEVICE_OPS", "STANDIN", "SYNCS", "StandInArray", "xp"],
     "interop": ["data_ptr", "shares_memory", "to_cupy", "to_jax", "to_numpy", "to_torch"],

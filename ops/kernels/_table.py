@@ -30,6 +30,9 @@ _CAST_PARAMS = (("x", "ptr"), ("y", "ptr"), ("n", "i8"))
 _QUANT_PARAMS = (("x", "ptr"), ("q", "ptr"), ("scales", "ptr"), ("n", "i8"))
 _DEQUANT_PARAMS = (("q", "ptr"), ("scales", "ptr"), ("y", "ptr"), ("n", "i8"))
 # the int4 forms take the same (q: ceil(n / 2) bytes, two values each)
+_SIGN_PARAMS = (("x", "ptr"), ("e", "ptr"), ("bits", "ptr"), ("scales", "ptr"), ("n", "i8"))
+_SIGN_ADD_PARAMS = (("bits", "ptr"), ("scales", "ptr"), ("y", "ptr"), ("n", "i8"),
+                    ("weight", "f4"))
 _SUMSQ_PARAMS = (("x", "ptr"), ("n", "i8"), ("partials", "ptr"))
 _SUMSQ_HOST_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), ("out", "ptr"))
 _ADAM_MULTI_PARAMS = (("ptrs", "ptr"), ("sizes", "ptr"), ("n", "i8"), *_ADAM_PARAMS[6:])
@@ -142,6 +145,11 @@ def _entries() -> dict[str, Kernel]:
                                             host=f"zs_quantize4_{x}_host")
         table[f"zs_dequantize4_{x}"] = Kernel(f"zs_dequantize4_{x}", "quant", _DEQUANT_PARAMS,
                                               host=f"zs_dequantize4_{x}_host")
+    # 1-bit compression with error feedback (see quant.cu), float32 only
+    table["zs_sign_compress"] = Kernel("zs_sign_compress", "quant", _SIGN_PARAMS,
+                                       host="zs_sign_compress_host")
+    table["zs_sign_add"] = Kernel("zs_sign_add", "quant", _SIGN_ADD_PARAMS,
+                                  host="zs_sign_add_host")
     for x in DTYPE_CODES:  # exact sums of squares: integer slots (see reduce.cu)
         name = f"zs_exact_sumsq_partial_{x}"
         table[name] = Kernel(name, "reduce", _SUMSQ_PARAMS, host=f"zs_exact_sumsq_{x}_host",

@@ -182,3 +182,115 @@ __device__ __forceinline__ float zs_dequant4_one(const unsigned char* q, const f
 ZS_QUANT4_ENTRY(f32, float)
 ZS_QUANT4_ENTRY(bf16, zs_bf16)
 ZS_QUANT4_ENTRY(f16, zs_f16)
+
+// 1-bit compression with error feedback (1-bit Adam's compressed all-reduce):
+// over groups of ZS_QUANT_GROUP elements of y = x + e, the scale is the
+// group's root mean square, sqrt(sum(y^2) / len), and each element keeps one
+// bit, 1 where y >= 0 (or NaN), 0 where y < 0, read back as +scale or -scale;
+// e becomes y minus that. Bits are packed eight a byte, element 8i + j at bit j
+// of byte i. The group's sum runs in one fixed tree (the warps' shuffles, then
+// warp 0's over the warps' sums), which the CPU build repeats, so the scales
+// are the same bits on both; every other product is with +-1, exact.
+__device__ __forceinline__ float zs_block_sum(float v) {
+  __shared__ float warp_sum[ZS_QUANT_GROUP / 32];
+  __shared__ float block_sum;
+  for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+  unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  if (lane == 0) warp_sum[warp] = v;
+  __syncthreads();
+  if (warp == 0) {
+    v = lane < blockDim.x / 32 ? warp_sum[lane] : 0.f;
+    for (int off = 16; off > 0; off >>= 1) v += __shfl_down_sync(0xffffffffu, v, off);
+    if (lane == 0) block_sum = v;
+  }
+  __syncthreads();  // as zs_block_max: read before the next group writes it
+  return block_sum;
+}
+
+__device__ __forceinline__ float zs_sign_of(unsigned bit) { return bit ? 1.f : -1.f; }
+
+extern "C" __global__ void __launch_bounds__(ZS_QUANT_GROUP)
+    zs_sign_compress(const float* __restrict__ x, float* __restrict__ e,
+                     unsigned char* __restrict__ bits, float* __restrict__ scales, zs_i64 n) {
+  zs_i64 groups = (n + ZS_QUANT_GROUP - 1) / ZS_QUANT_GROUP;
+  for (zs_i64 g = blockIdx.x; g < groups; g += gridDim.x) {
+    zs_i64 lo = g * ZS_QUANT_GROUP, i = lo + threadIdx.x;
+    zs_i64 len = n - lo < ZS_QUANT_GROUP ? n - lo : ZS_QUANT_GROUP;
+    float y = i < n ? x[i] + e[i] : 0.f;
+    float scale = sqrtf(zs_block_sum(y * y) / (float)len);
+    unsigned bit = i < n && !(y < 0.f);
+    if (i < n) e[i] = y - scale * zs_sign_of(bit);
+    unsigned v = bit << (threadIdx.x % 8);  // the byte's bits, OR-ed to its first lane
+    v |= __shfl_down_sync(0xffffffffu, v, 4);
+    v |= __shfl_down_sync(0xffffffffu, v, 2);
+    v |= __shfl_down_sync(0xffffffffu, v, 1);
+    if (threadIdx.x % 8 == 0 && i < n) bits[i / 8] = (unsigned char)v;
+    if (threadIdx.x == 0) scales[g] = scale;
+  }
+}
+
+// y[i] += sign_i * (scale * weight): one rank's part of a sum, or with y zero
+// the values themselves.
+extern "C" __global__ void __launch_bounds__(256) zs_sign_add(const unsigned char* __restrict__ bits,
+                            const float* __restrict__ scales, float* __restrict__ y, zs_i64 n,
+                            float weight) {
+  ZS_GRID_STRIDE(i, n) {
+    unsigned bit = (bits[i / 8] >> (i % 8)) & 1u;
+    y[i] += zs_sign_of(bit) * (scales[i / ZS_QUANT_GROUP] * weight);
+  }
+}
+
+#ifdef ZS_CPU
+// zs_block_sum's tree over one group's squares (zero past its end).
+static float zs_group_sum_host(const float* sq) {
+  float warps[ZS_QUANT_GROUP / 32];
+  for (int w = 0; w < ZS_QUANT_GROUP / 32; ++w) {
+    float a[32];
+    for (int l = 0; l < 32; ++l) a[l] = sq[w * 32 + l];
+    for (int off = 16; off > 0; off >>= 1)
+      for (int l = 0; l < off; ++l) a[l] += a[l + off];
+    warps[w] = a[0];
+  }
+  float a[32] = {0.f};
+  for (int l = 0; l < ZS_QUANT_GROUP / 32; ++l) a[l] = warps[l];
+  for (int off = 16; off > 0; off >>= 1)
+    for (int l = 0; l < off; ++l) a[l] += a[l + off];
+  return a[0];
+}
+
+extern "C" void zs_sign_compress_host(const float* x, float* e, unsigned char* bits,
+                                      float* scales, zs_i64 n) {
+  zs_i64 groups = (n + ZS_QUANT_GROUP - 1) / ZS_QUANT_GROUP;
+  zs_host_for(groups, [=](zs_i64 begin, zs_i64 end) {
+    for (zs_i64 g = begin; g < end; ++g) {
+      zs_i64 lo = g * ZS_QUANT_GROUP, len = n - lo < ZS_QUANT_GROUP ? n - lo : ZS_QUANT_GROUP;
+      float y[ZS_QUANT_GROUP], sq[ZS_QUANT_GROUP];
+      for (zs_i64 t = 0; t < ZS_QUANT_GROUP; ++t) {
+        y[t] = t < len ? x[lo + t] + e[lo + t] : 0.f;
+        sq[t] = y[t] * y[t];
+      }
+      float scale = sqrtf(zs_group_sum_host(sq) / (float)len);
+      for (zs_i64 t = 0; t < len; t += 8) {
+        unsigned v = 0;
+        for (zs_i64 j = 0; j < 8 && t + j < len; ++j) {
+          unsigned bit = !(y[t + j] < 0.f);
+          e[lo + t + j] = y[t + j] - scale * zs_sign_of(bit);
+          v |= bit << j;
+        }
+        bits[(lo + t) / 8] = (unsigned char)v;
+      }
+      scales[g] = scale;
+    }
+  });
+}
+
+extern "C" void zs_sign_add_host(const unsigned char* bits, const float* scales, float* y,
+                                 zs_i64 n, float weight) {
+  zs_host_for(n, [=](zs_i64 begin, zs_i64 end) {
+    for (zs_i64 i = begin; i < end; ++i) {
+      unsigned bit = (bits[i / 8] >> (i % 8)) & 1u;
+      y[i] += zs_sign_of(bit) * (scales[i / ZS_QUANT_GROUP] * weight);
+    }
+  });
+}
+#endif

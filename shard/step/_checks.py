@@ -296,3 +296,33 @@ def model_state(c: Any, tree: Any) -> Any:
                         "give every rank the same model_state (rank 0's)")
     return tree
 
+
+
+def check_onebit(name: str, stage: int, options: Any, topology: Any, optimizer: Any,
+                 tensor_parallel: Any) -> None:
+    """Refuse, by name, what 1-bit Adam (``ops.onebit_adam``; see [Note: 1-bit
+    Adam] in ``ops/_onebit.py``) does not run with: its compressed phase sums
+    no gradients over the ranks, so nothing that needs the reduced gradient
+    (a clip, a loss scale's overflow check, rows' weights) has one."""
+    if not isinstance(optimizer, FusedOptimizer) or optimizer.onebit is None:
+        return
+    o = options
+    if stage not in (1, 2):
+        raise NotImplementedError(f"{name}: ops.onebit_adam runs under zero1 and zero2, whose "
+                                  "ranks hold the whole params to fold each rank's gradient "
+                                  "into; use shard.zero1 or shard.zero2")
+    for what, bad in (("clip_norm= (no rank holds the reduced gradient to clip)",
+                       o.clip_norm is not None),
+                      ("a loss scale (its overflow check needs the reduced gradient)",
+                       o.loss_scale is not None),
+                      ("weight_by_rows=", o.weight_by_rows),
+                      ("invariant_shards=", o.invariant_shards is not None),
+                      ("quantized_gradients=", bool(o.quantized_gradients)),
+                      ("offload=", o.offload is not None),
+                      ("trainable= (frozen leaves)", o.trainable is not None),
+                      ("a 'replicate' axis (HSDP)", topology.replicate is not None),
+                      ("a 'model' axis (tensor parallelism)", tensor_parallel is not None),
+                      ("a pipeline", topology.whole is not None)):
+        if bad:
+            raise NotImplementedError(f"{name}: ops.onebit_adam does not compose with {what}; "
+                                      "drop one of them")

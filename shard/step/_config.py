@@ -18,6 +18,7 @@ from shard.core._policy import LossScale, Precision
 from shard.core._protocol import LossProvider, Provided, classify
 from shard.offload._offload import Offload
 from shard.offload._step import check_offload
+from shard.step._checks import check_onebit
 
 __all__ = ["StepConfig", "ZeroOptions", "check_invariant", "option_docs", "protocol_of",
            "resolve_topology"]
@@ -396,6 +397,7 @@ class StepConfig(ZeroOptions):
             key = check_key(name, key)
         if o.invariant_shards is not None:
             check_invariant(name, o, topology, optimizer, tensor_parallel)
+        check_onebit(name, stage, o, topology, optimizer, tensor_parallel)
         loss = JaxLoss.shared(loss_fn, o.has_aux) if kind == "jax" else reads
         fields = {f.name: getattr(o, f.name) for f in dataclasses.fields(ZeroOptions)}
         fields.update(units=units, key=key, loggers=loggers, precision=o.precision or Precision(),

@@ -8,12 +8,13 @@
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 import ops
 from ops import Communicator, Device
+from ops._optim import OneBit
 from ops.comm._collectives import all_gather_host
 from ops.comm._ordered import TreeSum, tree_all_reduce, tree_reduce_scatter
 from shard.core._layout import Layout
@@ -21,7 +22,7 @@ from shard.core._state import TrainState
 from shard.monitor._profile import timed
 from shard.step import _checks
 from shard.step._grads import reduce_dtype
-from shard.step._reduce import CopyPlans, GradBuffers, GradReducer
+from shard.step._reduce import CopyPlans, GradBuffers, GradReducer, OneBitReducer
 
 if TYPE_CHECKING:
     from shard.step._plan import Plan
@@ -73,10 +74,18 @@ __all__ = ["OrderedReducer", "exact_norm_and_loss", "reducer", "virtual_shards"]
 # a step (the norm's parts and the losses).
 
 
-def reducer(plan: Plan, buffers: GradBuffers) -> GradReducer:
+def reducer(plan: Plan, buffers: GradBuffers, onebit: tuple | None = None) -> GradReducer:
     """The step's gradient reduction: ordered where ``invariant_shards=`` asks
-    (see [Note: the same bits at any world size])."""
+    (see [Note: the same bits at any world size]); 1-bit Adam's after its
+    ``freeze_step`` where ``onebit`` is ``(momentum, scale)`` (see
+    :class:`~shard.step._reduce.OneBitReducer`)."""
     c = plan.config
+    if onebit is not None:
+        spec = cast(ops.FusedOptimizer, plan.optimizer.fused).onebit  # onebit_adam's
+        return OneBitReducer(plan.grad_layout, plan.fast, dtype=reduce_dtype(plan),
+                             device=plan.device, buffers=buffers, plans=plan.grad_plans,
+                             momentum=onebit[0], beta1=cast(OneBit, spec).b1,
+                             scale=onebit[1])
     if c.invariant_shards:
         return OrderedReducer(plan.grad_layout, plan.fast, stage=c.stage,
                               dtype=reduce_dtype(plan), device=plan.device, buffers=buffers,

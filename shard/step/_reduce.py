@@ -10,18 +10,20 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from ops import Communicator, Device
+from ops._onebit import compressed_all_reduce
 from ops._quant import reduce_scatter_quantized
 from ops.device._runs import Runs, contiguous_on, copy_runs
 from ops.kernels._table import runs_kernel
 from shard.core._layout import Layout
 from shard.monitor._profile import timed
 
-__all__ = ["CopyPlans", "GradBuffers", "GradReducer", "wait_quietly"]
+__all__ = ["CopyPlans", "GradBuffers", "GradReducer", "OneBitMomentum", "OneBitReducer",
+           "wait_quietly"]
 
 
 class GradReducer:
@@ -94,14 +96,7 @@ class GradReducer:
         shard = self.shards[u]
         replicated = shard[unit.sharded_size:]
         if self._full is not None:  # stages 0-1: accumulate the full gradient
-            first = u not in self._written  # zeros so far: a copy is the sum
-            self._written.add(u)
-            if not (first and not unit.replicated_size and self._pack(u, grads, self._full[u])):
-                grads = [None if g is None else self._on_device(i, g)
-                         for i, g in zip(unit.leaves, grads, strict=True)]
-                for i, g in zip(unit.leaves, grads, strict=True):
-                    self.layout.pack_grad(self.layout.leaves[i], g, self._full[u], replicated,
-                                          add=True)
+            self._accumulate(u, grads)
             if self.final and unit.sharded_size:  # complete: reduce it while others compute
                 if self.on_final is not None and self.stage >= 1 and not unit.replicated_size:
                     self._handed.add(u)
@@ -140,6 +135,19 @@ class GradReducer:
                 self.on_final(u, [*parts, (None if first else out, work)])
             else:
                 self._pending.append((u, None if first else out, work))
+
+    def _accumulate(self, u: int, grads: list[Any]) -> None:
+        """Add unit ``u``'s gradients to its full sum (stages 0-1): the sharded
+        leaves' in the (W, S) reduce layout, the replicated ones' in the shard."""
+        unit, full = self.layout.units[u], cast(list, self._full)[u]
+        replicated = self.shards[u][unit.sharded_size:]
+        first = u not in self._written  # zeros so far: a copy is the sum
+        self._written.add(u)
+        if not (first and not unit.replicated_size and self._pack(u, grads, full)):
+            grads = [None if g is None else self._on_device(i, g)
+                     for i, g in zip(unit.leaves, grads, strict=True)]
+            for i, g in zip(unit.leaves, grads, strict=True):
+                self.layout.pack_grad(self.layout.leaves[i], g, full, replicated, add=True)
 
     def _reduce_scatter(self, out: Any, x: Any) -> Any:
         """The sum over the ranks of ``x``'s sections, this rank's into ``out``,
@@ -242,6 +250,97 @@ class GradReducer:
                 with timed("reduce_wait"):
                     self.comm.all_reduce_(shard[unit.sharded_size:], "sum")
         return self.shards
+
+
+class OneBitMomentum:
+    """1-bit Adam's buffers, kept by the step across steps (see [Note: 1-bit
+    Adam] in ``ops/_onebit.py``): per unit the momentum the ranks agreed on
+    (the sharded leaves' in the (W, S) reduce layout, the replicated ones'
+    whole), the worker error like it and the server error (this rank's
+    section). They hold for the state whose ``exp_avg`` buffers and step
+    they were made or last updated with; any other state (a resumed one, one
+    whose last update was skipped or failed) starts them again from its
+    ``exp_avg``, the errors from zero."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.sharded: list[Any] = []
+        self.replicated: list[Any] = []
+        self.worker: list[Any] = []
+        self.server: list[Any] = []
+
+    def ready(self, layout: Layout, comm: Communicator, device: Device, exp_avg: Any,
+              step: int) -> None:
+        """Make the buffers hold for ``exp_avg`` at ``step`` (a collective when
+        they are made: the agreed momentum is gathered from the shards)."""
+        key = (step, tuple(id(b) for b in exp_avg))
+        if key == self.key:
+            return
+        w = comm.world_size
+        self.sharded, self.replicated, self.worker, self.server = [], [], [], []
+        for unit, m in zip(layout.units, exp_avg, strict=True):
+            s = unit.sharded_size
+            whole = device.empty(s * w, np.float32)
+            if s:
+                comm.all_gather_into(whole, m[:s])
+            self.sharded.append(whole)
+            self.replicated.append(m[s:].copy())
+            self.worker.append(device.zeros(s * w, np.float32))
+            self.server.append(device.zeros(s, np.float32))
+        self.key = key
+
+    def advanced(self, step: int, exp_avg: Any) -> None:
+        """The update of ``step`` ran: the buffers hold for the next one."""
+        self.key = (step + 1, tuple(id(b) for b in exp_avg))
+
+
+class OneBitReducer(GradReducer):
+    """1-bit Adam's steps after ``freeze_step`` (see [Note: 1-bit Adam] in
+    ``ops/_onebit.py``): each rank sums its own gradients over the
+    micro-batches, nothing is reduced during the backward, and :meth:`finish`
+    folds them into the momentum, ``m = b1 m + (1 - b1) scale g``, which the
+    ranks agree on through the compressed all-reduce (the replicated leaves'
+    through an exact one). The shards it returns are this rank's sections of
+    that momentum, for the optimizer's ``momentum=True`` update."""
+
+    def __init__(self, layout: Layout, comm: Communicator, *, dtype: Any, device: Device,
+                 buffers: GradBuffers, plans: CopyPlans, momentum: OneBitMomentum,
+                 beta1: float, scale: float) -> None:
+        if np.dtype(dtype) != np.float32:
+            raise TypeError(f"onebit_adam: the gradients are reduced in {np.dtype(dtype)}; its "
+                            "compressed momentum is float32 (Precision(reduce_dtype='float32'))")
+        super().__init__(layout, comm, stage=1, dtype=dtype, device=device, buffers=buffers,
+                         plans=plans)
+        self.momentum, self.beta1 = momentum, np.float32(beta1)
+        self.weight = np.float32((1.0 - beta1) * scale)  # (1 - b1) x the mean's scale
+
+    def _add(self, u: int, grads: list[Any]) -> None:
+        self._accumulate(u, grads)
+
+    def finish(self) -> list[Any]:
+        mo, rank = self.momentum, self.comm.rank
+        for u, unit in enumerate(self.layout.units):
+            s, shard = unit.sharded_size, self.shards[u]
+            if s:
+                g, m = cast(list, self._full)[u], mo.sharded[u]
+                g *= self.weight
+                m *= self.beta1
+                m += g
+                with timed("reduce_wait"):
+                    compressed_all_reduce(self.comm, m, mo.worker[u], mo.server[u])
+                shard[:s] = m[rank * s:(rank + 1) * s]
+            if unit.replicated_size:
+                g, m = shard[s:], mo.replicated[u]
+                g *= self.weight
+                m *= self.beta1
+                m += g
+                with timed("reduce_wait"):
+                    self.comm.all_reduce_(m, "mean")
+                shard[s:] = m
+        return self.shards
+
+    def drain(self) -> None:
+        self.momentum.key = None  # a failed step: start again from the state's exp_avg
 
 
 class CopyPlans:

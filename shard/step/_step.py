@@ -89,7 +89,7 @@ from shard.step import _checks, _grads, _init, _ordered, _update
 from shard.step._config import StepConfig, ZeroOptions
 from shard.step._ordered import OrderedReducer
 from shard.step._plan import Plan
-from shard.step._reduce import GradBuffers
+from shard.step._reduce import GradBuffers, OneBitMomentum
 from shard.step._runtime import LiveBytes
 
 __all__ = ["ZeroStep"]
@@ -293,15 +293,16 @@ class ZeroStep:
         leaves it valid (see [Note: failed steps])."""
         c, device = self.config, plan.device
         scale = float(state.loss_scale)
+        w, k = c.ranks, len(micro)
+        grad_scale = 1.0 / ((c.gradient_divide_factor or w) * k * scale)
         self._grad_buffers = _grads.grad_buffers(plan, self._grad_buffers)
-        reducer = _ordered.reducer(plan, self._grad_buffers)
+        onebit = self._onebit(plan, state, grad_scale)  # see [Note: 1-bit Adam]
+        reducer = _ordered.reducer(plan, self._grad_buffers, onebit)
         units = _grads.unit_params(plan, state, self.tracker)
         leaves = len(plan.layout.leaves) if _update.tracks_missing(c) else 0
         totals = _update.fresh_totals(self.__dict__.setdefault("_totals_cache", {}), device,
                                       rows, leaves)
         missing: frozenset[int] | None = None  # see [Note: missing gradients]
-        w, k = c.ranks, len(micro)
-        grad_scale = 1.0 / ((c.gradient_divide_factor or w) * k * scale)
         offloader = self._offloader
         overlap = offloader.start_overlap(state, reducer, grad_scale) if offloader else None
         auxes, losses = [], []
@@ -350,8 +351,8 @@ class ZeroStep:
             aux = _grads.mean_aux(plan, auxes) if c.has_aux else None
             if model_state is not None:
                 model_state = _grads.mean_model_state(plan, model_state)
-            skip = _update.skipped_leaves(totals, missing, c.ranks, device) if missing else \
-                frozenset()
+            skip = _update.skipped_leaves(totals, missing, c.ranks, device) if missing and \
+                onebit is None else frozenset()  # 1-bit Adam updates every leaf, as DeepSpeed
         except BaseException:
             units.drain()  # no collective of this step still writes anywhere
             reducer.drain()
@@ -370,7 +371,9 @@ class ZeroStep:
                     and not self.__dict__.get("_rows_warned")):
                 self._rows_warned = _update.warn_if_rows_differ(c, host)
             sumsq = _update.value(host, _update.SUMSQ)
-            norm = math.sqrt(sumsq) * grad_scale if math.isfinite(sumsq) else sumsq
+            # 1-bit Adam's compressed phase: the norm of the momentum the ranks agreed on
+            norm = math.sqrt(sumsq) * (1.0 if onebit else grad_scale) if math.isfinite(
+                sumsq) else sumsq
             return {"loss": _update.value(host, _update.LOSS) / (w * k), "grad_norm": norm}
 
         fresh_copies = c.stage in (1, 2) and bool(state.compute) and (
@@ -389,7 +392,10 @@ class ZeroStep:
                                 "was skipped", c.name, int(state.step))
                 return out
 
-            state = self._apply(plan, state, shards, grad_scale, totals[_update.SUMSQ], skip)
+            state = self._apply(plan, state, shards, grad_scale, totals[_update.SUMSQ], skip,
+                                onebit is not None)
+            if onebit is not None:
+                onebit[0].advanced(int(state.step), state.moments[0])
             return (state.replace(step=np.asarray(int(state.step) + 1, np.int64),
                                   batches=np.asarray(int(state.batches) + 1, np.int64),
                                   skips=_update.add_skips(state.skips, skip)),
@@ -403,7 +409,10 @@ class ZeroStep:
         if finite:
             needs_norm = c.clip_norm is not None or plan.optimizer.fused is None
             state = self._apply(plan, state, shards, grad_scale,
-                                totals[_update.SUMSQ] if needs_norm else None, skip)
+                                totals[_update.SUMSQ] if needs_norm else None, skip,
+                                onebit is not None)
+            if onebit is not None:
+                onebit[0].advanced(int(state.step), state.moments[0])
             state = state.replace(skips=_update.add_skips(state.skips, skip))
         elif c.loss_scale is None:
             log.warning("%s: non-finite gradients (inf or nan) at step %d: the update was "
@@ -416,10 +425,12 @@ class ZeroStep:
                              hysteresis=np.asarray(left, np.int64)), StepMetrics(known)
 
     def _apply(self, plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
-               grad_sumsq: Any, skip: frozenset[int] = frozenset()) -> TrainState:
-        """The update where the state's masters live; returns the new state."""
+               grad_sumsq: Any, skip: frozenset[int] = frozenset(),
+               momentum: bool = False) -> TrainState:
+        """The update where the state's masters live; returns the new state.
+        ``momentum``: the shards are 1-bit Adam's agreed momentum."""
         if state.meta.offload is None:
-            return _update.apply(plan, state, shards, grad_scale, grad_sumsq, skip)
+            return _update.apply(plan, state, shards, grad_scale, grad_sumsq, skip, momentum)
         if skip:
             _update.warn_unskipped(plan, skip, "offloaded state")
         offloader = cast(Offloader, self._offloader)  # made with an offloaded step's plan
@@ -427,6 +438,21 @@ class ZeroStep:
         if new_compute is not None:
             _update.refresh(plan, state, new_compute)
         return state
+
+    def _onebit(self, plan: Plan, state: TrainState, grad_scale: float) -> tuple | None:
+        """``(momentum, scale)`` for a step in 1-bit Adam's compressed phase (its
+        update count at ``freeze_step`` or past it, on more than one rank; see
+        [Note: 1-bit Adam] in ``ops/_onebit.py``), else None. ``scale`` turns a
+        rank's gradient sum into its part of the mean."""
+        fused = plan.optimizer.fused
+        spec = fused.onebit if fused is not None else None
+        if spec is None or int(state.step) < spec.freeze_step or plan.fast.world_size == 1:
+            return None
+        momentum = self.__dict__.get("_onebit_momentum")
+        if momentum is None:
+            momentum = self.__dict__["_onebit_momentum"] = OneBitMomentum()
+        momentum.ready(plan.layout, plan.fast, plan.device, state.moments[0], int(state.step))
+        return momentum, grad_scale * plan.fast.world_size
 
     # -- evaluation -------------------------------------------------------------
     def evaluate(self, state: Any, batch: Any, *, loss_fn: Any = None) -> Any:

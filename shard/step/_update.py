@@ -252,11 +252,14 @@ def weigh_by_rows(shards: list[Any], totals: Any, parts: int) -> None:
 
 
 def apply(plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
-          grad_sumsq: Any, skip: frozenset[int] = frozenset()) -> TrainState:
+          grad_sumsq: Any, skip: frozenset[int] = frozenset(),
+          momentum: bool = False) -> TrainState:
     """The optimizer on every unit's shard of a device-resident state, then stages
     1-2's all-gather of the new compute params. With ``grad_sumsq`` (a device
     array) the kernel clips by it and skips the update where it is not finite,
-    reading it on the device (see [Note: non-finite gradients])."""
+    reading it on the device (see [Note: non-finite gradients]). ``momentum``:
+    the shards are 1-bit Adam's agreed momentum (see [Note: 1-bit Adam] in
+    ``ops/_onebit.py``)."""
     c = plan.config
     copies = _copies(plan, state)
     if plan.optimizer.fused is None:  # an optax transformation (see [Note: optax on shards])
@@ -292,11 +295,12 @@ def apply(plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
                     grad_sumsq=grad_sumsq,
                     max_norm=c.clip_norm,
                     param_copies=copy_views(plan, copies, runs) if copies else None,
-                    finite=True)
+                    finite=True, **({"momentum": True} if momentum else {}))
         else:
             c.optimizer.apply(tuple(shards), fused.state(state.step, *state.moments),
                               state.master, grad_scale=grad_scale, grad_sumsq=grad_sumsq,
-                              max_norm=c.clip_norm, param_copies=copies, finite=True)
+                              max_norm=c.clip_norm, param_copies=copies, finite=True,
+                              **({"momentum": True} if momentum else {}))
         if copies and c.stage in (1, 2) and (plan.frozen or skip):
             copy_left(plan, state, copies, skip)
     refresh(plan, state, copies)
