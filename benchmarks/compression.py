@@ -13,11 +13,15 @@ the same weights on the same batches, once per mode:
 - ``exact-half``: exact ZeRO-3 on half the ranks, the same global batches:
   the exact run with its floating-point sums in another order, whose gap is
   the noise floor the others are read against (training amplifies any
-  difference in the last bits into a different trajectory).
+  difference in the last bits into a different trajectory);
+- ``onebit``: ZeRO-2 with 1-bit Adam (``ops.onebit_adam``, no clipping), its
+  momentum compressed after ``--freeze-step`` updates, read against
+  ``onebit-warm``: the same optimizer never leaving its warm-up (Adam
+  without bias correction, exact gradients).
 
 The table gives each mode's mean loss over the last ``--tail`` steps and its
-gap to the exact run's, in percent; ``--plot`` draws the curves (a moving
-mean over 10 steps) into a PNG file.
+gap to its reference's (the exact run's, or ``onebit-warm``'s), in percent;
+``--plot`` draws the curves (a moving mean over 10 steps) into a PNG file.
 
 Usage: python benchmarks/compression.py [--steps 300] [--ranks 4] [--plot curves.png]
 """
@@ -41,16 +45,21 @@ MODES = {"exact": {}, "qwz": {"quantized_weights": True},
          "qgz": {"quantized_gradients": True}, "qgz4": {"quantized_gradients": 4},
          "hpz-qwz-qgz": {"quantized_weights": True, "quantized_gradients": True,
                          "reshard_after_forward": None},
-         "exact-half": {}}
+         "exact-half": {}, "onebit-warm": {"stage": 2, "onebit_freeze_step": 10**9},
+         "onebit": {"stage": 2, "onebit_freeze_step": None}}
+REFERENCE = {"onebit": "onebit-warm"}  # the others': "exact"
 
 
 def run(mode: str, args: argparse.Namespace, model: gpt.GPT, cfg: gpt.GPTConfig) -> tuple:
     options = dict(MODES[mode])
     if "reshard_after_forward" in options:
         options["reshard_after_forward"] = args.group
+    if options.get("onebit_freeze_step", 0) is None:
+        options["onebit_freeze_step"] = args.freeze_step
+    options.setdefault("stage", 3)
     ranks = args.ranks // 2 if mode == "exact-half" else args.ranks
     t0 = time.perf_counter()
-    out = ops.spawn(lambda comm: gpt.train(comm, stage=3, steps=args.steps, batch=args.batch,
+    out = ops.spawn(lambda comm: gpt.train(comm, steps=args.steps, batch=args.batch,
                                            cfg=cfg, model=model, progress=False, **options),
                     ranks)
     return np.asarray(out[0]["losses"], np.float64), time.perf_counter() - t0
@@ -67,10 +76,14 @@ def main() -> None:
     ap.add_argument("--d-model", type=int, default=128)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tail", type=int, default=50, help="steps the final loss averages")
+    ap.add_argument("--freeze-step", type=int, default=200,
+                    help="1-bit Adam's warm-up updates in the onebit mode")
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     ap.add_argument("--plot", type=Path, help="write the curves to this PNG file")
     args = ap.parse_args()
     modes = ["exact", *[m for m in args.modes if m != "exact"]]
+    if "onebit" in modes and "onebit-warm" not in modes:
+        modes.insert(modes.index("onebit"), "onebit-warm")
     cfg = gpt.GPTConfig(d=args.d_model, layers=args.layers)
     import torch
 
@@ -82,15 +95,15 @@ def main() -> None:
         print(f"{mode}: {seconds[mode]:.0f} s, loss {curves[mode][0]:.3f} -> "
               f"{curves[mode][-args.tail:].mean():.4f}", flush=True)
     tail = min(args.tail, args.steps)
-    exact = curves["exact"][-tail:].mean()
     print(f"\nGPT d={args.d_model} layers={args.layers}, {args.ranks} thread ranks, batch "
           f"{args.batch}, {args.steps} steps; the final loss is the mean of the last {tail}\n")
-    print("| mode | final loss | gap to exact | largest gap of a step | seconds |")
-    print("|---|---|---|---|---|")
+    print("| mode | final loss | reference | gap to it | largest gap of a step | seconds |")
+    print("|---|---|---|---|---|---|")
     for mode in modes:
-        final = curves[mode][-tail:].mean()
-        worst = np.abs(curves[mode] / curves["exact"] - 1).max()
-        print(f"| {mode} | {final:.4f} | {100 * (final / exact - 1):+.2f}% | "
+        ref = REFERENCE.get(mode, "exact")
+        final, base = curves[mode][-tail:].mean(), curves[ref][-tail:].mean()
+        worst = np.abs(curves[mode] / curves[ref] - 1).max()
+        print(f"| {mode} | {final:.4f} | {ref} | {100 * (final / base - 1):+.2f}% | "
               f"{100 * worst:.2f}% | {seconds[mode]:.0f} |")
     if args.plot is not None:
         import matplotlib
@@ -106,9 +119,14 @@ def main() -> None:
                     lw=2 if mode == "exact" else 1.2,
                     ls="-" if mode.startswith("exact") else "--",
                     color="0.6" if mode == "exact-half" else None)
+        if "onebit" in modes:
+            ax.axvline(args.freeze_step, color="0.7", lw=0.8, ls=":")
+            ax.annotate("1-bit Adam's freeze_step", (args.freeze_step, ax.get_ylim()[1]),
+                        fontsize=8, ha="right", va="top", rotation=90, color="0.4")
         ax.set_xlabel("step")
         ax.set_ylabel(f"loss (mean of {window} steps)")
-        ax.set_title(f"demo GPT, ZeRO-3 on {args.ranks} ranks: exact and compressed")
+        ax.set_title(f"demo GPT on {args.ranks} ranks, exact and compressed (ZeRO-3; "
+                     "1-bit Adam: ZeRO-2)", fontsize=10)
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)

@@ -31,6 +31,11 @@ are summed exactly inside each host first and each rank sends the other
 host's half of its node sum, quantized: 0.5 x 0.254 = 0.13x for the
 gathers and as much for the gradients, about 0.25x in all; with int4 gradients
 (``hpz-qwz-qgz4``) 0.5 x 0.129 = 0.06x for them, about 0.19x in all.
+ZeRO-2 (``zero2``, AdamW) reduce-scatters the gradients (1x) and all-gathers
+the updated params (1x): about 2x. With 1-bit Adam (``zero2-onebit``,
+``ops.onebit_adam``, compressing from its second step) the gradients' 1x
+becomes the compressed all-reduce of the momentum, 2 x 1/32 x (1 + 1/8) / 2 x
+2 = about 0.07x, and the params' all-gather stays: about 1.07x.
 Needs root and network namespaces (``ip netns``), as the tests do.
 
 Usage: sudo python benchmarks/multinode.py [--rate 1gbit] [--steps 12] [--rounds 3]
@@ -54,7 +59,8 @@ sys.path.insert(0, str(ROOT))
 from tests import netns  # noqa: E402
 from tests.multiproc import free_port  # noqa: E402
 
-MODES = ("flat", "hsdp", "hpz", "qwz", "hpz-qwz", "qgz", "hpz-qwz-qgz", "hpz-qwz-qgz4")
+MODES = ("flat", "hsdp", "hpz", "qwz", "hpz-qwz", "qgz", "hpz-qwz-qgz", "hpz-qwz-qgz4",
+         "zero2", "zero2-onebit")
 
 
 def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]]:
@@ -63,7 +69,10 @@ def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]
                ZS_REPLICAS="2" if mode == "hsdp" else "1",
                ZS_RESHARD="2" if mode.startswith("hpz") else "0",
                ZS_QWZ="1" if "qwz" in mode else "0",
-               ZS_QGZ="4" if mode.endswith("qgz4") else "8" if "qgz" in mode else "0")
+               ZS_QGZ="4" if mode.endswith("qgz4") else "8" if "qgz" in mode else "0",
+               ZS_STAGE="2" if mode.startswith("zero2") else "3",
+               # 1-bit Adam compressing from its second update: the steps measure that phase
+               ZS_ONEBIT="1" if mode.endswith("onebit") else "0")
     with netns.two_hosts(rate=args.rate) as hosts:
         port, procs = free_port(), []
         for i, h in enumerate(hosts):

@@ -232,7 +232,8 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
           resume: bool = False, replicas: int = 1,
           reshard_after_forward: bool | int = True,
           invariant_shards: int | None = None, quantized_weights: bool = False,
-          quantized_gradients: bool | int = False) -> dict:
+          quantized_gradients: bool | int = False,
+          onebit_freeze_step: int | None = None) -> dict:
     """Train a GPT with ZeRO ``stage`` up to step ``steps``; returns losses,
     timings and memory.
 
@@ -257,6 +258,8 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     ``quantized_gradients``: the gradients' reduce-scatter moves int8 (or with
     ``4`` int4) with a scale per block (ZeRO++'s qgZ; with
     ``reshard_after_forward``, exact inside each group and quantized across).
+    ``onebit_freeze_step``: 1-bit Adam (``ops.onebit_adam``, stages 1-2) with
+    that ``freeze_step`` instead of AdamW, without clipping.
     """
     model = copy.deepcopy(model) if model is not None else build(cfg)
     params, loss = it.functional(model, loss=lm_loss)
@@ -264,8 +267,11 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     mesh = shard.Mesh(comm, {"replicate": replicas, "shard": comm.world_size // replicas}
                       if replicas > 1 else {"data": comm.world_size})
     zero_comm = mesh["shard" if replicas > 1 else "data"]  # what ZeRO shards over
-    step = ZERO[stage](loss, optimizer=ops.adamw(lr, weight_decay=0.01), mesh=mesh,
-                       clip_norm=1.0, options=shard.ZeroOptions(
+    optimizer = (ops.adamw(lr, weight_decay=0.01) if onebit_freeze_step is None else
+                 ops.onebit_adam(lr, freeze_step=onebit_freeze_step, weight_decay=0.01))
+    step = ZERO[stage](loss, optimizer=optimizer, mesh=mesh,
+                       clip_norm=1.0 if onebit_freeze_step is None else None,
+                       options=shard.ZeroOptions(
                            loggers=loggers, reshard_after_forward=reshard_after_forward,
                            invariant_shards=invariant_shards,
                            quantized_weights=quantized_weights,
@@ -381,6 +387,9 @@ def parser() -> argparse.ArgumentParser:
                     choices=(8, 4), metavar="BITS",
                     help="stages 1-3: reduce-scatter the gradients as int8 (or int4: 4) with "
                          "a scale per block (ZeRO++'s qgZ)")
+    ap.add_argument("--onebit-adam", type=int, default=0, metavar="FREEZE_STEP",
+                    help="stages 1-2: 1-bit Adam, its momentum sent compressed after "
+                         "FREEZE_STEP updates (no clipping); 0: AdamW")
     ap.add_argument("--sample", type=int, default=200,
                     help="bytes of text to generate at the end (0: none)")
     return ap
@@ -400,7 +409,8 @@ def main(argv: list[str] | None = None) -> None:
                        reshard_after_forward=args.reshard_after_forward or True,
                        invariant_shards=args.invariant_shards or None,
                        quantized_weights=args.quantized_weights,
-                       quantized_gradients=args.quantized_gradients or False)
+                       quantized_gradients=args.quantized_gradients or False,
+                       onebit_freeze_step=args.onebit_adam or None)
         table = memory_table(comm, result, cfg)
         if args.sample:  # every rank gathers (a collective); rank 0 samples
             it.load_state(result["module"], result["state"], comm=result["step"].config.comm)

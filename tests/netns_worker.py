@@ -19,11 +19,13 @@ def main() -> None:
     comm = ops.init_from_env()
     cfg = gpt.GPTConfig(seq=16, d=int(os.environ.get("ZS_D", "32")),
                         layers=int(os.environ.get("ZS_LAYERS", "2")), heads=2)
-    out = gpt.train(comm, stage=3, steps=int(os.environ.get("ZS_STEPS", "4")), batch=8,
-                    cfg=cfg, progress=False, replicas=int(os.environ.get("ZS_REPLICAS", "1")),
+    out = gpt.train(comm, stage=int(os.environ.get("ZS_STAGE", "3")),
+                    steps=int(os.environ.get("ZS_STEPS", "4")), batch=8, cfg=cfg,
+                    progress=False, replicas=int(os.environ.get("ZS_REPLICAS", "1")),
                     reshard_after_forward=int(os.environ.get("ZS_RESHARD", "0")) or True,
                     quantized_weights=os.environ.get("ZS_QWZ") == "1",
-                    quantized_gradients=int(os.environ.get("ZS_QGZ", "0")) or False)
+                    quantized_gradients=int(os.environ.get("ZS_QGZ", "0")) or False,
+                    onebit_freeze_step=int(os.environ.get("ZS_ONEBIT", "0")) or None)
     params = shard.gather(out["state"], out["step"].config.comm)
     if comm.rank == 0:
         report = {"world": comm.world_size, "losses": [float(x) for x in out["losses"]],

@@ -151,21 +151,30 @@ int main() {
   void* args4[] = {&px, &ph, &pt, (void*)&n};
   zs_emu_zs_quantize4_f32(grid, block, args4);
   zs_quantize4_f32_host(px, h2.data(), t2.data(), n);
-  std::printf("%d\n", (int)(q == q2 && s == s2 && h == h2 && t == t2));
+  // and the 1-bit compression, whose groups' sums share the block's memory too
+  std::vector<float> e(n, 0.25f), e2(n, 0.25f), r(4), r2(4);
+  std::vector<unsigned char> b(n / 8 + 1), b2(n / 8 + 1);
+  float* pe = e.data(); unsigned char* pb = b.data(); float* pr = r.data();
+  void* args1[] = {&px, &pe, &pb, &pr, (void*)&n};
+  zs_emu_zs_sign_compress(grid, block, args1);
+  zs_sign_compress_host(px, e2.data(), b2.data(), r2.data(), n);
+  std::printf("%d\n", (int)(q == q2 && s == s2 && h == h2 && t == t2 && e == e2 && b == b2 &&
+                            r == r2));
   return 0;
 }
 """
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
-@pytest.mark.parametrize("removed", [None, 0, 1])
+@pytest.mark.parametrize("removed", [None, 0, 1, 2, 3])
 def test_quantize_kernel_is_race_free_and_each_missing_barrier_is_caught(tmp_path, removed):
-    """The int8 (and int4) quantisation's block maximum runs once per group in the same
-    block: its first barrier orders the warps' maxima before warp 0 reads them,
-    its second orders the block's maximum before every thread reads it (and
-    those reads before the next group's writes)."""
+    """The int8 (and int4) quantisation's block maximum and the 1-bit
+    compression's block sum run once per group in the same block: each first
+    barrier orders the warps' values before warp 0 reads them, each second
+    orders the block's value before every thread reads it (and those reads
+    before the next group's writes)."""
     src = source("quant", "cpu")
-    assert src.count("__syncthreads();") == 2
+    assert src.count("__syncthreads();") == 4
     run = _race_run(tmp_path, src, "quant", QUANT_DRIVER, removed)
     if removed is None:
         assert run.stdout.strip() == "1"  # the emulated kernel equals the host build

@@ -349,20 +349,6 @@ def _per_leaf(plan: Plan, state: TrainState, shards: list[Any], grad_scale: floa
         finite=True, reduce=reduce)
 
 
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 def _summed(plan: Plan, x: np.ndarray) -> np.ndarray:
     """``x`` summed over the data ranks (host arrays)."""
     plan.fast.all_reduce_(x, "sum")
