@@ -65,7 +65,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/e2e.py --profile
 	$(PY) benchmarks/offload.py
 	$(PY) benchmarks/pipeline.py
-	$(PY) benchmarks/compression.py
+	$(PY) benchmarks/convergence.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache site

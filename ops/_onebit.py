@@ -41,7 +41,16 @@ from typing import Any
 import numpy as np
 
 from ops._adam import fused_adam_multi
-from ops._optim import AdamState, FusedOptimizer, OneBit, Schedule, _adam_init, _number, _rate
+from ops._optim import (
+    AdamState,
+    FusedOptimizer,
+    OneBit,
+    Schedule,
+    _adam_init,
+    _flat_update,
+    _number,
+    _rate,
+)
 from ops._tree import tree_util
 from ops.comm._base import Communicator
 from ops.device._arrays import array_kind, check_array, driver_for
@@ -146,7 +155,8 @@ def onebit_adam(learning_rate: float | Schedule, freeze_step: int = 100000, b1: 
     (sqrt(v) + eps) + weight_decay p)``; after them ``v`` stays as it is.
     Under ``shard.zero1``/``zero2`` on more than one rank, the steps after
     ``freeze_step`` send no gradients: the ranks agree on the momentum through
-    :func:`compressed_all_reduce`. On its own (one process) it is the same
+    :func:`compressed_all_reduce`, and the step's ``metrics["grad_norm"]``
+    is then that momentum's norm. On its own (one process) it is the same
     update with this rank's gradient.
 
     Args:
@@ -180,19 +190,15 @@ def onebit_adam(learning_rate: float | Schedule, freeze_step: int = 100000, b1: 
     def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
             grad_sumsq: Any, max_norm: Any, copies: Any, finite: bool | None,
             momentum: bool) -> tuple[Any, AdamState]:
-        tu = tree_util()
         count = int(state.count)
         frozen = count >= freeze_step
         if momentum and not frozen:
             raise ValueError(f"{fn}: momentum=True is for the updates after freeze_step "
                              f"({freeze_step}); this is update {count + 1}")
-        if grad_sumsq is not None and finite is None:  # a host read of the device value
-            finite = math.isfinite(float(grad_sumsq[0]))
-        if finite is False:
+        flat = _flat_update(grads, state, params, copies, grad_sumsq, finite)
+        if flat is None:
             return params, state  # overflow: nothing changes, the step is not counted
-        leaves, treedef = tu.tree_flatten(params)
-        g, m, v = (treedef.flatten_up_to(t) for t in (grads, state.mu, state.nu))
-        c = treedef.flatten_up_to(copies) if copies is not None else None
+        leaves, treedef, g, m, v, c = flat
         # after freeze_step v stays (beta2 = 1); with momentum=True the grads are
         # the momentum itself (beta1 = 0), already averaged: no scale, no clip
         betas = ((0.0 if momentum else b1, 1.0) if frozen else (b1, b2))

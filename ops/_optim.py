@@ -120,6 +120,21 @@ def _adam_init(params: Any) -> AdamState:
     return AdamState(np.zeros((), np.int64), zeros, tree_util().tree_map(lambda z: z.copy(), zeros))
 
 
+def _flat_update(grads: Any, state: AdamState, params: Any, copies: Any, grad_sumsq: Any,
+                 finite: bool | None) -> tuple | None:
+    """An Adam-shaped update's leaves, ``(leaves, treedef, grads, mu, nu,
+    copies)`` flattened alike; None where ``grad_sumsq`` is not finite (read
+    back to the host unless ``finite`` says), so nothing is updated."""
+    if grad_sumsq is not None and finite is None:  # a host read of the device value
+        finite = math.isfinite(float(grad_sumsq[0]))
+    if finite is False:
+        return None
+    leaves, treedef = tree_util().tree_flatten(params)
+    g, m, v = (treedef.flatten_up_to(t) for t in (grads, state.mu, state.nu))
+    c = treedef.flatten_up_to(copies) if copies is not None else None
+    return leaves, treedef, g, m, v, c
+
+
 def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
           weight_decay: float, decoupled: bool) -> FusedOptimizer:
     fn = "adamw" if decoupled else "adam"
@@ -132,15 +147,11 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
     def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
             grad_sumsq: Any, max_norm: Any, copies: Any,
             finite: bool | None = None, read_from: Any = None) -> tuple[Any, AdamState]:
-        tu = tree_util()
         count = int(state.count)
-        if grad_sumsq is not None and finite is None:  # a host read of the device value
-            finite = math.isfinite(float(grad_sumsq[0]))
-        if finite is False:
+        flat = _flat_update(grads, state, params, copies, grad_sumsq, finite)
+        if flat is None:
             return params, state  # overflow: nothing changes, the step is not counted
-        leaves, treedef = tu.tree_flatten(params)
-        g, m, v = (treedef.flatten_up_to(t) for t in (grads, state.mu, state.nu))
-        c = treedef.flatten_up_to(copies) if copies is not None else None
+        leaves, treedef, g, m, v, c = flat
         if read_from is not None:  # out of place, leaf by leaf (host arrays)
             old = [treedef.flatten_up_to(t) for t in read_from]
             for i, leaf in enumerate(leaves):

@@ -358,6 +358,9 @@ def test_what_onebit_adam_does_not_run_with_is_refused_by_name():
         return errors
 
     errors = ops.spawn(run, 2)[0]
+    bf16 = shard.ZeroOptions(precision=shard.Precision(param_dtype="bf16"))
+    with pytest.raises(TypeError, match="reduce_dtype='float32'"):  # bf16 reductions: refused
+        ops.spawn(lambda comm: shard.zero2(_loss, optimizer=opt, comm=comm, options=bf16), 2)
     assert len(errors) == 6 and all("onebit_adam" in e for e in errors)
     for word, e in zip(("zero1 and zero2", "zero1 and zero2", "clip_norm", "loss scale",
                         "quantized_gradients", "trainable"), errors, strict=True):
@@ -375,3 +378,35 @@ def test_deepspeeds_onebitadam_config_maps_onto_onebit_adam():
     assert cfg.optimizer.learning_rate(0) == 4e-4
     with pytest.raises(ValueError, match=r"ZeroOneAdam.*OneBitAdam are supported"):
         shard.from_deepspeed_config({"optimizer": {"type": "ZeroOneAdam", "params": {}}})
+
+
+def test_a_skipped_update_remakes_the_momentum_from_the_state():
+    """A step whose gradients are not finite updates nothing; the agreed
+    momentum it computed is dropped, and the next step starts again from the
+    state's exp_avg with zero errors: the run is the clean one with its errors
+    zeroed at that step, bit for bit."""
+    world = 2
+    params, batches = _problem(world, k=100)
+    bad = dict(batches[FREEZE + 1])
+    bad["x"] = bad["x"].copy()
+    bad["x"][0, 0] = np.inf
+
+    def run(comm, poisoned):
+        step = shard.zero2(_loss, optimizer=ops.onebit_adam(LR, freeze_step=FREEZE), comm=comm)
+        state = step.init(params)
+        seen = []
+        for t, b in enumerate(batches):
+            if t == FREEZE + 1 and poisoned:
+                state, metrics = step(state, shard.split_batch(bad, rank=comm.rank,
+                                                               world_size=world))
+                assert metrics["skipped"]
+            elif t == FREEZE + 1:
+                step._onebit_momentum.key = None  # the errors from zero here too
+            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=world))
+            seen.append(int(state.step))
+        return seen, np.asarray(shard.gather(state, comm)["w"])
+
+    clean = ops.spawn(lambda c: run(c, False), world)
+    poisoned = ops.spawn(lambda c: run(c, True), world)
+    assert poisoned[0][0] == clean[0][0]  # the skipped step counted nothing
+    np.testing.assert_array_equal(poisoned[0][1], clean[0][1])

@@ -4,7 +4,6 @@ flat and in two hops, against a numpy model of the algorithm, bit for bit."""
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -17,6 +16,7 @@ from tests import zero_models as M
 from tests.test_offload import assert_same, trajectory
 from tests.test_offload_overlap import OVERLAP
 from tests.test_offload_overlap import _run as _run_overlapped
+from tests.test_quantized_gather import _batch, _loss, _params
 
 BLOCK = 256
 
@@ -170,24 +170,6 @@ def test_bad_arguments_are_refused_before_anything_moves():
 
 
 # -- in the ZeRO step: quantized_gradients= (DeepSpeed's zero_quantized_gradients) ----------
-
-def _params():
-    rng = np.random.default_rng(0)  # unit 0: 1073 values, sections of 2 blocks at 3 ranks
-    return [{"w": rng.standard_normal((37, 29)).astype(np.float32) * 0.3},
-            {"w": rng.standard_normal((29, 3)).astype(np.float32) * 0.3,
-             "b": rng.standard_normal(3).astype(np.float32) * 0.1}]
-
-
-def _loss(p, b):
-    h = jnp.tanh(b["x"] @ p[0]["w"])
-    return jnp.mean((h @ p[1]["w"] + p[1]["b"] - b["y"]) ** 2)
-
-
-def _batch(k, rows=12):
-    rng = np.random.default_rng(100 + k)
-    return {"x": rng.standard_normal((rows, 37)).astype(np.float32),
-            "y": rng.standard_normal((rows, 3)).astype(np.float32)}
-
 
 def _train(comm, zero, steps=6, **options):
     step = zero(_loss, optimizer=ops.adamw(1e-2), comm=comm,

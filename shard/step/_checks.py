@@ -303,10 +303,17 @@ def check_onebit(name: str, stage: int, options: Any, topology: Any, optimizer: 
     """Refuse, by name, what 1-bit Adam (``ops.onebit_adam``; see [Note: 1-bit
     Adam] in ``ops/_onebit.py``) does not run with: its compressed phase sums
     no gradients over the ranks, so nothing that needs the reduced gradient
-    (a clip, a loss scale's overflow check, rows' weights) has one."""
+    (a clip, a loss scale's overflow check, rows' weights) has one; its
+    momentum is float32, and so must the gradients be."""
     if not isinstance(optimizer, FusedOptimizer) or optimizer.onebit is None:
         return
     o = options
+    p = o.precision
+    reduce = p.reduce_dtype or p.param_dtype if p is not None else None
+    if reduce is not None and np.dtype(reduce) != np.float32:
+        raise TypeError(f"{name}: ops.onebit_adam folds the gradients into a float32 momentum; "
+                        f"they are reduced in {np.dtype(reduce)} here: pass "
+                        "Precision(..., reduce_dtype='float32')")
     if stage not in (1, 2):
         raise NotImplementedError(f"{name}: ops.onebit_adam runs under zero1 and zero2, whose "
                                   "ranks hold the whole params to fold each rank's gradient "

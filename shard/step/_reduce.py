@@ -319,6 +319,7 @@ class OneBitReducer(GradReducer):
 
     def finish(self) -> list[Any]:
         mo, rank = self.momentum, self.comm.rank
+        mo.key = None  # they hold for the state again once its update ran (advanced)
         for u, unit in enumerate(self.layout.units):
             s, shard = unit.sharded_size, self.shards[u]
             if s:

@@ -378,7 +378,7 @@ class ZeroStep:
 
         fresh_copies = c.stage in (1, 2) and bool(state.compute) and (
             state.meta.compute_dtype != state.meta.master_dtype)
-        if c.clip_norm is None and c.loss_scale is None and not fresh_copies:
+        if c.clip_norm is None and c.loss_scale is None and not fresh_copies and onebit is None:
             # Nothing to decide on the host: no read back until metrics are looked
             # at. The kernel reads the sum of squares on the device and skips the
             # update when it is not finite (see [Note: non-finite gradients]).
@@ -392,10 +392,7 @@ class ZeroStep:
                                 "was skipped", c.name, int(state.step))
                 return out
 
-            state = self._apply(plan, state, shards, grad_scale, totals[_update.SUMSQ], skip,
-                                onebit is not None)
-            if onebit is not None:
-                onebit[0].advanced(int(state.step), state.moments[0])
+            state = self._apply(plan, state, shards, grad_scale, totals[_update.SUMSQ], skip)
             return (state.replace(step=np.asarray(int(state.step) + 1, np.int64),
                                   batches=np.asarray(int(state.batches) + 1, np.int64),
                                   skips=_update.add_skips(state.skips, skip)),
@@ -411,7 +408,7 @@ class ZeroStep:
             state = self._apply(plan, state, shards, grad_scale,
                                 totals[_update.SUMSQ] if needs_norm else None, skip,
                                 onebit is not None)
-            if onebit is not None:
+            if onebit is not None:  # (a skipped update leaves them for exp_avg to remake)
                 onebit[0].advanced(int(state.step), state.moments[0])
             state = state.replace(skips=_update.add_skips(state.skips, skip))
         elif c.loss_scale is None:

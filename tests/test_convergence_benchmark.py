@@ -1,4 +1,4 @@
-"""benchmarks/compression.py runs end to end (a tiny GPT, a few steps: a check, not a
+"""benchmarks/convergence.py runs end to end (a tiny GPT, a few steps: a check, not a
 measurement)."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_compression_benchmark_prints_its_table_and_draws_the_curves(tmp_path, monkeypatch,
+def test_convergence_benchmark_prints_its_table_and_draws_the_curves(tmp_path, monkeypatch,
                                                                      capsys):
     png = tmp_path / "curves.png"
-    monkeypatch.setattr(sys, "argv", ["compression.py", "--steps", "12", "--tail", "4",
+    monkeypatch.setattr(sys, "argv", ["convergence.py", "--steps", "12", "--tail", "4",
                                       "--d-model", "32", "--layers", "1", "--batch", "8",
                                       "--freeze-step", "6", "--plot", str(png)])
-    runpy.run_path(str(ROOT / "benchmarks" / "compression.py"), run_name="__main__")
+    runpy.run_path(str(ROOT / "benchmarks" / "convergence.py"), run_name="__main__")
     out = capsys.readouterr().out
     rows = {line.split("|")[1].strip(): (line.split("|")[2], line.split("|")[4])
             for line in out.splitlines() if line.startswith("| ") and not line.startswith("| mode")}

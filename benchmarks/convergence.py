@@ -23,7 +23,7 @@ The table gives each mode's mean loss over the last ``--tail`` steps and its
 gap to its reference's (the exact run's, or ``onebit-warm``'s), in percent;
 ``--plot`` draws the curves (a moving mean over 10 steps) into a PNG file.
 
-Usage: python benchmarks/compression.py [--steps 300] [--ranks 4] [--plot curves.png]
+Usage: python benchmarks/convergence.py [--steps 300] [--ranks 4] [--plot curves.png]
 """
 
 from __future__ import annotations
