@@ -21,16 +21,17 @@ averages the W sections it received, in rank order in float32, adds its
 server error, and the ranks all-gather the compressed sections. Every rank
 decompresses the same bits, so all hold the same momentum. DeepSpeed scales
 by one root mean square per tensor and section; a scale per 256 elements
-loses less for 1/64 bit an element more. A rank sends ``2 (W - 1) (k / 8 +
+loses less for 1/8 bit an element more. A rank sends ``2 (W - 1) (k / 8 +
 4 k / 256)`` bytes for sections of ``k`` elements, 1/28 of float32's
 all-reduce.
 
 The worker error is as large as the momentum it corrects and differs on every
-rank; the server error is one section. Like DeepSpeed, which does not
-checkpoint them ("resetting the compression errors when loading checkpoints
-does not affect the convergence"), the ZeRO step keeps them outside the train
-state and starts them from zero after a resume; the agreed momentum is the
-optimizer's ``exp_avg``, sharded like the other moments.
+rank; the server error is one section. Like DeepSpeed, which resets them
+when it loads a checkpoint (having found on BERT pre-training that an
+occasional reset does not change the convergence), the ZeRO step keeps them
+outside the train state and starts them from zero after a resume or a
+skipped update; the agreed momentum is the optimizer's ``exp_avg``, sharded
+like the other moments.
 """
 
 from __future__ import annotations
