@@ -297,7 +297,6 @@ def model_state(c: Any, tree: Any) -> Any:
     return tree
 
 
-
 def check_onebit(name: str, stage: int, options: Any, topology: Any, optimizer: Any,
                  tensor_parallel: Any) -> None:
     """Refuse, by name, what 1-bit Adam (``ops.onebit_adam``; see [Note: 1-bit

@@ -131,10 +131,9 @@ class ZeroOptions:
         reduction] in ``ops/_quant.py``): about a quarter of float32's bytes,
         each other rank's section within half its block's scale. ``4``: as
         int4 (two values a byte, a scale of ``amax / 7``), about an eighth;
-        ``True`` is ``8``. With
-        ``reshard_after_forward=L`` the sum is exact inside each node and
-        quantized across the nodes, ``1 / L`` of the flat form's bytes there
-        (ZeRO++'s hierarchical qgZ).
+        ``True`` is ``8``. With ``reshard_after_forward=L`` the sum is exact
+        inside each node and quantized across the nodes, ``1 / L`` of the
+        flat form's bytes there (ZeRO++'s hierarchical qgZ).
 
     Examples:
       >>> import shard
