@@ -36,7 +36,6 @@ like the other moments.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
@@ -47,9 +46,9 @@ from ops._optim import (
     FusedOptimizer,
     OneBit,
     Schedule,
+    _adam_hyper,
     _adam_init,
     _flat_update,
-    _number,
     _rate,
 )
 from ops._tree import tree_util
@@ -181,10 +180,7 @@ def onebit_adam(learning_rate: float | Schedule, freeze_step: int = 100000, b1: 
     """
     fn = "onebit_adam"
     lr_at = _rate(fn, learning_rate)
-    b1 = _number(fn, "b1", b1, 0.0, 1.0, hi_open=True)
-    b2 = _number(fn, "b2", b2, 0.0, 1.0, hi_open=True)
-    eps = _number(fn, "eps", eps, 0.0, math.inf, hi_open=True)
-    weight_decay = _number(fn, "weight_decay", weight_decay, 0.0, math.inf, hi_open=True)
+    b1, b2, eps, weight_decay = _adam_hyper(fn, b1, b2, eps, weight_decay)
     if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
         raise ValueError(f"{fn}: freeze_step must be an int >= 1; got {freeze_step!r}")
 

@@ -96,6 +96,16 @@ def _number(fn: str, name: str, value: Any, lo: float, hi: float, *, lo_open: bo
     return x
 
 
+def _adam_hyper(fn: str, b1: Any, b2: Any, eps: Any,
+                weight_decay: Any) -> tuple[float, float, float, float]:
+    """An Adam-shaped optimizer's ``b1`` and ``b2`` in [0, 1), ``eps`` and
+    ``weight_decay`` >= 0, as floats (a TypeError or ValueError naming one)."""
+    return (_number(fn, "b1", b1, 0.0, 1.0, hi_open=True),
+            _number(fn, "b2", b2, 0.0, 1.0, hi_open=True),
+            _number(fn, "eps", eps, 0.0, math.inf, hi_open=True),
+            _number(fn, "weight_decay", weight_decay, 0.0, math.inf, hi_open=True))
+
+
 def _rate(fn: str, learning_rate: float | Schedule) -> Callable[[int], float]:
     """``count -> lr`` for a float or a schedule, the float checked here."""
     if not callable(learning_rate):
@@ -139,10 +149,7 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
           weight_decay: float, decoupled: bool) -> FusedOptimizer:
     fn = "adamw" if decoupled else "adam"
     lr_at = _rate(fn, learning_rate)
-    b1 = _number(fn, "b1", b1, 0.0, 1.0, hi_open=True)
-    b2 = _number(fn, "b2", b2, 0.0, 1.0, hi_open=True)
-    eps = _number(fn, "eps", eps, 0.0, math.inf, hi_open=True)
-    weight_decay = _number(fn, "weight_decay", weight_decay, 0.0, math.inf, hi_open=True)
+    b1, b2, eps, weight_decay = _adam_hyper(fn, b1, b2, eps, weight_decay)
 
     def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
             grad_sumsq: Any, max_norm: Any, copies: Any,
@@ -332,11 +339,8 @@ def lamb(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, ep
     """
     fn = "lamb"
     lr_at = _rate(fn, learning_rate)
-    b1 = _number(fn, "b1", b1, 0.0, 1.0, hi_open=True)
-    b2 = _number(fn, "b2", b2, 0.0, 1.0, hi_open=True)
-    eps = _number(fn, "eps", eps, 0.0, math.inf, hi_open=True)
+    b1, b2, eps, weight_decay = _adam_hyper(fn, b1, b2, eps, weight_decay)
     eps_root = _number(fn, "eps_root", eps_root, 0.0, math.inf, hi_open=True)
-    weight_decay = _number(fn, "weight_decay", weight_decay, 0.0, math.inf, hi_open=True)
     if trust_clip is not None:
         lo = _number(fn, "trust_clip's min", trust_clip[0], 0.0, math.inf, hi_open=True)
         trust_clip = (lo, _number(fn, "trust_clip's max", trust_clip[1], lo, math.inf,

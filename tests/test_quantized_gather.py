@@ -74,10 +74,9 @@ def test_a_gathered_unit_is_within_half_a_block_scale_and_moves_a_quarter_of_the
         assert values + 4 * scales == sum(b for _, _, b in moved) < floats / 3, (moved, floats)
 
 
-def _train(comm, quantized, reshard=True, steps=6):
-    step = shard.zero3(_loss, optimizer=ops.adamw(1e-2), comm=comm,
-                       options=shard.ZeroOptions(quantized_weights=quantized,
-                                                 reshard_after_forward=reshard))
+def _train(comm, zero, steps=6, **options):
+    step = zero(_loss, optimizer=ops.adamw(1e-2), comm=comm,
+                options=shard.ZeroOptions(**options))
     state, losses = step.init(_params()), []
     for k in range(steps):
         state, metrics = step(state, shard.split_batch(_batch(k), rank=comm.rank,
@@ -90,8 +89,9 @@ def test_with_secondary_shards_the_quantized_hop_is_the_one_across_nodes():
     """hpZ (groups of 2 of 4 ranks) with qwZ: the gathers across groups move the
     int8 values and scales, the ones inside move the dequantized secondary
     shard, so the run is flat qwZ's bit for bit."""
-    flat = shard.spawn(lambda c: _train(c, True, steps=3), 4)
-    both = shard.spawn(lambda c: _train(c, True, reshard=2, steps=3), 4)
+    flat = shard.spawn(lambda c: _train(c, shard.zero3, steps=3, quantized_weights=True), 4)
+    both = shard.spawn(lambda c: _train(c, shard.zero3, steps=3, quantized_weights=True,
+                                        reshard_after_forward=2), 4)
     for (losses, params), (want_losses, want) in zip(both, flat, strict=True):
         assert losses == want_losses
         for a, b in zip(params, want, strict=True):

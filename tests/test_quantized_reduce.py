@@ -16,7 +16,7 @@ from tests import zero_models as M
 from tests.test_offload import assert_same, trajectory
 from tests.test_offload_overlap import OVERLAP
 from tests.test_offload_overlap import _run as _run_overlapped
-from tests.test_quantized_gather import _batch, _loss, _params
+from tests.test_quantized_gather import _loss, _train
 
 BLOCK = 256
 
@@ -170,17 +170,6 @@ def test_bad_arguments_are_refused_before_anything_moves():
 
 
 # -- in the ZeRO step: quantized_gradients= (DeepSpeed's zero_quantized_gradients) ----------
-
-def _train(comm, zero, steps=6, **options):
-    step = zero(_loss, optimizer=ops.adamw(1e-2), comm=comm,
-                options=shard.ZeroOptions(**options))
-    state, losses = step.init(_params()), []
-    for k in range(steps):
-        state, metrics = step(state, shard.split_batch(_batch(k), rank=comm.rank,
-                                                       world_size=comm.world_size))
-        losses.append(metrics["loss"])
-    return losses, shard.gather(state, comm)
-
 
 @pytest.mark.parametrize(("stage", "bits"), [(1, True), (2, True), (3, True), (3, 4)])
 def test_training_with_quantized_gradients_follows_the_exact_run(stage, bits):
