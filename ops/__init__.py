@@ -2,8 +2,8 @@
 
 Arrays and the metal: single-source CUDA/CPU kernels (fused Adam/AdamW, sums of
 squares, exact ones too, casts, block-quantised int8 and int4, 1-bit signs with
-error feedback, fused Lion and LAMB) and the optimizers built on them (1-bit Adam
-too); communicators (threads, gloo,
+error feedback, fused Lion and LAMB) and the optimizers built on them (1-bit and 0/1
+Adam too); communicators (threads, gloo,
 NCCL) and the functional collectives over them. numpy arrays run the CPU
 build of each kernel, device arrays (cupy, or the strict stand-in of
 :mod:`ops.testing`) its CUDA build: see [Note: devices] in ``ops/device/_device.py``.
@@ -26,6 +26,7 @@ from ops._optim import (
     lion,
 )
 from ops._quant import dequantize_blocks, quantize_blocks
+from ops._zeroone import zero_one_adam
 from ops.comm._base import (
     CollectiveError,
     CollectiveTimeout,
@@ -83,4 +84,5 @@ __all__ = [
     "reduce_scatter",
     "spawn",
     "sum_of_squares",
+    "zero_one_adam",
 ]

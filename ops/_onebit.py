@@ -48,10 +48,11 @@ from ops._optim import (
     Schedule,
     _adam_hyper,
     _adam_init,
+    _adam_out,
     _flat_update,
+    _optax_update,
     _rate,
 )
-from ops._tree import tree_util
 from ops.comm._base import Communicator
 from ops.device._arrays import array_kind, check_array, driver_for
 from ops.device._device import device_of
@@ -185,8 +186,8 @@ def onebit_adam(learning_rate: float | Schedule, freeze_step: int = 100000, b1: 
         raise ValueError(f"{fn}: freeze_step must be an int >= 1; got {freeze_step!r}")
 
     def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
-            grad_sumsq: Any, max_norm: Any, copies: Any, finite: bool | None,
-            momentum: bool) -> tuple[Any, AdamState]:
+            grad_sumsq: Any, max_norm: Any, copies: Any, finite: bool | None = None,
+            momentum: bool = False) -> tuple[Any, AdamState]:
         count = int(state.count)
         frozen = count >= freeze_step
         if momentum and not frozen:
@@ -204,17 +205,9 @@ def onebit_adam(learning_rate: float | Schedule, freeze_step: int = 100000, b1: 
                                grad_scale=None if momentum else grad_scale,
                                grad_sumsq=grad_sumsq, max_norm=None if momentum else max_norm,
                                param_copies=c, donate=donate, bias_correction=False)
-        new_p, new_m, new_v = (treedef.unflatten(x) for x in out)
-        return new_p, AdamState(np.asarray(count + 1, np.int64), new_m, new_v)
+        return _adam_out(treedef, out, count)
 
-    def update(grads: Any, state: AdamState, params: Any = None) -> tuple[Any, AdamState]:
-        if params is None:
-            raise ValueError(f"{fn}.update needs params (for weight decay and the fused update): "
-                             "update(grads, state, params)")
-        new_params, new_state = run(grads, state, params, False, None, None, None, None, None,
-                                    False)
-        updates = tree_util().tree_map(lambda new, old: new - old, new_params, params)
-        return updates, new_state
+    update = _optax_update(fn, "for weight decay", run)
 
     def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
               grad_sumsq: Any = None, max_norm: float | None = None,

@@ -50,6 +50,19 @@ class OneBit(NamedTuple):
     b1: float
 
 
+class ZeroOne(NamedTuple):
+    """What a ZeRO step needs of 0/1 Adam (``ops.zero_one_adam``): its schedule
+    (see [Note: 0/1 Adam] in ``ops/_zeroone.py``) and the update's constants."""
+
+    var_freeze_step: int
+    var_update_scaler: int
+    local_step_scaler: int
+    local_step_clipper: int
+    b1: float
+    eps: float
+    weight_decay: float
+
+
 class FusedOptimizer(NamedTuple):
     """An optax-shaped optimizer with a donating fused ``apply``.
 
@@ -62,7 +75,9 @@ class FusedOptimizer(NamedTuple):
     per-leaf sums of a leaf split over ranks. ``onebit``: 1-bit Adam's
     (``ops.onebit_adam``) :class:`OneBit`: after ``freeze_step`` updates the
     ZeRO step sends the momentum compressed instead of the gradients (see
-    [Note: 1-bit Adam] in ``ops/_onebit.py``); None for every other optimizer.
+    [Note: 1-bit Adam] in ``ops/_onebit.py``); or 0/1 Adam's
+    (``ops.zero_one_adam``) :class:`ZeroOne` (see [Note: 0/1 Adam] in
+    ``ops/_zeroone.py``); None for every other optimizer.
     """
 
     init: Callable[[Any], Any]
@@ -72,7 +87,7 @@ class FusedOptimizer(NamedTuple):
     moments: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
     state: Callable[..., Any] = AdamState
     per_tensor: bool = False
-    onebit: OneBit | None = None
+    onebit: OneBit | ZeroOne | None = None
 
 
 FusedAdam = FusedOptimizer  # what ops.adam and ops.adamw return, by its first name
@@ -145,6 +160,29 @@ def _flat_update(grads: Any, state: AdamState, params: Any, copies: Any, grad_su
     return leaves, treedef, g, m, v, c
 
 
+def _adam_out(treedef: Any, out: tuple[list, list, list], count: int) -> tuple[Any, AdamState]:
+    """An Adam-shaped update's new params and state from ``fused_adam_multi``'s
+    flat ``(params, exp_avgs, exp_avg_sqs)``."""
+    new_p, new_m, new_v = (treedef.unflatten(x) for x in out)
+    return new_p, AdamState(np.asarray(count + 1, np.int64), new_m, new_v)
+
+
+def _optax_update(name: str, needs: str,
+                  run: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
+    """optax's ``update(grads, state, params) -> (updates, state)``, out of place,
+    from a fused optimizer's ``run(grads, state, params, donate, grad_scale,
+    grad_sumsq, max_norm, copies)``; ``needs``: what it reads params for."""
+
+    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+        if params is None:
+            raise ValueError(f"{name}.update needs params ({needs} and the fused update): "
+                             "update(grads, state, params)")
+        new_params, new_state = run(grads, state, params, False, None, None, None, None)
+        return tree_util().tree_map(lambda new, old: new - old, new_params, params), new_state
+
+    return update
+
+
 def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
           weight_decay: float, decoupled: bool) -> FusedOptimizer:
     fn = "adamw" if decoupled else "adam"
@@ -169,20 +207,12 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
                                 param_copy=c[i] if c is not None else None,
                                 read_from=(old[0][i], old[1][i], old[2][i]))
             return params, AdamState(np.asarray(count + 1, np.int64), state.mu, state.nu)
-        out = fused_adam_multi(leaves, g, m, v, step=count + 1, lr=lr_at(count),
-                               betas=(b1, b2), eps=eps, weight_decay=weight_decay,
-                               decoupled=decoupled, grad_scale=grad_scale, grad_sumsq=grad_sumsq,
-                               max_norm=max_norm, param_copies=c, donate=donate)
-        new_p, new_m, new_v = (treedef.unflatten(x) for x in out)
-        return new_p, AdamState(np.asarray(count + 1, np.int64), new_m, new_v)
+        return _adam_out(treedef, fused_adam_multi(
+            leaves, g, m, v, step=count + 1, lr=lr_at(count), betas=(b1, b2), eps=eps,
+            weight_decay=weight_decay, decoupled=decoupled, grad_scale=grad_scale,
+            grad_sumsq=grad_sumsq, max_norm=max_norm, param_copies=c, donate=donate), count)
 
-    def update(grads: Any, state: AdamState, params: Any = None) -> tuple[Any, AdamState]:
-        if params is None:
-            raise ValueError("FusedAdam.update needs params (for weight decay and the fused "
-                             "update): update(grads, state, params)")
-        new_params, new_state = run(grads, state, params, False, None, None, None, None)
-        updates = tree_util().tree_map(lambda new, old: new - old, new_params, params)
-        return updates, new_state
+    update = _optax_update(fn, "for weight decay", run)
 
     def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
               grad_sumsq: Any = None, max_norm: float | None = None,
@@ -290,12 +320,7 @@ def lion(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.99,
         return treedef.unflatten(leaves), LionState(np.asarray(count + 1, np.int64),
                                                     treedef.unflatten(m))
 
-    def update(grads: Any, state: LionState, params: Any = None) -> tuple[Any, LionState]:
-        if params is None:
-            raise ValueError("lion's update needs params (for weight decay and the fused "
-                             "update): update(grads, state, params)")
-        new_params, new_state = run(grads, state, params, False, None, None, None, None)
-        return tree_util().tree_map(lambda new, old: new - old, new_params, params), new_state
+    update = _optax_update("lion", "for weight decay", run)
 
     def apply(grads: Any, state: LionState, params: Any, *, grad_scale: float | None = None,
               grad_sumsq: Any = None, max_norm: float | None = None,
@@ -369,12 +394,7 @@ def lamb(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, ep
         return treedef.unflatten(leaves), AdamState(np.asarray(count + 1, np.int64),
                                                     treedef.unflatten(m), treedef.unflatten(v))
 
-    def update(grads: Any, state: AdamState, params: Any = None) -> tuple[Any, AdamState]:
-        if params is None:
-            raise ValueError("lamb's update needs params (for the trust ratio and the fused "
-                             "update): update(grads, state, params)")
-        new_params, new_state = run(grads, state, params, False, None, None, None, None)
-        return tree_util().tree_map(lambda new, old: new - old, new_params, params), new_state
+    update = _optax_update("lamb", "for the trust ratio", run)
 
     def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
               grad_sumsq: Any = None, max_norm: float | None = None,

@@ -49,7 +49,10 @@ silently ignored.
   ``OneBitAdam`` (``lr``, ``betas``, ``eps``, ``weight_decay``,
   ``freeze_step``; ``cuda_aware`` and ``comm_backend_name`` pick DeepSpeed's
   transport, which here is the communicator's): ``ops.onebit_adam``, under
-  ``zero1``/``zero2`` (DeepSpeed runs it without ZeRO only);
+  ``zero1``/``zero2`` (DeepSpeed runs it without ZeRO only); ``ZeroOneAdam``
+  (those, ``var_freeze_step``, ``var_update_scaler``, ``local_step_scaler``,
+  ``local_step_clipper``; ``bias_correction`` and ``eps_inside_sqrt``, which
+  it does not read): ``ops.zero_one_adam``, likewise;
 - ``scheduler``: ``WarmupLR``, ``WarmupDecayLR``, ``WarmupCosineLR``,
   ``OneCycle`` (with ``cycle_momentum: false``: Adam's ``b1`` is fixed here)
   and ``LRRangeTest``: the same schedule, as the optimizer's ``count -> lr``
@@ -79,7 +82,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ops import FusedOptimizer, adam, adamw, lamb, lion, onebit_adam
+from ops import FusedOptimizer, adam, adamw, lamb, lion, onebit_adam, zero_one_adam
 from shard._deepspeed_lr import schedule
 from shard._deepspeed_precision import allreduce_op, precision_of
 from shard.core._policy import LossScale, Precision
@@ -354,6 +357,15 @@ def _optimizer(cfg: dict, bad: list[str]) -> FusedOptimizer | None:
         freeze = params.pop("freeze_step", 100000)
         for key in ("cuda_aware", "comm_backend_name", "bias_correction"):
             params.pop(key, None)  # (OnebitAdam reads no bias_correction either)
+    elif kind == "zerooneadam":  # DeepSpeed's ZeroOneAdam defaults
+        schedule01 = {key: params.pop(key, default) for key, default in (
+            ("var_freeze_step", 100000), ("var_update_scaler", 16),
+            ("local_step_scaler", 32678), ("local_step_clipper", 16))}
+        for key in ("cuda_aware", "comm_backend_name", "bias_correction", "eps_inside_sqrt"):
+            params.pop(key, None)  # (ZeroOneAdam reads neither of the last two)
+        for key in ("amsgrad", "max_grad_norm"):  # refused or unread by ZeroOneAdam
+            if not params.get(key):
+                params.pop(key, None)
     elif kind == "lamb":  # DeepSpeed's FusedLamb defaults
         trust = (params.pop("min_coeff", 0.01), params.pop("max_coeff", 10.0))
         bias_correction = params.pop("bias_correction", True)
@@ -364,15 +376,17 @@ def _optimizer(cfg: dict, bad: list[str]) -> FusedOptimizer | None:
         params.pop("torch_adam", None)  # which implementation: the fused kernel either way
     bad += [f"optimizer.params.{k}" + (" (use gradient_clipping)" if k == "max_grad_norm" else "")
             for k in params]
-    if kind not in ("adam", "adamw", "lion", "lamb", "onebitadam"):
-        bad.append(f"optimizer.type={raw!r} (Adam, AdamW, Lion, Lamb and OneBitAdam are "
-                   "supported)")
+    if kind not in ("adam", "adamw", "lion", "lamb", "onebitadam", "zerooneadam"):
+        bad.append(f"optimizer.type={raw!r} (Adam, AdamW, Lion, Lamb, OneBitAdam and "
+                   "ZeroOneAdam are supported)")
     sched = dict(cfg.pop("scheduler", {}) or {})
     rate = schedule(sched, lr, bad) if sched else lr
     if kind == "lion":
         return lion(rate, b1, b2, wd)
     if kind == "onebitadam":
         return onebit_adam(rate, freeze, b1, b2, eps, wd)
+    if kind == "zerooneadam":
+        return zero_one_adam(rate, b1=b1, b2=b2, eps=eps, weight_decay=wd, **schedule01)
     if kind == "lamb":
         return lamb(rate, b1, b2, eps, weight_decay=wd, trust_clip=trust,
                     bias_correction=bool(bias_correction))

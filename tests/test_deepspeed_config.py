@@ -209,13 +209,13 @@ def test_unsupported_keys_are_named_or_warned(tmp_path, caplog):
     bad = {"zero_optimization": {"stage": 2, "offload_param": {"device": "cpu"}},
            "fp16": {"enabled": True, "fp16_master_weights_and_grads": True},
            "amp": {"enabled": True},
-           "optimizer": {"type": "ZeroOneAdam", "params": {"lr": 1e-3}},
+           "optimizer": {"type": "OneBitLamb", "params": {"lr": 1e-3}},
            "scheduler": {"type": "CyclicLR", "params": {}}}
     with pytest.raises(ValueError) as e:
         shard.from_deepspeed_config(bad)
     for name in ("zero_optimization.offload_param below stage 3",
                  "fp16.fp16_master_weights_and_grads", "amp",
-                 "optimizer.type='ZeroOneAdam'", "scheduler.type='CyclicLR'"):
+                 "optimizer.type='OneBitLamb'", "scheduler.type='CyclicLR'"):
         assert name in str(e.value), name
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(bad))

@@ -376,8 +376,8 @@ def test_deepspeeds_onebitadam_config_maps_onto_onebit_adam():
         "zero_optimization": {"stage": 2}})
     assert cfg.optimizer.onebit == (23000, 0.9)
     assert cfg.optimizer.learning_rate(0) == 4e-4
-    with pytest.raises(ValueError, match=r"ZeroOneAdam.*OneBitAdam are supported"):
-        shard.from_deepspeed_config({"optimizer": {"type": "ZeroOneAdam", "params": {}}})
+    with pytest.raises(ValueError, match=r"OneBitLamb.*OneBitAdam and ZeroOneAdam are"):
+        shard.from_deepspeed_config({"optimizer": {"type": "OneBitLamb", "params": {}}})
 
 
 def test_a_skipped_update_remakes_the_momentum_from_the_state():

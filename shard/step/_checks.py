@@ -12,6 +12,7 @@ import numpy as np
 
 import ops._tree
 from ops import Communicator, Device, FusedOptimizer
+from ops._optim import ZeroOne
 from ops.comm._collectives import all_gather_host
 from ops.device._dlpack import host_copy
 from shard.core._layout import Layout
@@ -299,24 +300,25 @@ def model_state(c: Any, tree: Any) -> Any:
 
 def check_onebit(name: str, stage: int, options: Any, topology: Any, optimizer: Any,
                  tensor_parallel: Any) -> None:
-    """Refuse, by name, what 1-bit Adam (``ops.onebit_adam``; see [Note: 1-bit
-    Adam] in ``ops/_onebit.py``) does not run with: its compressed phase sums
-    no gradients over the ranks, so nothing that needs the reduced gradient
-    (a clip, a loss scale's overflow check, rows' weights) has one; its
-    momentum is float32, and so must the gradients be."""
+    """Refuse, by name, what 1-bit Adam and 0/1 Adam (``ops.onebit_adam``,
+    ``ops.zero_one_adam``; see [Note: 1-bit Adam] in ``ops/_onebit.py``) do
+    not run with: their compressed phases sum no gradients over the ranks, so
+    nothing that needs the reduced gradient (a clip, a loss scale's overflow
+    check, rows' weights) has one; they compress float32, and so must the
+    gradients be."""
     if not isinstance(optimizer, FusedOptimizer) or optimizer.onebit is None:
         return
+    opt = "ops.zero_one_adam" if isinstance(optimizer.onebit, ZeroOne) else "ops.onebit_adam"
     o = options
     p = o.precision
     reduce = p.reduce_dtype or p.param_dtype if p is not None else None
     if reduce is not None and np.dtype(reduce) != np.float32:
-        raise TypeError(f"{name}: ops.onebit_adam folds the gradients into a float32 momentum; "
-                        f"they are reduced in {np.dtype(reduce)} here: pass "
-                        "Precision(..., reduce_dtype='float32')")
+        raise TypeError(f"{name}: {opt} compresses float32 gradients; they are reduced in "
+                        f"{np.dtype(reduce)} here: pass Precision(..., reduce_dtype='float32')")
     if stage not in (1, 2):
-        raise NotImplementedError(f"{name}: ops.onebit_adam runs under zero1 and zero2, whose "
-                                  "ranks hold the whole params to fold each rank's gradient "
-                                  "into; use shard.zero1 or shard.zero2")
+        raise NotImplementedError(f"{name}: {opt} runs under zero1 and zero2, whose ranks hold "
+                                  "the whole params to fold each rank's gradient into; use "
+                                  "shard.zero1 or shard.zero2")
     for what, bad in (("clip_norm= (no rank holds the reduced gradient to clip)",
                        o.clip_norm is not None),
                       ("a loss scale (its overflow check needs the reduced gradient)",
@@ -330,5 +332,5 @@ def check_onebit(name: str, stage: int, options: Any, topology: Any, optimizer: 
                       ("a 'model' axis (tensor parallelism)", tensor_parallel is not None),
                       ("a pipeline", topology.whole is not None)):
         if bad:
-            raise NotImplementedError(f"{name}: ops.onebit_adam does not compose with {what}; "
+            raise NotImplementedError(f"{name}: {opt} does not compose with {what}; "
                                       "drop one of them")

@@ -22,7 +22,14 @@ from shard.core._state import TrainState
 from shard.monitor._profile import timed
 from shard.step import _checks
 from shard.step._grads import reduce_dtype
-from shard.step._reduce import CopyPlans, GradBuffers, GradReducer, OneBitReducer
+from shard.step._reduce import (
+    Compressed,
+    CopyPlans,
+    GradBuffers,
+    GradReducer,
+    LocalReducer,
+    OneBitReducer,
+)
 
 if TYPE_CHECKING:
     from shard.step._plan import Plan
@@ -74,18 +81,23 @@ __all__ = ["OrderedReducer", "exact_norm_and_loss", "reducer", "virtual_shards"]
 # a step (the norm's parts and the losses).
 
 
-def reducer(plan: Plan, buffers: GradBuffers, onebit: tuple | None = None) -> GradReducer:
+def reducer(plan: Plan, buffers: GradBuffers,
+            compressed: Compressed | None = None) -> GradReducer:
     """The step's gradient reduction: ordered where ``invariant_shards=`` asks
-    (see [Note: the same bits at any world size]); 1-bit Adam's after its
-    ``freeze_step`` where ``onebit`` is ``(momentum, scale)`` (see
-    :class:`~shard.step._reduce.OneBitReducer`)."""
+    (see [Note: the same bits at any world size]); the 1-bit family's in its
+    compressed phases (see :class:`~shard.step._reduce.Compressed`)."""
     c = plan.config
-    if onebit is not None:
-        spec = cast(ops.FusedOptimizer, plan.optimizer.fused).onebit  # onebit_adam's
+    if compressed is not None:
+        if compressed.kind == "local":
+            return LocalReducer(plan.grad_layout, plan.fast, dtype=reduce_dtype(plan),
+                                device=plan.device, buffers=buffers, plans=plan.grad_plans,
+                                scale=compressed.scale)
+        spec = cast(ops.FusedOptimizer, plan.optimizer.fused).onebit
         return OneBitReducer(plan.grad_layout, plan.fast, dtype=reduce_dtype(plan),
                              device=plan.device, buffers=buffers, plans=plan.grad_plans,
-                             momentum=onebit[0], beta1=cast(OneBit, spec).b1,
-                             scale=onebit[1])
+                             momentum=compressed.held, scale=compressed.scale,
+                             beta1=cast(OneBit, spec).b1 if compressed.kind == "momentum"
+                             else None)
     if c.invariant_shards:
         return OrderedReducer(plan.grad_layout, plan.fast, stage=c.stage,
                               dtype=reduce_dtype(plan), device=plan.device, buffers=buffers,

@@ -10,20 +10,22 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import numpy as np
 
 from ops import Communicator, Device
 from ops._onebit import compressed_all_reduce
+from ops._optim import ZeroOne
 from ops._quant import reduce_scatter_quantized
+from ops._zeroone import LocalSteps
 from ops.device._runs import Runs, contiguous_on, copy_runs
 from ops.kernels._table import runs_kernel
 from shard.core._layout import Layout
 from shard.monitor._profile import timed
 
-__all__ = ["CopyPlans", "GradBuffers", "GradReducer", "OneBitMomentum", "OneBitReducer",
-           "wait_quietly"]
+__all__ = ["Compressed", "CopyPlans", "GradBuffers", "GradReducer", "LocalReducer",
+           "OneBitMomentum", "OneBitReducer", "ZeroOneLocal", "check_float32", "wait_quietly"]
 
 
 class GradReducer:
@@ -252,6 +254,19 @@ class GradReducer:
         return self.shards
 
 
+class Compressed(NamedTuple):
+    """A step of the 1-bit family's compressed phases: ``kind`` is "momentum"
+    (1-bit Adam after ``freeze_step``: ``held`` a :class:`OneBitMomentum`),
+    "gradients" (0/1 Adam's updates that hold the variance: a
+    :class:`OneBitMomentum` of errors alone) or "local" (0/1 Adam after
+    ``var_freeze_step``: a :class:`ZeroOneLocal`); ``scale`` turns a rank's
+    gradient sum into its own mean."""
+
+    kind: str
+    held: Any
+    scale: float
+
+
 class OneBitMomentum:
     """1-bit Adam's buffers, kept by the step across steps (see [Note: 1-bit
     Adam] in ``ops/_onebit.py``): per unit the momentum the ranks agreed on
@@ -270,9 +285,10 @@ class OneBitMomentum:
         self.server: list[Any] = []
 
     def ready(self, layout: Layout, comm: Communicator, device: Device, exp_avg: Any,
-              step: int) -> None:
+              step: int, momentum: bool = True) -> None:
         """Make the buffers hold for ``exp_avg`` at ``step`` (a collective when
-        they are made: the agreed momentum is gathered from the shards)."""
+        they are made: the agreed momentum is gathered from the shards).
+        ``momentum=False``: the errors alone (0/1 Adam's compressed gradients)."""
         key = (step, tuple(id(b) for b in exp_avg))
         if key == self.key:
             return
@@ -280,11 +296,12 @@ class OneBitMomentum:
         self.sharded, self.replicated, self.worker, self.server = [], [], [], []
         for unit, m in zip(layout.units, exp_avg, strict=True):
             s = unit.sharded_size
-            whole = device.empty(s * w, np.float32)
-            if s:
-                comm.all_gather_into(whole, m[:s])
-            self.sharded.append(whole)
-            self.replicated.append(m[s:].copy())
+            if momentum:
+                whole = device.empty(s * w, np.float32)
+                if s:
+                    comm.all_gather_into(whole, m[:s])
+                self.sharded.append(whole)
+                self.replicated.append(m[s:].copy())
             self.worker.append(device.zeros(s * w, np.float32))
             self.server.append(device.zeros(s, np.float32))
         self.key = key
@@ -301,18 +318,20 @@ class OneBitReducer(GradReducer):
     folds them into the momentum, ``m = b1 m + (1 - b1) scale g``, which the
     ranks agree on through the compressed all-reduce (the replicated leaves'
     through an exact one). The shards it returns are this rank's sections of
-    that momentum, for the optimizer's ``momentum=True`` update."""
+    that momentum, for the optimizer's ``momentum=True`` update. With
+    ``beta1=None`` (0/1 Adam's compressed gradients, see [Note: 0/1 Adam] in
+    ``ops/_zeroone.py``) the ranks agree on ``scale g`` itself, and the shards
+    are this rank's sections of that mean gradient."""
 
     def __init__(self, layout: Layout, comm: Communicator, *, dtype: Any, device: Device,
                  buffers: GradBuffers, plans: CopyPlans, momentum: OneBitMomentum,
-                 beta1: float, scale: float) -> None:
-        if np.dtype(dtype) != np.float32:
-            raise TypeError(f"onebit_adam: the gradients are reduced in {np.dtype(dtype)}; its "
-                            "compressed momentum is float32 (Precision(reduce_dtype='float32'))")
+                 beta1: float | None, scale: float) -> None:
+        check_float32(dtype)
         super().__init__(layout, comm, stage=1, dtype=dtype, device=device, buffers=buffers,
                          plans=plans)
-        self.momentum, self.beta1 = momentum, np.float32(beta1)
-        self.weight = np.float32((1.0 - beta1) * scale)  # (1 - b1) x the mean's scale
+        self.momentum, self.beta1 = momentum, None if beta1 is None else np.float32(beta1)
+        # (1 - b1) x the mean's scale
+        self.weight = np.float32((1.0 - (beta1 or 0.0)) * scale)
 
     def _add(self, u: int, grads: list[Any]) -> None:
         self._accumulate(u, grads)
@@ -323,18 +342,22 @@ class OneBitReducer(GradReducer):
         for u, unit in enumerate(self.layout.units):
             s, shard = unit.sharded_size, self.shards[u]
             if s:
-                g, m = cast(list, self._full)[u], mo.sharded[u]
+                g = cast(list, self._full)[u]
                 g *= self.weight
-                m *= self.beta1
-                m += g
+                m = g if self.beta1 is None else mo.sharded[u]
+                if self.beta1 is not None:
+                    m *= self.beta1
+                    m += g
                 with timed("reduce_wait"):
                     compressed_all_reduce(self.comm, m, mo.worker[u], mo.server[u])
                 shard[:s] = m[rank * s:(rank + 1) * s]
             if unit.replicated_size:
-                g, m = shard[s:], mo.replicated[u]
+                g = shard[s:]
                 g *= self.weight
-                m *= self.beta1
-                m += g
+                m = g if self.beta1 is None else mo.replicated[u]
+                if self.beta1 is not None:
+                    m *= self.beta1
+                    m += g
                 with timed("reduce_wait"):
                     self.comm.all_reduce_(m, "mean")
                 shard[s:] = m
@@ -342,6 +365,98 @@ class OneBitReducer(GradReducer):
 
     def drain(self) -> None:
         self.momentum.key = None  # a failed step: start again from the state's exp_avg
+
+
+class LocalReducer(GradReducer):
+    """0/1 Adam's local steps (see [Note: 0/1 Adam] in ``ops/_zeroone.py``):
+    each rank sums its own gradients over the micro-batches and nothing is
+    reduced. :meth:`finish` returns per unit this rank's mean gradient, whole:
+    the sharded leaves' in the (W, S) reduce layout, then the replicated
+    ones', float32."""
+
+    def __init__(self, layout: Layout, comm: Communicator, *, dtype: Any, device: Device,
+                 buffers: GradBuffers, plans: CopyPlans, scale: float) -> None:
+        check_float32(dtype)
+        super().__init__(layout, comm, stage=1, dtype=dtype, device=device, buffers=buffers,
+                         plans=plans)
+        self.scale = np.float32(scale)
+
+    def _add(self, u: int, grads: list[Any]) -> None:
+        self._accumulate(u, grads)
+
+    def finish(self) -> list[Any]:
+        out = []
+        for u, unit in enumerate(self.layout.units):
+            k = unit.sharded_size * self.comm.world_size
+            whole = self.device.empty(k + unit.replicated_size, np.float32)
+            whole[:k] = cast(list, self._full)[u]
+            whole[k:] = self.shards[u][unit.sharded_size:]
+            whole *= self.scale
+            out.append(whole)
+        return out
+
+
+class ZeroOneLocal:
+    """0/1 Adam's local steps (:class:`ops._zeroone.LocalSteps`), kept by the
+    step across steps. They hold for the state whose masters and step they
+    were made or last updated with; any other state (a resumed one, one whose
+    update failed) starts them again from its masters and moments, at its
+    last synchronisation (see [Note: 0/1 Adam] in ``ops/_zeroone.py``)."""
+
+    def __init__(self) -> None:
+        self.key: tuple | None = None
+        self.steps: LocalSteps | None = None
+
+    def ready(self, layout: Layout, comm: Communicator, device: Device, spec: ZeroOne,
+              masters: Any, moments: Any, step: int) -> bool:
+        """Make the local steps hold for ``masters`` at ``step`` (a collective
+        when they are made: the whole vectors are gathered from the shards);
+        whether they were made (the compute params are then to be copied out
+        of them)."""
+        key = (step, tuple(id(b) for b in masters))
+        if key == self.key and self.steps is not None:
+            return False
+        w = comm.world_size
+
+        def whole(bufs: Any) -> list[Any]:
+            out = []
+            for unit, b in zip(layout.units, bufs, strict=True):
+                s = unit.sharded_size
+                x = device.empty(s * w + unit.replicated_size, np.float32)
+                if s:
+                    comm.all_gather_into(x[:s * w], b[:s])
+                x[s * w:] = b[s:]
+                out.append(x)
+            return out
+
+        self.steps = LocalSteps(spec, comm, whole(masters), whole(moments[0]),
+                                whole(moments[1]), [u.sharded_size * w for u in layout.units])
+        self.key = key
+        return True
+
+    def write(self, layout: Layout, rank: int, masters: Any, exp_avg: Any) -> None:
+        """This rank's sections of the synchronised params and momentum into the
+        state's masters and ``exp_avg``."""
+        steps = cast(LocalSteps, self.steps)
+        w = steps.comm.world_size
+        for unit, p, m, dst_p, dst_m in zip(layout.units, steps.params, steps.exp_avg, masters,
+                                            exp_avg, strict=True):
+            s = unit.sharded_size
+            for src, dst in ((p, dst_p), (m, dst_m)):
+                dst[:s] = src[rank * s:(rank + 1) * s]
+                dst[s:] = src[s * w:]
+
+    def advanced(self, step: int, masters: Any) -> None:
+        """The update of ``step`` ran: the local steps hold for the next one."""
+        self.key = (step + 1, tuple(id(b) for b in masters))
+
+
+def check_float32(dtype: Any) -> None:
+    """1-bit and 0/1 Adam compress float32 gradients."""
+    if np.dtype(dtype) != np.float32:
+        raise TypeError(f"onebit_adam and zero_one_adam: the gradients are reduced in "
+                        f"{np.dtype(dtype)}; their compression takes float32 "
+                        "(Precision(reduce_dtype='float32'))")
 
 
 class CopyPlans:

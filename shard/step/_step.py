@@ -75,7 +75,9 @@ from typing import Any, cast
 
 import numpy as np
 
-from ops import HOST, Device
+from ops import HOST, Device, FusedOptimizer
+from ops._optim import OneBit, ZeroOne
+from ops._zeroone import LocalSteps, synchronises, updates_variance
 from shard.core._gather import MicroBatches
 from shard.core._layout import Layout
 from shard.core._mesh import Topology
@@ -89,7 +91,7 @@ from shard.step import _checks, _grads, _init, _ordered, _update
 from shard.step._config import StepConfig, ZeroOptions
 from shard.step._ordered import OrderedReducer
 from shard.step._plan import Plan
-from shard.step._reduce import GradBuffers, OneBitMomentum
+from shard.step._reduce import Compressed, GradBuffers, OneBitMomentum, ZeroOneLocal
 from shard.step._runtime import LiveBytes
 
 __all__ = ["ZeroStep"]
@@ -296,7 +298,7 @@ class ZeroStep:
         w, k = c.ranks, len(micro)
         grad_scale = 1.0 / ((c.gradient_divide_factor or w) * k * scale)
         self._grad_buffers = _grads.grad_buffers(plan, self._grad_buffers)
-        onebit = self._onebit(plan, state, grad_scale)  # see [Note: 1-bit Adam]
+        onebit = self._compressed(plan, state, grad_scale)  # see [Note: 1-bit Adam]
         reducer = _ordered.reducer(plan, self._grad_buffers, onebit)
         units = _grads.unit_params(plan, state, self.tracker)
         leaves = len(plan.layout.leaves) if _update.tracks_missing(c) else 0
@@ -345,7 +347,10 @@ class ZeroStep:
                 with timed("reduce_wait"):
                     overlap.wait_copied()
             with timed("optimizer"):
-                _update.norm_and_loss(plan, shards, totals, losses)
+                if onebit is not None and onebit.kind == "local":  # see [Note: 0/1 Adam]
+                    _update.local_norm_and_loss(plan, shards, totals)
+                else:
+                    _update.norm_and_loss(plan, shards, totals, losses)
                 if c.weight_by_rows:
                     _update.weigh_by_rows(shards, totals, w * k)
             aux = _grads.mean_aux(plan, auxes) if c.has_aux else None
@@ -378,7 +383,8 @@ class ZeroStep:
 
         fresh_copies = c.stage in (1, 2) and bool(state.compute) and (
             state.meta.compute_dtype != state.meta.master_dtype)
-        if c.clip_norm is None and c.loss_scale is None and not fresh_copies and onebit is None:
+        family = plan.optimizer.fused is not None and plan.optimizer.fused.onebit is not None
+        if c.clip_norm is None and c.loss_scale is None and not fresh_copies and not family:
             # Nothing to decide on the host: no read back until metrics are looked
             # at. The kernel reads the sum of squares on the device and skips the
             # update when it is not finite (see [Note: non-finite gradients]).
@@ -405,11 +411,17 @@ class ZeroStep:
             new_scale, good, left = c.loss_scale.update(scale, good, finite, left)
         if finite:
             needs_norm = c.clip_norm is not None or plan.optimizer.fused is None
-            state = self._apply(plan, state, shards, grad_scale,
-                                totals[_update.SUMSQ] if needs_norm else None, skip,
-                                onebit is not None)
-            if onebit is not None:  # (a skipped update leaves them for exp_avg to remake)
-                onebit[0].advanced(int(state.step), state.moments[0])
+            if onebit is not None and onebit.kind == "local":  # see [Note: 0/1 Adam]
+                self._local_step(plan, state, onebit.held, shards)
+            else:
+                state = self._apply(plan, state, shards, 1.0 if onebit else grad_scale,
+                                    totals[_update.SUMSQ] if needs_norm else None, skip,
+                                    onebit is not None and onebit.kind == "momentum")
+            for held in (self.__dict__.get("_onebit_momentum"),  # (a skipped update leaves
+                         self.__dict__.get("_zero_one_local")):  # them for the state to remake)
+                if held is not None:
+                    held.advanced(int(state.step), state.moments[0] if isinstance(
+                        held, OneBitMomentum) else state.master)
             state = state.replace(skips=_update.add_skips(state.skips, skip))
         elif c.loss_scale is None:
             log.warning("%s: non-finite gradients (inf or nan) at step %d: the update was "
@@ -436,20 +448,48 @@ class ZeroStep:
             _update.refresh(plan, state, new_compute)
         return state
 
-    def _onebit(self, plan: Plan, state: TrainState, grad_scale: float) -> tuple | None:
-        """``(momentum, scale)`` for a step in 1-bit Adam's compressed phase (its
-        update count at ``freeze_step`` or past it, on more than one rank; see
-        [Note: 1-bit Adam] in ``ops/_onebit.py``), else None. ``scale`` turns a
-        rank's gradient sum into its part of the mean."""
+    def _compressed(self, plan: Plan, state: TrainState, grad_scale: float) -> Compressed | None:
+        """What a step of the 1-bit family's compressed phases sends, on more
+        than one rank (see [Note: 1-bit Adam] in ``ops/_onebit.py`` and [Note:
+        0/1 Adam] in ``ops/_zeroone.py``); None for an exact reduction."""
         fused = plan.optimizer.fused
         spec = fused.onebit if fused is not None else None
-        if spec is None or int(state.step) < spec.freeze_step or plan.fast.world_size == 1:
+        n, w = int(state.step) + 1, plan.fast.world_size  # the update's number
+        if spec is None or w == 1:
             return None
-        momentum = self.__dict__.get("_onebit_momentum")
-        if momentum is None:
-            momentum = self.__dict__["_onebit_momentum"] = OneBitMomentum()
-        momentum.ready(plan.layout, plan.fast, plan.device, state.moments[0], int(state.step))
-        return momentum, grad_scale * plan.fast.world_size
+        scale = grad_scale * w
+        if isinstance(spec, ZeroOne) and n > spec.var_freeze_step:
+            local = self.__dict__.setdefault("_zero_one_local", ZeroOneLocal())
+            if local.ready(plan.layout, plan.fast, plan.device, spec, state.master,
+                           state.moments, int(state.step)):  # from the last synchronisation
+                _update.copy_out(plan, state, cast(LocalSteps, local.steps).params)
+            return Compressed("local", local, scale)
+        if (isinstance(spec, ZeroOne) and updates_variance(spec, n)) or (
+                isinstance(spec, OneBit) and n <= spec.freeze_step):
+            return None
+        held = self.__dict__.setdefault("_onebit_momentum", OneBitMomentum())
+        held.ready(plan.layout, plan.fast, plan.device, state.moments[0], int(state.step),
+                   momentum=isinstance(spec, OneBit))
+        return Compressed("momentum" if isinstance(spec, OneBit) else "gradients", held, scale)
+
+    def _local_step(self, plan: Plan, state: TrainState, local: ZeroOneLocal,
+                    grads: list[Any]) -> None:
+        """0/1 Adam's local step, and the ranks' synchronisation where it is due
+        (see [Note: 0/1 Adam] in ``ops/_zeroone.py``): the compute params
+        become this rank's own; the masters and moments change at a
+        synchronisation only."""
+        fused = cast(FusedOptimizer, plan.optimizer.fused)
+        spec, count = cast(ZeroOne, fused.onebit), int(state.step)
+        steps = cast(LocalSteps, local.steps)
+        local.key = None  # until the step ends (advanced): a failure starts them again
+        with timed("optimizer"):
+            steps.local(grads, fused.learning_rate(count))
+        if synchronises(spec, count + 1):
+            with timed("reduce_wait"):
+                steps.synchronise()
+            local.write(plan.layout, plan.fast.rank, state.master, state.moments[0])
+        with timed("library"):
+            _update.copy_out(plan, state, steps.params)
 
     # -- evaluation -------------------------------------------------------------
     def evaluate(self, state: Any, batch: Any, *, loss_fn: Any = None) -> Any:

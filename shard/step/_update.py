@@ -79,8 +79,9 @@ from shard.step._ordered import exact_norm_and_loss
 if TYPE_CHECKING:
     from shard.step._plan import Plan
 
-__all__ = ["add_skips", "apply", "count_missing", "fresh_totals", "norm_and_loss", "refresh",
-           "skipped_leaves", "tracks_missing", "warn_if_rows_differ", "weigh_by_rows"]
+__all__ = ["add_skips", "apply", "copy_out", "count_missing", "fresh_totals",
+           "local_norm_and_loss", "norm_and_loss", "refresh", "skipped_leaves", "tracks_missing",
+           "warn_if_rows_differ", "weigh_by_rows"]
 
 log = logging.getLogger("shard.step")
 
@@ -126,6 +127,29 @@ def norm_and_loss(plan: Plan, shards: list[Any], totals: Any, losses: list[Any])
         totals[SUMSQ] += ops.sum_of_squares(replicated)
     if tp is not None and tp.size > 1:  # the model ranks' slices; the loss is theirs already
         tp.comm.all_reduce_(totals[SUMSQ], "sum")
+
+
+def local_norm_and_loss(plan: Plan, grads: list[Any], totals: Any) -> None:
+    """0/1 Adam's local steps (see [Note: 0/1 Adam] in ``ops/_zeroone.py``):
+    ``totals`` becomes [the mean over the ranks of each one's squared gradient
+    norm (``grads``: its own, whole), the losses summed over the ranks]."""
+    ops.sum_of_squares(grads, out=totals[SUMSQ])
+    totals[SUMSQ] *= 1.0 / plan.fast.world_size
+    plan.fast.all_reduce_(totals, "sum")
+
+
+def copy_out(plan: Plan, state: TrainState, wholes: list[Any]) -> None:
+    """Stages 1-2: each unit's whole params on this rank (float32, the (W, S)
+    reduce layout, then the replicated leaves) into its compute params, with
+    no collective (0/1 Adam's local steps)."""
+    device, w = plan.device, plan.fast.world_size
+    for u, (unit, x) in enumerate(zip(plan.layout.units, wholes, strict=True)):
+        dst = state.compute[u]
+        x = x if x.dtype == dst.dtype else ops.cast(x, dst.dtype)
+        k = unit.sharded_size * w  # the replicated runs read a shard's layout: from k - S
+        for runs, source in zip(plan.refresh_plans.gather(u), (x[:k], x[k - unit.sharded_size:]),
+                                strict=True):
+            copy_runs(dst, runs, runs.table(device), device=device, src=source)
 
 
 # The slots of a step's one all-reduce (``fresh_totals``), as slices of it;
