@@ -17,7 +17,12 @@ the same weights on the same batches, once per mode:
 - ``onebit``: ZeRO-2 with 1-bit Adam (``ops.onebit_adam``, no clipping), its
   momentum compressed after ``--freeze-step`` updates, read against
   ``onebit-warm``: the same optimizer never leaving its warm-up (Adam
-  without bias correction, exact gradients).
+  without bias correction, exact gradients);
+- ``zeroone``: ZeRO-2 with 0/1 Adam (``ops.zero_one_adam``, no clipping), its
+  variance updated on DeepSpeed's schedule (``var_update_scaler=16``) until
+  ``--freeze-step``, the other updates' gradients compressed, then local
+  steps synchronised every 1, 2, then 4 updates (``local_step_scaler=25``,
+  ``local_step_clipper=4``), read against ``onebit-warm`` too.
 
 The table gives each mode's mean loss over the last ``--tail`` steps and its
 gap to its reference's (the exact run's, or ``onebit-warm``'s), in percent;
@@ -46,8 +51,9 @@ MODES = {"exact": {}, "qwz": {"quantized_weights": True},
          "hpz-qwz-qgz": {"quantized_weights": True, "quantized_gradients": True,
                          "reshard_after_forward": None},
          "exact-half": {}, "onebit-warm": {"stage": 2, "onebit_freeze_step": 10**9},
-         "onebit": {"stage": 2, "onebit_freeze_step": None}}
-REFERENCE = {"onebit": "onebit-warm"}  # the others': "exact"
+         "onebit": {"stage": 2, "onebit_freeze_step": None},
+         "zeroone": {"stage": 2, "zero_one": None}}
+REFERENCE = {"onebit": "onebit-warm", "zeroone": "onebit-warm"}  # the others': "exact"
 
 
 def run(mode: str, args: argparse.Namespace, model: gpt.GPT, cfg: gpt.GPTConfig) -> tuple:
@@ -56,6 +62,9 @@ def run(mode: str, args: argparse.Namespace, model: gpt.GPT, cfg: gpt.GPTConfig)
         options["reshard_after_forward"] = args.group
     if options.get("onebit_freeze_step", 0) is None:
         options["onebit_freeze_step"] = args.freeze_step
+    if "zero_one" in options:
+        options["zero_one"] = {"var_freeze_step": args.freeze_step, "local_step_scaler": 25,
+                               "local_step_clipper": 4}
     options.setdefault("stage", 3)
     ranks = args.ranks // 2 if mode == "exact-half" else args.ranks
     t0 = time.perf_counter()
@@ -77,13 +86,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--tail", type=int, default=50, help="steps the final loss averages")
     ap.add_argument("--freeze-step", type=int, default=200,
-                    help="1-bit Adam's warm-up updates in the onebit mode")
+                    help="1-bit Adam's warm-up updates in the onebit mode, 0/1 Adam's "
+                         "var_freeze_step in the zeroone mode")
     ap.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
     ap.add_argument("--plot", type=Path, help="write the curves to this PNG file")
     args = ap.parse_args()
     modes = ["exact", *[m for m in args.modes if m != "exact"]]
-    if "onebit" in modes and "onebit-warm" not in modes:
-        modes.insert(modes.index("onebit"), "onebit-warm")
+    for mode in ("onebit", "zeroone"):
+        if mode in modes and "onebit-warm" not in modes:
+            modes.insert(modes.index(mode), "onebit-warm")
     cfg = gpt.GPTConfig(d=args.d_model, layers=args.layers)
     import torch
 
@@ -119,14 +130,14 @@ def main() -> None:
                     lw=2 if mode == "exact" else 1.2,
                     ls="-" if mode.startswith("exact") else "--",
                     color="0.6" if mode == "exact-half" else None)
-        if "onebit" in modes:
+        if "onebit" in modes or "zeroone" in modes:
             ax.axvline(args.freeze_step, color="0.7", lw=0.8, ls=":")
-            ax.annotate("1-bit Adam's freeze_step", (args.freeze_step, ax.get_ylim()[1]),
+            ax.annotate("freeze_step", (args.freeze_step, ax.get_ylim()[1]),
                         fontsize=8, ha="right", va="top", rotation=90, color="0.4")
         ax.set_xlabel("step")
         ax.set_ylabel(f"loss (mean of {window} steps)")
         ax.set_title(f"demo GPT on {args.ranks} ranks, exact and compressed (ZeRO-3; "
-                     "1-bit Adam: ZeRO-2)", fontsize=10)
+                     "1-bit and 0/1 Adam: ZeRO-2)", fontsize=10)
         ax.legend()
         fig.tight_layout()
         fig.savefig(args.plot, dpi=110)

@@ -35,7 +35,13 @@ ZeRO-2 (``zero2``, AdamW) reduce-scatters the gradients (1x) and all-gathers
 the updated params (1x): about 2x. With 1-bit Adam (``zero2-onebit``,
 ``ops.onebit_adam``, compressing from its second step) the gradients' 1x
 becomes the compressed all-reduce of the momentum, 2 x 1/32 x (1 + 1/8) / 2 x
-2 = about 0.07x, and the params' all-gather stays: about 1.07x.
+2 = about 0.07x, and the params' all-gather stays: about 1.07x. With 0/1 Adam
+(``zero2-zeroone``, ``ops.zero_one_adam`` whose variance freezes after its
+first update, local steps from the second, synchronised at updates 2, 4, 8
+and 12) nothing is sent but each synchronisation's compressed all-reduce
+(0.07x), once the ranks have gathered the whole params and moments at the
+freeze (3x): 12 steps average (2 + 3 + 4 x 0.07) / 12 = about 0.44x, and
+0.02x a step after them.
 Needs root and network namespaces (``ip netns``), as the tests do.
 
 Usage: sudo python benchmarks/multinode.py [--rate 1gbit] [--steps 12] [--rounds 3]
@@ -60,7 +66,7 @@ from tests import netns  # noqa: E402
 from tests.multiproc import free_port  # noqa: E402
 
 MODES = ("flat", "hsdp", "hpz", "qwz", "hpz-qwz", "qgz", "hpz-qwz-qgz", "hpz-qwz-qgz4",
-         "zero2", "zero2-onebit")
+         "zero2", "zero2-onebit", "zero2-zeroone")
 
 
 def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]]:
@@ -72,7 +78,10 @@ def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]
                ZS_QGZ="4" if mode.endswith("qgz4") else "8" if "qgz" in mode else "0",
                ZS_STAGE="2" if mode.startswith("zero2") else "3",
                # 1-bit Adam compressing from its second update: the steps measure that phase
-               ZS_ONEBIT="1" if mode.endswith("onebit") else "0")
+               ZS_ONEBIT="1" if mode.endswith("onebit") else "0",
+               # 0/1 Adam's local steps from its second update, synchronised every 4 from
+               # its fourth
+               ZS_ZEROONE="1,1,4" if mode.endswith("zeroone") else "")
     with netns.two_hosts(rate=args.rate) as hosts:
         port, procs = free_port(), []
         for i, h in enumerate(hosts):

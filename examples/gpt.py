@@ -233,7 +233,7 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
           reshard_after_forward: bool | int = True,
           invariant_shards: int | None = None, quantized_weights: bool = False,
           quantized_gradients: bool | int = False,
-          onebit_freeze_step: int | None = None) -> dict:
+          onebit_freeze_step: int | None = None, zero_one: dict | None = None) -> dict:
     """Train a GPT with ZeRO ``stage`` up to step ``steps``; returns losses,
     timings and memory.
 
@@ -259,7 +259,9 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     ``4`` int4) with a scale per block (ZeRO++'s qgZ; with
     ``reshard_after_forward``, exact inside each group and quantized across).
     ``onebit_freeze_step``: 1-bit Adam (``ops.onebit_adam``, stages 1-2) with
-    that ``freeze_step`` instead of AdamW, without clipping.
+    that ``freeze_step`` instead of AdamW, without clipping. ``zero_one``: 0/1
+    Adam (``ops.zero_one_adam``, stages 1-2) with these keyword arguments
+    (``var_freeze_step``, ``local_step_clipper``, ...), without clipping.
     """
     model = copy.deepcopy(model) if model is not None else build(cfg)
     params, loss = it.functional(model, loss=lm_loss)
@@ -267,10 +269,13 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     mesh = shard.Mesh(comm, {"replicate": replicas, "shard": comm.world_size // replicas}
                       if replicas > 1 else {"data": comm.world_size})
     zero_comm = mesh["shard" if replicas > 1 else "data"]  # what ZeRO shards over
-    optimizer = (ops.adamw(lr, weight_decay=0.01) if onebit_freeze_step is None else
-                 ops.onebit_adam(lr, freeze_step=onebit_freeze_step, weight_decay=0.01))
+    optimizer = (ops.onebit_adam(lr, freeze_step=onebit_freeze_step, weight_decay=0.01)
+                 if onebit_freeze_step is not None else
+                 ops.zero_one_adam(lr, weight_decay=0.01, **zero_one) if zero_one is not None
+                 else ops.adamw(lr, weight_decay=0.01))
     step = ZERO[stage](loss, optimizer=optimizer, mesh=mesh,
-                       clip_norm=1.0 if onebit_freeze_step is None else None,
+                       clip_norm=1.0 if onebit_freeze_step is None and zero_one is None
+                       else None,
                        options=shard.ZeroOptions(
                            loggers=loggers, reshard_after_forward=reshard_after_forward,
                            invariant_shards=invariant_shards,
@@ -390,6 +395,13 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--onebit-adam", type=int, default=0, metavar="FREEZE_STEP",
                     help="stages 1-2: 1-bit Adam, its momentum sent compressed after "
                          "FREEZE_STEP updates (no clipping); 0: AdamW")
+    ap.add_argument("--zero-one-adam", type=int, default=0, metavar="VAR_FREEZE_STEP",
+                    help="stages 1-2: 0/1 Adam, its variance frozen after VAR_FREEZE_STEP "
+                         "updates and local steps from there (no clipping); 0: AdamW")
+    ap.add_argument("--local-step-scaler", type=int, default=32678, metavar="N",
+                    help="0/1 Adam: the updates between doublings of the local steps' interval")
+    ap.add_argument("--local-step-clipper", type=int, default=16, metavar="H",
+                    help="0/1 Adam: the local steps' largest interval")
     ap.add_argument("--sample", type=int, default=200,
                     help="bytes of text to generate at the end (0: none)")
     return ap
@@ -410,7 +422,11 @@ def main(argv: list[str] | None = None) -> None:
                        invariant_shards=args.invariant_shards or None,
                        quantized_weights=args.quantized_weights,
                        quantized_gradients=args.quantized_gradients or False,
-                       onebit_freeze_step=args.onebit_adam or None)
+                       onebit_freeze_step=args.onebit_adam or None,
+                       zero_one={"var_freeze_step": args.zero_one_adam,
+                                 "local_step_scaler": args.local_step_scaler,
+                                 "local_step_clipper": args.local_step_clipper}
+                       if args.zero_one_adam else None)
         table = memory_table(comm, result, cfg)
         if args.sample:  # every rank gathers (a collective); rank 0 samples
             it.load_state(result["module"], result["state"], comm=result["step"].config.comm)

@@ -25,7 +25,11 @@ def main() -> None:
                     reshard_after_forward=int(os.environ.get("ZS_RESHARD", "0")) or True,
                     quantized_weights=os.environ.get("ZS_QWZ") == "1",
                     quantized_gradients=int(os.environ.get("ZS_QGZ", "0")) or False,
-                    onebit_freeze_step=int(os.environ.get("ZS_ONEBIT", "0")) or None)
+                    onebit_freeze_step=int(os.environ.get("ZS_ONEBIT", "0")) or None,
+                    zero_one=dict(zip(("var_freeze_step", "local_step_scaler",
+                                       "local_step_clipper"),
+                                      map(int, os.environ["ZS_ZEROONE"].split(",")),
+                                      strict=True)) if os.environ.get("ZS_ZEROONE") else None)
     params = shard.gather(out["state"], out["step"].config.comm)
     if comm.rank == 0:
         report = {"world": comm.world_size, "losses": [float(x) for x in out["losses"]],

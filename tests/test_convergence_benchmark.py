@@ -21,10 +21,10 @@ def test_convergence_benchmark_prints_its_table_and_draws_the_curves(tmp_path, m
     rows = {line.split("|")[1].strip(): (line.split("|")[2], line.split("|")[4])
             for line in out.splitlines() if line.startswith("| ") and not line.startswith("| mode")}
     assert set(rows) == {"exact", "qwz", "qgz", "qgz4", "hpz-qwz-qgz", "exact-half",
-                         "onebit-warm", "onebit"}, out
+                         "onebit-warm", "onebit", "zeroone"}, out
     assert rows["exact"][1].strip() == "+0.00%", out
     for mode, (final, gap) in rows.items():
         assert float(final) > 0
-        if not mode.startswith("onebit"):  # 1-bit Adam's 6 warm-up updates: too few to hold
+        if mode not in ("onebit-warm", "onebit", "zeroone"):  # 6 warm-up updates: too few
             assert abs(float(gap.strip().rstrip("%"))) < 5, out  # 12 steps: close
     assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"

@@ -172,14 +172,15 @@ def test_secondary_shards_gather_across_hosts_once_a_step(runs):
 def test_multinode_benchmark_prints_its_table():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multinode.py"), "--rounds",
                           "1", "--steps", "2", "--d-model", "32", "--layers", "2", "--modes",
-                          "hsdp", "qwz", "hpz-qwz", "qgz", "hpz-qwz-qgz", "zero2-onebit"], cwd=ROOT,
+                          "hsdp", "qwz", "hpz-qwz", "qgz", "hpz-qwz-qgz", "zero2-onebit",
+                          "zero2-zeroone"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     rows = {line.split("|")[1].strip(): line for line in out.stdout.splitlines()
             if line.startswith(("| flat", "| hsdp", "| hpz", "| qwz", "| qgz", "| zero2"))}
     assert set(rows) == {"flat", "hsdp", "qwz", "hpz-qwz", "qgz", "hpz-qwz-qgz",
-                         "zero2-onebit"}, out.stdout
+                         "zero2-onebit", "zero2-zeroone"}, out.stdout
     ratio = {k: float(v.split("|")[5]) for k, v in rows.items()}  # bytes / params' bytes
     # the two gathers (2x the params, flat) at about a quarter: at least 1x less
     assert ratio["qwz"] < ratio["flat"] - 1, out.stdout
