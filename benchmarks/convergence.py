@@ -10,6 +10,7 @@ the same weights on the same batches, once per mode:
 - ``qgz``: ``quantized_gradients=True`` (int8 all-to-all reduction of the
   gradients); ``qgz4``: ``quantized_gradients=4`` (int4);
 - ``hpz-qwz-qgz``: both, with ``reshard_after_forward=--group`` (ZeRO++);
+  ``hpz-qwz-qgz4``: with int4 gradients;
 - ``exact-half``: exact ZeRO-3 on half the ranks, the same global batches:
   the exact run with its floating-point sums in another order, whose gap is
   the noise floor the others are read against (training amplifies any
@@ -50,6 +51,8 @@ MODES = {"exact": {}, "qwz": {"quantized_weights": True},
          "qgz": {"quantized_gradients": True}, "qgz4": {"quantized_gradients": 4},
          "hpz-qwz-qgz": {"quantized_weights": True, "quantized_gradients": True,
                          "reshard_after_forward": None},
+         "hpz-qwz-qgz4": {"quantized_weights": True, "quantized_gradients": 4,
+                          "reshard_after_forward": None},
          "exact-half": {}, "onebit-warm": {"stage": 2, "onebit_freeze_step": 10**9},
          "onebit": {"stage": 2, "onebit_freeze_step": None},
          "zeroone": {"stage": 2, "zero_one": None}}

@@ -25,6 +25,13 @@ loses less for 1/8 bit an element more. A rank sends ``2 (W - 1) (k / 8 +
 4 k / 256)`` bytes for sections of ``k`` elements, 1/28 of float32's
 all-reduce.
 
+In the compressed phase no rank holds the summed gradient, so a clip
+(``clip_norm=``) clips each rank's own before it is folded in, as
+DeepSpeed's engine does once its reduction is switched off; a loss scale's
+overflow shows in the agreed momentum (every rank's sum of squares), which
+skips the step on every rank. Each rank's gradients are summed in float32
+there, whatever dtype the exact steps reduce in.
+
 The worker error is as large as the momentum it corrects and differs on every
 rank; the server error is one section. Like DeepSpeed, which resets them
 when it loads a checkpoint (having found on BERT pre-training that an

@@ -41,6 +41,11 @@ last synchronisation: the local steps since are dropped (the update count
 keeps them), as the error buffers are, which DeepSpeed resets on a load and
 at the freeze too.
 
+As with 1-bit Adam, ``clip_norm=`` clips the reduced gradient of the
+variance's updates and each rank's own where it is compressed or taken
+locally, and a loss scale's overflow skips the step on every rank (the
+step's one all-reduce carries each rank's sum of squares).
+
 DeepSpeed counts its first call, which only sets up buffers, as a step, so
 its ``n`` runs one ahead of ours; its schedule is the same in its own count.
 On one rank nothing is exchanged: the update is Adam's without bias

@@ -49,7 +49,9 @@ silently ignored.
   ``OneBitAdam`` (``lr``, ``betas``, ``eps``, ``weight_decay``,
   ``freeze_step``; ``cuda_aware`` and ``comm_backend_name`` pick DeepSpeed's
   transport, which here is the communicator's): ``ops.onebit_adam``, under
-  ``zero1``/``zero2`` (DeepSpeed runs it without ZeRO only); ``ZeroOneAdam``
+  ``zero1``/``zero2`` (DeepSpeed runs it without ZeRO only, so a config
+  without ``zero_optimization`` runs under ``zero1``: the same updates, the
+  optimizer's state sharded); ``ZeroOneAdam``
   (those, ``var_freeze_step``, ``var_update_scaler``, ``local_step_scaler``,
   ``local_step_clipper``; ``bias_correction`` and ``eps_inside_sqrt``, which
   it does not read): ``ops.zero_one_adam``, likewise;
@@ -83,6 +85,7 @@ from pathlib import Path
 from typing import Any
 
 from ops import FusedOptimizer, adam, adamw, lamb, lion, onebit_adam, zero_one_adam
+from ops._optim import ZeroOne
 from shard._deepspeed_lr import schedule
 from shard._deepspeed_precision import allreduce_op, precision_of
 from shard.core._policy import LossScale, Precision
@@ -284,6 +287,11 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
     micro = cfg.pop("train_micro_batch_size_per_gpu", None)
     total = cfg.pop("train_batch_size", None)
     optimizer = _optimizer(cfg, bad)
+    if optimizer is not None and optimizer.onebit is not None and stage == 0:
+        stage = 1  # DeepSpeed runs the 1-bit family without ZeRO only; ZeRO-1: the same updates
+        log.info("from_deepspeed_config: %s at zero_optimization.stage 0 runs under zero1 here "
+                 "(the same updates, the optimizer's state sharded)",
+                 "ZeroOneAdam" if isinstance(optimizer.onebit, ZeroOne) else "OneBitAdam")
     loggers = _loggers(cfg, bad)
     bad += list(cfg)
     if bad:

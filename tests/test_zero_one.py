@@ -4,6 +4,11 @@ its own, and zero1/zero2 against a numpy model of the algorithm on 2-4 ranks
 
 from __future__ import annotations
 
+import copy
+import json
+import logging
+from pathlib import Path
+
 import jax
 import numpy as np
 import pytest
@@ -11,7 +16,7 @@ import pytest
 import ops
 import shard
 from ops._zeroone import local_interval, synchronises, updates_variance
-from tests.test_onebit import _all_reduce_model, _loss, _problem
+from tests.test_onebit import CLIP, _all_reduce_model, _clipped, _loss, _problem
 
 LR, B1, B2, EPS, WD = 1e-2, 0.9, 0.99, 1e-8, 0.01
 # variance updates at 1, 2 and 4, compressed gradients at 3 and 5; then local
@@ -60,10 +65,11 @@ def test_on_its_own_it_is_adam_without_bias_correction_on_the_schedules_variance
         np.testing.assert_allclose(state.nu["w"], v, rtol=2e-6)
 
 
-def _model(world, params, batches):
+def _model(world, params, batches, clip=None):
     """0/1 Adam on ``world`` ranks in numpy (float32), as [Note: 0/1 Adam] says:
     per step the params every rank's state holds (the last synchronisation's)
-    and the mean of the ranks' losses."""
+    and the mean of the ranks' losses. With ``clip``, the exact mean gradient
+    is clipped, and each rank's own where it is compressed or taken locally."""
     spec = _opt().onebit
     f = np.float32
     p = params["w"].copy()
@@ -88,10 +94,10 @@ def _model(world, params, batches):
         if n <= spec.var_freeze_step:
             grads, loss = grads_and_losses([p] * world, b)
             if updates_variance(spec, n):
-                g = sum(grads[1:], grads[0].copy()) * f(1 / world)
+                g = _clipped(sum(grads[1:], grads[0].copy()) * f(1 / world), clip)
                 v = (v * f(B2) + g * g * f(1 - B2)).astype(f)
             else:
-                g = _all_reduce_model(grads, worker, server)
+                g = _all_reduce_model([_clipped(g, clip) for g in grads], worker, server)
             m = (m * f(B1) + g * f(1 - B1)).astype(f)
             p = update(p, m, v)
         else:
@@ -102,7 +108,8 @@ def _model(world, params, batches):
                 server = [np.zeros(k, f) for _ in range(world)]
             grads, loss = grads_and_losses(local["p"], b)
             for r in range(world):
-                local["m"][r] = (local["m"][r] * f(B1) + grads[r] * f(1 - B1)).astype(f)
+                g = _clipped(grads[r], clip)
+                local["m"][r] = (local["m"][r] * f(B1) + g * f(1 - B1)).astype(f)
                 local["p"][r] = update(local["p"][r], local["m"][r], v)
             local["rates"] += LR
             if synchronises(spec, n):
@@ -116,14 +123,15 @@ def _model(world, params, batches):
     return seen
 
 
-@pytest.mark.parametrize(("stage", "world"), [(1, 2), (2, 3), (2, 4)])
-def test_zero1_and_zero2_follow_a_numpy_model_of_zero_one_adam(stage, world):
+@pytest.mark.parametrize(("stage", "world", "clip"),
+                         [(1, 2, None), (2, 3, None), (2, 4, None), (2, 3, CLIP)])
+def test_zero1_and_zero2_follow_a_numpy_model_of_zero_one_adam(stage, world, clip):
     params, batches = _problem(world)
     batches = (batches * 2)[:STEPS]
     zero = shard.zero1 if stage == 1 else shard.zero2
 
     def run(comm):
-        step = zero(_loss, optimizer=_opt(), comm=comm)
+        step = zero(_loss, optimizer=_opt(), comm=comm, clip_norm=clip)
         state, seen = step.init(params), []
         for b in batches:
             state, metrics = step(state, shard.split_batch(b, rank=comm.rank,
@@ -132,7 +140,7 @@ def test_zero1_and_zero2_follow_a_numpy_model_of_zero_one_adam(stage, world):
         return seen
 
     got = ops.spawn(run, world)
-    want = _model(world, params, batches)
+    want = _model(world, params, batches, clip)
     for r in range(world):
         for t in range(STEPS):
             np.testing.assert_allclose(got[r][t][0], want[t][0], rtol=1e-5, atol=1e-6,
@@ -141,6 +149,8 @@ def test_zero1_and_zero2_follow_a_numpy_model_of_zero_one_adam(stage, world):
     # the local steps moved each rank's own params: their losses differ from the synchronised
     assert abs(want[9][1] - want[8][1]) > 1e-4
     assert np.abs(want[-1][0] - want[7][0]).mean() > 1e-4  # and the synchronisation kept it
+    if clip is not None:  # and the clip bit
+        assert np.abs(_model(world, params, batches)[-1][0] - want[-1][0]).max() > 1e-3
 
 
 def test_what_crosses_the_wire_by_phase(monkeypatch):
@@ -252,14 +262,14 @@ def test_what_zero_one_adam_does_not_run_with_is_refused_by_name():
     def run(comm):
         errors = []
         for zero, kw in ((shard.zero3, {}), (shard.zero0, {}),
-                         (shard.zero2, {"clip_norm": 1.0}),
-                         (shard.zero1, {"loss_scale": shard.LossScale()})):
+                         (shard.zero2, {"offload": shard.Offload()}),
+                         (shard.zero1, {"invariant_shards": 2})):
             with pytest.raises(NotImplementedError) as e:
                 zero(_loss, optimizer=_opt(), comm=comm, options=shard.ZeroOptions(**kw))
             errors.append(str(e.value))
         return errors
 
-    for word, e in zip(("zero1 and zero2", "zero1 and zero2", "clip_norm", "loss scale"),
+    for word, e in zip(("zero1 and zero2", "zero1 and zero2", "offload", "invariant_shards"),
                        ops.spawn(run, 2)[0], strict=True):
         assert "ops.zero_one_adam" in e and word in e, e
 
@@ -285,14 +295,15 @@ def test_deepspeeds_zerooneadam_config_maps_onto_zero_one_adam():
                          ids=["zero_one_adam", "onebit_adam"])
 def test_device_state_takes_the_same_steps_as_the_host_s(device, make):
     """On the device stand-in (CuPy's rules: no implicit copy to the host) every
-    phase runs the emulated CUDA kernels: the losses are the host's."""
+    phase runs the emulated CUDA kernels, each rank's clip too: the losses are
+    the host's."""
     world = 2
     params, batches = _problem(world, k=100)
     batches = (batches * 2)[:STEPS]
 
     def run(comm, on_device):
         p = jax.tree.map(device.from_host, params) if on_device else params
-        step = shard.zero2(_loss, optimizer=make(), comm=comm)
+        step = shard.zero2(_loss, optimizer=make(), comm=comm, clip_norm=CLIP)
         state, losses = step.init(p), []
         for b in batches:
             state, metrics = step(state, shard.split_batch(b, rank=comm.rank,
@@ -303,3 +314,72 @@ def test_device_state_takes_the_same_steps_as_the_host_s(device, make):
     host = ops.spawn(lambda c: run(c, False), world)
     there = ops.spawn(lambda c: run(c, True), world)
     np.testing.assert_allclose(there, host, rtol=1e-6)
+
+
+DS_CONFIGS = json.loads((Path(__file__).parent / "data" / "deepspeed_unit_configs.json")
+                        .read_text())
+
+
+@pytest.mark.parametrize("name", ["onebitadam_fp16_clip", "zerooneadam_fp16_clip"])
+def test_deepspeeds_own_onebit_tests_train_as_they_are(name, caplog):
+    """DeepSpeed's 1-bit and 0/1 Adam tests, config as written (no ZeRO, fp16
+    with a dynamic loss scale from 2^16, gradients clipped at 1) and model as
+    theirs (SimpleModel: a Linear of 10, cross-entropy; 2 ranks, a row each):
+    under zero1, every phase runs, the ranks agree and the loss goes down."""
+    import torch
+
+    from interop import torch as it
+
+    config = DS_CONFIGS[name]["config"]
+    with caplog.at_level(logging.INFO, logger="shard._deepspeed"):
+        cfg = shard.from_deepspeed_config(config)
+    assert cfg.stage == 1 and "runs under zero1 here" in caplog.text
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(10, 10))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((8, 10)).astype(np.float16)  # 4 batches of 2, seen 6 times
+    y = rng.integers(0, 10, 8)
+
+    def loss(module, b):
+        return torch.nn.functional.cross_entropy(module(b["x"]).float(), b["y"])
+
+    def run(comm):
+        params, fn = it.functional(copy.deepcopy(model), loss=loss)
+        step = cfg.transform(fn, comm=comm)
+        state, seen = step.init(params), []
+        for t in range(24):
+            lo = 2 * (t % 4) + comm.rank
+            state, metrics = step(state, {"x": torch.from_numpy(x[lo:lo + 1]),
+                                          "y": torch.from_numpy(y[lo:lo + 1])})
+            seen.append((metrics["loss"], metrics["skipped"], float(state.loss_scale)))
+        return seen, int(state.step), shard.gather(state, comm)
+
+    out = ops.spawn(run, 2)
+    (seen, updates, params), other = out[0], out[1][2]
+    assert all(np.array_equal(np.asarray(params[k]), np.asarray(other[k])) for k in params)
+    assert updates >= 12  # far past freeze_step 2 / var_freeze_step 4
+    assert seen[0][2] == 2.0 ** 16 and all(np.isfinite(lo) for lo, _, _ in seen)
+    first, last = np.mean([lo for lo, _, _ in seen[:4]]), np.mean([lo for lo, _, _ in seen[-4:]])
+    assert last < first, seen
+
+
+@pytest.mark.parametrize("make", [_opt, lambda: ops.onebit_adam(LR, freeze_step=2)],
+                         ids=["zero_one_adam", "onebit_adam"])
+def test_a_loss_scale_changes_nothing_but_the_backwards_scale(make):
+    """A static loss scale of 2^10 on float32: every phase divides it out, the
+    same updates as unscaled."""
+    world = 2
+    params, batches = _problem(world, k=100)
+    batches = (batches * 2)[:STEPS]
+
+    def run(comm, scale):
+        step = shard.zero2(_loss, optimizer=make(), comm=comm, options=shard.ZeroOptions(
+            loss_scale=shard.LossScale.static(scale) if scale else None))
+        state = step.init(params)
+        for b in batches:
+            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=world))
+        return np.asarray(shard.gather(state, comm)["w"])
+
+    plain = ops.spawn(lambda c: run(c, None), world)[0]
+    scaled = ops.spawn(lambda c: run(c, 1024.0), world)[0]
+    np.testing.assert_allclose(scaled, plain, rtol=1e-6, atol=1e-7)

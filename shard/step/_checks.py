@@ -302,28 +302,18 @@ def check_onebit(name: str, stage: int, options: Any, topology: Any, optimizer: 
                  tensor_parallel: Any) -> None:
     """Refuse, by name, what 1-bit Adam and 0/1 Adam (``ops.onebit_adam``,
     ``ops.zero_one_adam``; see [Note: 1-bit Adam] in ``ops/_onebit.py``) do
-    not run with: their compressed phases sum no gradients over the ranks, so
-    nothing that needs the reduced gradient (a clip, a loss scale's overflow
-    check, rows' weights) has one; they compress float32, and so must the
-    gradients be."""
+    not run with: their compressed phases sum no gradients over the ranks
+    (each rank clips its own, as DeepSpeed's engine does there), so nothing
+    that needs the summed gradient, or a shard of it, has one."""
     if not isinstance(optimizer, FusedOptimizer) or optimizer.onebit is None:
         return
     opt = "ops.zero_one_adam" if isinstance(optimizer.onebit, ZeroOne) else "ops.onebit_adam"
     o = options
-    p = o.precision
-    reduce = p.reduce_dtype or p.param_dtype if p is not None else None
-    if reduce is not None and np.dtype(reduce) != np.float32:
-        raise TypeError(f"{name}: {opt} compresses float32 gradients; they are reduced in "
-                        f"{np.dtype(reduce)} here: pass Precision(..., reduce_dtype='float32')")
     if stage not in (1, 2):
         raise NotImplementedError(f"{name}: {opt} runs under zero1 and zero2, whose ranks hold "
                                   "the whole params to fold each rank's gradient into; use "
                                   "shard.zero1 or shard.zero2")
-    for what, bad in (("clip_norm= (no rank holds the reduced gradient to clip)",
-                       o.clip_norm is not None),
-                      ("a loss scale (its overflow check needs the reduced gradient)",
-                       o.loss_scale is not None),
-                      ("weight_by_rows=", o.weight_by_rows),
+    for what, bad in (("weight_by_rows=", o.weight_by_rows),
                       ("invariant_shards=", o.invariant_shards is not None),
                       ("quantized_gradients=", bool(o.quantized_gradients)),
                       ("offload=", o.offload is not None),

@@ -50,10 +50,11 @@ def reduce_dtype(plan: Plan) -> np.dtype:
     return np.dtype(p.reduce_dtype or p.param_dtype or plan.master_dtype)
 
 
-def grad_buffers(plan: Plan, kept: GradBuffers | None) -> GradBuffers:
+def grad_buffers(plan: Plan, kept: GradBuffers | None, dtype: Any = None) -> GradBuffers:
     """The gradient shards, kept across steps (see :class:`GradBuffers`):
-    ``kept`` where it serves ``plan``, else new ones."""
-    dtype = reduce_dtype(plan)
+    ``kept`` where it serves ``plan``, else new ones; in ``dtype`` (default:
+    the reductions')."""
+    dtype = reduce_dtype(plan) if dtype is None else np.dtype(dtype)
     if kept is not None and kept.serves(plan.grad_layout, dtype, plan.device):
         return kept
     return GradBuffers(plan.grad_layout, dtype, plan.device)

@@ -88,16 +88,16 @@ def reducer(plan: Plan, buffers: GradBuffers,
     compressed phases (see :class:`~shard.step._reduce.Compressed`)."""
     c = plan.config
     if compressed is not None:
-        if compressed.kind == "local":
-            return LocalReducer(plan.grad_layout, plan.fast, dtype=reduce_dtype(plan),
+        if compressed.kind == "local":  # (float32 whatever the reductions' dtype)
+            return LocalReducer(plan.grad_layout, plan.fast, dtype=np.float32,
                                 device=plan.device, buffers=buffers, plans=plan.grad_plans,
-                                scale=compressed.scale)
+                                scale=compressed.scale, max_norm=c.clip_norm)
         spec = cast(ops.FusedOptimizer, plan.optimizer.fused).onebit
-        return OneBitReducer(plan.grad_layout, plan.fast, dtype=reduce_dtype(plan),
+        return OneBitReducer(plan.grad_layout, plan.fast, dtype=np.float32,
                              device=plan.device, buffers=buffers, plans=plan.grad_plans,
                              momentum=compressed.held, scale=compressed.scale,
                              beta1=cast(OneBit, spec).b1 if compressed.kind == "momentum"
-                             else None)
+                             else None, max_norm=c.clip_norm)
     if c.invariant_shards:
         return OrderedReducer(plan.grad_layout, plan.fast, stage=c.stage,
                               dtype=reduce_dtype(plan), device=plan.device, buffers=buffers,

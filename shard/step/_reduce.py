@@ -14,7 +14,7 @@ from typing import Any, NamedTuple, cast
 
 import numpy as np
 
-from ops import Communicator, Device
+from ops import Communicator, Device, sum_of_squares
 from ops._onebit import compressed_all_reduce
 from ops._optim import ZeroOne
 from ops._quant import reduce_scatter_quantized
@@ -150,6 +150,23 @@ class GradReducer:
                      for i, g in zip(unit.leaves, grads, strict=True)]
             for i, g in zip(unit.leaves, grads, strict=True):
                 self.layout.pack_grad(self.layout.leaves[i], g, full, replicated, add=True)
+
+    def _own_sumsq(self, scale: float) -> Any:
+        """The sum of squares of this rank's own gradient (stages 0-1: its sums,
+        times ``scale``), on the device (float64, one element)."""
+        parts = [x for u, unit in enumerate(self.layout.units) for x in (
+            cast(list, self._full)[u], self.shards[u][unit.sharded_size:]) if x.size]
+        return sum_of_squares(parts) * (scale * scale) if parts else self.device.xp.zeros(1)
+
+    def _clip_coef(self, sumsq: Any, max_norm: float | None) -> Any:
+        """The 1-bit family's compressed phases clip each rank's own gradient,
+        as DeepSpeed's engine does there, by ``min(1, max_norm / (norm +
+        1e-6))`` as ``clip_grad_norm_``: that factor on the device (float32,
+        one element), or None (no clip)."""
+        if max_norm is None:
+            return None
+        xp = self.device.xp
+        return xp.minimum(max_norm / (xp.sqrt(sumsq) + 1e-6), 1.0).astype(np.float32)
 
     def _reduce_scatter(self, out: Any, x: Any) -> Any:
         """The sum over the ranks of ``x``'s sections, this rank's into ``out``,
@@ -325,13 +342,14 @@ class OneBitReducer(GradReducer):
 
     def __init__(self, layout: Layout, comm: Communicator, *, dtype: Any, device: Device,
                  buffers: GradBuffers, plans: CopyPlans, momentum: OneBitMomentum,
-                 beta1: float | None, scale: float) -> None:
+                 beta1: float | None, scale: float, max_norm: float | None = None) -> None:
         check_float32(dtype)
         super().__init__(layout, comm, stage=1, dtype=dtype, device=device, buffers=buffers,
                          plans=plans)
         self.momentum, self.beta1 = momentum, None if beta1 is None else np.float32(beta1)
         # (1 - b1) x the mean's scale
         self.weight = np.float32((1.0 - (beta1 or 0.0)) * scale)
+        self.scale, self.max_norm = scale, max_norm
 
     def _add(self, u: int, grads: list[Any]) -> None:
         self._accumulate(u, grads)
@@ -339,11 +357,15 @@ class OneBitReducer(GradReducer):
     def finish(self) -> list[Any]:
         mo, rank = self.momentum, self.comm.rank
         mo.key = None  # they hold for the state again once its update ran (advanced)
+        coef = None if self.max_norm is None else self._clip_coef(
+            self._own_sumsq(self.scale), self.max_norm)
         for u, unit in enumerate(self.layout.units):
             s, shard = unit.sharded_size, self.shards[u]
             if s:
                 g = cast(list, self._full)[u]
                 g *= self.weight
+                if coef is not None:
+                    g *= coef
                 m = g if self.beta1 is None else mo.sharded[u]
                 if self.beta1 is not None:
                     m *= self.beta1
@@ -354,6 +376,8 @@ class OneBitReducer(GradReducer):
             if unit.replicated_size:
                 g = shard[s:]
                 g *= self.weight
+                if coef is not None:
+                    g *= coef
                 m = g if self.beta1 is None else mo.replicated[u]
                 if self.beta1 is not None:
                     m *= self.beta1
@@ -372,26 +396,32 @@ class LocalReducer(GradReducer):
     each rank sums its own gradients over the micro-batches and nothing is
     reduced. :meth:`finish` returns per unit this rank's mean gradient, whole:
     the sharded leaves' in the (W, S) reduce layout, then the replicated
-    ones', float32."""
+    ones', float32, clipped by ``max_norm``; ``sumsq`` is then its sum of
+    squares before the clip."""
 
     def __init__(self, layout: Layout, comm: Communicator, *, dtype: Any, device: Device,
-                 buffers: GradBuffers, plans: CopyPlans, scale: float) -> None:
+                 buffers: GradBuffers, plans: CopyPlans, scale: float,
+                 max_norm: float | None = None) -> None:
         check_float32(dtype)
         super().__init__(layout, comm, stage=1, dtype=dtype, device=device, buffers=buffers,
                          plans=plans)
-        self.scale = np.float32(scale)
+        self.scale, self.max_norm = scale, max_norm
 
     def _add(self, u: int, grads: list[Any]) -> None:
         self._accumulate(u, grads)
 
     def finish(self) -> list[Any]:
         out = []
+        self.sumsq = self._own_sumsq(self.scale)  # before the clip, as the norm reported
+        coef = self._clip_coef(self.sumsq, self.max_norm)
         for u, unit in enumerate(self.layout.units):
             k = unit.sharded_size * self.comm.world_size
             whole = self.device.empty(k + unit.replicated_size, np.float32)
             whole[:k] = cast(list, self._full)[u]
             whole[k:] = self.shards[u][unit.sharded_size:]
-            whole *= self.scale
+            whole *= np.float32(self.scale)
+            if coef is not None:
+                whole *= coef
             out.append(whole)
         return out
 

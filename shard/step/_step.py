@@ -91,7 +91,13 @@ from shard.step import _checks, _grads, _init, _ordered, _update
 from shard.step._config import StepConfig, ZeroOptions
 from shard.step._ordered import OrderedReducer
 from shard.step._plan import Plan
-from shard.step._reduce import Compressed, GradBuffers, OneBitMomentum, ZeroOneLocal
+from shard.step._reduce import (
+    Compressed,
+    GradBuffers,
+    LocalReducer,
+    OneBitMomentum,
+    ZeroOneLocal,
+)
 from shard.step._runtime import LiveBytes
 
 __all__ = ["ZeroStep"]
@@ -297,9 +303,13 @@ class ZeroStep:
         scale = float(state.loss_scale)
         w, k = c.ranks, len(micro)
         grad_scale = 1.0 / ((c.gradient_divide_factor or w) * k * scale)
-        self._grad_buffers = _grads.grad_buffers(plan, self._grad_buffers)
         onebit = self._compressed(plan, state, grad_scale)  # see [Note: 1-bit Adam]
-        reducer = _ordered.reducer(plan, self._grad_buffers, onebit)
+        if onebit is not None and _grads.reduce_dtype(plan) != np.float32:  # compressed: f32
+            buffers = self.__dict__["_grad_buffers32"] = _grads.grad_buffers(
+                plan, self.__dict__.get("_grad_buffers32"), np.float32)
+        else:
+            buffers = self._grad_buffers = _grads.grad_buffers(plan, self._grad_buffers)
+        reducer = _ordered.reducer(plan, buffers, onebit)
         units = _grads.unit_params(plan, state, self.tracker)
         leaves = len(plan.layout.leaves) if _update.tracks_missing(c) else 0
         totals = _update.fresh_totals(self.__dict__.setdefault("_totals_cache", {}), device,
@@ -348,7 +358,8 @@ class ZeroStep:
                     overlap.wait_copied()
             with timed("optimizer"):
                 if onebit is not None and onebit.kind == "local":  # see [Note: 0/1 Adam]
-                    _update.local_norm_and_loss(plan, shards, totals)
+                    _update.local_norm_and_loss(plan, cast(LocalReducer, reducer).sumsq,
+                                                totals)
                 else:
                     _update.norm_and_loss(plan, shards, totals, losses)
                 if c.weight_by_rows:
@@ -416,7 +427,7 @@ class ZeroStep:
             else:
                 state = self._apply(plan, state, shards, 1.0 if onebit else grad_scale,
                                     totals[_update.SUMSQ] if needs_norm else None, skip,
-                                    onebit is not None and onebit.kind == "momentum")
+                                    onebit.kind if onebit is not None else None)
             for held in (self.__dict__.get("_onebit_momentum"),  # (a skipped update leaves
                          self.__dict__.get("_zero_one_local")):  # them for the state to remake)
                 if held is not None:
@@ -435,11 +446,12 @@ class ZeroStep:
 
     def _apply(self, plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
                grad_sumsq: Any, skip: frozenset[int] = frozenset(),
-               momentum: bool = False) -> TrainState:
+               compressed: str | None = None) -> TrainState:
         """The update where the state's masters live; returns the new state.
-        ``momentum``: the shards are 1-bit Adam's agreed momentum."""
+        ``compressed``: the kind of the 1-bit family's phase the shards are of
+        (see :class:`~shard.step._reduce.Compressed`)."""
         if state.meta.offload is None:
-            return _update.apply(plan, state, shards, grad_scale, grad_sumsq, skip, momentum)
+            return _update.apply(plan, state, shards, grad_scale, grad_sumsq, skip, compressed)
         if skip:
             _update.warn_unskipped(plan, skip, "offloaded state")
         offloader = cast(Offloader, self._offloader)  # made with an offloaded step's plan

@@ -129,12 +129,11 @@ def norm_and_loss(plan: Plan, shards: list[Any], totals: Any, losses: list[Any])
         tp.comm.all_reduce_(totals[SUMSQ], "sum")
 
 
-def local_norm_and_loss(plan: Plan, grads: list[Any], totals: Any) -> None:
+def local_norm_and_loss(plan: Plan, sumsq: Any, totals: Any) -> None:
     """0/1 Adam's local steps (see [Note: 0/1 Adam] in ``ops/_zeroone.py``):
     ``totals`` becomes [the mean over the ranks of each one's squared gradient
-    norm (``grads``: its own, whole), the losses summed over the ranks]."""
-    ops.sum_of_squares(grads, out=totals[SUMSQ])
-    totals[SUMSQ] *= 1.0 / plan.fast.world_size
+    norm (``sumsq``: its own), the losses summed over the ranks]."""
+    totals[SUMSQ] = sumsq * (1.0 / plan.fast.world_size)
     plan.fast.all_reduce_(totals, "sum")
 
 
@@ -277,14 +276,17 @@ def weigh_by_rows(shards: list[Any], totals: Any, parts: int) -> None:
 
 def apply(plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
           grad_sumsq: Any, skip: frozenset[int] = frozenset(),
-          momentum: bool = False) -> TrainState:
+          compressed: str | None = None) -> TrainState:
     """The optimizer on every unit's shard of a device-resident state, then stages
     1-2's all-gather of the new compute params. With ``grad_sumsq`` (a device
     array) the kernel clips by it and skips the update where it is not finite,
-    reading it on the device (see [Note: non-finite gradients]). ``momentum``:
-    the shards are 1-bit Adam's agreed momentum (see [Note: 1-bit Adam] in
-    ``ops/_onebit.py``)."""
+    reading it on the device (see [Note: non-finite gradients]). ``compressed``:
+    the shards are 1-bit Adam's agreed momentum ("momentum") or 0/1 Adam's
+    compressed mean gradient ("gradients"), each rank's part clipped already
+    (see [Note: 1-bit Adam] in ``ops/_onebit.py``)."""
     c = plan.config
+    momentum = compressed == "momentum"
+    max_norm = None if compressed else c.clip_norm
     copies = _copies(plan, state)
     if plan.optimizer.fused is None:  # an optax transformation (see [Note: optax on shards])
         if skip:
@@ -317,13 +319,13 @@ def apply(plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
                     fused.state(count, *(grad_views(plan, m, runs) for m in state.moments)),
                     master_views(plan, state.master, runs), grad_scale=grad_scale,
                     grad_sumsq=grad_sumsq,
-                    max_norm=c.clip_norm,
+                    max_norm=max_norm,
                     param_copies=copy_views(plan, copies, runs) if copies else None,
                     finite=True, **({"momentum": True} if momentum else {}))
         else:
             c.optimizer.apply(tuple(shards), fused.state(state.step, *state.moments),
                               state.master, grad_scale=grad_scale, grad_sumsq=grad_sumsq,
-                              max_norm=c.clip_norm, param_copies=copies, finite=True,
+                              max_norm=max_norm, param_copies=copies, finite=True,
                               **({"momentum": True} if momentum else {}))
         if copies and c.stage in (1, 2) and (plan.frozen or skip):
             copy_left(plan, state, copies, skip)
