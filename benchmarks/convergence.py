@@ -125,7 +125,7 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
-        fig, ax = plt.subplots(figsize=(7, 4))
+        fig, ax = plt.subplots(figsize=(7, 4.6))
         window = min(10, args.steps)
         for mode in modes:
             smooth = np.convolve(curves[mode], np.ones(window) / window, mode="valid")
@@ -141,8 +141,9 @@ def main() -> None:
         ax.set_ylabel(f"loss (mean of {window} steps)")
         ax.set_title(f"demo GPT on {args.ranks} ranks, exact and compressed (ZeRO-3; "
                      "1-bit and 0/1 Adam: ZeRO-2)", fontsize=10)
-        ax.legend()
-        fig.tight_layout()
+        fig.tight_layout(rect=(0, 0.14, 1, 1))  # the legend below, clear of the curves
+        fig.legend(*ax.get_legend_handles_labels(), loc="lower center", ncol=5, fontsize=8,
+                   frameon=False)
         fig.savefig(args.plot, dpi=110)
         print(f"\ncurves: {args.plot}")
 
