@@ -7,9 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from ops import dequantize_blocks, quantize_blocks
 from ops.device._arrays import BF16
 from ops.device._device import HOST, cupy_device
-from ops.device._runs import Runs, contiguous_on, copy_runs
+from ops.device._runs import Runs, contiguous_on, copy_runs, dequantize_runs
 from ops.testing import DEVICE_OPS, STANDIN
 from shard.core._layout import make_layout
 from shard.core._specs import Replicate, Shard
@@ -68,6 +69,40 @@ def test_runs_from_separate_tensors_widen_to_float32_and_absent_ones_write_zeros
         np.float32) if p else np.zeros(t.size, np.float32), np.zeros(3, np.float32)])
         for t, p in zip(tensors, present, strict=True)])
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("device", sorted(DEVICES))
+@pytest.mark.parametrize("dtype", [np.float32, BF16, np.float16])
+@pytest.mark.parametrize("section", [1, 300, 513])
+def test_runs_dequantized_as_copied_are_dequantize_blocks_then_a_copy(device, dtype, section,
+                                                                      rng):
+    """qwZ's fused copy-out: 3 ranks' int8 sections, each with its scales from
+    its start, read through random runs: the bits of ops.dequantize_blocks
+    then copy_runs, in one launch."""
+    dev, world = DEVICES[device], 3
+    xs = [(rng.standard_normal(section) * 10.0 ** rng.integers(-2, 2, section)).astype(
+        np.float32) for _ in range(world)]
+    q = np.concatenate([quantize_blocks(x)[0] for x in xs])
+    scales = np.concatenate([quantize_blocks(x)[1] for x in xs])
+    blocks = scales.size // world
+    plain = np.concatenate([dequantize_blocks(q[r * section:(r + 1) * section],
+                                              scales[r * blocks:(r + 1) * blocks], dtype)
+                            for r in range(world)])
+    total = world * section
+    lengths = rng.integers(0, min(40, total) + 1, 40)
+    src = [int(rng.integers(0, total - n + 1)) for n in lengths]
+    dst = (np.cumsum([0, *lengths])[:-1] + rng.integers(0, 3, 40).cumsum()).tolist()
+    runs = Runs(src, dst, lengths.tolist())
+    want = np.full(dst[-1] + 50, 7, dtype)
+    copy_runs(want, runs, runs.table(HOST), device=HOST, src=plain)
+    out = dev.asarray(np.full(want.size, 7, dtype))
+    DEVICE_OPS.reset()
+    dequantize_runs(out, runs, runs.table(dev), q=dev.asarray(q), scales=dev.asarray(scales),
+                    section=section, device=dev)
+    if device == "standin":
+        assert DEVICE_OPS.snapshot()["kernel"] == 1
+    got = dev.to_host(out) if not dev.host else out
+    assert got.view(np.uint8).tobytes() == want.view(np.uint8).tobytes()
 
 
 def test_one_launch_however_many_runs():

@@ -19,9 +19,9 @@ import numpy as np
 
 from ops.device._arrays import BF16
 from ops.device._device import Device, device_of_or_none
-from ops.kernels._table import runs_kernel
+from ops.kernels._table import QUANT_GROUP, TABLE, runs_kernel
 
-__all__ = ["Runs", "contiguous_on", "copy_runs"]
+__all__ = ["Runs", "contiguous_on", "copy_runs", "dequantize_runs"]
 
 
 class Runs:
@@ -110,3 +110,21 @@ def copy_runs(dst: Any, runs: Runs, table: tuple[Any, Any], *, device: Device,
         raise TypeError(f"copy_runs: no kernel copies {src_dtype or src.dtype} into "
                         f"{dst.dtype}")
     device.driver().elementwise(kernel, runs.total, (src, dst, *table, runs.nruns))
+
+
+def dequantize_runs(dst: Any, runs: Runs, table: tuple[Any, Any], *, q: Any, scales: Any,
+                    section: int, device: Device) -> None:
+    """:func:`copy_runs` from block-quantized int8 sections (qwZ's all-gather:
+    ``section`` elements a rank, each section's float32 scales, one per 256,
+    from its start; see ``ops.quantize_blocks``), each element dequantized
+    into ``dst``'s dtype (float32, bfloat16 or float16) as it is copied: the
+    bits of ``ops.dequantize_blocks`` then a copy, in one launch."""
+    if runs.total == 0:
+        return
+    code = {"float32": "f32", "bfloat16": "bf16", "float16": "f16"}.get(np.dtype(dst.dtype).name)
+    if code is None or np.dtype(q.dtype) != np.int8 or np.dtype(scales.dtype) != np.float32:
+        raise TypeError(f"dequantize_runs: int8 values and float32 scales into float32, "
+                        f"bfloat16 or float16; got {q.dtype}, {scales.dtype} into {dst.dtype}")
+    blocks = -(-section // QUANT_GROUP)
+    device.driver().elementwise(TABLE[f"zs_dequantize_runs_{code}"], runs.total,
+                                (q, scales, dst, *table, runs.nruns, section, blocks))

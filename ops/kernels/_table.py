@@ -29,6 +29,9 @@ _ADAM_PARAMS = (
 _CAST_PARAMS = (("x", "ptr"), ("y", "ptr"), ("n", "i8"))
 _QUANT_PARAMS = (("x", "ptr"), ("q", "ptr"), ("scales", "ptr"), ("n", "i8"))
 _DEQUANT_PARAMS = (("q", "ptr"), ("scales", "ptr"), ("y", "ptr"), ("n", "i8"))
+# qwZ's fused copy-out: the runs of _RUNS_PARAMS read from int8 sections
+_DEQUANT_RUNS_PARAMS = (("q", "ptr"), ("scales", "ptr"), ("dst", "ptr"), ("runs", "ptr"),
+                        ("starts", "ptr"), ("nruns", "i8"), ("section", "i8"), ("blocks", "i8"))
 # the int4 forms take the same (q: ceil(n / 2) bytes, two values each)
 _SIGN_PARAMS = (("x", "ptr"), ("e", "ptr"), ("bits", "ptr"), ("scales", "ptr"), ("n", "i8"))
 _SIGN_ADD_PARAMS = (("bits", "ptr"), ("scales", "ptr"), ("y", "ptr"), ("n", "i8"),
@@ -145,6 +148,8 @@ def _entries() -> dict[str, Kernel]:
                                             host=f"zs_quantize4_{x}_host")
         table[f"zs_dequantize4_{x}"] = Kernel(f"zs_dequantize4_{x}", "quant", _DEQUANT_PARAMS,
                                               host=f"zs_dequantize4_{x}_host")
+        name = f"zs_dequantize_runs_{x}"
+        table[name] = Kernel(name, "quant", _DEQUANT_RUNS_PARAMS, host=name + "_host")
     # 1-bit compression with error feedback (see quant.cu), float32 only
     table["zs_sign_compress"] = Kernel("zs_sign_compress", "quant", _SIGN_PARAMS,
                                        host="zs_sign_compress_host")

@@ -98,6 +98,68 @@ ZS_QUANT_ENTRY(f32, float)
 ZS_QUANT_ENTRY(bf16, zs_bf16)
 ZS_QUANT_ENTRY(f16, zs_f16)
 
+// qwZ's copy-out (see [Note: quantized gathers]): the runs of copy.cu (run k
+// covers starts[k] <= i < starts[k + 1], read from position runs[2k], written
+// to dst + runs[2k + 1]) read the all-gathered int8 sections instead, each
+// element dequantized as it is copied: position p is in rank p / section's
+// section, whose `blocks` scales start at its start, so the same bits as
+// zs_dequantize_* then a copy, in one pass and one launch.
+__device__ __forceinline__ float zs_dequant_at(const signed char* __restrict__ q,
+                                               const float* __restrict__ scales, zs_i64 p,
+                                               zs_i64 section, zs_i64 blocks) {
+  return (float)q[p] * scales[(p / section) * blocks + (p % section) / ZS_QUANT_GROUP];
+}
+
+#define ZS_DEQUANT_RUNS_PARAMS(D)                                                      \
+  const signed char *__restrict__ q, const float *__restrict__ scales,                 \
+      D *__restrict__ dst, const zs_i64 *__restrict__ runs,                            \
+      const zs_i64 *__restrict__ starts, zs_i64 nruns, zs_i64 section, zs_i64 blocks
+
+template <typename D>
+__device__ __forceinline__ void zs_dequantize_runs(ZS_DEQUANT_RUNS_PARAMS(D)) {
+  zs_i64 k = 0, lo = 0, hi = 0, from = 0;
+  D* to = 0;
+  ZS_GRID_STRIDE(i, starts[nruns]) {
+    if (i >= hi) {  // a thread walks its indices upwards: the next run is ahead
+      while (i >= starts[k + 1]) ++k;
+      lo = starts[k];
+      hi = starts[k + 1];
+      from = runs[2 * k];
+      to = dst + runs[2 * k + 1];
+    }
+    zs_store(to, i - lo, zs_dequant_at(q, scales, from + i - lo, section, blocks));
+  }
+}
+
+#ifdef ZS_CPU
+template <typename D>
+static void zs_dequantize_runs_host(ZS_DEQUANT_RUNS_PARAMS(D)) {
+  zs_host_for(starts[nruns], [=](zs_i64 begin, zs_i64 end) {
+    for (zs_i64 k = 0; k < nruns && starts[k] < end; ++k) {
+      zs_i64 lo = begin > starts[k] ? begin : starts[k];
+      zs_i64 hi = end < starts[k + 1] ? end : starts[k + 1];
+      zs_i64 from = runs[2 * k] - starts[k];
+      D* to = dst + runs[2 * k + 1] - starts[k];
+      for (zs_i64 i = lo; i < hi; ++i)
+        zs_store(to, i, zs_dequant_at(q, scales, from + i, section, blocks));
+    }
+  });
+}
+#endif
+
+#define ZS_DEQUANT_RUNS_ENTRY(SUFFIX, D)                                                 \
+  extern "C" __global__ void __launch_bounds__(256)                                      \
+      zs_dequantize_runs_##SUFFIX(ZS_DEQUANT_RUNS_PARAMS(D)) {                           \
+    zs_dequantize_runs<D>(q, scales, dst, runs, starts, nruns, section, blocks);         \
+  }                                                                                      \
+  ZS_HOST(extern "C" void zs_dequantize_runs_##SUFFIX##_host(ZS_DEQUANT_RUNS_PARAMS(D)) { \
+    zs_dequantize_runs_host<D>(q, scales, dst, runs, starts, nruns, section, blocks);    \
+  })
+
+ZS_DEQUANT_RUNS_ENTRY(f32, float)
+ZS_DEQUANT_RUNS_ENTRY(bf16, zs_bf16)
+ZS_DEQUANT_RUNS_ENTRY(f16, zs_f16)
+
 // Block-quantised int4 (ZeRO++'s qgZ at 4 bits): the same groups, scale
 // amax / 7, q = rint(x * (7 / amax)) within [-7, 7], stored as q + 8 in a
 // nibble: element 2i in the low nibble of byte i, 2i + 1 in the high one (a

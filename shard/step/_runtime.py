@@ -75,7 +75,7 @@ import numpy as np
 
 from ops import Communicator, Device
 from ops._quant import dequantize_blocks, quantize_blocks
-from ops.device._runs import copy_runs
+from ops.device._runs import copy_runs, dequantize_runs
 from shard.core._layout import Layout
 from shard.monitor._profile import timed
 from shard.step._reduce import CopyPlans, wait_quietly
@@ -198,14 +198,17 @@ class Units:
         if not wait and not self._planned(self._gather_bytes(u) + copies):
             return False
         self._wait_for_room(self._gather_bytes(u))
-        out = self.tracker.track(self.device.empty(unit.sharded_size * self.comm.world_size,
-                                                   shard.dtype), self.device)
         if not self.device.host and isinstance(shard, np.ndarray):  # compute params on the
             shard = self.device.asarray(shard)  # host (Offload(params="host")): a copy over
+        if self.quantized and self.secondary is None and unit.sharded_size:
+            # the int8 values in flight, dequantized by the copy-out (see the Note)
+            fused = self._quantized(self.comm, None, shard[:unit.sharded_size])
+            self._inflight[u] = (self.tracker.track(fused.q, self.device), fused, shard)
+            return True
+        out = self.tracker.track(self.device.empty(unit.sharded_size * self.comm.world_size,
+                                                   shard.dtype), self.device)
         if not unit.sharded_size:
             work = None
-        elif self.quantized and self.secondary is None:
-            work = self._quantized(self.comm, out, shard[:unit.sharded_size])
         elif self.secondary is None:
             work = self.comm.all_gather_async(out, shard[:unit.sharded_size])
         else:
@@ -213,22 +216,25 @@ class Units:
         self._inflight[u] = (out, work, shard)
         return True
 
-    def _quantized(self, comm: Communicator, out: Any, shard: Any) -> Any:
+    def _quantized(self, comm: Communicator, out: Any, shard: Any) -> _Dequantized:
         """[Note: quantized gathers]
         With ``quantized_weights=`` (ZeRO++'s qwZ) each rank block-quantizes
         its section of the unit (:func:`ops.quantize_blocks`: int8 values, a
         float32 scale per 256 of them, its blocks starting at the section's
-        start), the ranks all-gather the values and the scales, and each
-        section is dequantized into its place in the gather buffer in the
-        compute dtype. The copy-out into the unit's layout then runs as for
-        an exact gather. A section's bytes on the wire are ``n + 4 *
+        start) and the ranks all-gather the values and the scales. The unit's
+        copy-out dequantizes them as it copies (``ops/device/_runs.py``'s
+        ``dequantize_runs``: one launch, the same bits as dequantizing each
+        section then copying), so no float buffer of the gathered sections is
+        made; the bytes in flight are the int8 values and the scales, a
+        quarter of float32's. A section's bytes on the wire are ``n + 4 *
         ceil(n / 256)`` for ``n`` elements, against ``4 n`` (float32) or
         ``2 n`` (bfloat16); the values the loss sees are each within half its
         block's scale (``amax / 127``) of the master's. With secondary shards
         (hpZ) the first hop, across nodes, is the quantized one: each node's
-        secondary shard is dequantized once a step and the gathers inside the
-        node move it exactly, so the values are those of the flat quantized
-        gather (ZeRO++ composes qwZ and hpZ so)."""
+        secondary shard is dequantized once a step (into ``out``, section by
+        section) and the gathers inside the node move it exactly, so the values
+        are those of the flat quantized gather (ZeRO++ composes qwZ and hpZ
+        so)."""
         if np.dtype(shard.dtype).name not in ("float32", "bfloat16", "float16"):
             raise TypeError(f"quantized_weights=: the compute params are {shard.dtype}; "
                             "block quantization takes float32, bfloat16 or float16")
@@ -243,7 +249,7 @@ class Units:
                 dequantize_blocks(q_all[r * n:(r + 1) * n], s_all[r * k:(r + 1) * k],
                                   out.dtype, out=out[r * n:(r + 1) * n])
             return out
-        return _Dequantized(works, dequantized)
+        return _Dequantized(works, dequantized if out is not None else None, q_all, s_all, n)
 
     def _two_hops(self, u: int, out: Any, shard: Any) -> Any:
         """Unit ``u``'s gather into ``out`` from its secondary shard, gathering
@@ -301,18 +307,27 @@ class Units:
         if work is not None:
             with timed("all_gather_wait"):
                 work.wait()
+        # qwZ's int8 sections, dequantized by the copy-out (see [Note: quantized gathers])
+        quantized = work if isinstance(work, _Dequantized) and work.then is None else None
         del work  # the handle references the buffer; the copy-out below is its last use
-        self._in_use = gathered.nbytes  # and its copy-out, next
-        if not self._planned(gathered.nbytes):
+        nbytes = self._gather_bytes(u)
+        self._in_use = nbytes  # and its copy-out, next
+        if not self._planned(nbytes):
             self._drop_prefetches(set(list(upcoming)[:self.prefetch]))
-        self._wait_for_room(gathered.nbytes)
+        self._wait_for_room(nbytes)
         # one buffer for the unit, tracked once: its views keep it alive
         flat = self.tracker.track(
-            self.device.empty(self.full_layout.units[u].local_size, gathered.dtype), self.device)
+            self.device.empty(self.full_layout.units[u].local_size, shard.dtype), self.device)
         sharded, replicated = self.plans.gather(u, self._order)
-        copy_runs(flat, sharded, sharded.table(self.device), device=self.device, src=gathered)
+        if quantized is not None:
+            dequantize_runs(flat, sharded, sharded.table(self.device), q=quantized.q,
+                            scales=quantized.scales, section=quantized.section,
+                            device=self.device)
+        else:
+            copy_runs(flat, sharded, sharded.table(self.device), device=self.device,
+                      src=gathered)
         copy_runs(flat, replicated, replicated.table(self.device), device=self.device, src=shard)
-        del gathered, shard
+        del gathered, shard, quantized
         self.prefetch_after(upcoming)
         return flat
 
@@ -349,16 +364,18 @@ class Units:
 
 
 class _Dequantized:
-    """The gathers of a unit's int8 values and scales, then the sections
+    """The gathers of a unit's int8 values ``q`` and ``scales`` (``section``
+    elements a rank), then ``then()`` where it is given: the sections
     dequantized (see [Note: quantized gathers])."""
 
-    def __init__(self, works: list[Any], then: Any) -> None:
+    def __init__(self, works: list[Any], then: Any, q: Any, scales: Any, section: int) -> None:
         self.works, self.then = works, then
+        self.q, self.scales, self.section = q, scales, section
 
     def wait(self) -> Any:
         for work in self.works:
             work.wait()
-        return self.then()
+        return self.then() if self.then is not None else None
 
 
 class _Then:
