@@ -33,18 +33,19 @@ gathers and as much for the gradients, about 0.25x in all; with int4 gradients
 (``hpz-qwz-qgz4``) 0.5 x 0.129 = 0.06x for them, about 0.19x in all.
 ZeRO-2 (``zero2``, AdamW) reduce-scatters the gradients (1x) and all-gathers
 the updated params (1x): about 2x. With 1-bit Adam (``zero2-onebit``,
-``ops.onebit_adam``, compressing from its second step) the gradients' 1x
-becomes the compressed all-reduce of the momentum, 2 x 1/32 x (1 + 1/8) / 2 x
-2 = about 0.07x, and the params' all-gather stays: about 1.07x. With 0/1 Adam
-(``zero2-zeroone``, ``ops.zero_one_adam`` whose variance freezes after its
-first update, local steps from the second, synchronised at updates 2, 4, 8
-and 12) nothing is sent but each synchronisation's compressed all-reduce
-(0.07x), once the ranks have gathered the whole params and moments at the
-freeze (3x): 12 steps average (2 + 3 + 4 x 0.07) / 12 = about 0.44x, and
-0.02x a step after them.
+``ops.onebit_adam``, its ``freeze_step`` the warm-up's last step but one)
+the gradients' 1x becomes the compressed all-reduce of the momentum, 2 x
+1/32 x (1 + 1/8) / 2 x 2 = about 0.07x, and every rank updates its whole
+params from it, so no params are gathered either: about 0.07x a step after
+the warm-up. With 0/1 Adam (``zero2-zeroone``, ``ops.zero_one_adam``, its
+``var_freeze_step`` there too, the local steps' interval doubling every
+update up to 4) only the synchronisations send, that all-reduce every 4th
+update: about 0.02x a step. 1-bit Adam diverges when it compresses on a
+variance of one or two updates, so measure the 1-bit family after a warm-up
+(``--warmup 25``), every mode alike.
 Needs root and network namespaces (``ip netns``), as the tests do.
 
-Usage: sudo python benchmarks/multinode.py [--rate 1gbit] [--steps 12] [--rounds 3]
+Usage: sudo python benchmarks/multinode.py [--rate 1gbit] [--steps 12] [--warmup 0] [--rounds 3]
                                           [--modes flat hsdp ...]
 """
 
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -70,18 +72,19 @@ MODES = ("flat", "hsdp", "hpz", "qwz", "hpz-qwz", "qgz", "hpz-qwz-qgz", "hpz-qwz
 
 
 def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]]:
-    env = dict(os.environ, ZS_OUT=str(out), ZS_STEPS=str(args.steps), PYTHONPATH=str(ROOT),
+    freeze = max(1, args.warmup - 1)  # the 1-bit family's warm-up: compressing from there
+    env = dict(os.environ, ZS_OUT=str(out), ZS_STEPS=str(args.warmup + args.steps),
+               ZS_WARMUP=str(args.warmup), PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS="1", ZS_D=str(args.d_model), ZS_LAYERS=str(args.layers),
                ZS_REPLICAS="2" if mode == "hsdp" else "1",
                ZS_RESHARD="2" if mode.startswith("hpz") else "0",
                ZS_QWZ="1" if "qwz" in mode else "0",
                ZS_QGZ="4" if mode.endswith("qgz4") else "8" if "qgz" in mode else "0",
                ZS_STAGE="2" if mode.startswith("zero2") else "3",
-               # 1-bit Adam compressing from its second update: the steps measure that phase
-               ZS_ONEBIT="1" if mode.endswith("onebit") else "0",
-               # 0/1 Adam's local steps from its second update, synchronised every 4 from
-               # its fourth
-               ZS_ZEROONE="1,1,4" if mode.endswith("zeroone") else "")
+               ZS_ONEBIT=str(freeze) if mode.endswith("onebit") else "0",
+               # 0/1 Adam's local steps from there, their interval doubling every update
+               # up to 4
+               ZS_ZEROONE=f"{freeze},1,4" if mode.endswith("zeroone") else "")
     with netns.two_hosts(rate=args.rate) as hosts:
         port, procs = free_port(), []
         for i, h in enumerate(hosts):
@@ -105,7 +108,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, allow_abbrev=False,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rate", default="1gbit", help="the link's rate, as tc writes it")
-    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--steps", type=int, default=12, help="the steps measured")
+    ap.add_argument("--warmup", type=int, default=0,
+                    help="steps before the measured ones (0: the measured steps are the run, "
+                         "its set-up's traffic included); the 1-bit family compresses from "
+                         "the warm-up's last step")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--d-model", type=int, default=128, help="the GPT's width")
     ap.add_argument("--layers", type=int, default=4)
@@ -118,25 +125,32 @@ def main() -> None:
         raise SystemExit(f"multinode: {why}")
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     sent: dict[str, list[float]] = {mode: [] for mode in modes}
+    diverged: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
             for mode in modes:
                 report, nbytes = run(mode, args, Path(tmp) / f"{mode}{r}.json")
-                times[mode].append(report["seconds"] / args.steps)
-                sent[mode].append(max(nbytes) / args.steps)
+                if not all(math.isfinite(x) for x in report["losses"]):
+                    diverged.add(mode)  # a run that diverged measures nothing
+                if args.warmup:
+                    times[mode].append(report["measured_seconds"] / args.steps)
+                    sent[mode].append(report["measured_sent"] / args.steps)
+                else:
+                    times[mode].append(report["seconds"] / args.steps)
+                    sent[mode].append(max(nbytes) / args.steps)
                 param_bytes = report["param_bytes"]
                 print(f"round {r + 1}/{args.rounds} {mode}: {times[mode][-1] * 1e3:.0f} ms/step, "
                       f"{sent[mode][-1] / 2**20:.2f} MiB sent per host and step", flush=True)
     print(f"\nGPT d={args.d_model} layers={args.layers}, {param_bytes / 2**20:.2f} MiB of params, "
           f"2 hosts x 2 processes, link {args.rate}; medians over {args.rounds} rounds of "
-          f"{args.steps} steps\n")
+          f"{args.steps} steps" + (f" after {args.warmup}" if args.warmup else "") + "\n")
     print("| mode | ms/step | vs flat | MiB sent per host and step | x params' bytes |")
     print("|---|---|---|---|---|")
     flat = statistics.median(times["flat"])
     for mode in modes:
         t, b = statistics.median(times[mode]), statistics.median(sent[mode])
-        print(f"| {mode} | {t * 1e3:.0f} | {t / flat:.2f} | {b / 2**20:.2f} | "
-              f"{b / param_bytes:.2f} |")
+        print(f"| {mode}{' (diverged: its loss is not finite)' if mode in diverged else ''} "
+              f"| {t * 1e3:.0f} | {t / flat:.2f} | {b / 2**20:.2f} | {b / param_bytes:.2f} |")
 
 
 if __name__ == "__main__":

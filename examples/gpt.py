@@ -22,6 +22,7 @@ import math
 import resource
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -233,7 +234,8 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
           reshard_after_forward: bool | int = True,
           invariant_shards: int | None = None, quantized_weights: bool = False,
           quantized_gradients: bool | int = False,
-          onebit_freeze_step: int | None = None, zero_one: dict | None = None) -> dict:
+          onebit_freeze_step: int | None = None, zero_one: dict | None = None,
+          on_step: Callable[[int], None] | None = None) -> dict:
     """Train a GPT with ZeRO ``stage`` up to step ``steps``; returns losses,
     timings and memory.
 
@@ -262,6 +264,7 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
     that ``freeze_step`` instead of AdamW, without clipping. ``zero_one``: 0/1
     Adam (``ops.zero_one_adam``, stages 1-2) with these keyword arguments
     (``var_freeze_step``, ``local_step_clipper``, ...), without clipping.
+    ``on_step(done)``: called after each step with the steps done.
     """
     model = copy.deepcopy(model) if model is not None else build(cfg)
     params, loss = it.functional(model, loss=lm_loss)
@@ -303,6 +306,8 @@ def train(comm: ops.Communicator, *, stage: int = 3, steps: int = 200, batch: in
             state, metrics = step(state, b, tokens=local_tokens)
             done = int(state.batches)
             losses.append(metrics["loss"])
+            if on_step is not None:
+                on_step(done)
             if bar is not None:
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}",
                                 tok_s=f"{metrics['tokens_per_s'] * comm.world_size:,.0f}")

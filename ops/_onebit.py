@@ -39,6 +39,15 @@ occasional reset does not change the convergence), the ZeRO step keeps them
 outside the train state and starts them from zero after a resume or a
 skipped update; the agreed momentum is the optimizer's ``exp_avg``, sharded
 like the other moments.
+
+Every rank decompresses the same momentum, so in a ZeRO 1-2 step every rank
+updates its whole params from it alike, as DeepSpeed's 1-bit Adam (which
+shards nothing) does, and no params are all-gathered after the warm-up: each
+rank keeps the whole params and the frozen variance in float32 from
+``freeze_step`` on (the warm-up's first compressed step gathers them once),
+8 bytes a parameter beside the agreed momentum and the worker error, and
+writes its sections into the state's masters and ``exp_avg``. The compressed
+all-reduce is then all a step sends.
 """
 
 from __future__ import annotations
@@ -162,10 +171,11 @@ def onebit_adam(learning_rate: float | Schedule, freeze_step: int = 100000, b1: 
     ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``, ``p -= lr (m /
     (sqrt(v) + eps) + weight_decay p)``; after them ``v`` stays as it is.
     Under ``shard.zero1``/``zero2`` on more than one rank, the steps after
-    ``freeze_step`` send no gradients: the ranks agree on the momentum through
-    :func:`compressed_all_reduce`, and the step's ``metrics["grad_norm"]``
-    is then that momentum's norm. On its own (one process) it is the same
-    update with this rank's gradient.
+    ``freeze_step`` send no gradients and gather no params: the ranks agree
+    on the momentum through :func:`compressed_all_reduce` and each updates
+    its whole params from it, and the step's ``metrics["grad_norm"]`` is then
+    that momentum's norm. On its own (one process) it is the same update with
+    this rank's gradient.
 
     Args:
       learning_rate: a float >= 0, or a schedule ``count -> lr``.

@@ -171,7 +171,8 @@ def test_secondary_shards_gather_across_hosts_once_a_step(runs):
                     reason=WHY or "no tc here to shape the link")
 def test_multinode_benchmark_prints_its_table():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "multinode.py"), "--rounds",
-                          "1", "--steps", "2", "--d-model", "32", "--layers", "2", "--modes",
+                          "1", "--steps", "2", "--warmup", "2", "--d-model", "32", "--layers",
+                          "2", "--modes",
                           "hsdp", "qwz", "hpz-qwz", "qgz", "hpz-qwz-qgz", "zero2-onebit",
                           "zero2-zeroone"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600,
@@ -189,7 +190,10 @@ def test_multinode_benchmark_prints_its_table():
     assert ratio["hsdp"] < ratio["hpz-qwz"] < ratio["qwz"], out.stdout
     # and inside hpZ's groups the gradients cross once, quantized: below HSDP's all-reduce
     assert ratio["hpz-qwz-qgz"] < min(ratio["hsdp"], ratio["hpz-qwz"] - 0.5), out.stdout
-    assert ratio["zero2-onebit"] < ratio["flat"], out.stdout  # 1-bit Adam under ZeRO-2 ran
+    # after the warm-up the 1-bit family sends its compressed all-reduces alone (and the
+    # step's small all-reduce, whose headers weigh on a model this small): no params
+    assert ratio["zero2-onebit"] < 0.5 and ratio["zero2-zeroone"] < 0.5, out.stdout
+    assert "diverged" not in out.stdout, out.stdout
 
 
 def elastic(out: Path, ckpt: Path, **more: str) -> dict[str, str]:

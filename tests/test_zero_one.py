@@ -154,9 +154,10 @@ def test_zero1_and_zero2_follow_a_numpy_model_of_zero_one_adam(stage, world, cli
 
 
 def test_what_crosses_the_wire_by_phase(monkeypatch):
-    """Exact reductions on the variance's updates alone, the gradients
-    compressed on the others; after the freeze no gradient and no params:
-    one compressed all-reduce per synchronisation and nothing between."""
+    """0/1 Adam: exact reductions on the variance's updates alone, the
+    gradients compressed on the others; after the freeze no gradient and no
+    params: one compressed all-reduce per synchronisation and nothing between.
+    1-bit Adam: after its warm-up one compressed all-reduce a step."""
     world = 2
     params, batches = _problem(world, k=100)
     batches = (batches * 2)[:STEPS]
@@ -173,8 +174,8 @@ def test_what_crosses_the_wire_by_phase(monkeypatch):
         monkeypatch.setattr(ops.ThreadCommunicator, name,
                             counted(name, getattr(ops.ThreadCommunicator, name)))
 
-    def run(comm):
-        step = shard.zero2(_loss, optimizer=_opt(), comm=comm)
+    def run(comm, optimizer=None):
+        step = shard.zero2(_loss, optimizer=optimizer or _opt(), comm=comm)
         state = step.init(params)
         for n, b in enumerate(batches, start=1):
             now[comm.rank] = n
@@ -194,6 +195,16 @@ def test_what_crosses_the_wire_by_phase(monkeypatch):
     # and scales); at the freeze the whole params and moments once; then the
     # synchronisations' bits and scales alone
     assert at("all_gather_into") == {1: 1, 2: 1, 3: 3, 4: 1, 5: 3, 6: 5, 7: 2, 8: 2, 12: 2}
+
+    calls.clear()  # 1-bit Adam, freeze_step=2: no params gathered after its warm-up either
+    now.clear()
+    assert ops.spawn(lambda comm: run(comm, ops.onebit_adam(LR, freeze_step=2)),
+                     world) == [STEPS] * world
+    assert at("reduce_scatter_async") == {1: 1, 2: 1}
+    assert at("all_to_all_into") == {n: 2 for n in range(3, STEPS + 1)}
+    # the params after each warm-up update; at the freeze the whole momentum, params
+    # and variance once, with the bits and scales; then the bits and scales alone
+    assert at("all_gather_into") == {1: 1, 2: 1, 3: 5} | {n: 2 for n in range(4, STEPS + 1)}
 
 
 def test_a_resume_between_synchronisations_starts_from_the_last_one(tmp_path):

@@ -25,7 +25,8 @@ from shard.core._layout import Layout
 from shard.monitor._profile import timed
 
 __all__ = ["Compressed", "CopyPlans", "GradBuffers", "GradReducer", "LocalReducer",
-           "OneBitMomentum", "OneBitReducer", "ZeroOneLocal", "check_float32", "wait_quietly"]
+           "OneBitMomentum", "OneBitReducer", "ZeroOneLocal", "check_float32", "gather_whole",
+           "wait_quietly", "write_sections"]
 
 
 class GradReducer:
@@ -289,10 +290,12 @@ class OneBitMomentum:
     Adam] in ``ops/_onebit.py``): per unit the momentum the ranks agreed on
     (the sharded leaves' in the (W, S) reduce layout, the replicated ones'
     whole), the worker error like it and the server error (this rank's
-    section). They hold for the state whose ``exp_avg`` buffers and step
-    they were made or last updated with; any other state (a resumed one, one
-    whose last update was skipped or failed) starts them again from its
-    ``exp_avg``, the errors from zero."""
+    section); with the momentum, the whole params and the frozen variance,
+    float32, which every rank updates alike from the agreed momentum, so no
+    params are gathered after an update. They hold for the state whose
+    ``exp_avg`` buffers and step they were made or last updated with; any
+    other state (a resumed one, one whose last update was skipped or failed)
+    starts them again from its masters and moments, the errors from zero."""
 
     def __init__(self) -> None:
         self.key: tuple | None = None
@@ -300,32 +303,67 @@ class OneBitMomentum:
         self.replicated: list[Any] = []
         self.worker: list[Any] = []
         self.server: list[Any] = []
+        self.momentum: list[Any] = []
+        self.params: list[Any] = []
+        self.variance: list[Any] = []
+        self.scratch: list[Any] = []  # the update's exp_avg, which it overwrites
 
-    def ready(self, layout: Layout, comm: Communicator, device: Device, exp_avg: Any,
-              step: int, momentum: bool = True) -> None:
-        """Make the buffers hold for ``exp_avg`` at ``step`` (a collective when
-        they are made: the agreed momentum is gathered from the shards).
-        ``momentum=False``: the errors alone (0/1 Adam's compressed gradients)."""
+    def ready(self, layout: Layout, comm: Communicator, device: Device, state: Any,
+              step: int, momentum: bool = True) -> bool:
+        """Make the buffers hold for ``state`` (its masters and moments) at
+        ``step`` (a collective when they are made: the agreed momentum, the
+        params and the variance are gathered from the shards); whether they
+        were made. ``momentum=False``: the errors alone (0/1 Adam's
+        compressed gradients)."""
+        exp_avg = state.moments[0]
         key = (step, tuple(id(b) for b in exp_avg))
         if key == self.key:
-            return
+            return False
         w = comm.world_size
         self.sharded, self.replicated, self.worker, self.server = [], [], [], []
-        for unit, m in zip(layout.units, exp_avg, strict=True):
+        self.momentum, self.params, self.variance, self.scratch = [], [], [], []
+        if momentum:
+            self.momentum = gather_whole(layout, comm, device, exp_avg)
+            for unit, m in zip(layout.units, self.momentum, strict=True):
+                self.sharded.append(m[:unit.sharded_size * w])  # views of the whole
+                self.replicated.append(m[unit.sharded_size * w:])
+            self.params = gather_whole(layout, comm, device, state.master)
+            self.variance = gather_whole(layout, comm, device, state.moments[1])
+            # zeros: the update reads it (times 0) before it overwrites it
+            self.scratch = [device.zeros(x.size, np.float32) for x in self.params]
+        for unit in layout.units:
             s = unit.sharded_size
-            if momentum:
-                whole = device.empty(s * w, np.float32)
-                if s:
-                    comm.all_gather_into(whole, m[:s])
-                self.sharded.append(whole)
-                self.replicated.append(m[s:].copy())
             self.worker.append(device.zeros(s * w, np.float32))
             self.server.append(device.zeros(s, np.float32))
         self.key = key
+        return True
 
     def advanced(self, step: int, exp_avg: Any) -> None:
         """The update of ``step`` ran: the buffers hold for the next one."""
         self.key = (step + 1, tuple(id(b) for b in exp_avg))
+
+
+def gather_whole(layout: Layout, comm: Communicator, device: Device, bufs: Any) -> list[Any]:
+    """Each unit's whole vector on every rank (a collective), float32: the
+    sharded leaves' in the (W, S) reduce layout, then the replicated ones'."""
+    w, out = comm.world_size, []
+    for unit, b in zip(layout.units, bufs, strict=True):
+        s = unit.sharded_size
+        x = device.empty(s * w + unit.replicated_size, np.float32)
+        if s:
+            comm.all_gather_into(x[:s * w], b[:s])
+        x[s * w:] = b[s:]
+        out.append(x)
+    return out
+
+
+def write_sections(layout: Layout, rank: int, wholes: list[Any], shards: Any) -> None:
+    """This rank's sections of whole vectors (see :func:`gather_whole`) into
+    its shards."""
+    for unit, x, dst in zip(layout.units, wholes, shards, strict=True):
+        s = unit.sharded_size
+        dst[:s] = x[rank * s:(rank + 1) * s]
+        dst[s:] = x[x.size - unit.replicated_size:]
 
 
 class OneBitReducer(GradReducer):
@@ -447,20 +485,10 @@ class ZeroOneLocal:
         if key == self.key and self.steps is not None:
             return False
         w = comm.world_size
-
-        def whole(bufs: Any) -> list[Any]:
-            out = []
-            for unit, b in zip(layout.units, bufs, strict=True):
-                s = unit.sharded_size
-                x = device.empty(s * w + unit.replicated_size, np.float32)
-                if s:
-                    comm.all_gather_into(x[:s * w], b[:s])
-                x[s * w:] = b[s:]
-                out.append(x)
-            return out
-
-        self.steps = LocalSteps(spec, comm, whole(masters), whole(moments[0]),
-                                whole(moments[1]), [u.sharded_size * w for u in layout.units])
+        self.steps = LocalSteps(spec, comm, gather_whole(layout, comm, device, masters),
+                                gather_whole(layout, comm, device, moments[0]),
+                                gather_whole(layout, comm, device, moments[1]),
+                                [u.sharded_size * w for u in layout.units])
         self.key = key
         return True
 
@@ -468,13 +496,8 @@ class ZeroOneLocal:
         """This rank's sections of the synchronised params and momentum into the
         state's masters and ``exp_avg``."""
         steps = cast(LocalSteps, self.steps)
-        w = steps.comm.world_size
-        for unit, p, m, dst_p, dst_m in zip(layout.units, steps.params, steps.exp_avg, masters,
-                                            exp_avg, strict=True):
-            s = unit.sharded_size
-            for src, dst in ((p, dst_p), (m, dst_m)):
-                dst[:s] = src[rank * s:(rank + 1) * s]
-                dst[s:] = src[s * w:]
+        write_sections(layout, rank, steps.params, masters)
+        write_sections(layout, rank, steps.exp_avg, exp_avg)
 
     def advanced(self, step: int, masters: Any) -> None:
         """The update of ``step`` ran: the local steps hold for the next one."""

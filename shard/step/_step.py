@@ -424,6 +424,9 @@ class ZeroStep:
             needs_norm = c.clip_norm is not None or plan.optimizer.fused is None
             if onebit is not None and onebit.kind == "local":  # see [Note: 0/1 Adam]
                 self._local_step(plan, state, onebit.held, shards)
+            elif onebit is not None and onebit.kind == "momentum":  # see [Note: 1-bit Adam]
+                with timed("optimizer"):
+                    _update.onebit_update(plan, state, onebit.held)
             else:
                 state = self._apply(plan, state, shards, 1.0 if onebit else grad_scale,
                                     totals[_update.SUMSQ] if needs_norm else None, skip,
@@ -480,7 +483,7 @@ class ZeroStep:
                 isinstance(spec, OneBit) and n <= spec.freeze_step):
             return None
         held = self.__dict__.setdefault("_onebit_momentum", OneBitMomentum())
-        held.ready(plan.layout, plan.fast, plan.device, state.moments[0], int(state.step),
+        held.ready(plan.layout, plan.fast, plan.device, state, int(state.step),
                    momentum=isinstance(spec, OneBit))
         return Compressed("momentum" if isinstance(spec, OneBit) else "gradients", held, scale)
 

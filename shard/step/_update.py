@@ -75,13 +75,14 @@ from shard.step._frozen import (
     trainable_runs,
 )
 from shard.step._ordered import exact_norm_and_loss
+from shard.step._reduce import OneBitMomentum, write_sections
 
 if TYPE_CHECKING:
     from shard.step._plan import Plan
 
 __all__ = ["add_skips", "apply", "copy_out", "count_missing", "fresh_totals",
-           "local_norm_and_loss", "norm_and_loss", "refresh", "skipped_leaves", "tracks_missing",
-           "warn_if_rows_differ", "weigh_by_rows"]
+           "local_norm_and_loss", "norm_and_loss", "onebit_update", "refresh", "skipped_leaves",
+           "tracks_missing", "warn_if_rows_differ", "weigh_by_rows"]
 
 log = logging.getLogger("shard.step")
 
@@ -135,6 +136,22 @@ def local_norm_and_loss(plan: Plan, sumsq: Any, totals: Any) -> None:
     norm (``sumsq``: its own), the losses summed over the ranks]."""
     totals[SUMSQ] = sumsq * (1.0 / plan.fast.world_size)
     plan.fast.all_reduce_(totals, "sum")
+
+
+def onebit_update(plan: Plan, state: TrainState, held: OneBitMomentum) -> None:
+    """1-bit Adam after ``freeze_step`` (see [Note: 1-bit Adam] in
+    ``ops/_onebit.py``): every rank updates its whole params from the momentum
+    the ranks agreed on, alike, so no params are gathered; the state's masters
+    and ``exp_avg`` take this rank's sections, the compute params the whole."""
+    fused = cast(ops.FusedOptimizer, plan.optimizer.fused)
+    plan.config.optimizer.apply(
+        tuple(held.momentum), fused.state(state.step, tuple(held.scratch),
+                                          tuple(held.variance)),
+        tuple(held.params), finite=True, momentum=True)
+    write_sections(plan.layout, plan.fast.rank, held.params, state.master)
+    write_sections(plan.layout, plan.fast.rank, held.momentum, state.moments[0])
+    with timed("library"):
+        copy_out(plan, state, held.params)
 
 
 def copy_out(plan: Plan, state: TrainState, wholes: list[Any]) -> None:
@@ -281,11 +298,9 @@ def apply(plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
     1-2's all-gather of the new compute params. With ``grad_sumsq`` (a device
     array) the kernel clips by it and skips the update where it is not finite,
     reading it on the device (see [Note: non-finite gradients]). ``compressed``:
-    the shards are 1-bit Adam's agreed momentum ("momentum") or 0/1 Adam's
-    compressed mean gradient ("gradients"), each rank's part clipped already
-    (see [Note: 1-bit Adam] in ``ops/_onebit.py``)."""
+    the shards are 0/1 Adam's compressed mean gradient ("gradients"), each
+    rank's part clipped already (see [Note: 0/1 Adam] in ``ops/_zeroone.py``)."""
     c = plan.config
-    momentum = compressed == "momentum"
     max_norm = None if compressed else c.clip_norm
     copies = _copies(plan, state)
     if plan.optimizer.fused is None:  # an optax transformation (see [Note: optax on shards])
@@ -321,12 +336,11 @@ def apply(plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
                     grad_sumsq=grad_sumsq,
                     max_norm=max_norm,
                     param_copies=copy_views(plan, copies, runs) if copies else None,
-                    finite=True, **({"momentum": True} if momentum else {}))
+                    finite=True)
         else:
             c.optimizer.apply(tuple(shards), fused.state(state.step, *state.moments),
                               state.master, grad_scale=grad_scale, grad_sumsq=grad_sumsq,
-                              max_norm=max_norm, param_copies=copies, finite=True,
-                              **({"momentum": True} if momentum else {}))
+                              max_norm=max_norm, param_copies=copies, finite=True)
         if copies and c.stage in (1, 2) and (plan.frozen or skip):
             copy_left(plan, state, copies, skip)
     refresh(plan, state, copies)
