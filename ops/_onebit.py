@@ -43,11 +43,11 @@ like the other moments.
 Every rank decompresses the same momentum, so in a ZeRO 1-2 step every rank
 updates its whole params from it alike, as DeepSpeed's 1-bit Adam (which
 shards nothing) does, and no params are all-gathered after the warm-up: each
-rank keeps the whole params and the frozen variance in float32 from
-``freeze_step`` on (the warm-up's first compressed step gathers them once),
-8 bytes a parameter beside the agreed momentum and the worker error, and
-writes its sections into the state's masters and ``exp_avg``. The compressed
-all-reduce is then all a step sends.
+rank keeps the whole params, the frozen variance and the update's scratch in
+float32 from ``freeze_step`` on (the first compressed step gathers them
+once), 12 bytes a parameter beside the agreed momentum and the worker error
+(8 more), and writes its sections into the state's masters and ``exp_avg``.
+The compressed all-reduce is then all a step sends.
 """
 
 from __future__ import annotations
