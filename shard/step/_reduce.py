@@ -299,8 +299,6 @@ class OneBitMomentum:
 
     def __init__(self) -> None:
         self.key: tuple | None = None
-        self.sharded: list[Any] = []
-        self.replicated: list[Any] = []
         self.worker: list[Any] = []
         self.server: list[Any] = []
         self.momentum: list[Any] = []
@@ -320,13 +318,10 @@ class OneBitMomentum:
         if key == self.key:
             return False
         w = comm.world_size
-        self.sharded, self.replicated, self.worker, self.server = [], [], [], []
+        self.worker, self.server = [], []
         self.momentum, self.params, self.variance, self.scratch = [], [], [], []
         if momentum:
             self.momentum = gather_whole(layout, comm, device, exp_avg)
-            for unit, m in zip(layout.units, self.momentum, strict=True):
-                self.sharded.append(m[:unit.sharded_size * w])  # views of the whole
-                self.replicated.append(m[unit.sharded_size * w:])
             self.params = gather_whole(layout, comm, device, state.master)
             self.variance = gather_whole(layout, comm, device, state.moments[1])
             # zeros: the update reads it (times 0) before it overwrites it
@@ -393,37 +388,38 @@ class OneBitReducer(GradReducer):
         self._accumulate(u, grads)
 
     def finish(self) -> list[Any]:
-        mo, rank = self.momentum, self.comm.rank
+        mo, rank, w = self.momentum, self.comm.rank, self.comm.world_size
         mo.key = None  # they hold for the state again once its update ran (advanced)
         coef = None if self.max_norm is None else self._clip_coef(
             self._own_sumsq(self.scale), self.max_norm)
         for u, unit in enumerate(self.layout.units):
             s, shard = unit.sharded_size, self.shards[u]
+            whole = mo.momentum[u] if self.beta1 is not None else None
             if s:
-                g = cast(list, self._full)[u]
-                g *= self.weight
-                if coef is not None:
-                    g *= coef
-                m = g if self.beta1 is None else mo.sharded[u]
-                if self.beta1 is not None:
-                    m *= self.beta1
-                    m += g
+                m = self._fold(cast(list, self._full)[u], None if whole is None else
+                               whole[:s * w], coef)
                 with timed("reduce_wait"):
                     compressed_all_reduce(self.comm, m, mo.worker[u], mo.server[u])
                 shard[:s] = m[rank * s:(rank + 1) * s]
             if unit.replicated_size:
-                g = shard[s:]
-                g *= self.weight
-                if coef is not None:
-                    g *= coef
-                m = g if self.beta1 is None else mo.replicated[u]
-                if self.beta1 is not None:
-                    m *= self.beta1
-                    m += g
+                m = self._fold(shard[s:], None if whole is None else whole[s * w:], coef)
                 with timed("reduce_wait"):
                     self.comm.all_reduce_(m, "mean")
                 shard[s:] = m
         return self.shards
+
+    def _fold(self, g: Any, m: Any, coef: Any) -> Any:
+        """``g`` (a rank's gradient sums) scaled, clipped and folded into the
+        momentum ``m`` in place, ``m = b1 m + (1 - b1) g``; with no momentum
+        (0/1 Adam's compressed gradients) ``g`` itself, scaled."""
+        g *= self.weight
+        if coef is not None:
+            g *= coef
+        if m is None:
+            return g
+        m *= self.beta1
+        m += g
+        return m
 
     def drain(self) -> None:
         self.momentum.key = None  # a failed step: start again from the state's exp_avg

@@ -310,7 +310,7 @@ class Units:
         # qwZ's int8 sections, dequantized by the copy-out (see [Note: quantized gathers])
         quantized = work if isinstance(work, _Dequantized) and work.then is None else None
         del work  # the handle references the buffer; the copy-out below is its last use
-        nbytes = self._gather_bytes(u)
+        nbytes = gathered.nbytes if quantized is None else self._gather_bytes(u)
         self._in_use = nbytes  # and its copy-out, next
         if not self._planned(nbytes):
             self._drop_prefetches(set(list(upcoming)[:self.prefetch]))
