@@ -23,6 +23,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
+from ops.comm._xla import placement
 from shard.core._data_rank import bind_axis
 from shard.core._loss import check_scalar, split_aux
 
@@ -324,7 +325,8 @@ class Program:
         if any(isinstance(x, jax.core.Tracer) for x in leaves):
             return jitted(*args, **static)
         sig = (name, fn, tree, tuple((getattr(x, "shape", ()), str(getattr(x, "dtype", type(x))),
-                                      getattr(x, "weak_type", False)) for x in leaves))
+                                      getattr(x, "weak_type", False)) for x in leaves),
+               placement(leaves))
         compiled = self._compiled.get(sig)
         if compiled is None:
             with self._compiling:  # compiling runs no collective: the other ranks just wait

@@ -60,6 +60,24 @@ def test_equal_programs_of_different_functions_compile_once():
     assert c.n == 1
 
 
+def test_one_program_on_inputs_that_live_elsewhere_is_compiled_for_them():
+    # A loss on the CPU and the same loss on a GPU trace one jaxpr; an
+    # executable compiled for one device refuses inputs on another.
+    cpu0, cpu1 = jax.devices("cpu")[:2]
+
+    def make():
+        return _xla.SharedJit(lambda x: jnp.cos(x) * 3.0 - 0.5)
+
+    x = np.arange(6, dtype=np.float32)
+    on0, on1 = jax.device_put(x, cpu0), jax.device_put(x, cpu1)
+    with _Compiles() as c:
+        a, b, h = make()(on0), make()(on1), make()(x)
+    assert c.n == 2  # the host array goes where the default device is: cpu0's program
+    assert a.devices() == {cpu0} and b.devices() == {cpu1}
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(h))
+
+
 def test_programs_that_differ_only_where_the_text_does_not_show_never_share():
     """A jaxpr prints every callback's function as 0xXXXX and no constant's
     value: two programs equal in print but calling different functions, or

@@ -20,7 +20,8 @@ an operand instead:
 So the ranks of a tensor-parallel or axis-bound loss trace one program.
 :class:`SharedJit` compiles one executable per program (:func:`program_key`:
 the jaxpr's text, every parameter that its text does not show (a callback's
-function, by identity), its constants' bytes, its output tree), under a lock
+function, by identity), its constants' bytes, its output tree, and where its
+inputs live: :func:`placement`), under a lock
 per program, ahead of time, for every rank and object that traces it: a loss
 whose function each rank makes anew (a closure in a notebook's per-rank
 function, a new step object) compiles once, not once a rank. Nothing runs
@@ -64,8 +65,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["SLOTS", "Member", "SharedJit", "compiled", "host_call", "member", "program_key",
-           "rank_scope", "ranks_operand", "ready", "register"]
+__all__ = ["SLOTS", "Member", "SharedJit", "compiled", "host_call", "member", "placement",
+           "program_key", "rank_scope", "ranks_operand", "ready", "register"]
 
 SLOTS = 8  # ranks a program can take as operands (two per group: data, model, pipe, replica)
 KEEP = 64  # compiled programs kept, the most recently used
@@ -301,6 +302,20 @@ def compiled(key: str, keep: list[Any], compile_fn: Callable[[], Any]) -> Any:
         return entry.executable
 
 
+def placement(leaves: Any) -> str:
+    """Where a program's inputs live, for its key: each JAX array's sharding,
+    and for the other leaves JAX's default device (where a call puts them).
+    The same jaxpr compiled for the CPU refuses inputs on a GPU, and the
+    other way round."""
+    import jax
+
+    default = getattr(jax.config, "jax_default_device", None)  # the context's, if set
+    if not isinstance(default, jax.Device):  # None, or a platform's name
+        default = jax.devices(default)[0]
+    here = jax.sharding.SingleDeviceSharding(default)
+    return repr(tuple(x.sharding if isinstance(x, jax.Array) else here for x in leaves))
+
+
 def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
     import jax
 
@@ -357,6 +372,7 @@ class SharedJit:
             traced, values = self.trace(*args)
             effects = bool(traced.jaxpr.effects)
             key, keep = program_key(traced.jaxpr, traced.out_tree)
+            key = f"{key} on {placement(jax.tree_util.tree_leaves(args))}"
             if effects:
                 key = f"{key} thread {thread}"
             hit = (compiled(key, keep, lambda: traced.lower().compile()),
