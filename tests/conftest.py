@@ -67,6 +67,18 @@ def device(request):
 
     return cupy_device()
 
+
+@pytest.fixture(params=DEVICES)
+def device_xp(request):
+    """A device's array module: :data:`ops.testing.xp` (the stand-in's), or CuPy on a GPU."""
+    if request.param == "standin":
+        from ops.testing import xp
+
+        return xp
+    import cupy
+
+    return cupy
+
 # The fast tier (`make test-fast`) leaves out the slow marker's tests. Besides
 # those marked in their files, these parametrized cases took 1.5 s or more on a
 # quiet 2-core machine (`make test` lists the slowest); their other cases stay.

@@ -12,7 +12,6 @@ import pytest
 import ops
 import shard
 from ops._onebit import compressed_all_reduce, sign_add, sign_compress
-from ops.testing import STANDIN, xp
 from shard.step._reduce import GradReducer
 
 GROUP = 256
@@ -67,7 +66,8 @@ def _all_reduce_model(xs, worker, server):
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_the_cpu_build_and_the_emulated_cuda_kernels_give_the_same_bits(n):
+def test_the_cpu_build_and_the_emulated_cuda_kernels_give_the_same_bits(n, device_xp):
+    xp = device_xp
     rng = np.random.default_rng(n)
     x = (rng.standard_normal(n) * 2.0 ** rng.integers(-8, 8, n)).astype(np.float32)
     e = (rng.standard_normal(n) * 0.1).astype(np.float32)
@@ -119,7 +119,7 @@ def test_the_compressed_all_reduce_is_the_numpy_model_bit_for_bit(world):
             np.testing.assert_array_equal(got[r][t], want)  # every rank the same
 
 
-def test_on_the_device_the_same_bits_as_on_the_host():
+def test_on_the_device_the_same_bits_as_on_the_host(device):
     world, k = 3, 260
     xs = [np.random.default_rng(r).standard_normal(world * k).astype(np.float32)
           for r in range(world)]
@@ -135,8 +135,8 @@ def test_on_the_device_the_same_bits_as_on_the_host():
 
 
     host = ops.spawn(lambda c: rank(c, None), world)
-    device = ops.spawn(lambda c: rank(c, STANDIN), world)
-    for h, d in zip(host, device, strict=True):
+    on_device = ops.spawn(lambda c: rank(c, device), world)
+    for h, d in zip(host, on_device, strict=True):
         np.testing.assert_array_equal(h, d)
 
 

@@ -8,14 +8,14 @@ import pytest
 
 import ops
 from ops.device._arrays import BF16
-from ops.testing import xp
 
 SIZES = [1, 255, 256, 257, 70_001]  # a part of a block, one, one and a bit, many
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("dtype", [np.float32, BF16, np.float16])
-def test_the_cpu_build_and_the_emulated_cuda_kernel_give_the_same_bits(dtype, bits):
+def test_the_cpu_build_and_the_emulated_cuda_kernel_give_the_same_bits(dtype, bits, device_xp):
+    xp = device_xp
     rng = np.random.default_rng(0)
     for n in SIZES:
         x = (rng.standard_normal(n) * 2.0 ** rng.integers(-8, 8, n)).astype(dtype)

@@ -10,7 +10,6 @@ import pytest
 import ops
 import shard
 from ops._quant import reduce_scatter_quantized
-from ops.testing import STANDIN
 from shard.step import _reduce
 from tests import zero_models as M
 from tests.test_offload import assert_same, trajectory
@@ -102,10 +101,10 @@ def test_two_hops_are_the_numpy_model_bit_for_bit(world, per_node, bits):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
-def test_on_the_device_the_same_bits_as_on_the_host(bits):
+def test_on_the_device_the_same_bits_as_on_the_host(bits, device):
     _, host = _run(3, 300, bits=bits)
-    _, device = _run(3, 300, device=STANDIN, bits=bits)
-    for h, d in zip(host, device, strict=True):
+    _, on_device = _run(3, 300, device=device, bits=bits)
+    for h, d in zip(host, on_device, strict=True):
         np.testing.assert_array_equal(h, d)
 
 
@@ -252,13 +251,18 @@ def test_deepspeeds_zero_quantized_gradients_maps_onto_the_option():
 @pytest.mark.parametrize("stage", [1, 3])
 def test_quantized_gradients_on_the_device_are_the_hosts_bit_for_bit(device, stage):
     """The device path (the stand-in's emulated kernels, or CuPy's) quantizes,
-    sends and sums the same bits as the host's."""
+    sends and sums the same bits as the host's; on a GPU, from the GPU's
+    gradients, far closer to the host's than the exact run is."""
     host = ops.spawn(lambda c: trajectory(c, stage, quantized_gradients=True), 3)
     on_device = ops.spawn(lambda c: trajectory(c, stage, device=device,
                                                quantized_gradients=True), 3)
     exact = ops.spawn(lambda c: trajectory(c, stage), 3)
     for d, h, e in zip(on_device, host, exact, strict=True):
-        assert_same(d, h)
+        if device.name == "standin":
+            assert_same(d, h)
+        else:  # on a GPU, JAX computes the gradients there, rounding as the GPU does
+            for a, b, c in zip(d[0], h[0], e[0], strict=True):
+                assert np.abs(a - b).max() <= 1e-2 * np.abs(b - c).max()
         assert d[1] != e[1]  # and they are not the exact run's
 
 
