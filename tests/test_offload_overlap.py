@@ -5,6 +5,7 @@ before the backward ends."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 
 import jax
@@ -13,9 +14,12 @@ import pytest
 
 import ops
 import shard
+from ops.device._device import HOST
+from ops.testing import STANDIN
+from shard.offload._step import Offloader, check_offload_device
 from shard.step._reduce import GradReducer
 from tests import zero_models as M
-from tests.test_offload import assert_same, trajectory
+from tests.test_offload import assert_same, gpu_refuses, trajectory
 
 OVERLAP = shard.Offload("host", overlap=True)
 BF16 = dict(precision=shard.Precision(param_dtype="bf16", reduce_dtype="float32"),
@@ -35,6 +39,9 @@ def test_overlapped_offload_is_bit_identical(stage, world):
 @pytest.mark.parametrize("stage", [1, 3])
 @pytest.mark.parametrize("world", [1, 3])
 def test_overlapped_offload_on_the_device_stand_in(device, stage, world):
+    if gpu_refuses(device, OVERLAP, lambda: ops.spawn(
+            lambda c: trajectory(c, stage, offload=OVERLAP, device=device, **BF16), world)):
+        return
     want = ops.spawn(lambda c: trajectory(c, stage, device=device, **BF16), world)
     got = ops.spawn(lambda c: trajectory(c, stage, offload=OVERLAP, device=device, **BF16),
                     world)
@@ -44,8 +51,34 @@ def test_overlapped_offload_on_the_device_stand_in(device, stage, world):
     assert all(isinstance(b, np.ndarray) for b in state.master + state.exp_avg)
 
 
+def test_on_a_gpu_what_raced_there_is_refused_before_anything_is_built():
+    """[Note: offload on a GPU]: the Offloader, which init builds first, refuses
+    overlap=True and params='host' on a CUDA device, naming the option and the
+    tier that runs there; the stand-in and the host run them."""
+    gpu = dataclasses.replace(STANDIN, name="cupy")
+
+    def build(off, device):
+        return Offloader(off, name="zero3", stage=3, layout=None, device=device,
+                         master_dtype=np.float32, compute_dtype=np.float32, rank=0,
+                         optimizer=None, clip_norm=None)
+
+    for off, what in ((OVERLAP, r"Offload\(overlap=True\)"),
+                      (shard.Offload("disk", path="x", params="host"),
+                       r"Offload\(params='host'\)")):
+        with pytest.raises(NotImplementedError, match=what + " on a CUDA device is refused"):
+            build(off, gpu)
+        check_offload_device("zero3", off, STANDIN)
+        check_offload_device("zero3", off, HOST)
+    with pytest.raises(NotImplementedError, match=r"Offload\('disk'\) without it"):
+        build(shard.Offload("disk", path="x", params="host"), gpu)
+    check_offload_device("zero3", shard.Offload("host"), gpu)  # the plain tiers run there
+
+
 def test_zero3_params_on_the_host_overlapped(device):
     off = shard.Offload("host", params="host", overlap=True)
+    if gpu_refuses(device, off, lambda: ops.spawn(
+            lambda c: trajectory(c, 3, offload=off, device=device, **BF16), 3)):
+        return
     want = ops.spawn(lambda c: trajectory(c, 3, device=device, **BF16), 3)
     got = ops.spawn(lambda c: trajectory(c, 3, offload=off, device=device, **BF16), 3)
     for g, w in zip(got, want, strict=True):
@@ -167,6 +200,8 @@ def test_estimate_memory_counts_the_spare_set(device, params):
         state, _ = step(state, b)
         return state.tiers(), step._offloader.spare.nbytes()
 
+    if gpu_refuses(device, off, lambda: ops.spawn(run, 2)):
+        return
     tiers, spare = ops.spawn(run, 2)[0]
     shapes = jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
                                     M.init_params())

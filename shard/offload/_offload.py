@@ -35,6 +35,22 @@ safetensors file per rank, in the checkpoint's rank-file format), fsyncs it and
 only then drops generation ``n``. A crash leaves the previous generation
 intact, and :func:`shard.save` hard-links the current generation into the
 checkpoint instead of copying it.
+
+[Note: offload on a GPU]
+On a lent H100 (2026-11-26), ``Offload("host", overlap=True)`` at stages 1 and
+3 and ``Offload(params="host")`` at stage 3 (host and disk tiers, one and three
+thread ranks) followed trajectories that differed from the unoffloaded step's
+on the same GPU by up to 1e-2, differently from run to run, and equal to it
+under ``CUDA_LAUNCH_BLOCKING=1``: a race between work the device has queued
+and what the host reads or writes, which the stand-in (whose operations are
+done when they return) cannot show. Making JAX's arrays ready before CuPy
+reads them, and host-to-device copies complete before they return, did not
+change it. In the same runs the host and disk tiers without these options
+matched the unoffloaded step bit for bit (7 cases, 6 runs). So on a CUDA device
+the two are refused (``check_offload_device``, before anything is built)
+until a GPU run shows them exact again; both passed there on 2026-11-23 (H100)
+and early on 2026-11-26 (H200), so the race came with a later change to the
+step or shows only with some timings.
 """
 
 from __future__ import annotations
@@ -76,6 +92,9 @@ class Offload:
         masters and moments that the step keeps only if every gradient was
         finite (see [Note: overlapped offload]): the same trajectory, for twice
         the host memory. Not with ``clip_norm`` (the norm comes last).
+
+    On a CUDA device ``overlap=True`` and ``params="host"`` are refused for now
+    (see [Note: offload on a GPU]).
     """
 
     optimizer: str = "host"

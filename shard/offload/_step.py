@@ -17,7 +17,7 @@ from shard.monitor._profile import timed
 from shard.offload._offload import KINDS, DiskTier, Offload
 from shard.offload._overlap import HostStaging, OverlappedUpdate, Spare
 
-__all__ = ["Offloader", "check_offload"]
+__all__ = ["Offloader", "check_offload", "check_offload_device"]
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +40,22 @@ def check_offload(name: str, stage: int, offload: Any, clip_norm: Any) -> None:
                          "Offload(overlap=True) updates during the backward; drop one of them")
 
 
+def check_offload_device(name: str, offload: Offload, device: Any) -> None:
+    """What the offload does not run on a GPU (see [Note: offload on a GPU] in
+    ``shard/offload/_offload.py``), refused before anything is built."""
+    if device.name != "cupy":
+        return
+    what = ("Offload(overlap=True)" if offload.overlap else
+            "Offload(params='host')" if offload.params == "host" else None)
+    if what is not None:
+        raise NotImplementedError(
+            f"{name}: {what} on a CUDA device is refused: on an H100 its trajectory "
+            "differed from the unoffloaded step's, differently from run to run (the same "
+            "under CUDA_LAUNCH_BLOCKING=1), a race between the device's queued work and the "
+            f"host. Offload({offload.optimizer!r}) without it keeps the unoffloaded step's "
+            "trajectory bit for bit there")
+
+
 class Offloader:
     """An offloaded state's buffers and update, for one layout (see [Note:
     offload]): the disk tier's generation files, the host buffers for what
@@ -50,6 +66,7 @@ class Offloader:
                  master_dtype: Any, compute_dtype: Any, rank: int, optimizer: Any,
                  clip_norm: float | None, runs: tuple | None = None,
                  packing: Any = None) -> None:
+        check_offload_device(name, policy, device)
         self.policy, self.name, self.stage, self.layout = policy, name, stage, layout
         # with frozen leaves: each unit's trainable ranges, and where their
         # gradients lie in the packed gradient shards (see [Note: frozen leaves])
