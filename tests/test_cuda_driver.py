@@ -158,6 +158,59 @@ def test_emulation_rejects_what_a_gpu_would(emulated_cuda):
         EmulatedModule("extern \"C\" __global__ void k() {}")
 
 
+_PROBES = r"""
+__global__ void half_wait(float* x) {  // half the block never reaches the barrier
+  if (threadIdx.x < 16) __syncthreads();
+  x[threadIdx.x] = 1.0f;
+}
+__global__ void warp_sum(float* x) {  // lane 0 gets the warp's sum, through shuffles
+  __shared__ float seen[64];
+  float v = x[threadIdx.x];
+  seen[threadIdx.x] = v;
+  __syncthreads();
+  for (int o = 16; o; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
+  if (threadIdx.x % 32 == 0) x[threadIdx.x] = v + seen[(threadIdx.x + 32) % 64] * 0.0f;
+}
+ZS_EMULATE(half_wait)
+ZS_EMULATE(warp_sum)
+"""
+
+
+def _probe(syncs: int):
+    import ctypes
+
+    from ops.kernels._build import _inline_includes, load_cpu_source
+
+    src = _inline_includes(f"#define ZS_FAMILY_SYNCS {syncs}\n#include \"shim_cpu.h\"\n"
+                           + _PROBES, set())
+    lib = load_cpu_source(src, f"probes{syncs}")
+
+    def launch(name, x, threads):
+        fn = getattr(lib, f"zs_emu_{name}")
+        fn.restype = ctypes.c_int
+        ptr = ctypes.c_void_p(x.ctypes.data)
+        argv = (ctypes.c_void_p * 1)(ctypes.addressof(ptr))
+        return fn((ctypes.c_uint * 3)(1, 1, 1), (ctypes.c_uint * 3)(threads, 1, 1), argv)
+
+    return launch
+
+
+def test_the_emulated_threads_meet_at_barriers_and_shuffles_and_a_hang_is_reported():
+    """CUDA threads run as fibers that wait for each other at barriers and
+    shuffles; a barrier that some threads never reach returns status 2 (the
+    launch would hang on a GPU) rather than hanging, and a family counted as
+    free of barriers that runs one returns 3 (see shim_cpu.h)."""
+    launch = _probe(1)
+    x = np.arange(64, dtype=np.float32)
+    assert launch("warp_sum", x, 64) == 0
+    assert x[0] == sum(range(32)) and x[32] == sum(range(32, 64))
+    assert x[1] == 1 and x[33] == 33  # the other lanes keep their values
+    y = np.zeros(32, np.float32)
+    assert launch("half_wait", y, 32) == 2
+    assert launch("warp_sum", np.arange(64, dtype=np.float32), 64) == 0  # and goes on
+    assert _probe(0)("warp_sum", np.arange(64, dtype=np.float32), 64) == 3
+
+
 def test_table_lists_every_exported_kernel():
     """Every extern "C" entry in the CPU builds is a table kernel, its host or emulation."""
     known = set()

@@ -1,9 +1,10 @@
 """ThreadSanitizer on the CPU emulation of the GPU reduction kernels (the sum
 of squares, LAMB's per-chunk sums).
 
-The emulation runs every CUDA thread of a block as an OS thread, so a missing
-``__syncthreads()`` is a real data race that ThreadSanitizer can see even when
-the result happens to come out right. The kernel as written must be race-free,
+Built with ``ZS_EMULATE_OS_THREADS`` the emulation runs every CUDA thread of a
+block as an OS thread (its default is fibers), so a missing ``__syncthreads()``
+is a real data race that ThreadSanitizer can see even when the result happens
+to come out right. The kernel as written must be race-free,
 and the same kernel with its barrier removed must be caught."""
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def _run(tmp_path, src: str, name: str, driver: str = DRIVER) -> subprocess.Comp
     cpp.write_text(src + driver)
     exe = tmp_path / name
     build = subprocess.run(["g++", "-std=c++20", "-O1", "-g", "-fsanitize=thread", "-fopenmp",
+                            "-DZS_EMULATE_OS_THREADS",
                             "-pthread", str(cpp), "-o", str(exe)], capture_output=True, text=True)
     if build.returncode != 0:
         pytest.skip(f"g++ -fsanitize=thread is not available here: {build.stderr[-300:]}")

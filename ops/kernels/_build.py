@@ -72,7 +72,12 @@ def source(family: str, target: str) -> str:
     if target == "cuda":
         return _inline_includes(path.read_text(), set())
     if target == "cpu":
-        body = _inline_includes('#include "shim_cpu.h"\n' + path.read_text(), set())
+        # a family with no barrier and no shuffle is emulated without fibers
+        # (see shim_cpu.h's zs_emulate_launch)
+        syncs = int(bool(re.search(r"__syncthreads|__shfl",
+                                   _inline_includes(path.read_text(), set()))))
+        body = _inline_includes(f"#define ZS_FAMILY_SYNCS {syncs}\n"
+                                '#include "shim_cpu.h"\n' + path.read_text(), set())
         emulate = "".join(f"ZS_EMULATE({name})\n" for name in kernel_names(family))
         return body + "\n// Emulation entry points, one per __global__ kernel.\n" + emulate
     raise ValueError(f"target must be 'cuda' or 'cpu', got {target!r}")

@@ -4,8 +4,9 @@
 driver uses (``get_function(name)(grid, block, args)``). It accepts only source
 strings that are one of this package's kernel families for the ``"cuda"``
 target, builds that family for the CPU, and runs the ``__global__`` kernel
-itself: every block of the grid in turn, one OS thread per CUDA thread, with
-``__syncthreads`` and warp shuffles emulated (``kernels/shim_cpu.h``). Arguments
+itself: every block of the grid in turn, its CUDA threads as fibers on the
+calling thread, with ``__syncthreads`` and warp shuffles emulated
+(``kernels/shim_cpu.h``). Arguments
 are passed as ``cuLaunchKernel`` would: one pointer to each argument's value,
 typed by the numpy scalar or array CuPy would be handed. It runs at tens of
 millions of elements per second: a test oracle for the CUDA driver and the
@@ -102,8 +103,12 @@ class _EmulatedFunction:
         with _LAUNCH:
             status = self._fn((ctypes.c_uint * 3)(*grid3), (ctypes.c_uint * 3)(*block3), argv)
         if status != 0:
-            raise EmulationError(f"{self.name}: used a partial-mask warp intrinsic, which the "
-                                 "CPU emulation does not run")
+            raise EmulationError(f"{self.name}: " + {
+                1: "used a partial-mask warp intrinsic, which the CPU emulation does not run",
+                2: "a block's threads wait at a barrier that not all of them reach (a hang "
+                   "on a GPU)",
+                3: "its family's source has no barrier or shuffle, yet one ran (emulated "
+                   "without fibers)"}.get(status, f"emulation status {status}"))
 
 
 class EmulatedModule:
