@@ -39,18 +39,20 @@ checkpoint instead of copying it.
 [Note: offload on a GPU]
 On a lent H100 (2026-11-26), ``Offload("host", overlap=True)`` at stages 1 and
 3 and ``Offload(params="host")`` at stage 3 (host and disk tiers, one and three
-thread ranks) followed trajectories that differed from the unoffloaded step's
-on the same GPU by up to 1e-2, differently from run to run, and equal to it
-under ``CUDA_LAUNCH_BLOCKING=1``: a race between work the device has queued
-and what the host reads or writes, which the stand-in (whose operations are
-done when they return) cannot show. Making JAX's arrays ready before CuPy
-reads them, and host-to-device copies complete before they return, did not
-change it. In the same runs the host and disk tiers without these options
-matched the unoffloaded step bit for bit (7 cases, 6 runs). So on a CUDA device
-the two are refused (``check_offload_device``, before anything is built)
-until a GPU run shows them exact again; both passed there on 2026-11-23 (H100)
-and early on 2026-11-26 (H200), so the race came with a later change to the
-step or shows only with some timings.
+thread ranks), in bfloat16 with float32 masters, followed trajectories that
+differed from the unoffloaded bfloat16 step's on the same GPU by up to 1e-2,
+differently from run to run, and equal to it under ``CUDA_LAUNCH_BLOCKING=1``:
+a race between work queued on the device and memory handed between JAX, CuPy
+and the host, which the stand-in (whose operations are done when they return)
+cannot show. Making JAX's arrays ready before CuPy reads them, and host-to-device
+copies complete before they return, did not change it. The host and disk tiers
+without these options matched the unoffloaded step bit for bit in all six runs,
+but those tests run in float32, so the race may lie in the bfloat16 step rather
+than in the two options: a likely place is a bfloat16 gradient's int16 bitcast
+(``Device.from_jax``), a JAX temporary whose last reference can go while CuPy's
+queued kernels still read it, its memory then free for XLA to reuse. Until a
+GPU run settles it, the two options are refused on a CUDA device
+(``check_offload_device``, before anything is built).
 """
 
 from __future__ import annotations

@@ -49,11 +49,11 @@ def check_offload_device(name: str, offload: Offload, device: Any) -> None:
             "Offload(params='host')" if offload.params == "host" else None)
     if what is not None:
         raise NotImplementedError(
-            f"{name}: {what} on a CUDA device is refused: on an H100 its trajectory "
-            "differed from the unoffloaded step's, differently from run to run (the same "
-            "under CUDA_LAUNCH_BLOCKING=1), a race between the device's queued work and the "
-            f"host. Offload({offload.optimizer!r}) without it keeps the unoffloaded step's "
-            "trajectory bit for bit there")
+            f"{name}: {what} on a CUDA device is refused: on an H100 its bfloat16 "
+            "trajectory differed from the unoffloaded step's, differently from run to run "
+            "(the same under CUDA_LAUNCH_BLOCKING=1), a race between the device's queued "
+            f"work and the memory handed to it. Offload({offload.optimizer!r}) without it "
+            "matched the unoffloaded step there (in float32)")
 
 
 class Offloader:
