@@ -305,6 +305,25 @@ def test_offload_benchmark_prints_its_table(tmp_path):
     assert "sequential write" in out.stdout
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("world", [1, 3])
+def test_bf16_steps_on_the_device_give_the_same_bits_run_to_run_offloaded_or_not(
+        device, tmp_path, stage, world):
+    """In bfloat16, where the overlapped and host-params offload raced on a GPU
+    (see [Note: offload on a GPU]): the unoffloaded step gives the same bits run
+    to run, and so does each plain tier. On a GPU this tells whether the race
+    lies in the bfloat16 step itself."""
+    want = ops.spawn(lambda c: trajectory(c, stage, device=device, **BF16), world)
+    again = ops.spawn(lambda c: trajectory(c, stage, device=device, **BF16), world)
+    for a, w in zip(again, want, strict=True):
+        assert_same(a, w)
+    for tier in ("host", "disk"):
+        got = ops.spawn(lambda c, t=tier: trajectory(
+            c, stage, offload=policy(t, tmp_path / t), device=device, **BF16), world)
+        for g, w in zip(got, want, strict=True):
+            assert_same(g, w)
+
+
 @pytest.mark.parametrize("tier", ["host", "disk"])
 @pytest.mark.parametrize("world", [1, 3])
 def test_zero3_compute_params_on_the_host_too(device, tmp_path, tier, world):
