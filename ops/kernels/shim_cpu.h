@@ -7,8 +7,9 @@
 // threadIdx/blockIdx/blockDim/gridDim as thread-locals, and (3) emulates
 // __syncthreads, full-warp shuffles and integer atomicAdd so that a __global__ kernel can be run
 // on the CPU exactly as launched, one block at a time, its CUDA threads fibers
-// (or OS threads: ZS_EMULATE_OS_THREADS; see zs_emulate_launch below). The fast CPU drivers (`*_host` entry points)
-// call the same __device__ functions from OpenMP loops.
+// (or OS threads: ZS_EMULATE_OS_THREADS; see zs_emulate_launch below). The
+// fast CPU drivers (`*_host` entry points) call the same __device__ functions
+// from OpenMP loops.
 #pragma once
 #define ZS_CPU 1
 #include <cmath>
@@ -155,6 +156,17 @@ static void zs_call(void (*k)(A...), void** args, std::index_sequence<I...>) {
   k(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(args[I])...);
 }
 
+// Every block of the grid in order, blockIdx set; `f` returns false to stop.
+template <typename F>
+static inline void zs_each_block(dim3 grid, F f) {
+  for (unsigned bz = 0; bz < grid.z; ++bz)
+    for (unsigned by = 0; by < grid.y; ++by)
+      for (unsigned bx = 0; bx < grid.x; ++bx) {
+        blockIdx = {bx, by, bz};
+        if (!f()) return;
+      }
+}
+
 static inline void zs_place(unsigned t, dim3 block) {
   zs_tid = t;
   threadIdx = {t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
@@ -184,13 +196,11 @@ static int zs_emulate_launch(void (*k)(A...), dim3 grid, dim3 block, void** args
       zs_place(t, block);
       blockDim = block;
       gridDim = grid;
-      for (unsigned bz = 0; bz < grid.z; ++bz)
-        for (unsigned by = 0; by < grid.y; ++by)
-          for (unsigned bx = 0; bx < grid.x; ++bx) {
-            blockIdx = {bx, by, bz};
-            zs_call(k, args, std::index_sequence_for<A...>{});
-            between_blocks.arrive_and_wait();
-          }
+      zs_each_block(grid, [&] {
+        zs_call(k, args, std::index_sequence_for<A...>{});
+        between_blocks.arrive_and_wait();
+        return true;
+      });
       if (zs_bad_mask) { std::lock_guard<std::mutex> g(bad_lock); bad = 1; }
     });
   }
@@ -215,15 +225,13 @@ static int zs_emulate_launch(void (*k)(A...), dim3 grid, dim3 block, void** args
   zs_bad_mask = 0;
   zs_unsynced = 0;
   if (!syncs) {  // no barrier or shuffle in the family: each thread runs to its end
-    for (unsigned bz = 0; bz < grid.z; ++bz)
-      for (unsigned by = 0; by < grid.y; ++by)
-        for (unsigned bx = 0; bx < grid.x; ++bx) {
-          blockIdx = {bx, by, bz};
-          for (unsigned t = 0; t < nthreads; ++t) {
-            zs_place(t, block);
-            zs_call(k, args, std::index_sequence_for<A...>{});
-          }
-        }
+    zs_each_block(grid, [&] {
+      for (unsigned t = 0; t < nthreads; ++t) {
+        zs_place(t, block);
+        zs_call(k, args, std::index_sequence_for<A...>{});
+      }
+      return true;
+    });
     return zs_unsynced ? 3 : 0;
   }
   static std::vector<ZsFiber> fibers;
@@ -238,38 +246,36 @@ static int zs_emulate_launch(void (*k)(A...), dim3 grid, dim3 block, void** args
   ZsBlockSync sync(nthreads);
   zs_sync = &sync;
   int status = 0;
-  for (unsigned bz = 0; bz < grid.z && !status; ++bz)
-    for (unsigned by = 0; by < grid.y && !status; ++by)
-      for (unsigned bx = 0; bx < grid.x && !status; ++bx) {
-        blockIdx = {bx, by, bz};
-        for (unsigned t = 0; t < nthreads; ++t) {
-          ZsFiber& f = fibers[t];
-          getcontext(&f.ctx);
-          f.ctx.uc_stack.ss_sp = f.stack.get();
-          f.ctx.uc_stack.ss_size = ZS_FIBER_STACK;
-          f.ctx.uc_link = &zs_scheduler;
-          makecontext(&f.ctx, zs_fiber_main, 0);
-          f.done = false;
-        }
-        unsigned live = nthreads;
-        while (live) {
-          zs_progress = 0;
-          for (unsigned t = 0; t < nthreads; ++t) {
-            if (fibers[t].done) continue;
-            zs_running = &fibers[t];
-            zs_place(t, block);
-            swapcontext(&zs_scheduler, &fibers[t].ctx);
-            if (fibers[t].done) {
-              --live;
-              zs_progress = 1;
-            }
-          }
-          if (live && !zs_progress) {  // every live thread waits on the others
-            status = 2;
-            break;
-          }
+  zs_each_block(grid, [&] {
+    for (unsigned t = 0; t < nthreads; ++t) {
+      ZsFiber& f = fibers[t];
+      getcontext(&f.ctx);
+      f.ctx.uc_stack.ss_sp = f.stack.get();
+      f.ctx.uc_stack.ss_size = ZS_FIBER_STACK;
+      f.ctx.uc_link = &zs_scheduler;
+      makecontext(&f.ctx, zs_fiber_main, 0);
+      f.done = false;
+    }
+    unsigned live = nthreads;
+    while (live) {
+      zs_progress = 0;
+      for (unsigned t = 0; t < nthreads; ++t) {
+        if (fibers[t].done) continue;
+        zs_running = &fibers[t];
+        zs_place(t, block);
+        swapcontext(&zs_scheduler, &fibers[t].ctx);
+        if (fibers[t].done) {
+          --live;
+          zs_progress = 1;
         }
       }
+      if (live && !zs_progress) {  // every live thread waits on the others
+        status = 2;
+        return false;
+      }
+    }
+    return true;
+  });
   zs_sync = nullptr;
   zs_running = nullptr;
   if (status) return status;
