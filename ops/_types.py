@@ -1,0 +1,56 @@
+"""The types the library's signatures share.
+
+``Array`` is what a unit buffer, a shard, a moment or a kernel's argument is: an
+array of one device's array module (numpy, CuPy, or the stand-in of
+:mod:`ops.testing`; see [Note: devices]). It is a protocol of the attributes and
+methods the three share, so numpy's arrays satisfy it for the type checker and
+CuPy's (which ship no annotations) and the stand-in's at run time. Arithmetic is
+left out: where code computes on arrays it names ``np.ndarray`` (host arrays) or
+goes through the device's ``xp`` module.
+
+A pytree (params, gradients, a batch, an optax state) is annotated ``Any``: any
+nesting of containers and leaves, as JAX's own signatures take it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+__all__ = ["Array"]
+
+
+class Array(Protocol):
+    """An array of numpy, CuPy or the device stand-in."""
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+    @property
+    def size(self) -> int: ...
+
+    @property
+    def ndim(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, key: Any, /) -> Any: ...
+
+    def __setitem__(self, key: Any, value: Any, /) -> None: ...
+
+    def reshape(self, *args: Any, **kwargs: Any) -> Array: ...
+
+    def ravel(self, *args: Any, **kwargs: Any) -> Array: ...
+
+    def view(self, *args: Any, **kwargs: Any) -> Array: ...
+
+    def astype(self, *args: Any, **kwargs: Any) -> Array: ...
+
+    def copy(self, *args: Any, **kwargs: Any) -> Array: ...
+
+    def fill(self, value: Any, /) -> None: ...
