@@ -12,7 +12,13 @@ from ops._tree import tree_util
 from ops.device._dlpack import torch_view
 
 if TYPE_CHECKING:
+    import torch
+
     from interop.torch._units import UnitHooks
+    from ops._types import Array
+    from shard.core._layout import Layout
+    from shard.step._reduce import GradReducer
+    from shard.step._runtime import Units
 
 __all__ = ["_ParamRef", "_Persistent", "_Plan", "_Step"]
 
@@ -24,13 +30,14 @@ class _Persistent:
     the gradients' layout ``grads`` (None for a frozen parameter, which has no
     place there; see [Note: frozen leaves])."""
 
-    def __init__(self, hooks: UnitHooks, u: int, flat: Any, bucket: Any, grads: Any) -> None:
+    def __init__(self, hooks: UnitHooks, u: int, flat: Array, bucket: Array | None,
+                 grads: Layout) -> None:
         self.flat, self.bucket = flat, bucket
         names = hooks.current.members[u]
         self.params = [hooks.named[name] for name in names]
         _, self.views = hooks.views_of(u, flat)
         self.ptrs = [v.data_ptr() for v in self.views]
-        self.grads = None
+        self.grads: list[torch.Tensor | None] | None = None
         if bucket is not None and bucket.dtype == flat.dtype:
             base = torch_view(bucket)
             leaves = [grads.leaves[j] for j in grads.units[u].leaves]
@@ -43,7 +50,7 @@ class _Plan:
     its leaves' spans (start, end, shape) in its flat buffer, and its params
     with the 0-size tensors they hold while unbound."""
 
-    def __init__(self, hooks: UnitHooks, layout: Any, full_layout: Any) -> None:
+    def __init__(self, hooks: UnitHooks, layout: Layout, full_layout: Layout) -> None:
         self.layout = layout
         self.index = {u.name: i for i, u in enumerate(layout.units)}
         names = [path[0].key for path, _ in tree_util().tree_flatten_with_path(
@@ -62,7 +69,7 @@ class _Plan:
 class _Step:
     """What :meth:`TorchLoss.run_units` tracks during one micro-batch."""
 
-    def __init__(self, units: Any, reducer: Any, plan: _Plan) -> None:
+    def __init__(self, units: Units, reducer: GradReducer, plan: _Plan) -> None:
         self.units, self.reducer = units, reducer
         self.index, self.order, self.members = plan.index, plan.order, plan.members
         self.spans, self.empties = plan.spans, plan.empties
@@ -89,7 +96,7 @@ class _Step:
         self.canon = self.order[::-1] + [i for i in plan.members if i not in self.order]
         self.ready: dict[int, Any] = {}
         self.issued = 0
-        self.bound: dict[int, Any] = {}  # gathered units bound now: the flat torch tensor
+        self.bound: dict[int, torch.Tensor] = {}  # gathered units bound now: the flat torch tensor
         self.bucketed: set[int] = set()  # units whose .grad are views of the reducer's buffer
 
 

@@ -9,19 +9,29 @@ gradients to the reducer.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from interop.torch._unit_state import _ParamRef, _Persistent, _Plan, _Step
 from ops.device._dlpack import torch_view
 from shard.monitor._profile import timed
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+    from torch.utils.hooks import RemovableHandle
+
+    from ops import Communicator
+    from ops._types import Array
+    from shard.step._reduce import GradReducer
+    from shard.step._runtime import Units
 
 __all__ = ["ROOT", "UnitHooks", "check_owner", "rank_dependent", "torch_dtype"]
 
 ROOT = "<root>"
 
 
-def check_owner(owner: int | None, comm: Any, name: str, remedy: str) -> int:
+def check_owner(owner: int | None, comm: Communicator, name: str, remedy: str) -> int:
     """The rank a torch loss object serves, once ``comm``'s rank claims it: a
     module is one rank's, so thread ranks sharing one object are refused before
     they train on each other's parameters."""
@@ -45,8 +55,9 @@ class UnitHooks:
       activation_checkpointing: recompute each unit's forward in the backward.
     """
 
-    def __init__(self, module: Any, named: dict[str, Any], unit_of: dict[str, str],
-                 unit_modules: list[tuple[str, Any]], *, dtype: Any,
+    def __init__(self, module: torch.nn.Module, named: dict[str, torch.nn.Parameter],
+                 unit_of: dict[str, str], unit_modules: list[tuple[str, torch.nn.Module]], *,
+                 dtype: torch.dtype,
                  activation_checkpointing: bool) -> None:
         self.module, self.named, self.unit_of = module, named, unit_of
         self.unit_modules, self.dtype = unit_modules, dtype
@@ -60,9 +71,9 @@ class UnitHooks:
         self.missing: frozenset[int] = frozenset()
         self._installed = False
         self._plan_cache: _Plan | None = None
-        self._empties: dict[Any, Any] = {}
-        self._kept: dict[int, Any] = {}  # units bound to the state's own buffers
-        self._grad_hooks: list[Any] = []  # see _track_grads
+        self._empties: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+        self._kept: dict[int, _Persistent] = {}  # units bound to the state's own buffers
+        self._grad_hooks: list[RemovableHandle] = []  # see _track_grads
 
     # The micro-batch running now, as the hooks read it (they run inside run
     # alone): a plain attribute, read per saved tensor in the backward.
@@ -73,8 +84,9 @@ class UnitHooks:
         """The micro-batch running now (inside :meth:`run`)."""
         return self._current
 
-    def run(self, units: Any, reducer: Any, loss: Callable[[], tuple[Any, Any]],
-            loss_scale: float, *, other_dtype: bool) -> tuple[Any, Any]:
+    def run(self, units: Units, reducer: GradReducer,
+            loss: Callable[[], tuple[torch.Tensor, Any]], loss_scale: float, *,
+            other_dtype: bool) -> tuple[torch.Tensor, Any]:
         """One micro-batch, unit by unit (see [Note: torch ZeRO-3]): ``loss()``'s
         ``(loss, aux)``. Where the state's own buffers are the whole params
         (stages 0-2, and stage 3 on one rank) they stay bound, and each unit's
@@ -118,7 +130,7 @@ class UnitHooks:
             self.unbound = a.gathering or other_dtype
         return out, aux
 
-    def _plan(self, units: Any) -> _Plan:
+    def _plan(self, units: Units) -> _Plan:
         """What a step needs to know of the units: worked out once per layout."""
         cached = self._plan_cache
         if cached is None or cached.layout is not units.layout:
@@ -135,7 +147,8 @@ class UnitHooks:
                 continue
             forward = m.forward
 
-            def wrapped(*args: Any, _key: str = key, _forward: Any = forward, **kw: Any) -> Any:
+            def wrapped(*args: Any, _key: str = key,
+                        _forward: Callable[..., Any] = forward, **kw: Any) -> Any:
                 if self.active is None or not self.active.gathering:
                     return _forward(*args, **kw)
                 if self.activation_checkpointing:
@@ -173,7 +186,7 @@ class UnitHooks:
         upcoming = a.order[pos + 1:] if a.phase == "forward" else a.order[:pos][::-1]
         self._bind(u, a.units.flat(u, upcoming))
 
-    def _run_unit(self, key: str, forward: Any, *args: Any, **kw: Any) -> Any:
+    def _run_unit(self, key: str, forward: Callable[..., Any], *args: Any, **kw: Any) -> Any:
         """A unit's forward with its gathered params saved for the backward as
         references, not tensors (see the Note)."""
         import torch
@@ -188,7 +201,7 @@ class UnitHooks:
         base = a.bound[u]
         ptr, dtype, start = base.untyped_storage().data_ptr(), base.dtype, base.storage_offset()
 
-        def pack(t: Any) -> Any:
+        def pack(t: torch.Tensor) -> torch.Tensor | _ParamRef:
             if t.dtype is not dtype or not t.numel() or t.untyped_storage().data_ptr() != ptr:
                 return t
             return _ParamRef((u, tuple(t.shape), t.stride(), t.storage_offset() - start))
@@ -204,7 +217,7 @@ class UnitHooks:
                 hooked, lambda _grads, u=u: self._before_backward(u), mode="any")
         return out
 
-    def _unpack(self, saved: Any) -> Any:
+    def _unpack(self, saved: Any) -> torch.Tensor:
         if type(saved) is not _ParamRef:
             return saved
         a = self._current
@@ -235,7 +248,8 @@ class UnitHooks:
         with timed("library"):
             a.units.prefetch_after(a.order[:pos][::-1])
 
-    def _run_recomputed(self, key: str, forward: Any, *args: Any, **kw: Any) -> Any:
+    def _run_recomputed(self, key: str, forward: Callable[..., Any], *args: Any,
+                        **kw: Any) -> Any:
         """A unit's forward under activation checkpointing: the backward recomputes
         it, gathering the unit again."""
         a = self._current
@@ -248,7 +262,7 @@ class UnitHooks:
             self._unbind(u)
         return out
 
-    def _bind(self, u: int, flat: Any) -> None:
+    def _bind(self, u: int, flat: Array) -> None:
         """Bind unit ``u``'s parameters to views of its freshly gathered flat
         buffer: one DLPack exchange for the unit, torch views for its leaves."""
         with timed("library"):
@@ -277,7 +291,7 @@ class UnitHooks:
                 p.grad = g
             a.bucketed.add(u)
 
-    def views_of(self, u: int, flat: Any) -> tuple[Any, list[Any]]:
+    def views_of(self, u: int, flat: Array) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """A torch tensor over unit ``u``'s flat buffer, and its leaves' views."""
         base = torch_view(flat)
         return base, [base[a:b].view(shape) for a, b, shape in self._current.spans[u]]
@@ -289,7 +303,7 @@ class UnitHooks:
             for p, empty in self._current.empties[u]:
                 p.data = empty
 
-    def empty(self, p: Any, dtype: Any = None) -> Any:
+    def empty(self, p: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
         """A 0-size tensor of ``p``'s dtype (or ``dtype``) and device (one per
         kind, shared)."""
         import torch
@@ -299,13 +313,13 @@ class UnitHooks:
             self._empties[key] = torch.empty(0, dtype=key[0], device=p.device)
         return self._empties[key]
 
-    def _grad_hook(self, name: str) -> Any:
+    def _grad_hook(self, name: str) -> Callable[[torch.Tensor], None]:
         """Parameter ``name``'s post-accumulate-grad hook: the unit's gradients go
         to the reducer once its last parameter's has arrived."""
 
         unit_of = self.unit_of
 
-        def ready(_param: Any) -> None:
+        def ready(_param: torch.Tensor) -> None:
             a = self.active
             if a is None:
                 return
@@ -346,7 +360,7 @@ class UnitHooks:
             self._unbind(u)
 
 
-def rank_dependent(modules: Any) -> str | None:
+def rank_dependent(modules: Iterable[tuple[str, torch.nn.Module]]) -> str | None:
     """The first of ``modules`` (``(name, module)`` pairs) in training mode whose
     results depend on the batches it saw in order, besides its gradients:
     running statistics (batch norm) or random draws from torch's generator
@@ -364,7 +378,7 @@ def rank_dependent(modules: Any) -> str | None:
     return None
 
 
-def torch_dtype(dtype: Any) -> Any:
+def torch_dtype(dtype: np.dtype) -> torch.dtype:
     """The torch dtype of a numpy (or CuPy, or ml_dtypes) dtype."""
     import torch
 
@@ -372,7 +386,7 @@ def torch_dtype(dtype: Any) -> Any:
     return getattr(torch, name)
 
 
-def _tensors(out: Any) -> list[Any]:
+def _tensors(out: object) -> list[torch.Tensor]:
     """The tensors in a unit's output (a tensor, or tuples, lists and dicts of them)."""
     import torch
 
