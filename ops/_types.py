@@ -19,6 +19,13 @@ from typing import Any, Protocol
 __all__ = ["Array"]
 
 
+class ArrayFlags(Protocol):
+    """The flag the library reads of numpy's, CuPy's and the stand-in's ``flags``."""
+
+    @property
+    def c_contiguous(self) -> bool: ...
+
+
 class Array(Protocol):
     """An array of numpy, CuPy or the device stand-in."""
 
@@ -36,6 +43,12 @@ class Array(Protocol):
 
     @property
     def nbytes(self) -> int: ...
+
+    @property
+    def strides(self) -> tuple[int, ...]: ...
+
+    @property
+    def flags(self) -> ArrayFlags: ...
 
     def __len__(self) -> int: ...
 

@@ -47,9 +47,14 @@ from __future__ import annotations
 import abc
 import concurrent.futures as cf
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
+from ops._types import Array
 from ops.device._device import HOST, Device, aligned_empty, device_of
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 __all__ = ["CollectiveError", "CollectiveTimeout", "Communicator", "PeerFailed", "Work",
            "aligned_empty"]
@@ -57,6 +62,7 @@ __all__ = ["CollectiveError", "CollectiveTimeout", "Communicator", "PeerFailed",
 OPS = ("sum", "mean")
 
 _thread = threading.local()
+_A = TypeVar("_A", bound=Array)
 
 
 def in_collective() -> bool:
@@ -75,7 +81,7 @@ def _issued() -> None:
     _thread.issued = collectives_issued() + 1
 
 
-def _inside(fn: Any, *args: Any) -> Any:
+def _inside(fn: Any, *args: object) -> Any:
     """Run a backend primitive marked as inside a collective."""
     _thread.depth = getattr(_thread, "depth", 0) + 1
     try:
@@ -96,6 +102,13 @@ class PeerFailed(CollectiveError):
     """Another rank failed, so this rank's collective can never complete."""
 
 
+class Pending(Protocol):
+    """A send or receive under way (:class:`Work`, or a backend's own handle):
+    ``wait()`` returns its buffer once it is done."""
+
+    def wait(self) -> Array | None: ...
+
+
 class Work:
     """Handle of an async collective; ``wait()`` returns its output buffer.
 
@@ -104,11 +117,11 @@ class Work:
     """
 
     def __init__(self, future: cf.Future, name: str, timeout: float, rank: int,
-                 out: Any = None) -> None:
+                 out: Array | None = None) -> None:
         self._future, self._name, self._timeout, self._rank = future, name, timeout, rank
         self._out = out
 
-    def wait(self) -> Any:
+    def wait(self) -> Array | None:
         try:
             self._future.result(timeout=self._timeout)
             return self._out
@@ -149,24 +162,24 @@ class Communicator(abc.ABC):
 
     # -- the backend's blocking primitives ---------------------------------
     @abc.abstractmethod
-    def _all_gather(self, out: Any, x: Any) -> None: ...
+    def _all_gather(self, out: Array, x: Array) -> None: ...
 
     @abc.abstractmethod
-    def _reduce_scatter(self, out: Any, x: Any, op: str) -> None: ...
+    def _reduce_scatter(self, out: Array, x: Array, op: str) -> None: ...
 
     @abc.abstractmethod
-    def _all_reduce(self, x: Any, op: str) -> None: ...
+    def _all_reduce(self, x: Array, op: str) -> None: ...
 
     @abc.abstractmethod
-    def _broadcast(self, x: Any, src: int) -> None: ...
+    def _broadcast(self, x: Array, src: int) -> None: ...
 
     @abc.abstractmethod
     def _barrier(self) -> None: ...
 
-    def _all_to_all(self, out: Any, x: Any) -> None:
+    def _all_to_all(self, out: Array, x: Array) -> None:
         raise NotImplementedError(f"all_to_all: the {self.backend} backend has none")
 
-    def allocate(self, n: int, dtype: Any, *, device: Device | None = None) -> Any:
+    def allocate(self, n: int, dtype: DTypeLike, *, device: Device | None = None) -> Array:
         """A flat buffer on ``device`` (default: the backend's own memory: 64-byte
         aligned host memory, or the GPU for NCCL)."""
         return (device or self.device).empty(n, dtype)
@@ -186,7 +199,7 @@ class Communicator(abc.ABC):
         return self
 
     # -- the public calls ---------------------------------------------------
-    def all_gather_into(self, out: Any, x: Any) -> Any:
+    def all_gather_into(self, out: _A, x: Array) -> _A:
         self._check_sizes("all_gather", out.size, x.size * self.world_size, out, x)
         self._drain()
         if self.world_size == 1:
@@ -195,7 +208,7 @@ class Communicator(abc.ABC):
         _inside(self._all_gather, out, x)
         return out
 
-    def reduce_scatter_into(self, out: Any, x: Any, op: str = "sum") -> Any:
+    def reduce_scatter_into(self, out: _A, x: Array, op: str = "sum") -> _A:
         self._check_op("reduce_scatter", op)
         self._check_sizes("reduce_scatter", x.size, out.size * self.world_size, out, x)
         self._drain()
@@ -205,7 +218,7 @@ class Communicator(abc.ABC):
         _inside(self._reduce_scatter, out, x, op)
         return out
 
-    def all_to_all_into(self, out: Any, x: Any) -> Any:
+    def all_to_all_into(self, out: _A, x: Array) -> _A:
         self._check_all_to_all(out, x)
         self._drain()
         if self.world_size == 1:
@@ -214,7 +227,7 @@ class Communicator(abc.ABC):
         _inside(self._all_to_all, out, x)
         return out
 
-    def all_reduce_(self, x: Any, op: str = "sum") -> Any:
+    def all_reduce_(self, x: _A, op: str = "sum") -> _A:
         self._check_op("all_reduce", op)
         self._check_memory("all_reduce", x)
         self._drain()
@@ -224,7 +237,7 @@ class Communicator(abc.ABC):
         _inside(self._all_reduce, x, op)
         return x
 
-    def broadcast_(self, x: Any, src: int = 0) -> Any:
+    def broadcast_(self, x: _A, src: int = 0) -> _A:
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src must be in [0, {self.world_size}); got {src}")
         self._check_memory("broadcast", x)
@@ -239,13 +252,13 @@ class Communicator(abc.ABC):
         self._drain()
         self._barrier()
 
-    def send(self, x: Any, dst: int, *, tag: int = 0) -> None:
+    def send(self, x: Array, dst: int, *, tag: int = 0) -> None:
         """Send ``x`` to rank ``dst`` (see [Note: point-to-point])."""
         self._check_p2p("send", x, dst, tag)
         self._drain()
         self._send(x, dst, tag)
 
-    def isend(self, x: Any, dst: int, *, tag: int = 0) -> Any:
+    def isend(self, x: Array, dst: int, *, tag: int = 0) -> Pending:
         """Start sending ``x`` to ``dst``; ``wait()`` on the handle before reusing
         ``x`` (see [Note: point-to-point]). Sends that must not wait for their
         receiver (two ranks sending to each other at once) use this."""
@@ -253,18 +266,18 @@ class Communicator(abc.ABC):
         self._drain()
         return self._isend(x, dst, tag)
 
-    def _isend(self, x: Any, dst: int, tag: int) -> Any:
+    def _isend(self, x: Array, dst: int, tag: int) -> Pending:
         self._send(x, dst, tag)  # buffered backends: done at once
         return self._done("send", x)
 
-    def recv_(self, out: Any, src: int, *, tag: int = 0) -> Any:
+    def recv_(self, out: _A, src: int, *, tag: int = 0) -> _A:
         """Receive rank ``src``'s message into ``out`` (see [Note: point-to-point])."""
         self._check_p2p("recv", out, src, tag)
         self._drain()
         self._recv(out, src, tag)
         return out
 
-    def _prepost_recv(self, out: Any, src: int, tag: int) -> Any:
+    def _prepost_recv(self, out: Array, src: int, tag: int) -> Pending:
         """Start receiving a message whose size is known to be ``out``'s; ``wait()``
         returns ``out`` once it has arrived. Only for a size that cannot differ
         (gloo aborts the process on a larger message than a posted buffer): the
@@ -275,7 +288,7 @@ class Communicator(abc.ABC):
         comm = self
 
         class Deferred:
-            def wait(self) -> Any:
+            def wait(self) -> Array:
                 return comm.recv_(out, src, tag=tag)
 
         return Deferred()
@@ -285,13 +298,13 @@ class Communicator(abc.ABC):
         see [Note: point-to-point])."""
         raise NotImplementedError(f"split: the {self.backend} backend has no sub-communicators")
 
-    def _send(self, x: Any, dst: int, tag: int) -> None:
+    def _send(self, x: Array, dst: int, tag: int) -> None:
         raise NotImplementedError(f"send: the {self.backend} backend has no point-to-point")
 
-    def _recv(self, out: Any, src: int, tag: int) -> None:
+    def _recv(self, out: Array, src: int, tag: int) -> None:
         raise NotImplementedError(f"recv: the {self.backend} backend has no point-to-point")
 
-    def _check_p2p(self, name: str, buf: Any, peer: int, tag: int) -> None:
+    def _check_p2p(self, name: str, buf: Array, peer: int, tag: int) -> None:
         if not 0 <= peer < self.world_size or peer == self.rank:
             raise ValueError(f"{name} on rank {self.rank}: the peer must be another rank in "
                              f"[0, {self.world_size}); got {peer}")
@@ -318,26 +331,26 @@ class Communicator(abc.ABC):
             self.all_gather_into(every, mine)
         return [int(c) for c in every]
 
-    def all_gather_async(self, out: Any, x: Any) -> Work:
+    def all_gather_async(self, out: Array, x: Array) -> Work:
         self._check_sizes("all_gather", out.size, x.size * self.world_size, out, x)
         if self.world_size == 1:
             return self._done("all_gather", self.all_gather_into(out, x))
         return self._submit("all_gather", self._all_gather, out, x)
 
-    def reduce_scatter_async(self, out: Any, x: Any, op: str = "sum") -> Work:
+    def reduce_scatter_async(self, out: Array, x: Array, op: str = "sum") -> Work:
         self._check_op("reduce_scatter", op)
         self._check_sizes("reduce_scatter", x.size, out.size * self.world_size, out, x)
         if self.world_size == 1:
             return self._done("reduce_scatter", self.reduce_scatter_into(out, x, op))
         return self._submit("reduce_scatter", self._reduce_scatter, out, x, op)
 
-    def all_to_all_async(self, out: Any, x: Any) -> Work:
+    def all_to_all_async(self, out: Array, x: Array) -> Work:
         self._check_all_to_all(out, x)
         if self.world_size == 1:
             return self._done("all_to_all", self.all_to_all_into(out, x))
         return self._submit("all_to_all", self._all_to_all, out, x)
 
-    def all_reduce_async(self, x: Any, op: str = "sum") -> Work:
+    def all_reduce_async(self, x: Array, op: str = "sum") -> Work:
         self._check_op("all_reduce", op)
         self._check_memory("all_reduce", x)
         if self.world_size == 1:
@@ -353,20 +366,21 @@ class Communicator(abc.ABC):
 
     # -- helpers --------------------------------------------------------------
     @staticmethod
-    def _alone(out: Any, x: Any) -> Any:
+    def _alone(out: _A, x: Array) -> _A:
         """A collective over one rank: its result is its input (a sum or mean of
         one), copied where the output is another buffer; nothing is sent."""
         if out is not x:
             device_of(out).xp.copyto(out, x)
         return out
 
-    def _done(self, name: str, out: Any) -> Work:
+    def _done(self, name: str, out: Array) -> Work:
         """A handle to work already complete."""
         done: cf.Future = cf.Future()
         done.set_result(None)
         return Work(done, name, self.timeout, self.rank, out)
 
-    def _submit(self, name: str, fn: Any, out: Any, *args: Any) -> Work:
+    def _submit(self, name: str, fn: Callable[..., None], out: Array | None,
+                *args: object) -> Work:
         with self._lock:
             if self._executor is None:
                 self._executor = cf.ThreadPoolExecutor(
@@ -388,11 +402,11 @@ class Communicator(abc.ABC):
         for future in pending:
             Work(future, "an earlier async collective", self.timeout, self.rank).wait()
 
-    def _check_dtype(self, name: str, buf: Any) -> None:  # noqa: B027 (most move any)
+    def _check_dtype(self, name: str, buf: Array) -> None:  # noqa: B027 (most move any)
         """Refuse a dtype this backend cannot move, before anything is sent (on one
         rank too, where nothing is)."""
 
-    def _check_memory(self, name: str, buf: Any) -> None:
+    def _check_memory(self, name: str, buf: Array) -> None:
         self._check_dtype(name, buf)
         if self.host_memory is None:
             return
@@ -409,7 +423,7 @@ class Communicator(abc.ABC):
         if op not in OPS:
             raise ValueError(f"{name}: op must be one of {OPS}; got {op!r}")
 
-    def _check_all_to_all(self, out: Any, x: Any) -> None:
+    def _check_all_to_all(self, out: Array, x: Array) -> None:
         self._check_sizes("all_to_all", out.size, x.size, out, x)
         if x.size % self.world_size:
             raise ValueError(f"all_to_all on rank {self.rank}: {x.size} elements do not split "
@@ -417,7 +431,7 @@ class Communicator(abc.ABC):
         if out is x:
             raise ValueError("all_to_all: out must be another buffer than x")
 
-    def _check_sizes(self, name: str, got: int, want: int, out: Any, x: Any) -> None:
+    def _check_sizes(self, name: str, got: int, want: int, out: Array, x: Array) -> None:
         if got != want:
             raise ValueError(f"{name} on rank {self.rank}: with world_size={self.world_size}, "
                              f"input of {x.size} and output of {out.size} elements do not fit")

@@ -9,19 +9,23 @@ returns the same kind it was given. See [Note: collective semantics] in
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ops._types import Array
 from ops.comm._base import Communicator
 from ops.device._device import device_of
 from ops.device._dlpack import to_native
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 __all__ = ["all_gather", "all_gather_host", "all_reduce", "all_to_all", "broadcast", "from_comm",
            "reduce_scatter", "to_comm"]
 
 
-def _flat(name: str, x: Any) -> Any:
+def _flat(name: str, x: Array) -> Array:
     if not x.flags.c_contiguous:
         raise ValueError(f"{name}: the input must be C-contiguous; got strides {x.strides}")
     return x.reshape(-1)
@@ -50,7 +54,7 @@ def all_gather(comm: Communicator, x: Any, *, out: Any = None) -> Any:
     return back(buf.reshape(shape)) if out is None else out
 
 
-def to_comm(comm: Communicator, a: np.ndarray) -> Any:
+def to_comm(comm: Communicator, a: np.ndarray) -> Array:
     """The host array ``a`` where ``comm`` moves it: ``a`` itself, or on a backend
     that moves device memory only (NCCL) an explicit copy on its device."""
     return a if comm.host_memory is not False else comm.device.from_host(a)
@@ -68,7 +72,7 @@ def all_gather_host(comm: Communicator, x: np.ndarray) -> np.ndarray:
     return from_comm(comm, all_gather(comm, to_comm(comm, x)))
 
 
-def reduce_scatter(comm: Communicator, x: Any, *, op: str = "sum", dtype: Any = None,
+def reduce_scatter(comm: Communicator, x: Any, *, op: str = "sum", dtype: DTypeLike | None = None,
                    out: Any = None) -> Any:
     """This rank's slice of the elementwise sum (or mean) of every rank's ``x``.
 

@@ -32,11 +32,21 @@ round trip; before gloo's built-in all-reduce and broadcast it costs one.
 from __future__ import annotations
 
 import datetime
+import types
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
+from ops._types import Array
 from ops.comm._base import CollectiveError, CollectiveTimeout, Communicator, PeerFailed
 from ops.device._dlpack import torch_view
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+    from torch.distributed import Work as TorchWork
+
+_T = TypeVar("_T")
 
 __all__ = ["GlooCommunicator"]
 
@@ -68,8 +78,8 @@ class GlooCommunicator(Communicator):
     backend = "gloo"
     host_memory = True
 
-    def __init__(self, group: Any = None, *, timeout: float = 300.0, check: bool = True,
-                 small_bytes: int = SMALL_BYTES) -> None:
+    def __init__(self, group: ProcessGroup | None = None, *, timeout: float = 300.0,
+                 check: bool = True, small_bytes: int = SMALL_BYTES) -> None:
         import torch.distributed as dist
 
         if not dist.is_initialized():
@@ -88,7 +98,7 @@ class GlooCommunicator(Communicator):
                                                small_bytes=self.small_bytes)
         return self._unchecked
 
-    def _run(self, name: str, fn: Any, *args: Any) -> Any:
+    def _run(self, name: str, fn: Callable[..., _T], *args: object) -> _T:
         try:
             return fn(*args)
         except RuntimeError as e:
@@ -101,13 +111,14 @@ class GlooCommunicator(Communicator):
                                  f"({text})") from e
             raise CollectiveError(f"{name} on rank {self.rank} failed: {text}") from e
 
-    def _header(self, name: str, x: Any, arg: int) -> Any:
+    def _header(self, name: str, x: Array, arg: int) -> torch.Tensor:
         import torch
 
         return torch.tensor([_CODES[name], x.size, zlib.crc32(str(x.dtype).encode()), arg],
                             dtype=torch.int64)
 
-    def _post_headers(self, name: str, x: Any, arg: int) -> tuple[Any, list, list]:
+    def _post_headers(self, name: str, x: Array, arg: int
+                      ) -> tuple[torch.Tensor, list[TorchWork], list[TorchWork]]:
         """Send this rank's header to every peer; post receives for theirs."""
         import torch
 
@@ -121,7 +132,7 @@ class GlooCommunicator(Communicator):
                  for p in peers]
         return rows, sends, recvs
 
-    def _verify(self, name: str, rows: Any, recvs: list) -> None:
+    def _verify(self, name: str, rows: torch.Tensor, recvs: list[TorchWork]) -> None:
         for w in recvs:
             w.wait()
         table = rows.tolist()
@@ -132,7 +143,7 @@ class GlooCommunicator(Communicator):
             raise CollectiveError(f"{name} on rank {self.rank}: ranks called collectives that do "
                                   f"not match: {detail}")
 
-    def _checked(self, name: str, x: Any, arg: int, payload: Any) -> None:
+    def _checked(self, name: str, x: Array, arg: int, payload: Callable[[], object]) -> None:
         """Run a built-in collective after a header round (see the Note)."""
         if self.check and self.world_size > 1:
             rows, sends, recvs = self._post_headers(name, x, arg)
@@ -140,11 +151,11 @@ class GlooCommunicator(Communicator):
             self._run(name, lambda: [w.wait() for w in sends])
         self._run(name, payload)
 
-    def _pairwise(self, name: str, x: Any, arg: int, sends: list[tuple[int, Any]],
-                  recvs: list[tuple[int, Any]]) -> None:
+    def _pairwise(self, name: str, x: Array, arg: int, sends: list[tuple[int, torch.Tensor]],
+                  recvs: list[tuple[int, torch.Tensor]]) -> None:
         """isend/irecv with every peer at once, headers ahead of payloads."""
         dist = self._dist
-        works: list[Any] = []
+        works: list[TorchWork] = []
         if self.check:
             rows, works, header_recvs = self._post_headers(name, x, arg)
         works += [dist.isend(t, self._peers[p], group=self.group) for p, t in sends]
@@ -154,7 +165,7 @@ class GlooCommunicator(Communicator):
         for w in works:
             w.wait()
 
-    def _all_gather(self, out: Any, x: Any) -> None:
+    def _all_gather(self, out: Array, x: Array) -> None:
         o, t, k = torch_view(out), torch_view(x), x.size
         if x.nbytes < self.small_bytes or self.world_size == 1:
             self._checked("all_gather", x, 0, lambda: _single(
@@ -165,7 +176,7 @@ class GlooCommunicator(Communicator):
         self._run("all_gather", self._pairwise, "all_gather", x, 0, [(p, t) for p in peers],
                   [(p, o[p * k:(p + 1) * k]) for p in peers])
 
-    def _reduce_scatter(self, out: Any, x: Any, op: str) -> None:
+    def _reduce_scatter(self, out: Array, x: Array, op: str) -> None:
         import torch
 
         o, t, k, w = torch_view(out), torch_view(x), out.size, self.world_size
@@ -185,7 +196,7 @@ class GlooCommunicator(Communicator):
         if op == "mean":
             o.div_(w)
 
-    def _all_to_all(self, out: Any, x: Any) -> None:
+    def _all_to_all(self, out: Array, x: Array) -> None:
         o, t, k = torch_view(out), torch_view(x), x.size // self.world_size
         me = slice(self.rank * k, (self.rank + 1) * k)
         o[me].copy_(t[me])
@@ -194,14 +205,14 @@ class GlooCommunicator(Communicator):
                   [(p, t[p * k:(p + 1) * k]) for p in peers],
                   [(p, o[p * k:(p + 1) * k]) for p in peers])
 
-    def _all_reduce(self, x: Any, op: str) -> None:
+    def _all_reduce(self, x: Array, op: str) -> None:
         t = torch_view(x.reshape(-1))
         self._checked("all_reduce", x, int(op == "mean"),
                       lambda: self._dist.all_reduce(t, self._dist.ReduceOp.SUM, self.group))
         if op == "mean":
             t.div_(self.world_size)
 
-    def _broadcast(self, x: Any, src: int) -> None:
+    def _broadcast(self, x: Array, src: int) -> None:
         t = torch_view(x.reshape(-1))
         self._checked("broadcast", x, src,
                       lambda: self._dist.broadcast(t, self._peers[src], self.group))
@@ -210,10 +221,10 @@ class GlooCommunicator(Communicator):
         self._run("barrier", self._dist.monitored_barrier, self.group,
                   datetime.timedelta(seconds=self.timeout))
 
-    def _send(self, x: Any, dst: int, tag: int) -> None:
+    def _send(self, x: Array, dst: int, tag: int) -> None:
         self._isend(x, dst, tag).wait()
 
-    def _isend(self, x: Any, dst: int, tag: int) -> Any:
+    def _isend(self, x: Array, dst: int, tag: int) -> _Sending:
         """A header (size, dtype, tag), then the payload (see [Note: point-to-point])."""
         dist, peer = self._dist, self._peers[dst]
         works = [dist.isend(self._header("p2p", x, tag), peer, group=self.group,
@@ -222,7 +233,7 @@ class GlooCommunicator(Communicator):
                             tag=_P2P_TAG + 2 * tag)]
         return _Sending(self, f"send to rank {dst}", works, x)
 
-    def _recv(self, out: Any, src: int, tag: int) -> None:
+    def _recv(self, out: Array, src: int, tag: int) -> None:
         import torch
 
         dist, peer = self._dist, self._peers[src]
@@ -233,7 +244,7 @@ class GlooCommunicator(Communicator):
         self._run(f"recv from rank {src}", lambda: dist.irecv(
             torch_view(out.reshape(-1)), peer, group=self.group, tag=_P2P_TAG + 2 * tag).wait())
 
-    def _prepost_recv(self, out: Any, src: int, tag: int) -> Any:
+    def _prepost_recv(self, out: Array, src: int, tag: int) -> _Receiving:
         import torch
 
         self._check_p2p("recv", out, src, tag)
@@ -245,7 +256,7 @@ class GlooCommunicator(Communicator):
                             tag=_P2P_TAG + 2 * tag)]
         return _Receiving(self, src, tag, header, works, out)
 
-    def _check_header(self, header: Any, out: Any, src: int, tag: int) -> None:
+    def _check_header(self, header: torch.Tensor, out: Array, src: int, tag: int) -> None:
         _, n, d, _ = header.tolist()
         if n != out.size or d != zlib.crc32(str(out.dtype).encode()):
             raise CollectiveError(f"recv on rank {self.rank}: rank {src} sent {n} elements of "
@@ -261,7 +272,7 @@ class GlooCommunicator(Communicator):
                                 small_bytes=self.small_bytes)
 
 
-def _single(dist: Any, name: str) -> Any:
+def _single(dist: types.ModuleType, name: str) -> Callable[..., object]:
     """``all_gather_single`` / ``reduce_scatter_single`` (torch 2.13 deprecates the
     ``*_into_tensor`` / ``*_tensor`` names), or the older names where torch (2.11)
     has only those; the arguments are the same."""
@@ -275,12 +286,12 @@ def _single(dist: Any, name: str) -> Any:
 class _Receiving:
     """A posted gloo receive (``GlooCommunicator._prepost_recv``)."""
 
-    def __init__(self, comm: GlooCommunicator, src: int, tag: int, header: Any, works: list,
-                 out: Any) -> None:
+    def __init__(self, comm: GlooCommunicator, src: int, tag: int, header: torch.Tensor,
+                 works: list[TorchWork], out: Array) -> None:
         self._comm, self._src, self._tag, self._header = comm, src, tag, header
         self._works, self._out = works, out
 
-    def wait(self) -> Any:
+    def wait(self) -> Array:
         name = f"recv from rank {self._src}"
         self._comm._run(name, self._works[0].wait)
         self._comm._check_header(self._header, self._out, self._src, self._tag)
@@ -291,9 +302,10 @@ class _Receiving:
 class _Sending:
     """A gloo send in flight; ``wait()`` raises as a collective would."""
 
-    def __init__(self, comm: GlooCommunicator, name: str, works: list, buf: Any) -> None:
+    def __init__(self, comm: GlooCommunicator, name: str, works: list[TorchWork],
+                 buf: Array) -> None:
         self._comm, self._name, self._works, self._buf = comm, name, works, buf
 
-    def wait(self) -> Any:
+    def wait(self) -> Array:
         self._comm._run(self._name, lambda: [w.wait() for w in self._works])
         return self._buf

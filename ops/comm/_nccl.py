@@ -13,14 +13,19 @@ from __future__ import annotations
 import os
 import socket
 import time
+import types
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import numpy as np
 
-from ops.comm._base import CollectiveError, CollectiveTimeout, Communicator
+from ops._types import Array
+from ops.comm._base import CollectiveError, CollectiveTimeout, Communicator, Pending
 from ops.device._arrays import BF16
 from ops.device._device import Device, cupy_device
+
+_A = TypeVar("_A", bound=Array)
 
 __all__ = ["NCCL_DTYPES", "NcclCommunicator", "check_distinct_devices"]
 
@@ -61,7 +66,7 @@ def _set_torch_device(index: int) -> None:  # pragma: no cover - needs a GPU
         torch.cuda.set_device(index)
 
 
-def _ptr(a: Any) -> int:
+def _ptr(a: Any) -> int:  # a CuPy array (untyped): .data.ptr is not in ops.Array
     return a.data.ptr  # a device array's address (host arrays were refused before)
 
 
@@ -81,12 +86,13 @@ class NcclCommunicator(Communicator):
     backend = "nccl"
     host_memory = False
 
-    def __init__(self, rank: int, world_size: int, *, comm: Any, nccl: Any, stream: Any = None,
+    def __init__(self, rank: int, world_size: int, *, comm: Any, nccl: types.ModuleType,
+                 stream: Any = None,
                  timeout: float = 300.0, device: Device | None = None) -> None:
         super().__init__(rank, world_size, timeout)
         self.comm, self._nccl, self.stream = comm, nccl, stream
         self._device = device
-        self._queued: list[tuple[Any, Any, int]] = []  # sends not yet issued (header, x, dst)
+        self._queued: list[tuple[Array, Array, int]] = []  # sends not yet issued (header, x, dst)
 
     @property
     def device(self) -> Device:
@@ -123,14 +129,14 @@ class NcclCommunicator(Communicator):
                    timeout=timeout)
 
     # -- argument handling, testable without a GPU ---------------------------
-    def dtype_of(self, name: str, a: Any) -> int:
+    def dtype_of(self, name: str, a: Array) -> int:
         key = NCCL_DTYPES.get(np.dtype(a.dtype))
         if key is None:
             raise TypeError(f"{name}: NCCL cannot move dtype {a.dtype}; supported: "
                             f"{', '.join(str(d) for d in NCCL_DTYPES)}")
         return getattr(self._nccl, key)
 
-    def _check_dtype(self, name: str, buf: Any) -> None:
+    def _check_dtype(self, name: str, buf: Array) -> None:
         self.dtype_of(name, buf)
 
     def _op(self, op: str) -> int:
@@ -139,7 +145,7 @@ class NcclCommunicator(Communicator):
     def _stream_ptr(self) -> int:
         return 0 if self.stream is None else self.stream.ptr
 
-    def _launch(self, name: str, fn: Any, *args: Any) -> None:
+    def _launch(self, name: str, fn: Callable[..., object], *args: object) -> None:
         if self.stream is None:
             fn(*args, 0)
             return
@@ -150,15 +156,15 @@ class NcclCommunicator(Communicator):
         fn(*args, self.stream.ptr)  # pragma: no cover
         cupy.cuda.get_current_stream().wait_event(self.stream.record())  # pragma: no cover
 
-    def _all_gather(self, out: Any, x: Any) -> None:
+    def _all_gather(self, out: Array, x: Array) -> None:
         self._launch("all_gather", self.comm.allGather, _ptr(x), _ptr(out), x.size,
                      self.dtype_of("all_gather", x))
 
-    def _reduce_scatter(self, out: Any, x: Any, op: str) -> None:
+    def _reduce_scatter(self, out: Array, x: Array, op: str) -> None:
         self._launch("reduce_scatter", self.comm.reduceScatter, _ptr(x), _ptr(out), out.size,
                      self.dtype_of("reduce_scatter", x), self._op(op))
 
-    def _all_to_all(self, out: Any, x: Any) -> None:
+    def _all_to_all(self, out: Array, x: Array) -> None:
         """One NCCL group of a send and a receive per peer (as torch's
         all_to_all_single on NCCL); this rank's own section is a copy."""
         k, dtype = x.size // self.world_size, self.dtype_of("all_to_all", x)
@@ -175,11 +181,11 @@ class NcclCommunicator(Communicator):
         me = slice(self.rank * k, (self.rank + 1) * k)
         self.device.xp.copyto(out[me], x[me])
 
-    def _all_reduce(self, x: Any, op: str) -> None:
+    def _all_reduce(self, x: Array, op: str) -> None:
         self._launch("all_reduce", self.comm.allReduce, _ptr(x), _ptr(x), x.size,
                      self.dtype_of("all_reduce", x), self._op(op))
 
-    def _broadcast(self, x: Any, src: int) -> None:
+    def _broadcast(self, x: Array, src: int) -> None:
         self._launch("broadcast", self.comm.broadcast, _ptr(x), _ptr(x), x.size,
                      self.dtype_of("broadcast", x), src)
 
@@ -203,26 +209,26 @@ class NcclCommunicator(Communicator):
     # next receive in one NCCL group (ncclGroupStart/End, as torch's
     # batch_isend_irecv), whose operations progress together; any other call
     # (a collective, a blocking send, waiting on a send) issues them first.
-    def _header(self, x: Any, tag: int) -> Any:
+    def _header(self, x: Array, tag: int) -> Array:
         return self.device.from_host(np.array(
             [x.size, zlib.crc32(str(x.dtype).encode()), tag], np.int64))
 
-    def _isend(self, x: Any, dst: int, tag: int) -> Any:
+    def _isend(self, x: Array, dst: int, tag: int) -> Pending:
         self._queued.append((self._header(x, tag), x, dst))
         comm = self
 
         class Queued:
-            def wait(self) -> Any:
+            def wait(self) -> Array:
                 comm._flush()
                 return x
 
         return Queued()
 
-    def _send(self, x: Any, dst: int, tag: int) -> None:
+    def _send(self, x: Array, dst: int, tag: int) -> None:
         self._queued.append((self._header(x, tag), x, dst))
         self._flush()
 
-    def _flush(self, src: int | None = None, *recvs: Any) -> None:
+    def _flush(self, src: int | None = None, *recvs: Array) -> None:
         """Issue the queued sends, and receives into ``recvs`` from ``src``, as
         one group; then wait for them."""
         queued, self._queued = self._queued, []
@@ -247,18 +253,18 @@ class NcclCommunicator(Communicator):
         super()._drain()
         self._flush()
 
-    def isend(self, x: Any, dst: int, *, tag: int = 0) -> Any:
+    def isend(self, x: Array, dst: int, *, tag: int = 0) -> Pending:
         self._check_p2p("send", x, dst, tag)
         super()._drain()  # queued sends stay queued: one more joins them
         return self._isend(x, dst, tag)
 
-    def recv_(self, out: Any, src: int, *, tag: int = 0) -> Any:
+    def recv_(self, out: _A, src: int, *, tag: int = 0) -> _A:
         self._check_p2p("recv", out, src, tag)
         super()._drain()  # the queued sends go with the receive, in its group
         self._recv(out, src, tag)
         return out
 
-    def _recv(self, out: Any, src: int, tag: int) -> None:
+    def _recv(self, out: Array, src: int, tag: int) -> None:
         header = self.allocate(3, np.int64)
         self._flush(src, header, out)  # header and payload in the group: see above
         n, d, t = (int(v) for v in self.device.to_host(header))

@@ -26,13 +26,15 @@ the same bits by commutativity.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
+from ops._types import Array
 from ops.comm._base import Communicator
 from ops.device._device import device_of
 
 __all__ = ["TreeSum", "tree_all_reduce", "tree_reduce_scatter"]
 
+_A = TypeVar("_A", bound=Array)
 _TAG = 7919  # the ordered collectives' point-to-point messages
 
 
@@ -73,7 +75,7 @@ class TreeSum:
         return self._stack[0][1]
 
 
-def tree_reduce_scatter(comm: Communicator, out: Any, x: Any) -> Any:
+def tree_reduce_scatter(comm: Communicator, out: _A, x: Array) -> _A:
     """Rank ``r``'s segment of the ranks' sum of ``x`` (``world_size``
     equal segments, ``out`` one of them), summed in the fixed tree of [Note:
     ordered sums]. ``x`` is overwritten (it holds the partial sums)."""
@@ -107,7 +109,8 @@ def tree_all_reduce(comm: Communicator, x: Any) -> Any:
     w, r = comm.world_size, comm.rank
     _check_power_of_two("tree_all_reduce", "the number of ranks", w)
     flat = x.reshape(-1)
-    got = device_of(x).empty(flat.size, x.dtype) if w > 1 else None
+    # None on one rank, where the loop does not run
+    got: Any = device_of(x).empty(flat.size, x.dtype) if w > 1 else None
     d = 1
     while d < w:
         work = comm.isend(flat, r ^ d, tag=_TAG)

@@ -25,8 +25,9 @@ import concurrent.futures as cf
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import cast
 
+from ops._types import Array
 from ops.comm._base import (
     CollectiveError,
     CollectiveTimeout,
@@ -167,12 +168,12 @@ class ThreadGroup:
             return [r for r in range(self.world_size) if self._entered[r] <= k]
 
     # -- point-to-point (see [Note: point-to-point]) ------------------------------
-    def post(self, src: int, dst: int, tag: int, meta: tuple, value: Any) -> None:
+    def post(self, src: int, dst: int, tag: int, meta: tuple, value: Array) -> None:
         with self._mail_cv:
             self._mail[src, dst, tag].append((meta, value))
             self._mail_cv.notify_all()
 
-    def take(self, rank: int, src: int, tag: int, meta: tuple) -> Any:
+    def take(self, rank: int, src: int, tag: int, meta: tuple) -> Array:
         """The next message from ``src`` to ``rank`` with ``tag`` (its meta checked)."""
         deadline = time.monotonic() + self.timeout
         err: BaseException | None = None
@@ -220,32 +221,33 @@ class ThreadCommunicator(Communicator):
         super().__init__(rank, group.world_size, group.timeout)
         self.group = group
 
-    def _meta(self, name: str, x: Any, arg: Any = None) -> tuple:
+    def _meta(self, name: str, x: Array | None, arg: object = None) -> tuple:
         if x is None:
             return (name, None, None, arg, None)
         return (name, x.size, str(x.dtype), arg, device_of(x).name)
 
     # The blocking primitives enter the round and wait for it; the async calls
     # (Communicator._submit) enter it and return the handle.
-    def _all_gather(self, out: Any, x: Any) -> None:
+    def _all_gather(self, out: Array, x: Array) -> None:
         self._start("all_gather", out, x).wait()
 
-    def _reduce_scatter(self, out: Any, x: Any, op: str) -> None:
+    def _reduce_scatter(self, out: Array, x: Array, op: str) -> None:
         self._start("reduce_scatter", out, x, op).wait()
 
-    def _all_to_all(self, out: Any, x: Any) -> None:
+    def _all_to_all(self, out: Array, x: Array) -> None:
         self._start("all_to_all", out, x).wait()
 
-    def _all_reduce(self, x: Any, op: str) -> None:
+    def _all_reduce(self, x: Array, op: str) -> None:
         self._start("all_reduce", x, x, op).wait()
 
-    def _broadcast(self, x: Any, src: int) -> None:
+    def _broadcast(self, x: Array, src: int) -> None:
         self._start("broadcast", x, x, src).wait()
 
     def _barrier(self) -> None:
         self._start("barrier", None, None).wait()
 
-    def _submit(self, name: str, fn: Any, out: Any, *args: Any) -> Work:
+    def _submit(self, name: str, fn: Callable[..., None], out: Array | None,
+                *args: object) -> Work:
         if name == "all_reduce":  # (x, op): x is its output
             args = (out, *args)
         _issued()
@@ -255,15 +257,15 @@ class ThreadCommunicator(Communicator):
         work._future.add_done_callback(self._forget)
         return work
 
-    def _start(self, name: str, out: Any, x: Any, arg: Any = None) -> Work:
+    def _start(self, name: str, out: Array | None, x: Array | None, arg: object = None) -> Work:
         future, k = self.group.arrive(self.rank, name, self._meta(name, x, arg),
                                       (out, x, arg), _RUN[name])
         return _RoundWork(future, name, self.timeout, self.rank, out, self.group, k)
 
-    def _send(self, x: Any, dst: int, tag: int) -> None:
+    def _send(self, x: Array, dst: int, tag: int) -> None:
         self.group.post(self.rank, dst, tag, self._meta("p2p", x), x.copy())
 
-    def _recv(self, out: Any, src: int, tag: int) -> None:
+    def _recv(self, out: Array, src: int, tag: int) -> None:
         value = self.group.take(self.rank, src, tag, self._meta("p2p", out))
         device_of(out).xp.copyto(out, value)
 
@@ -301,12 +303,12 @@ class _RoundWork(Work):
     """The handle of a thread collective: a rank still missing when it times out
     is named, and every rank's collectives fail."""
 
-    def __init__(self, future: cf.Future, name: str, timeout: float, rank: int, out: Any,
+    def __init__(self, future: cf.Future, name: str, timeout: float, rank: int, out: Array | None,
                  group: ThreadGroup, k: int) -> None:
         super().__init__(future, name, timeout, rank, out)
         self._group, self._k = group, k
 
-    def wait(self) -> Any:
+    def wait(self) -> Array | None:
         try:
             self._future.result(timeout=self._timeout)
             return self._out
@@ -347,7 +349,7 @@ def _settle(future: cf.Future, err: BaseException | None) -> None:
 
 # Each collective for every rank at once, from every rank's (out, x, arg) in
 # rank order (see [Note: collective semantics]).
-def _sum(xs: list[Any], lo: int, hi: int, op: str) -> Any:
+def _sum(xs: list[Array], lo: int, hi: int, op: str) -> Array:
     xp = device_of(xs[0]).xp
     acc = xs[0].reshape(-1)[lo:hi].copy()
     for xr in xs[1:]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-from typing import Any
+from collections.abc import Callable
 
-from ops.comm._base import Communicator
+from ops._types import Array
+from ops.comm._base import Communicator, Pending
 from ops.device._device import device_of
 
 __all__ = ["RoutedCommunicator", "init_from_env"]
@@ -87,7 +88,7 @@ class RoutedCommunicator(Communicator):
     every rank reaches in step.
     """
 
-    def __init__(self, host: Communicator, make_device: Any) -> None:
+    def __init__(self, host: Communicator, make_device: Callable[[], Communicator]) -> None:
         super().__init__(host.rank, host.world_size, host.timeout)
         self.backend = f"{host.backend}+device"
         self._host, self._make_device = host, make_device
@@ -98,7 +99,7 @@ class RoutedCommunicator(Communicator):
             self._device_comm = self._make_device()
         return self._device_comm
 
-    def _for(self, buf: Any) -> Communicator:
+    def _for(self, buf: Array) -> Communicator:
         return self._host if device_of(buf).host else self._on_device()
 
     def unchecked(self) -> Communicator:
@@ -109,34 +110,34 @@ class RoutedCommunicator(Communicator):
             self._unchecked = RoutedCommunicator(host, self._on_device)
         return self._unchecked
 
-    def _all_gather(self, out: Any, x: Any) -> None:
+    def _all_gather(self, out: Array, x: Array) -> None:
         self._for(x)._all_gather(out, x)
 
-    def _reduce_scatter(self, out: Any, x: Any, op: str) -> None:
+    def _reduce_scatter(self, out: Array, x: Array, op: str) -> None:
         self._for(x)._reduce_scatter(out, x, op)
 
-    def _all_to_all(self, out: Any, x: Any) -> None:
+    def _all_to_all(self, out: Array, x: Array) -> None:
         self._for(x)._all_to_all(out, x)
 
-    def _all_reduce(self, x: Any, op: str) -> None:
+    def _all_reduce(self, x: Array, op: str) -> None:
         self._for(x)._all_reduce(x, op)
 
-    def _broadcast(self, x: Any, src: int) -> None:
+    def _broadcast(self, x: Array, src: int) -> None:
         self._for(x)._broadcast(x, src)
 
     def _barrier(self) -> None:
         self._host._barrier()
 
-    def _send(self, x: Any, dst: int, tag: int) -> None:
+    def _send(self, x: Array, dst: int, tag: int) -> None:
         self._for(x)._send(x, dst, tag)
 
-    def _isend(self, x: Any, dst: int, tag: int) -> Any:
+    def _isend(self, x: Array, dst: int, tag: int) -> Pending:
         return self._for(x)._isend(x, dst, tag)
 
-    def _recv(self, out: Any, src: int, tag: int) -> None:
+    def _recv(self, out: Array, src: int, tag: int) -> None:
         self._for(out)._recv(out, src, tag)
 
-    def _prepost_recv(self, out: Any, src: int, tag: int) -> Any:
+    def _prepost_recv(self, out: Array, src: int, tag: int) -> Pending:
         return self._for(out)._prepost_recv(out, src, tag)
 
     def split(self, color: int) -> Communicator:

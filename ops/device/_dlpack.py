@@ -10,17 +10,24 @@ code, so it crosses as 16-bit integers and is re-viewed on the other side:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from ops._types import Array
 from ops.device._arrays import BF16
 from ops.device._device import HOST, Device, cupy_device, device_of_or_none
 
+if TYPE_CHECKING:
+    import jax
+    import torch
+
 __all__ = ["host_copy", "jax_view", "to_native", "torch_view"]
 
+_T = TypeVar("_T")
 
-def torch_view(a: Any) -> Any:
+
+def torch_view(a: Array) -> torch.Tensor:
     """A torch tensor over a numpy, cupy or stand-in array's memory."""
     import torch
 
@@ -32,7 +39,7 @@ def torch_view(a: Any) -> Any:
     return t.view(torch.bfloat16) if bf16 else t
 
 
-def jax_view(a: Any) -> Any:
+def jax_view(a: Any) -> jax.Array:  # Any: reads a CuPy array's .data.ptr
     """A jax array over a numpy, cupy or stand-in array's memory (JAX copies
     host buffers that are not 64-byte aligned; device buffers that are not are
     copied here, as XLA refuses them)."""
@@ -46,20 +53,20 @@ def jax_view(a: Any) -> Any:
     return jnp.from_dlpack(a)
 
 
-def _identity(x: Any) -> Any:
+def _identity(x: _T) -> _T:
     return x
 
 
-def _torch_device(t: Any) -> Device:
+def _torch_device(t: torch.Tensor) -> Device:
     return cupy_device() if t.device.type == "cuda" else HOST
 
 
-def _jax_device(x: Any) -> Device:
+def _jax_device(x: jax.Array) -> Device:
     platforms = {d.platform for d in x.devices()}
     return HOST if platforms == {"cpu"} else cupy_device()
 
 
-def to_native(x: Any) -> tuple[Any, Callable[[Any], Any]]:
+def to_native(x: Any) -> tuple[Array, Callable[[Array], Array | torch.Tensor | jax.Array]]:
     """``(native array, back)``: x as an array of its device, and a function
     returning an array of that device as x's kind."""
     if device_of_or_none(x) is not None:
@@ -72,7 +79,7 @@ def to_native(x: Any) -> tuple[Any, Callable[[Any], Any]]:
     raise TypeError(f"expected a numpy, cupy, torch or jax array; got {type(x).__qualname__}")
 
 
-def host_copy(x: Any) -> np.ndarray:
+def host_copy(x: object) -> np.ndarray:
     """A numpy copy of ``x`` (a number, or an array of numpy, a device, torch or
     jax), copied explicitly where it lives on a device."""
     if isinstance(x, (np.ndarray, np.generic, int, float, bool)):
