@@ -78,7 +78,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -89,6 +89,15 @@ from interop.torch._units import UnitHooks, check_owner, rank_dependent, torch_d
 from ops.device._dlpack import _torch_device, torch_view
 from shard.core._protocol import LossProvider
 from shard.monitor._profile import timed
+
+if TYPE_CHECKING:
+    import jax
+    import torch
+
+    from ops import Communicator, Device
+    from ops._types import Array
+    from shard import TensorParallel
+    from shard.step._reduce import GradReducer
 
 __all__ = ["TorchLoss"]
 
@@ -117,10 +126,12 @@ class TorchLoss(LossProvider):
     has_aux = False  # True inside a call of a step built with has_aux=True
     reports_missing = True  # see [Note: missing gradients]
 
-    def __init__(self, module: Any, loss: Callable[[Any, Any], Any], named: dict[str, Any],
-                 unit_of: dict[str, str], unit_modules: list[tuple[str, Any]], *,
+    def __init__(self, module: torch.nn.Module, loss: Callable[[torch.nn.Module, Any], Any],
+                 named: dict[str, torch.nn.Parameter], unit_of: dict[str, str],
+                 unit_modules: list[tuple[str, torch.nn.Module]], *,
                  activation_checkpointing: bool = False, broadcast_buffers: bool = True,
-                 meta: MetaParams | None = None, tensor_parallel: Any = None) -> None:
+                 meta: MetaParams | None = None,
+                 tensor_parallel: TensorParallel | None = None) -> None:
         self.module, self.loss, self.named = module, loss, named
         self.unit_of = unit_of
         self._dtype = next(iter(named.values())).dtype  # the module's own param dtype
@@ -132,7 +143,8 @@ class TorchLoss(LossProvider):
         # the params live in a step's state (a meta module's have no memory yet)
         self._sharded = meta is not None
         self._rank: int | None = None  # the rank this object serves (see claim)
-        self._compute_dtype: Any = None  # set in a step when mixed precision changes it
+        # set in a step when mixed precision changes it
+        self._compute_dtype: torch.dtype | None = None
         self.cast_forward_inputs = True  # Precision's, inside a step's call (configured)
         self._on_gpu = any(p.device.type == "cuda" for p in named.values())
         self._warned = False
@@ -142,7 +154,7 @@ class TorchLoss(LossProvider):
         # micro-batch (see [Note: missing gradients])
         self.missing: frozenset[int] = frozenset()
 
-    def claim(self, comm: Any) -> None:
+    def claim(self, comm: Communicator) -> None:
         """Bind this loss object to ``comm``'s rank (the step's ``init`` calls it): a
         module is one rank's, so thread ranks sharing one object are refused
         before they train on each other's parameters or wait on each other's
@@ -170,7 +182,7 @@ class TorchLoss(LossProvider):
         """A module's running statistics or dropout (see ``rank_dependent``)."""
         return rank_dependent(self.module.named_modules())
 
-    def hooks_usable(self, comm: Any) -> bool:
+    def hooks_usable(self, comm: Communicator) -> bool:
         """Whether stage 3 may run collectives inside the backward (see the Note)."""
         if self._on_gpu and comm.world_size > 1 and comm.backend == "threads":
             if not self._warned:
@@ -188,7 +200,7 @@ class TorchLoss(LossProvider):
         them as they are (see [Note: frozen leaves])."""
         return frozenset(n for n, p in self.named.items() if not p.requires_grad)
 
-    def params_like(self) -> dict[str, Any]:
+    def params_like(self) -> dict[str, jax.ShapeDtypeStruct]:
         """The params' shapes and dtypes (``jax.ShapeDtypeStruct``), as
         :func:`functional` found them: what a checkpoint loaded into a fresh
         step must hold."""
@@ -196,7 +208,7 @@ class TorchLoss(LossProvider):
 
         from ops.device._arrays import BF16
 
-        def dtype(name: str) -> Any:
+        def dtype(name: str) -> np.dtype:
             return BF16 if name == "bfloat16" else np.dtype(name)
 
         return {name: jax.ShapeDtypeStruct(shape, dtype(d))
@@ -216,7 +228,7 @@ class TorchLoss(LossProvider):
         self._buffers.load(values, where)
 
     # -- a module built on the meta device ----------------------------------------
-    def materialize(self, paths: list[tuple]) -> list[Any]:
+    def materialize(self, paths: list[tuple]) -> list[torch.Tensor]:
         """The whole, freshly initialised values of the params at ``paths`` (one
         unit's, for the step's ``init``; see [Note: meta-device init])."""
         if self._meta is None:
@@ -225,7 +237,7 @@ class TorchLoss(LossProvider):
         return self._meta.materialize(names, {self.unit_of[n] for n in names}, self.named)
 
     @property
-    def materialize_device(self) -> Any:
+    def materialize_device(self) -> Device | None:
         """Where a meta module's units are materialised, as an ``ops.Device``."""
         if self._meta is None:
             return None
@@ -234,8 +246,9 @@ class TorchLoss(LossProvider):
         return _torch_device(torch.empty(0, device=self._meta.device))
 
     # -- stages 0-2 (and anything with whole params) ------------------------------
-    def value_and_grad(self, params: dict[str, Any], batch: Any,
-                       loss_scale: float = 1.0) -> tuple[Any, dict[str, Any]]:
+    def value_and_grad(
+        self, params: dict[str, Array], batch: Any, loss_scale: float = 1.0
+    ) -> tuple[torch.Tensor | tuple[torch.Tensor, Any], dict[str, torch.Tensor]]:
         """Loss and gradients (of ``loss_scale * loss``) at ``params``, by autograd:
         a scalar tensor and ``{name: tensor}``, on the module's device."""
         import torch
@@ -266,7 +279,8 @@ class TorchLoss(LossProvider):
         self._sharded = self._sharded or cast
         return ((out.detach(), aux) if self.has_aux else out.detach()), grads
 
-    def loss_value(self, params: dict[str, Any], batch: Any) -> Any:
+    def loss_value(self, params: dict[str, Array],
+                   batch: Any) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """The loss (with ``has_aux``, ``(loss, aux)``) at ``params`` in eval mode
         under ``torch.no_grad``, with rank 0's buffers (for ``ZeroStep.evaluate``,
         a collective); the module's parameters and mode are restored."""
@@ -290,7 +304,8 @@ class TorchLoss(LossProvider):
                 p.data = before[name]
 
     # -- stage 3 --------------------------------------------------------------------
-    def run_units(self, units: Any, reducer: Any, batch: Any, loss_scale: float) -> Any:
+    def run_units(self, units: Any, reducer: GradReducer, batch: Any,
+                  loss_scale: float) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """One micro-batch, unit by unit (:meth:`UnitHooks.run`)."""
         self._buffers.sync()
         self._set_compute_dtype(torch_dtype(units.local[0].dtype if units.stage == 3
@@ -305,7 +320,7 @@ class TorchLoss(LossProvider):
             self.missing = self._hooks.missing
         return (out.detach(), aux) if self.has_aux else out.detach()
 
-    def _call_loss(self, batch: Any, *, training: bool = True) -> tuple[Any, Any]:
+    def _call_loss(self, batch: Any, *, training: bool = True) -> tuple[torch.Tensor, Any]:
         """The user's loss on the module: ``(loss, aux)`` (aux None without
         ``has_aux``, which a step built with ``has_aux=True`` sets)."""
         import torch
@@ -316,10 +331,11 @@ class TorchLoss(LossProvider):
                 lambda x: x.detach() if isinstance(x, torch.Tensor) else x, aux)
         return loss, aux
 
-    def _set_compute_dtype(self, dtype: Any) -> None:
+    def _set_compute_dtype(self, dtype: torch.dtype) -> None:
         self._compute_dtype = dtype if dtype != self._dtype else None
 
-    def _before_forward(self, module: Any, args: Any, kwargs: Any) -> Any:
+    def _before_forward(self, module: torch.nn.Module, args: tuple[object, ...],
+                        kwargs: dict[str, object]) -> tuple[object, object] | None:
         """The root module's pre-hook: refuse a sharded module outside a step; in a
         step, cast floating inputs to the compute dtype (FSDP2's
         ``cast_forward_inputs``) when mixed precision changed it."""
@@ -330,7 +346,7 @@ class TorchLoss(LossProvider):
             return None
         import torch
 
-        def cast(x: Any) -> Any:
+        def cast(x: object) -> object:
             if isinstance(x, torch.Tensor):
                 return x.to(dtype) if x.is_floating_point() and x.dtype != dtype else x
             if isinstance(x, (tuple, list)):
@@ -353,7 +369,7 @@ class TorchLoss(LossProvider):
                 "comm=comm), evaluate with step.evaluate(state, batch), or train a "
                 "copy.deepcopy(model)")
 
-    def _before_state_dict(self, module: Any, prefix: str, keep_vars: bool) -> None:
+    def _before_state_dict(self, module: torch.nn.Module, prefix: str, keep_vars: bool) -> None:
         """``module.state_dict()``'s pre-hook: never empty tensors in place of the
         trained values (``keep_vars=True`` is the library's own read of the
         buffers)."""
@@ -361,5 +377,5 @@ class TorchLoss(LossProvider):
             self._check_usable("take the state_dict of")
 
 
-def _torch_dtype_of(params: dict[str, Any]) -> Any:
+def _torch_dtype_of(params: dict[str, Array]) -> torch.dtype:
     return torch_view(next(iter(params.values()))).dtype

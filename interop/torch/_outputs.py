@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["loss_and_aux"]
 
 
-def loss_and_aux(out: Any, has_aux: bool, *, training: bool = True) -> tuple[Any, Any]:
+def loss_and_aux(out: object, has_aux: bool, *,
+                 training: bool = True) -> tuple[torch.Tensor, Any]:
     """A torch loss's result as ``(loss, aux)``: a scalar tensor, ``(loss, aux)``
     (with ``has_aux=True``), or a mapping with a ``"loss"`` entry, as a Hugging
     Face model's ``ModelOutput`` (its other entries are the aux). Anything else
