@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from ops._counters import DEVICE_OPS, SYNCS
+from ops._types import Array
 from ops.device._device import Device, aligned_empty, register_device
 
 __all__ = ["DEVICE_OPS", "STANDIN", "SYNCS", "StandInArray", "xp"]
@@ -287,7 +288,7 @@ def _asarray(x: Any, dtype: Any = None) -> StandInArray:
     return out
 
 
-def _asnumpy(x: StandInArray) -> np.ndarray:
+def _asnumpy(x: Array) -> np.ndarray:
     if not isinstance(x, StandInArray):
         raise TypeError(f"asnumpy: expected a device array; got {type(x).__qualname__}")
     return x.get()
@@ -365,12 +366,12 @@ def _memory_owner(a: StandInArray) -> np.ndarray:
     return owner
 
 
-def _copy_to_host(x: StandInArray, out: np.ndarray) -> None:
+def _copy_to_host(x: Array, out: np.ndarray) -> None:
     SYNCS.add()
     out.view(np.uint8)[...] = _unwrap(x, "copy_to_host").view(np.uint8)
 
 
-def _copy_from_host(dst: StandInArray, src: np.ndarray) -> None:
+def _copy_from_host(dst: Array, src: np.ndarray) -> None:
     DEVICE_OPS.add("copy")  # host to device
     _unwrap(dst, "copy_from_host").view(np.uint8)[...] = src.view(np.uint8)
 

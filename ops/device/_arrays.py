@@ -7,12 +7,19 @@ of :mod:`ops.testing`) the CUDA build (see [Note: devices]). bf16 is
 
 from __future__ import annotations
 
-from typing import Any
+import types
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import numpy as np
 
 from ops.device._device import device_named, device_of
 from ops.kernels._dtypes import BF16
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
+    from ops.kernels._cpu import CpuDriver
+    from ops.kernels._cuda import CudaDriver
 
 __all__ = ["BF16", "array_kind", "check_array", "dtype_code", "xp_of"]
 
@@ -21,17 +28,17 @@ _CODES = {np.dtype(np.float32): "f32", BF16: "bf16", np.dtype(np.float16): "f16"
 _DTYPES = {code: dtype for dtype, code in _CODES.items()}
 
 
-def array_kind(x: Any) -> str:
+def array_kind(x: object) -> str:
     """The name of ``x``'s device (see [Note: devices]); a TypeError for non-arrays."""
     return device_of(x).name
 
 
-def xp_of(x: Any) -> Any:
+def xp_of(x: object) -> types.ModuleType | types.SimpleNamespace:
     """The array module (numpy, cupy, or the device stand-in's) of ``x``."""
     return device_of(x).xp
 
 
-def dtype_code(dtype: Any) -> str | None:
+def dtype_code(dtype: DTypeLike) -> str | None:
     """``"f32"``, ``"bf16"``, ``"f16"`` or ``"f64"`` for the supported dtypes, else None."""
     return _CODES.get(np.dtype(dtype))
 
@@ -42,7 +49,8 @@ def dtype_of_code(code: str) -> np.dtype:
 
 def check_array(fn: str, name: str, x: Any, *, dtypes: tuple[str, ...], shape: tuple | None = None,
                 writeable: bool = False, kind: str | None = None) -> str:
-    """Validate one kernel argument; return its dtype code.
+    """Validate one kernel argument; return its dtype code (``x`` is Any: any
+    value is checked, and numpy's ``flags.writeable`` is read of numpy arrays).
 
     Raises TypeError for a wrong type or dtype, ValueError for a wrong shape or a
     non-contiguous or read-only buffer, each naming ``fn`` and ``name``.
@@ -67,6 +75,14 @@ def check_array(fn: str, name: str, x: Any, *, dtypes: tuple[str, ...], shape: t
     return code
 
 
-def driver_for(kind: str) -> Any:
+@overload
+def driver_for(kind: Literal["numpy"]) -> CpuDriver: ...
+
+
+@overload
+def driver_for(kind: str) -> CpuDriver | CudaDriver: ...
+
+
+def driver_for(kind: str) -> CpuDriver | CudaDriver:
     """The kernel driver for a device name: the CPU build or the CUDA build."""
     return device_named(kind).driver()

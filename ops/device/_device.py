@@ -24,17 +24,28 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from ops._types import Array
+
+if TYPE_CHECKING:
+    import jax
+    import torch
+    from numpy.typing import DTypeLike
+
+    from ops.kernels._cpu import CpuDriver
+    from ops.kernels._cuda import CudaDriver
 
 __all__ = ["HOST", "Device", "aligned_empty", "cupy_device", "device_named", "device_of",
            "register_device"]
 
 
-def aligned_empty(n: int, dtype: Any, align: int = 64) -> np.ndarray:
+def aligned_empty(n: int, dtype: DTypeLike, align: int = 64) -> np.ndarray:
     """An uninitialised 1-D numpy array whose data is ``align``-byte aligned.
 
     JAX copies any host buffer that is not 64-byte aligned when it is handed
@@ -66,26 +77,30 @@ class Device:
     """
 
     name: str
-    xp: Any
+    xp: types.ModuleType | types.SimpleNamespace  # the stand-in's is a namespace
     host: bool
-    driver: Callable[[], Any] = field(repr=False)
-    to_host: Callable[[Any], np.ndarray] = field(repr=False)
+    driver: Callable[[], CpuDriver | CudaDriver] = field(repr=False)
+    to_host: Callable[[Array], np.ndarray] = field(repr=False)
+    # Any: the device's own array type (the stand-in's StandInArray is an Array
+    # at run time only, and CuPy's arrays are untyped); memory_owner likewise
     from_host: Callable[[np.ndarray], Any] = field(repr=False)
-    from_dlpack: Callable[[Any], Any] = field(repr=False)
+    from_dlpack: Callable[[torch.Tensor | jax.Array], Any] = field(repr=False)
     synchronize: Callable[[], None] = field(repr=False, default=lambda: None)
     torch_device: str = "cpu"
-    memory_owner: Callable[[Any], Any] = field(repr=False, default=lambda a: a)
-    pinned: Callable[[int, Any], np.ndarray] | None = field(repr=False, default=None)
-    copy_to_host: Callable[[Any, np.ndarray], None] | None = field(repr=False, default=None)
-    copy_from_host: Callable[[Any, np.ndarray], None] | None = field(repr=False, default=None)
-    current: Callable[[Any], Any] = field(repr=False, default=lambda a: contextlib.nullcontext())
+    memory_owner: Callable[[Any], object] = field(repr=False, default=lambda a: a)
+    pinned: Callable[[int, DTypeLike], np.ndarray] | None = field(repr=False, default=None)
+    copy_to_host: Callable[[Array, np.ndarray], None] | None = field(repr=False, default=None)
+    copy_from_host: Callable[[Array, np.ndarray], None] | None = field(repr=False, default=None)
+    # Any: CuPy's array, whose .device (a context manager) is not in ops.Array
+    current: Callable[[Any], contextlib.AbstractContextManager[object]] = field(
+        repr=False, default=lambda a: contextlib.nullcontext())
 
-    def using(self, x: Any) -> Any:
+    def using(self, x: Array) -> contextlib.AbstractContextManager[object]:
         """A context in which this thread's work runs where ``x`` lives (the GPU
         holding it, for a thread other than the one that made it)."""
         return self.current(x)
 
-    def pinned_empty(self, n: int, dtype: Any) -> np.ndarray:
+    def pinned_empty(self, n: int, dtype: DTypeLike) -> np.ndarray:
         """A flat host buffer for copies to and from this device: page-locked on
         a GPU (so copies run at the bus's rate, with no staging copy), a
         64-byte aligned numpy array elsewhere."""
@@ -93,6 +108,8 @@ class Device:
             return aligned_empty(n, dtype)
         return self.pinned(n, dtype)
 
+    # x, dst: Any, as numpy's np.copyto takes them on the host (an ops.Array is not
+    # numpy's ArrayLike)
     def to_host_into(self, x: Any, out: np.ndarray) -> np.ndarray:
         """An explicit device-to-host copy of the flat array ``x`` into ``out``."""
         if self.host:
@@ -113,18 +130,18 @@ class Device:
         else:
             dst[...] = self.from_host(src)
 
-    def empty(self, n: int, dtype: Any) -> Any:
+    def empty(self, n: int, dtype: DTypeLike) -> Array:
         """An uninitialised flat buffer (64-byte aligned on the host)."""
         if self.host:
             return aligned_empty(n, dtype)
         return self.xp.empty(n, dtype=np.dtype(dtype))
 
-    def zeros(self, n: int, dtype: Any) -> Any:
+    def zeros(self, n: int, dtype: DTypeLike) -> Array:
         buf = self.empty(n, dtype)
         buf[...] = 0
         return buf
 
-    def asarray(self, x: Any, *, what: str = "array") -> Any:
+    def asarray(self, x: Any, *, what: str = "array") -> Array:
         """``x`` on this device: itself if it is already here, a zero-copy view
         of a torch tensor or jax array that lives here, or an explicit copy of a
         host (numpy) array. ``what`` names ``x`` in errors."""
@@ -143,7 +160,7 @@ class Device:
         raise TypeError(f"{what}: a {other.name if other else type(x).__qualname__} array cannot "
                         f"be used where {self.name} arrays are expected; move it explicitly")
 
-    def from_torch(self, t: Any) -> Any:
+    def from_torch(self, t: torch.Tensor) -> Any:  # Any: np.ndarray on the host
         """A view of a torch tensor on this device (bfloat16 included)."""
         import torch
 
@@ -159,7 +176,7 @@ class Device:
             return self.from_dlpack(t.view(torch.int16)).view(BF16)
         return self.from_dlpack(t)
 
-    def from_jax(self, x: Any) -> Any:
+    def from_jax(self, x: jax.Array) -> Array:
         """A view of a jax array on this device (bfloat16 and read-only included)."""
         import jax
         import jax.numpy as jnp
@@ -173,7 +190,7 @@ class Device:
         return self.from_dlpack(x)
 
 
-def _numpy_from_dlpack(x: Any) -> np.ndarray:
+def _numpy_from_dlpack(x: Any) -> np.ndarray:  # torch or jax: numpy's stubs refuse torch
     return np.from_dlpack(x)
 
 
@@ -181,7 +198,7 @@ HOST = Device("numpy", np, True, driver=lambda: _cpu_driver(), to_host=lambda a:
               from_host=lambda a: np.array(a), from_dlpack=_numpy_from_dlpack)
 
 
-def _cpu_driver() -> Any:
+def _cpu_driver() -> CpuDriver:
     from ops.kernels._cpu import cpu_driver
 
     return cpu_driver()
@@ -195,12 +212,12 @@ def cupy_device() -> Device:
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise ImportError("cupy arrays need the 'cuda' extra: pip install 'zeroshard[cuda]'") from e
 
-    def driver() -> Any:
+    def driver() -> CudaDriver:
         from ops.kernels._cuda import cuda_driver
 
         return cuda_driver()
 
-    def view(x: Any) -> Any:
+    def view(x: Any) -> Any:  # a torch tensor or jax array in, a CuPy array out
         if type(x).__module__.split(".")[0] in ("jax", "jaxlib") and hasattr(
                 x, "__cuda_array_interface__"):
             # JAX's DLPack export from thread ranks is not reliable on GPUs; its
@@ -209,16 +226,16 @@ def cupy_device() -> Device:
             return cupy.asarray(x)
         return cupy.from_dlpack(x)
 
-    def pinned(n: int, dtype: Any) -> np.ndarray:
+    def pinned(n: int, dtype: DTypeLike) -> np.ndarray:
         dtype = np.dtype(dtype)
         mem = cupy.cuda.alloc_pinned_memory(max(1, n * dtype.itemsize))
         return np.frombuffer(mem, dtype, n)  # the array keeps the pinned block alive
 
-    def copy_to_host(x: Any, out: np.ndarray) -> None:
+    def copy_to_host(x: Any, out: np.ndarray) -> None:  # a CuPy array (.get)
         # bytes either way: CuPy knows bfloat16 only as a view
         x.view(np.uint8).get(out=out.view(np.uint8))
 
-    def copy_from_host(dst: Any, src: np.ndarray) -> None:
+    def copy_from_host(dst: Any, src: np.ndarray) -> None:  # a CuPy array (.set)
         dst.view(np.uint8).set(src.view(np.uint8))
 
     return Device("cupy", cupy, False, driver=driver, to_host=cupy.asnumpy,
@@ -238,7 +255,7 @@ def register_device(array_type: type, device: Device) -> None:
     _BY_NAME[device.name] = lambda: device
 
 
-def device_of_or_none(x: Any) -> Device | None:
+def device_of_or_none(x: object) -> Device | None:
     device = _BY_TYPE.get(type(x))
     if device is not None:
         return device
@@ -251,7 +268,7 @@ def device_of_or_none(x: Any) -> Device | None:
     return None
 
 
-def device_of(x: Any) -> Device:
+def device_of(x: object) -> Device:
     """The device an array lives on; a TypeError naming the type for anything else."""
     device = device_of_or_none(x)
     if device is None:

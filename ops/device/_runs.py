@@ -13,13 +13,17 @@ over per call, in one transfer.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from ops._types import Array
 from ops.device._arrays import BF16
 from ops.device._device import Device, device_of_or_none
 from ops.kernels._table import QUANT_GROUP, TABLE, runs_kernel
+
+if TYPE_CHECKING:
+    from numpy.typing import ArrayLike, DTypeLike
 
 __all__ = ["Runs", "contiguous_on", "copy_runs", "dequantize_runs"]
 
@@ -33,7 +37,8 @@ class Runs:
     and :meth:`with_addresses` gives the table for one call's tensors.
     """
 
-    def __init__(self, src: Any, dst: Any, lengths: Any, *, tensor: Any = None) -> None:
+    def __init__(self, src: ArrayLike, dst: ArrayLike, lengths: ArrayLike, *,
+                 tensor: ArrayLike | None = None) -> None:
         lengths = np.asarray(lengths, np.int64)
         keep = lengths > 0
         self.src = np.asarray(src, np.int64)[keep]
@@ -42,17 +47,17 @@ class Runs:
         self.nruns = int(keep.sum())
         self.starts = np.concatenate([[0], np.cumsum(lengths[keep])]).astype(np.int64)
         self.total = int(self.starts[-1])
-        self._tables: dict[str, tuple[Any, Any]] = {}  # by device: constant tables
-        self._buffers: dict[str, Any] = {}  # by device: the buffer per-call tables go to
+        self._tables: dict[str, tuple[Array, Array]] = {}  # by device: constant tables
+        self._buffers: dict[str, Array] = {}  # by device: the buffer per-call tables go to
 
-    def table(self, device: Device) -> tuple[Any, Any]:
+    def table(self, device: Device) -> tuple[Array, Array]:
         """``(runs, starts)`` on ``device``: copied there once."""
         hit = self._tables.get(device.name)
         if hit is None:
             hit = self._tables[device.name] = _upload(self._pairs(self.src), self.starts, device)
         return hit
 
-    def with_addresses(self, addresses: np.ndarray, device: Device) -> tuple[Any, Any]:
+    def with_addresses(self, addresses: np.ndarray, device: Device) -> tuple[Array, Array]:
         """``(runs, starts)`` on ``device`` for tensors at ``addresses`` (int64, one
         per tensor; 0 for a tensor that is absent: its runs write zeros). The
         table is written into one device buffer kept for this (one transfer,
@@ -61,7 +66,7 @@ class Runs:
         src = np.where(base != 0, base + self.src, 0)
         host = np.concatenate([self._pairs(src), self.starts])
         if device.host:
-            table = host
+            table: Array = host
         else:
             cached = self._buffers.get(device.name)
             if cached is None:
@@ -74,7 +79,7 @@ class Runs:
         return np.stack([src, self.dst], axis=1).reshape(-1)
 
 
-def _upload(runs: np.ndarray, starts: np.ndarray, device: Device) -> tuple[Any, Any]:
+def _upload(runs: np.ndarray, starts: np.ndarray, device: Device) -> tuple[Array, Array]:
     host = np.concatenate([runs, starts])  # one transfer for both
     table = host if device.host else device.from_host(host)
     return table[:runs.size], table[runs.size:]
@@ -84,6 +89,8 @@ def contiguous_on(x: Any, device: Device) -> tuple[int, np.dtype, int] | None:
     """``(address, dtype, size)`` of ``x`` where a kernel on ``device`` may read it
     in place: a C-contiguous array of that device, or a contiguous torch tensor
     sharing its memory; None for anything else (the caller converts it)."""
+    # x: Any: a torch tensor, or an array whose address (.ctypes, CuPy's .data.ptr)
+    # ops.Array leaves out
     if type(x).__module__.split(".")[0] == "torch":
         if x.device.type != device.torch_device or not x.is_contiguous():
             return None
@@ -98,8 +105,8 @@ _TORCH_DTYPES = {"torch.float32": np.dtype(np.float32), "torch.float64": np.dtyp
                  "torch.float16": np.dtype(np.float16), "torch.bfloat16": BF16}
 
 
-def copy_runs(dst: Any, runs: Runs, table: tuple[Any, Any], *, device: Device,
-              src: Any = None, src_dtype: Any = None) -> None:
+def copy_runs(dst: Array, runs: Runs, table: tuple[Array, Array], *, device: Device,
+              src: Any = None, src_dtype: DTypeLike | None = None) -> None:
     """Copy every run into ``dst`` in one launch: from ``src`` where given, else
     from the addresses in ``table`` (made by :meth:`Runs.with_addresses`), whose
     elements are ``src_dtype``. 16-bit floats widen to a float32 ``dst``."""
@@ -112,7 +119,8 @@ def copy_runs(dst: Any, runs: Runs, table: tuple[Any, Any], *, device: Device,
     device.driver().elementwise(kernel, runs.total, (src, dst, *table, runs.nruns))
 
 
-def dequantize_runs(dst: Any, runs: Runs, table: tuple[Any, Any], *, q: Any, scales: Any,
+def dequantize_runs(dst: Array, runs: Runs, table: tuple[Array, Array], *, q: Array,
+                    scales: Array,
                     section: int, device: Device) -> None:
     """:func:`copy_runs` from block-quantized int8 sections (qwZ's all-gather:
     ``section`` elements a rank, each section's float32 scales, one per 256,
