@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from interop.torch._stage import TorchStage
 from interop.torch._units import check_owner, rank_dependent
@@ -44,12 +44,21 @@ from ops.device._dlpack import to_native, torch_view
 from shard.core._protocol import LossProvider
 from shard.monitor._profile import timed
 
+if TYPE_CHECKING:
+    import torch
+
+    from ops import Communicator
+    from ops._types import Array
+    from shard.step._reduce import GradReducer
+    from shard.step._runtime import Units
+
 __all__ = ["TorchLayered", "layered"]
 
 
-def layered(layers: Sequence[Any], *, loss: Callable[[Any, Any], Any],
-            inputs: Callable[[Any], Any] | None = None) -> tuple[list[dict[str, Any]],
-                                                                  TorchLayered]:
+def layered(
+    layers: Sequence[torch.nn.Module] | torch.nn.Sequential | torch.nn.ModuleList, *,
+    loss: Callable[[Any, Any], torch.Tensor], inputs: Callable[[Any], object] | None = None,
+) -> tuple[list[dict[str, Array]], TorchLayered]:
     """A chain of torch modules as per-module params and a loss object (see
     [Note: torch layers]).
 
@@ -88,7 +97,7 @@ def layered(layers: Sequence[Any], *, loss: Callable[[Any, Any], Any],
     if not layers:
         raise ValueError("layered: layers is empty")
     owner: dict[int, int] = {}
-    named: list[dict[str, Any]] = []
+    named: list[dict[str, torch.nn.Parameter]] = []
     for i, m in enumerate(layers):
         if not isinstance(m, torch.nn.Module):
             raise TypeError(f"layered: layers[{i}] is a {type(m).__name__}, not a "
@@ -128,14 +137,14 @@ def layered(layers: Sequence[Any], *, loss: Callable[[Any, Any], Any],
     return params, out
 
 
-def _non_persistent(module: Any, name: str) -> set[str]:
+def _non_persistent(module: torch.nn.Module, name: str) -> set[str]:
     """The non-persistent buffer names of the submodule that owns ``name``
     (a causal mask, say: not state, so not refused)."""
     owner = module.get_submodule(name.rsplit(".", 1)[0]) if "." in name else module
     return set(getattr(owner, "_non_persistent_buffers_set", ()))
 
 
-def _first_input(batch: Any) -> Any:
+def _first_input(batch: object) -> object:
     if isinstance(batch, (tuple, list)):
         return batch[0]
     raise TypeError(f"layered: the batch is a {type(batch).__name__}; the first layer takes "
@@ -147,8 +156,9 @@ class TorchLayered(LossProvider):
     transforms and a ``make_stage`` for ``shard.pipeline`` (see [Note: the loss
     protocol])."""
 
-    def __init__(self, layers: list[Any], loss: Callable[[Any, Any], Any],
-                 inputs: Callable[[Any], Any] | None, named: list[dict[str, Any]]) -> None:
+    def __init__(self, layers: list[torch.nn.Module], loss: Callable[[Any, Any], torch.Tensor],
+                 inputs: Callable[[Any], object] | None,
+                 named: list[dict[str, torch.nn.Parameter]]) -> None:
         self.layers, self.loss, self.named = layers, loss, named
         self.inputs = inputs or _first_input
         self.cast_forward_inputs = True  # Precision's, inside a step's call (configured)
@@ -171,19 +181,20 @@ class TorchLayered(LossProvider):
                               for i, layer in enumerate(self.layers)
                               for n, m in layer.named_modules())
 
-    def claim(self, comm: Any) -> None:
+    def claim(self, comm: Communicator) -> None:
         """Bind this object to ``comm``'s rank (see ``TorchLoss.claim``)."""
         self._rank = check_owner(self._rank, comm, "interop.torch.layered",
                                  "modules: interop.torch.layered(copy.deepcopy(layers), ...) "
                                  "inside the function each rank runs")
 
-    def make_stage(self, units: Any, layers: Sequence[int], *,
+    def make_stage(self, units: Units, layers: Sequence[int], *,
               checkpointing: bool = False) -> TorchStage:
         """The runner of ``layers`` (indices into ``self.layers``; unit ``u`` of
         ``units`` is layer ``layers[u]``) for one step."""
         return TorchStage(self, units, list(layers), checkpointing)
 
-    def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
+    def run_units(self, units: Units, reducer: GradReducer, batch: Any,
+                  scale: float) -> torch.Tensor:
         """One micro-batch through every layer (the ZeRO step's unit protocol)."""
         stage = self.make_stage(units, range(len(self.layers)))
         loss = stage.forward(0, None, batch)
@@ -191,8 +202,9 @@ class TorchLayered(LossProvider):
         stage.finish(reducer)
         return loss
 
-    def value_and_grad(self, params: list[dict[str, Any]], batch: Any,
-                       loss_scale: float = 1.0) -> tuple[Any, list[dict[str, Any]]]:
+    def value_and_grad(
+        self, params: list[dict[str, Array]], batch: Any, loss_scale: float = 1.0
+    ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
         """Loss and gradients (of ``loss_scale * loss``) at whole ``params``."""
         import torch
 
@@ -211,7 +223,7 @@ class TorchLayered(LossProvider):
                 p.grad = None
         return out.detach(), grads
 
-    def loss_units(self, units: Any, batch: Any) -> Any:
+    def loss_units(self, units: Units, batch: Any) -> torch.Tensor:
         """The loss in eval mode, forward only, unit by unit (``step.evaluate``)."""
         with self.evaluating():
             stage = self.make_stage(units, range(len(self.layers)), checkpointing=True)
@@ -253,12 +265,12 @@ class TorchLayered(LossProvider):
                 x = m(x)
         return times
 
-    def _forward(self, x: Any) -> Any:
+    def _forward(self, x: torch.Tensor) -> Any:
         for m in self.layers:
             x = m(x)
         return x
 
-    def _input(self, batch: Any, dtype: Any = None) -> Any:
+    def _input(self, batch: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The first layer's input as a tensor on the params' device, floating
         inputs cast to ``dtype`` (the compute dtype) when casting is on."""
         import torch

@@ -4,11 +4,17 @@ step's micro-batches: the runner behind [Note: torch layers]
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from interop.torch._units import torch_dtype
 from ops.device._dlpack import torch_view
 from shard.monitor._profile import timed
+
+if TYPE_CHECKING:
+    import torch
+
+    from interop.torch._layers import TorchLayered
+    from ops._types import Array
 
 __all__ = ["TorchStage"]
 
@@ -18,7 +24,7 @@ class TorchStage:
     ``forward(k, x, batch)``, ``backward(k, ct)`` in any order a schedule gives,
     then ``finish(reducer)``."""
 
-    def __init__(self, owner: Any, units: Any, layers: list[int],
+    def __init__(self, owner: TorchLayered, units: Any, layers: list[int],
                  checkpointing: bool) -> None:
         self.owner, self.units, self.layers = owner, units, layers
         subtrees = units.layout.treedef.children()
@@ -27,7 +33,7 @@ class TorchStage:
         self.recompute = checkpointing or self.gathering
         self.first, self.last = layers[0] == 0, layers[-1] == len(owner.layers) - 1
         self.saved: dict[int, Any] = {}
-        self.grads: list[list[Any] | None] = [None] * len(layers)
+        self.grads: list[list[torch.Tensor | None] | None] = [None] * len(layers)
         self.forward_passes = 0
         self.dtype = torch_dtype(units.local[0].dtype if self.gathering
                                   else units.full[0].dtype)  # the compute dtype
@@ -38,7 +44,7 @@ class TorchStage:
                 self._bind(u, units.get(u))
 
     # -- the schedule's calls -------------------------------------------------------
-    def forward(self, k: int, x: Any, batch: Any) -> Any:
+    def forward(self, k: int, x: Any, batch: Any) -> torch.Tensor:
         """Micro-batch ``k``'s forward from ``x`` (a received array; None on the
         first stage): the output to send on, or the loss on the last stage."""
         import torch
@@ -72,7 +78,7 @@ class TorchStage:
         self.saved[k] = (kept, batch)
         return out.detach() if self.last else self._message(out)
 
-    def backward(self, k: int, ct: Any) -> Any:
+    def backward(self, k: int, ct: float | Array) -> torch.Tensor | None:
         """Micro-batch ``k``'s backward from ``ct`` (the loss's cotangent, a
         number, on the last stage; a received array elsewhere): the input's
         gradient to send back, or None on the first stage."""
@@ -85,7 +91,7 @@ class TorchStage:
             return None if x is None else self._message(x.grad)
         kept, batch = self.saved.pop(k)
         n = len(self.layers)
-        g = ct
+        g: float | Array | torch.Tensor | None = ct
         for u in reversed(range(n)):
             if self.gathering:
                 self._bind(u, self.units.get(u, range(u - 1, -1, -1)))
@@ -114,17 +120,17 @@ class TorchStage:
             self.grads[u] = None
 
     # -- helpers ------------------------------------------------------------------
-    def _module(self, u: int) -> Any:
+    def _module(self, u: int) -> torch.nn.Module:
         return self.owner.layers[self.layers[u]]
 
-    def _input_of(self, batch: Any) -> Any:
+    def _input_of(self, batch: Any) -> torch.Tensor:
         return self.owner._input(batch, self.dtype)
 
-    def _tensor(self, x: Any) -> Any:
+    def _tensor(self, x: Array) -> torch.Tensor:
         device = self.params[0][0].device
         return torch_view(x).to(device)
 
-    def _message(self, t: Any) -> Any:
+    def _message(self, t: object) -> torch.Tensor:
         import torch
 
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -133,7 +139,7 @@ class TorchStage:
                             "; a stage passes one floating tensor to the next")
         return t.detach()
 
-    def _cotangent(self, ct: Any, like: Any) -> Any:
+    def _cotangent(self, ct: Any, like: torch.Tensor) -> torch.Tensor:
         import torch
 
         if isinstance(ct, (int, float)):
@@ -153,7 +159,7 @@ class TorchStage:
             g if a is None else (a if g is None else a + g) for a, g in zip(acc, grads,
                                                                               strict=True)]
 
-    def _bind(self, u: int, leaves: list[Any]) -> None:
+    def _bind(self, u: int, leaves: list[Array]) -> None:
         with timed("library"):
             for p, leaf in zip(self.params[u], leaves, strict=True):
                 p.data = torch_view(leaf)
@@ -166,7 +172,7 @@ class TorchStage:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
-def _rng_state(x: Any) -> Any:
+def _rng_state(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None, torch.device]:
     """The RNG state a unit's forward starts from (CPU, and the GPU's if ``x`` is
     on one), to draw the same dropout masks when it is recomputed."""
     import torch
@@ -178,7 +184,7 @@ def _rng_state(x: Any) -> Any:
 class _restored:
     """Run with a saved RNG state, then put the current one back."""
 
-    def __init__(self, state: Any) -> None:
+    def __init__(self, state: tuple[torch.Tensor, torch.Tensor | None, torch.device]) -> None:
         self.state = state
 
     def __enter__(self) -> None:
@@ -190,7 +196,7 @@ class _restored:
         if cuda is not None:
             torch.cuda.set_rng_state(cuda, device)
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         import torch
 
         cpu, cuda, device = self.before
