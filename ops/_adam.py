@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ops._types import Array
 from ops.device._arrays import array_kind, check_array, driver_for, xp_of
 from ops.kernels._table import adam_kernel
 
@@ -35,7 +36,7 @@ def adam_scalars(*, step: int, lr: float, betas: tuple[float, float], eps: float
     }
 
 
-def _check_hyper(step: Any, lr: float, betas: tuple[float, float], eps: float,
+def _check_hyper(step: object, lr: float, betas: tuple[float, float], eps: float,
                  weight_decay: float, fn: str = _FN, bias_correction: bool = True) -> None:
     if isinstance(step, bool) or not isinstance(step, int) or step < 1:
         raise ValueError(f"{fn}: step is the 1-based count of this update and must be an int "
@@ -50,13 +51,14 @@ def _check_hyper(step: Any, lr: float, betas: tuple[float, float], eps: float,
         raise ValueError(f"{fn}: eps and weight_decay must be >= 0; got {eps!r}, {weight_decay!r}")
 
 
-def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, step: int,
+def fused_adam_step(param: Array, grad: Array, exp_avg: Array, exp_avg_sq: Array, *, step: int,
                     lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                     weight_decay: float = 0.0, decoupled: bool = True,
-                    grad_scale: float | None = None, grad_sumsq: Any = None,
-                    max_norm: float | None = None, param_copy: Any = None,
-                    donate: bool = True, read_from: tuple[Any, Any, Any] | None = None,
-                    bias_correction: bool = True) -> tuple[Any, Any, Any]:
+                    grad_scale: float | None = None, grad_sumsq: Array | None = None,
+                    max_norm: float | None = None, param_copy: Array | None = None,
+                    donate: bool = True,
+                    read_from: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                    bias_correction: bool = True) -> tuple[Array, Array, Array]:
     """One Adam (``decoupled=False``) or AdamW (``decoupled=True``) update, fused.
 
     Reads param, grad and both moments once and writes param and moments once
@@ -147,14 +149,16 @@ def fused_adam_step(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, *, ste
     return p, m, v
 
 
-def fused_adam_multi(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequence[Any],
-                     exp_avg_sqs: Sequence[Any], *, step: int, lr: float,
+def fused_adam_multi(params: Sequence[Array], grads: Sequence[Array],
+                     exp_avgs: Sequence[Array], exp_avg_sqs: Sequence[Array], *, step: int,
+                     lr: float,
                      betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                      weight_decay: float = 0.0, decoupled: bool = True,
-                     grad_scale: float | None = None, grad_sumsq: Any = None,
-                     max_norm: float | None = None, param_copies: Sequence[Any] | None = None,
+                     grad_scale: float | None = None, grad_sumsq: Array | None = None,
+                     max_norm: float | None = None,
+                     param_copies: Sequence[Array | None] | None = None,
                      donate: bool = True, bias_correction: bool = True
-                     ) -> tuple[list, list, list]:
+                     ) -> tuple[list[Array], list[Array], list[Array]]:
     """:func:`fused_adam_step` over many tensors at once.
 
     Tensors sharing grad and copy dtypes go through one call: on the CPU one
@@ -196,7 +200,7 @@ def fused_adam_multi(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequ
     return [t[0] for t in out], [t[2] for t in out], [t[3] for t in out]
 
 
-def _check_sources(read_from: Any, param: Any, pcode: str) -> tuple[Any, Any, Any]:
+def _check_sources(read_from: object, param: Array, pcode: str) -> tuple[Any, ...]:
     if array_kind(param) != "numpy":
         raise TypeError(f"{_FN}: read_from is for host (numpy) arrays; got "
                         f"{array_kind(param)} params")
@@ -208,7 +212,8 @@ def _check_sources(read_from: Any, param: Any, pcode: str) -> tuple[Any, Any, An
     return tuple(read_from)
 
 
-def _check_global(param: Any, grad_sumsq: Any, max_norm: float | None, fn: str = _FN) -> None:
+def _check_global(param: Array, grad_sumsq: Array | None, max_norm: float | None,
+                  fn: str = _FN) -> None:
     kind = array_kind(param)
     if grad_sumsq is not None:
         if grad_sumsq.dtype != np.float64 or grad_sumsq.size != 1:
@@ -222,7 +227,8 @@ def _check_global(param: Any, grad_sumsq: Any, max_norm: float | None, fn: str =
                          "the global sum of squares of the grads")
 
 
-def _check_tensor(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_copy: Any,
+def _check_tensor(param: Array, grad: Array, exp_avg: Array, exp_avg_sq: Array,
+                  param_copy: Array | None,
                   donate: bool, kind: str | None = None, fn: str = _FN
                   ) -> tuple[tuple[str, str], tuple]:
     kind = kind or array_kind(param)
@@ -242,7 +248,8 @@ def _check_tensor(param: Any, grad: Any, exp_avg: Any, exp_avg_sq: Any, param_co
     return (gcode, ccode), (param, grad, exp_avg, exp_avg_sq, param_copy)
 
 
-def grad_multiplier(sumsq: Any, grad_scale: float, max_norm: float) -> float | None:
+def grad_multiplier(sumsq: float | Array | None, grad_scale: float,
+                    max_norm: float) -> float | None:
     """What the fused kernels multiply the grads by (``optim.cuh``'s prologue, on
     the host): ``grad_scale``, times torch's clip coefficient when ``max_norm``
     > 0; None where ``sumsq`` (a number, a one-element array or None) is not
@@ -258,6 +265,7 @@ def grad_multiplier(sumsq: Any, grad_scale: float, max_norm: float) -> float | N
 
 
 def _adam_float64(p: Any, g: Any, m: Any, v: Any, scalars: tuple) -> None:
+    # Any: arithmetic on the device's arrays (numpy, CuPy or the stand-in's)
     """The kernel's arithmetic in float64 with numpy, for float64 params (exact
     references and tight tests; the CUDA/CPU kernels are float32)."""
     (sumsq, beta1, beta2, omb1, omb2, step_size, bc2_sqrt, eps, decay, l2, grad_scale,
@@ -275,7 +283,7 @@ def _adam_float64(p: Any, g: Any, m: Any, v: Any, scalars: tuple) -> None:
 
 
 def _scalars(step: int, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
-             decoupled: bool, grad_scale: float | None, grad_sumsq: Any,
+             decoupled: bool, grad_scale: float | None, grad_sumsq: Array | None,
              max_norm: float | None, bias_correction: bool = True) -> tuple:
     """The kernel's arguments from ``sumsq`` on (see ops/kernels/_table.py)."""
     s = adam_scalars(step=step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,

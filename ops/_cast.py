@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ops._tree import tree_map
+from ops._types import Array
 from ops.device._arrays import array_kind, check_array, driver_for, dtype_code, xp_of
 from ops.kernels._table import cast_kernel
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 __all__ = ["cast"]
 
 
-def _cast_leaf(x: Any, dtype: np.dtype, out: Any) -> Any:
+def _cast_leaf(x: Array, dtype: np.dtype, out: Array | None) -> Array:
     kind = array_kind(x)
     src = check_array("cast", "x", x, dtypes=("f32", "bf16", "f16"))
     dst = dtype_code(dtype)
@@ -28,7 +32,7 @@ def _cast_leaf(x: Any, dtype: np.dtype, out: Any) -> Any:
     return out
 
 
-def cast(tree: Any, dtype: Any, *, out: Any = None) -> Any:
+def cast(tree: Any, dtype: DTypeLike, *, out: Any = None) -> Any:
     """Cast every leaf of a pytree between float32 and bfloat16/float16.
 
     Rounds to nearest even (NaN stays NaN, overflow goes to inf), with the same
@@ -47,7 +51,7 @@ def cast(tree: Any, dtype: Any, *, out: Any = None) -> Any:
     """
     dtype = np.dtype(dtype)
 
-    def one(x: Any, o: Any = None) -> Any:
+    def one(x: Array, o: Array | None = None) -> Array:
         if np.dtype(x.dtype) == dtype and o is None:
             return x
         return _cast_leaf(x, dtype, o)

@@ -9,23 +9,25 @@ from typing import Any
 import numpy as np
 
 from ops._adam import _check_global, _check_hyper, _check_tensor, grad_multiplier
+from ops._types import Array
 from ops.device._arrays import array_kind, driver_for, xp_of
 from ops.kernels._table import lamb_kernels
 
 __all__ = ["fused_lamb"]
 
 _FN = "fused_lamb"
-Reduce = Callable[[Any], Any]
+Reduce = Callable[[Array], Array | None]
 
 
-def fused_lamb(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequence[Any],
-               exp_avg_sqs: Sequence[Any], *, step: int, lr: float,
+def fused_lamb(params: Sequence[Array], grads: Sequence[Array], exp_avgs: Sequence[Array],
+               exp_avg_sqs: Sequence[Array], *, step: int, lr: float,
                betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
                eps_root: float = 0.0, weight_decay: float = 0.0,
                trust_clip: tuple[float, float] | None = None, bias_correction: bool = True,
-               grad_scale: float | None = None, grad_sumsq: Any = None,
-               max_norm: float | None = None, param_copies: Sequence[Any] | None = None,
-               reduce: Reduce | None = None) -> tuple[list, list, list]:
+               grad_scale: float | None = None, grad_sumsq: Array | None = None,
+               max_norm: float | None = None,
+               param_copies: Sequence[Array | None] | None = None,
+               reduce: Reduce | None = None) -> tuple[list[Array], list[Array], list[Array]]:
     """One LAMB update of each ``(param, grad, exp_avg, exp_avg_sq)``, in place,
     as ``optax.lamb`` computes it: Adam's moments and bias-corrected direction
     ``u = m_hat / (sqrt(v_hat + eps_root) + eps) + weight_decay * p``, scaled per
@@ -119,7 +121,7 @@ def fused_lamb(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequence[A
     return list(params), list(exp_avgs), list(exp_avg_sqs)
 
 
-def _reduced(reduce: Reduce, sums: Any) -> Any:
+def _reduced(reduce: Reduce, sums: Array) -> Any:  # Any: the float64 path computes on it
     out = reduce(sums)
     out = sums if out is None else out
     if tuple(out.shape) != tuple(sums.shape) or out.dtype != np.float64:

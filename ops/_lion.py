@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ops._adam import _check_global, _check_tensor, grad_multiplier
+from ops._types import Array
 from ops.device._arrays import array_kind, driver_for
 from ops.kernels._table import lion_kernel
 
@@ -16,11 +17,12 @@ __all__ = ["fused_lion"]
 _FN = "fused_lion"
 
 
-def fused_lion(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequence[Any], *,
+def fused_lion(params: Sequence[Array], grads: Sequence[Array], exp_avgs: Sequence[Array], *,
                      lr: float, betas: tuple[float, float] = (0.9, 0.99),
                      weight_decay: float = 0.0, grad_scale: float | None = None,
-                     grad_sumsq: Any = None, max_norm: float | None = None,
-                     param_copies: Sequence[Any] | None = None) -> tuple[list, list]:
+                     grad_sumsq: Array | None = None, max_norm: float | None = None,
+                     param_copies: Sequence[Array | None] | None = None
+                     ) -> tuple[list[Array], list[Array]]:
     """One Lion update of each ``(param, grad, exp_avg)``, in place: ``optax.lion``'s
     ``p -= lr * (sign(b1 * m + (1 - b1) * g) + wd * p)``, ``m = b2 * m + (1 - b2) * g``,
     in one pass (20 bytes per fp32 parameter) with :func:`ops.fused_adam_step`'s
@@ -86,6 +88,7 @@ def fused_lion(params: Sequence[Any], grads: Sequence[Any], exp_avgs: Sequence[A
 
 
 def _lion_float64(p: Any, g: Any, m: Any, scalars: tuple) -> None:
+    # Any: arithmetic on the device's arrays (numpy, CuPy or the stand-in's)
     """The kernel's arithmetic in float64 with numpy, for float64 params."""
     sumsq, b1, b2, omb1, omb2, lr, _, _, wd, _, grad_scale, max_norm = scalars
     mul = grad_multiplier(sumsq, grad_scale, max_norm)

@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 
 from ops._tree import tree_leaves
+from ops._types import Array
 from ops.device._arrays import array_kind, check_array, driver_for, xp_of
 from ops.device._device import device_of
 from ops.kernels._table import EXACT_SLOTS
@@ -15,7 +16,7 @@ from ops.kernels._table import EXACT_SLOTS
 __all__ = ["exact_square_parts", "exact_square_total", "global_norm", "sum_of_squares"]
 
 
-def sum_of_squares(x: Any, *, out: Any = None) -> Any:
+def sum_of_squares(x: Any, *, out: Array | None = None) -> Any:
     """The sum of squares of ``x``, accumulated in float64, as a one-element array.
 
     The result stays on ``x``'s device (no host synchronisation on a GPU) and is
@@ -90,7 +91,7 @@ def global_norm(tree: Any) -> float:
 # float64 is not taken. A non-finite element makes the total inf.
 
 
-def exact_square_parts(x: Any) -> np.ndarray:
+def exact_square_parts(x: Array | list[Array] | tuple[Array, ...]) -> np.ndarray:
     """The parts of ``x``'s sum of squares (see [Note: exact sums of squares]):
     an int64 host array that adds exactly with another array's parts.
 

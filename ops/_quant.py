@@ -6,19 +6,23 @@ wire quantized ([Note: quantized gradient reduction])."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from ops._types import Array
 from ops.comm._base import Communicator
 from ops.device._arrays import array_kind, check_array, driver_for, dtype_code
 from ops.device._device import device_of
 from ops.kernels._table import QUANT_GROUP, TABLE
 
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
 __all__ = ["dequantize_blocks", "quantize_blocks", "reduce_scatter_quantized"]
 
 
-def quantize_blocks(x: Any, *, bits: int = 8) -> tuple[Any, Any]:
+def quantize_blocks(x: Array, *, bits: int = 8) -> tuple[Array, Array]:
     """``x`` (flat) as int8 values and one float32 scale per block of 256
     elements: ``scale = amax / 127`` for the block's
     largest ``|x|``, ``q = rint(x / scale)``. :func:`dequantize_blocks` reads
@@ -57,12 +61,12 @@ def quantize_blocks(x: Any, *, bits: int = 8) -> tuple[Any, Any]:
     return q, scales
 
 
-def _check_bits(fn: str, bits: Any) -> None:
+def _check_bits(fn: str, bits: object) -> None:
     if isinstance(bits, bool) or bits not in (8, 4):
         raise ValueError(f"{fn}: bits must be 8 or 4; got {bits!r}")
 
 
-def _quantize_into(code: str, x: Any, q: Any, scales: Any, bits: int = 8) -> None:
+def _quantize_into(code: str, x: Array, q: Array, scales: Array, bits: int = 8) -> None:
     """:func:`quantize_blocks` of the checked flat ``x`` into ``q`` and
     ``scales`` (views of larger buffers, laid out as it returns them)."""
     if x.size:
@@ -70,8 +74,9 @@ def _quantize_into(code: str, x: Any, q: Any, scales: Any, bits: int = 8) -> Non
         driver_for(array_kind(x)).elementwise(TABLE[name], x.size, (x, q, scales, x.size))
 
 
-def dequantize_blocks(q: Any, scales: Any, dtype: Any = np.float32, *, out: Any = None,
-                      bits: int = 8, size: int | None = None) -> Any:
+def dequantize_blocks(q: Array, scales: Array, dtype: DTypeLike = np.float32, *,
+                      out: Array | None = None, bits: int = 8,
+                      size: int | None = None) -> Array:
     """The values :func:`quantize_blocks` kept: ``q * scale`` of each block, as
     ``dtype`` (float32, bfloat16 or float16; rounded to nearest even).
 
@@ -123,9 +128,9 @@ def dequantize_blocks(q: Any, scales: Any, dtype: Any = np.float32, *, out: Any 
     return out
 
 
-def reduce_scatter_quantized(comm: Communicator, out: Any, x: Any, *,
+def reduce_scatter_quantized(comm: Communicator, out: Array, x: Array, *,
                              hierarchy: tuple[Communicator, Communicator] | None = None,
-                             bits: int = 8) -> Any:
+                             bits: int = 8) -> _QuantizedReduction:
     """[Note: quantized gradient reduction]
     ``comm.reduce_scatter_into(out, x, "sum")`` with the sections that cross
     the wire as int8 (ZeRO++'s qgZ): each rank block-quantizes every other
@@ -196,7 +201,7 @@ class _QuantizedReduction:
     """A quantized reduce-scatter in flight (see [Note: quantized gradient
     reduction]): the sections quantized and their all-to-all started."""
 
-    def __init__(self, comm: Communicator, out: Any, x: Any, code: str, bits: int) -> None:
+    def __init__(self, comm: Communicator, out: Array, x: Array, code: str, bits: int) -> None:
         w, k, me = comm.world_size, out.size, comm.rank
         blocks, nq = -(-k // QUANT_GROUP), (k if bits == 8 else -(-k // 2))
         xp = device_of(x).xp
@@ -212,7 +217,7 @@ class _QuantizedReduction:
                       if w > 1 else [])
         self.blocks, self.nq = blocks, nq
 
-    def wait(self) -> Any:
+    def wait(self) -> Array:
         for work in self.works:
             work.wait()
         comm, out, xp, k, b, nq = self.comm, self.out, self.xp, self.out.size, self.blocks, self.nq
