@@ -52,7 +52,7 @@ The compressed all-reduce is then all a step sends.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -69,15 +69,19 @@ from ops._optim import (
     _optax_update,
     _rate,
 )
+from ops._types import Array
 from ops.comm._base import Communicator
 from ops.device._arrays import array_kind, check_array, driver_for
 from ops.device._device import device_of
 from ops.kernels._table import QUANT_GROUP, TABLE
 
+_A = TypeVar("_A", bound=Array)
+
 __all__ = ["compressed_all_reduce", "onebit_adam", "sign_add", "sign_compress"]
 
 
-def sign_compress(x: Any, error: Any, bits: Any = None, scales: Any = None) -> tuple[Any, Any]:
+def sign_compress(x: Array, error: Array, bits: Array | None = None,
+                  scales: Array | None = None) -> tuple[Array, Array]:
     """One bit per element of ``y = x + error``, and a scale per group of 256,
     its root mean square; ``error`` becomes ``y`` minus what the bits and
     scales read back (:func:`sign_add`). The same bits on the CPU and a GPU.
@@ -111,7 +115,7 @@ def sign_compress(x: Any, error: Any, bits: Any = None, scales: Any = None) -> t
     return bits, scales
 
 
-def sign_add(bits: Any, scales: Any, y: Any, weight: float = 1.0) -> Any:
+def sign_add(bits: Array, scales: Array, y: _A, weight: float = 1.0) -> _A:
     """``y += sign * (scale * weight)`` for the bits and scales of
     :func:`sign_compress` (``y`` float32, flat, of the compressed size)."""
     check_array("sign_add", "y", y, dtypes=("f32",), writeable=True, kind=array_kind(bits))
@@ -121,8 +125,8 @@ def sign_add(bits: Any, scales: Any, y: Any, weight: float = 1.0) -> Any:
     return y
 
 
-def compressed_all_reduce(comm: Communicator, x: Any, worker_error: Any,
-                          server_error: Any) -> Any:
+def compressed_all_reduce(comm: Communicator, x: _A, worker_error: Array,
+                          server_error: Array) -> _A:
     """``x`` becomes every rank's ``x`` averaged through 1-bit compression with
     error feedback, in place (see [Note: 1-bit Adam]); every rank ends with
     the same values.
@@ -202,9 +206,9 @@ def onebit_adam(learning_rate: float | Schedule, freeze_step: int = 100000, b1: 
     if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
         raise ValueError(f"{fn}: freeze_step must be an int >= 1; got {freeze_step!r}")
 
-    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
-            grad_sumsq: Any, max_norm: Any, copies: Any, finite: bool | None = None,
-            momentum: bool = False) -> tuple[Any, AdamState]:
+    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: float | None,
+            grad_sumsq: Array | None, max_norm: float | None, copies: Any,
+            finite: bool | None = None, momentum: bool = False) -> tuple[Any, AdamState]:
         count = int(state.count)
         frozen = count >= freeze_step
         if momentum and not frozen:
@@ -227,7 +231,7 @@ def onebit_adam(learning_rate: float | Schedule, freeze_step: int = 100000, b1: 
     update = _optax_update(fn, "for weight decay", run)
 
     def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
-              grad_sumsq: Any = None, max_norm: float | None = None,
+              grad_sumsq: Array | None = None, max_norm: float | None = None,
               param_copies: Any = None, finite: bool | None = None, read_from: Any = None,
               momentum: bool = False) -> tuple[Any, AdamState]:
         """Update params and moments in place (both donated), as ``ops.adamw``'s

@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 from ops._adam import fused_adam_multi, fused_adam_step
-from ops._lamb import fused_lamb
+from ops._lamb import Reduce, fused_lamb
 from ops._lion import fused_lion
 from ops._tree import tree_util
+from ops._types import Array
 from ops.device._arrays import xp_of
+
+if TYPE_CHECKING:
+    from jax.tree_util import PyTreeDef
 
 __all__ = ["AdamState", "FusedAdam", "FusedOptimizer", "LionState", "adam", "adamw", "lamb", "lion"]
 
@@ -80,12 +84,12 @@ class FusedOptimizer(NamedTuple):
     ``ops/_zeroone.py``); None for every other optimizer.
     """
 
-    init: Callable[[Any], Any]
-    update: Callable[..., tuple[Any, Any]]
-    apply: Callable[..., tuple[Any, Any]]
+    init: Callable[[Any], AdamState | LionState]
+    update: Callable[..., tuple[Any, AdamState | LionState]]
+    apply: Callable[..., tuple[Any, AdamState | LionState]]
     learning_rate: Callable[[int], float]
     moments: tuple[str, ...] = ("exp_avg", "exp_avg_sq")
-    state: Callable[..., Any] = AdamState
+    state: Callable[..., AdamState | LionState] = AdamState
     per_tensor: bool = False
     onebit: OneBit | ZeroOne | None = None
 
@@ -93,7 +97,7 @@ class FusedOptimizer(NamedTuple):
 FusedAdam = FusedOptimizer  # what ops.adam and ops.adamw return, by its first name
 
 
-def _number(fn: str, name: str, value: Any, lo: float, hi: float, *, lo_open: bool = False,
+def _number(fn: str, name: str, value: float, lo: float, hi: float, *, lo_open: bool = False,
             hi_open: bool = False) -> float:
     """``value`` as a float in the range, or a TypeError/ValueError naming it."""
     try:
@@ -111,8 +115,8 @@ def _number(fn: str, name: str, value: Any, lo: float, hi: float, *, lo_open: bo
     return x
 
 
-def _adam_hyper(fn: str, b1: Any, b2: Any, eps: Any,
-                weight_decay: Any) -> tuple[float, float, float, float]:
+def _adam_hyper(fn: str, b1: float, b2: float, eps: float,
+                weight_decay: float) -> tuple[float, float, float, float]:
     """An Adam-shaped optimizer's ``b1`` and ``b2`` in [0, 1), ``eps`` and
     ``weight_decay`` >= 0, as floats (a TypeError or ValueError naming one)."""
     return (_number(fn, "b1", b1, 0.0, 1.0, hi_open=True),
@@ -145,7 +149,8 @@ def _adam_init(params: Any) -> AdamState:
     return AdamState(np.zeros((), np.int64), zeros, tree_util().tree_map(lambda z: z.copy(), zeros))
 
 
-def _flat_update(grads: Any, state: AdamState, params: Any, copies: Any, grad_sumsq: Any,
+def _flat_update(grads: Any, state: AdamState, params: Any, copies: Any,
+                 grad_sumsq: Array | None,
                  finite: bool | None) -> tuple | None:
     """An Adam-shaped update's leaves, ``(leaves, treedef, grads, mu, nu,
     copies)`` flattened alike; None where ``grad_sumsq`` is not finite (read
@@ -160,7 +165,8 @@ def _flat_update(grads: Any, state: AdamState, params: Any, copies: Any, grad_su
     return leaves, treedef, g, m, v, c
 
 
-def _adam_out(treedef: Any, out: tuple[list, list, list], count: int) -> tuple[Any, AdamState]:
+def _adam_out(treedef: PyTreeDef, out: tuple[list[Array], list[Array], list[Array]],
+              count: int) -> tuple[Any, AdamState]:
     """An Adam-shaped update's new params and state from ``fused_adam_multi``'s
     flat ``(params, exp_avgs, exp_avg_sqs)``."""
     new_p, new_m, new_v = (treedef.unflatten(x) for x in out)
@@ -168,12 +174,14 @@ def _adam_out(treedef: Any, out: tuple[list, list, list], count: int) -> tuple[A
 
 
 def _optax_update(name: str, needs: str,
-                  run: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple[Any, Any]]:
+                  run: Callable[..., tuple[Any, AdamState | LionState]]
+                  ) -> Callable[..., tuple[Any, AdamState | LionState]]:
     """optax's ``update(grads, state, params) -> (updates, state)``, out of place,
     from a fused optimizer's ``run(grads, state, params, donate, grad_scale,
     grad_sumsq, max_norm, copies)``; ``needs``: what it reads params for."""
 
-    def update(grads: Any, state: Any, params: Any = None) -> tuple[Any, Any]:
+    def update(grads: Any, state: AdamState | LionState,
+               params: Any = None) -> tuple[Any, AdamState | LionState]:
         if params is None:
             raise ValueError(f"{name}.update needs params ({needs} and the fused update): "
                              "update(grads, state, params)")
@@ -189,8 +197,8 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
     lr_at = _rate(fn, learning_rate)
     b1, b2, eps, weight_decay = _adam_hyper(fn, b1, b2, eps, weight_decay)
 
-    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
-            grad_sumsq: Any, max_norm: Any, copies: Any,
+    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: float | None,
+            grad_sumsq: Array | None, max_norm: float | None, copies: Any,
             finite: bool | None = None, read_from: Any = None) -> tuple[Any, AdamState]:
         count = int(state.count)
         flat = _flat_update(grads, state, params, copies, grad_sumsq, finite)
@@ -215,7 +223,7 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
     update = _optax_update(fn, "for weight decay", run)
 
     def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
-              grad_sumsq: Any = None, max_norm: float | None = None,
+              grad_sumsq: Array | None = None, max_norm: float | None = None,
               param_copies: Any = None, finite: bool | None = None,
               read_from: Any = None) -> tuple[Any, AdamState]:
         """Update params and moments in place (both donated); see fused_adam_step.
@@ -299,8 +307,9 @@ def lion(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.99,
     def init(params: Any) -> LionState:
         return LionState(np.zeros((), np.int64), _zeros(params))
 
-    def run(grads: Any, state: LionState, params: Any, donate: bool, grad_scale: Any,
-            grad_sumsq: Any, max_norm: Any, copies: Any, finite: bool | None = None,
+    def run(grads: Any, state: LionState, params: Any, donate: bool, grad_scale: float | None,
+            grad_sumsq: Array | None, max_norm: float | None, copies: Any,
+            finite: bool | None = None,
             read_from: Any = None) -> tuple[Any, LionState]:
         if read_from is not None:
             raise NotImplementedError("lion: read_from (the host tier's out-of-place "
@@ -323,7 +332,7 @@ def lion(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.99,
     update = _optax_update("lion", "for weight decay", run)
 
     def apply(grads: Any, state: LionState, params: Any, *, grad_scale: float | None = None,
-              grad_sumsq: Any = None, max_norm: float | None = None,
+              grad_sumsq: Array | None = None, max_norm: float | None = None,
               param_copies: Any = None, finite: bool | None = None,
               read_from: Any = None) -> tuple[Any, LionState]:
         """Update params and the moment in place (donated), as Adam's ``apply``."""
@@ -371,9 +380,10 @@ def lamb(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, ep
         trust_clip = (lo, _number(fn, "trust_clip's max", trust_clip[1], lo, math.inf,
                                   lo_open=lo == 0.0, hi_open=True))
 
-    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
-            grad_sumsq: Any, max_norm: Any, copies: Any, finite: bool | None = None,
-            read_from: Any = None, reduce: Any = None) -> tuple[Any, AdamState]:
+    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: float | None,
+            grad_sumsq: Array | None, max_norm: float | None, copies: Any,
+            finite: bool | None = None,
+            read_from: Any = None, reduce: Reduce | None = None) -> tuple[Any, AdamState]:
         if read_from is not None:
             raise NotImplementedError("lamb: read_from (the host tier's out-of-place update) "
                                       "is Adam's only")
@@ -397,9 +407,9 @@ def lamb(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, ep
     update = _optax_update("lamb", "for the trust ratio", run)
 
     def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
-              grad_sumsq: Any = None, max_norm: float | None = None,
+              grad_sumsq: Array | None = None, max_norm: float | None = None,
               param_copies: Any = None, finite: bool | None = None, read_from: Any = None,
-              reduce: Any = None) -> tuple[Any, AdamState]:
+              reduce: Reduce | None = None) -> tuple[Any, AdamState]:
         """Update params and moments in place (donated), as Adam's ``apply``; each
         leaf is one tensor for the trust ratio, ``reduce`` as
         :func:`ops.fused_lamb`'s."""

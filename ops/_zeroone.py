@@ -73,6 +73,7 @@ from ops._optim import (
     _optax_update,
     _rate,
 )
+from ops._types import Array
 from ops.comm._base import Communicator
 from ops.device._device import device_of
 
@@ -107,7 +108,7 @@ def synchronises(spec: ZeroOne, n: int) -> bool:
     return n % local_interval(spec, n) == 0
 
 
-def _positive_int(fn: str, name: str, value: Any) -> int:
+def _positive_int(fn: str, name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"{fn}: {name} must be an int >= 1; got {value!r}")
     return int(value)
@@ -162,8 +163,8 @@ def zero_one_adam(learning_rate: float | Schedule, var_freeze_step: int = 100000
                    _positive_int(fn, "local_step_clipper", local_step_clipper), b1, eps,
                    weight_decay)
 
-    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: Any,
-            grad_sumsq: Any, max_norm: Any, copies: Any,
+    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: float | None,
+            grad_sumsq: Array | None, max_norm: float | None, copies: Any,
             finite: bool | None = None) -> tuple[Any, AdamState]:
         count = int(state.count)
         flat = _flat_update(grads, state, params, copies, grad_sumsq, finite)
@@ -180,7 +181,7 @@ def zero_one_adam(learning_rate: float | Schedule, var_freeze_step: int = 100000
     update = _optax_update(fn, "for weight decay", run)
 
     def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
-              grad_sumsq: Any = None, max_norm: float | None = None,
+              grad_sumsq: Array | None = None, max_norm: float | None = None,
               param_copies: Any = None, finite: bool | None = None,
               read_from: Any = None) -> tuple[Any, AdamState]:
         """Update params and moments in place (both donated), as ``ops.adamw``'s
@@ -221,7 +222,7 @@ class LocalSteps:
         self.server = [xp.zeros(n // w, dtype=np.float32) for n in sharded]
         self.rates = 0.0  # the learning rates summed since the last synchronisation
 
-    def local(self, grads: list[Any], lr: float) -> None:
+    def local(self, grads: list[Array], lr: float) -> None:
         """A local step on this rank's mean gradients (per unit, whole)."""
         s = self.spec
         fused_adam_multi(self.params, grads, self.exp_avg, self.exp_avg_sq, step=1, lr=lr,
