@@ -50,12 +50,19 @@ from __future__ import annotations
 
 import fnmatch
 import types
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from ops import Communicator
 from shard import Mesh, Packed, TensorParallel
 from shard.core._specs import Split, take_split
+
+if TYPE_CHECKING:
+    import torch
+    from jax.sharding import PartitionSpec
+    from torch.autograd.function import FunctionCtx
+
+    from ops._types import Array
 
 __all__ = ["STYLES", "parallelize"]
 
@@ -63,7 +70,7 @@ STYLES = ("colwise", "colwise_gather_output", "packed_colwise", "rowwise", "embe
 _ALIASES = {"colwise_rep": "colwise_gather_output"}
 
 
-def _style(pattern: str, entry: Any) -> tuple[str, int]:
+def _style(pattern: str, entry: str | tuple[str, int]) -> tuple[str, int]:
     """A plan entry as (style, packed blocks)."""
     style, blocks = entry if isinstance(entry, tuple) and len(entry) == 2 else (entry, None)
     style = _ALIASES.get(style, style)
@@ -81,7 +88,7 @@ def _style(pattern: str, entry: Any) -> tuple[str, int]:
     return style, blocks
 
 
-def _flat(comm: Communicator, t: Any) -> Any:
+def _flat(comm: Communicator, t: torch.Tensor) -> Array:
     """A flat view of the contiguous tensor ``t`` for ``comm``: numpy for a host
     backend, the communicator's device array for NCCL (zero-copy, DLPack)."""
     import torch
@@ -90,7 +97,7 @@ def _flat(comm: Communicator, t: Any) -> Any:
     return t.numpy() if comm.host_memory is not False else comm.device.asarray(t)
 
 
-def _reduced(comm: Communicator, t: Any) -> Any:
+def _reduced(comm: Communicator, t: torch.Tensor) -> torch.Tensor:
     """The sum of every model rank's ``t`` (16-bit in float32)."""
     import torch
 
@@ -100,7 +107,7 @@ def _reduced(comm: Communicator, t: Any) -> Any:
     return wide.to(t.dtype)
 
 
-def _gathered(comm: Communicator, t: Any) -> Any:
+def _gathered(comm: Communicator, t: torch.Tensor) -> torch.Tensor:
     """Every model rank's ``t`` concatenated along the last dimension."""
     import torch
 
@@ -111,43 +118,45 @@ def _gathered(comm: Communicator, t: Any) -> Any:
     return out.movedim(0, -2).reshape(*x.shape[:-1], comm.world_size * x.shape[-1])
 
 
-def _functions() -> tuple[Any, Any, Any]:
+def _functions() -> tuple[type[torch.autograd.Function], type[torch.autograd.Function],
+                          type[torch.autograd.Function]]:
     import torch
 
     class Copy(torch.autograd.Function):  # f
         @staticmethod
-        def forward(ctx: Any, x: Any, comm: Communicator) -> Any:
+        def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
             ctx.comm = comm
             return x.view_as(x)
 
         @staticmethod
-        def backward(ctx: Any, g: Any) -> Any:
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
             return _reduced(ctx.comm, g), None
 
     class Reduce(torch.autograd.Function):  # g
         @staticmethod
-        def forward(ctx: Any, x: Any, comm: Communicator) -> Any:
+        def forward(ctx: FunctionCtx, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
             return _reduced(comm, x)
 
         @staticmethod
-        def backward(ctx: Any, g: Any) -> Any:
+        def backward(ctx: FunctionCtx, g: torch.Tensor) -> tuple[torch.Tensor, None]:
             return g, None
 
     class Gather(torch.autograd.Function):  # all-gather forward, own slice backward
         @staticmethod
-        def forward(ctx: Any, x: Any, comm: Communicator) -> Any:
+        def forward(ctx: Any, x: torch.Tensor, comm: Communicator) -> torch.Tensor:
             ctx.comm, ctx.n = comm, x.shape[-1]
             return _gathered(comm, x)
 
         @staticmethod
-        def backward(ctx: Any, g: Any) -> Any:
+        def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
             r = ctx.comm.rank
             return g[..., r * ctx.n:(r + 1) * ctx.n].contiguous(), None
 
     return Copy, Reduce, Gather
 
 
-def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] | None = None,
+def parallelize(module: Any, mesh: Mesh | Communicator,
+                plan: Mapping[str, str | tuple[str, int]] | None = None,
                 *, axis: str = "model") -> TensorParallel:
     """Split ``module``'s planned layers over the model ranks, in place (see
     [Note: torch tensor parallelism]).
@@ -210,10 +219,10 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] 
     styles = {pattern: _style(pattern, entry) for pattern, entry in plan.items()}
     rank, size = tp.rank, tp.size
     Copy, Reduce, Gather = _functions()
-    split: dict[int, tuple[Split, Any]] = {}  # id(whole parameter) -> (split, slice)
+    split: dict[int, tuple[Split, torch.nn.Parameter]] = {}  # id(whole parameter) -> (split, slice)
     matched: set[str] = set()  # patterns
 
-    def cut(owner: Any, name: str, where: str, how: Split) -> None:
+    def cut(owner: torch.nn.Module, name: str, where: str, how: Split) -> None:
         p = getattr(owner, name)
         if id(p) in split:  # tied: sliced once
             if split[id(p)][0] != how:
@@ -266,7 +275,7 @@ def parallelize(module: Any, mesh: Mesh | Communicator, plan: Mapping[str, Any] 
     return tp
 
 
-def _spec(how: Split | None, axis: str) -> Any:
+def _spec(how: Split | None, axis: str) -> PartitionSpec | Packed | None:
     from jax.sharding import PartitionSpec as P
 
     if how is None:
@@ -275,24 +284,25 @@ def _spec(how: Split | None, axis: str) -> Any:
     return spec if how.blocks == 1 else Packed(spec, how.blocks)
 
 
-def _forward(style: str, comm: Communicator, rank: int, Copy: Any, Reduce: Any,
-             Gather: Any) -> Any:
+def _forward(style: str, comm: Communicator, rank: int, Copy: type[torch.autograd.Function],
+             Reduce: type[torch.autograd.Function],
+             Gather: type[torch.autograd.Function]) -> Callable[..., torch.Tensor]:
     import torch.nn.functional as F
 
     if style in ("colwise", "colwise_gather_output", "packed_colwise"):
         gather = style == "colwise_gather_output"
 
-        def colwise(self: Any, x: Any) -> Any:
+        def colwise(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             y = F.linear(Copy.apply(x, comm), self.weight, self.bias)
             return Gather.apply(y, comm) if gather else y
         return colwise
     if style == "rowwise":
-        def rowwise(self: Any, x: Any) -> Any:
+        def rowwise(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
             y = Reduce.apply(F.linear(x, self.weight), comm)
             return y if self.bias is None else y + self.bias
         return rowwise
 
-    def embedding(self: Any, ids: Any) -> Any:
+    def embedding(self: torch.nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
         n = self.weight.shape[0]
         local = ids - rank * n
         inside = (local >= 0) & (local < n)
