@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
 
-def tree_util() -> Any:
+def tree_util() -> types.ModuleType:
     try:
         import jax.tree_util as tu
     except ImportError as e:  # pragma: no cover - jax is a core dependency
@@ -14,7 +15,7 @@ def tree_util() -> Any:
     return tu
 
 
-def tree_map(fn: Callable[..., Any], tree: Any, *rest: Any) -> Any:
+def tree_map(fn: Callable[..., object], tree: Any, *rest: Any) -> Any:
     return tree_util().tree_map(fn, tree, *rest)
 
 

@@ -44,13 +44,19 @@ from __future__ import annotations
 
 import functools
 import types
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ops._counters import DEVICE_OPS, SYNCS
 from ops._types import Array
 from ops.device._device import Device, aligned_empty, register_device
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
+    from ops.kernels._cuda import CudaDriver
 
 __all__ = ["DEVICE_OPS", "STANDIN", "SYNCS", "StandInArray", "xp"]
 
@@ -74,7 +80,7 @@ class _Flags:
         self.owndata = a.flags.owndata
 
 
-def _unwrap(value: Any, what: str) -> Any:
+def _unwrap(value: object, what: str) -> Any:  # Any: numpy data, or a Python or numpy scalar
     """The numpy data behind an operand; host arrays are refused (as CuPy does)."""
     if isinstance(value, StandInArray):
         return value._a
@@ -104,10 +110,11 @@ class StandInArray:
         self._a = a
 
     # -- what CuPy refuses ------------------------------------------------------
-    def __array__(self, *args: Any, **kwargs: Any) -> np.ndarray:
+    def __array__(self, *args: object, **kwargs: object) -> np.ndarray:
         raise TypeError(_IMPLICIT)
 
-    def __array_function__(self, func: Any, types: Any, args: Any, kwargs: Any) -> Any:
+    def __array_function__(self, func: Callable[..., object], types: object, args: object,
+                           kwargs: object) -> object:
         raise TypeError(f"numpy.{func.__name__} on a device array: {_IMPLICIT}")
 
     # -- attributes --------------------------------------------------------------
@@ -135,11 +142,11 @@ class StandInArray:
         SYNCS.add()
         return self._a.copy()
 
-    def item(self) -> Any:
+    def item(self) -> int | float | complex | bool:
         SYNCS.add()
         return self._a.item()
 
-    def tolist(self) -> Any:
+    def tolist(self) -> object:
         SYNCS.add()
         return self._a.tolist()
 
@@ -175,7 +182,7 @@ class StandInArray:
             out = self._a[(*key, Ellipsis) if isinstance(key, tuple) else (key, Ellipsis)]
         return StandInArray(out)
 
-    def __setitem__(self, key: Any, value: Any) -> None:
+    def __setitem__(self, key: Any, value: object) -> None:
         DEVICE_OPS.add("copy")  # a copy, or a fill kernel
         self._a[_key(key)] = _unwrap(value, "setitem")
 
@@ -185,13 +192,13 @@ class StandInArray:
     def ravel(self) -> StandInArray:
         return StandInArray(self._a.ravel())
 
-    def view(self, dtype: Any) -> StandInArray:
+    def view(self, dtype: DTypeLike) -> StandInArray:
         return StandInArray(self._a.view(dtype))
 
     def copy(self) -> StandInArray:
         return xp.copy(self)
 
-    def astype(self, dtype: Any, copy: bool = True) -> StandInArray:
+    def astype(self, dtype: DTypeLike, copy: bool = True) -> StandInArray:
         if not copy and np.dtype(dtype) == self.dtype:
             return self
         out = xp.empty(self.shape, dtype)
@@ -199,23 +206,24 @@ class StandInArray:
         out._a[...] = self._a.astype(dtype)
         return out
 
-    def fill(self, value: Any) -> None:
+    def fill(self, value: object) -> None:
         DEVICE_OPS.add("copy")
         self._a.fill(_unwrap(value, "fill"))
 
-    def sum(self, axis: Any = None, dtype: Any = None) -> StandInArray:
+    def sum(self, axis: int | tuple[int, ...] | None = None,
+            dtype: DTypeLike | None = None) -> StandInArray:
         DEVICE_OPS.add("alloc")
         DEVICE_OPS.add("kernel")
         return StandInArray(np.asarray(self._a.sum(axis=axis, dtype=dtype)))
 
     # -- arithmetic -----------------------------------------------------------------
-    def _binary(self, other: Any, op: Any, reflected: bool = False) -> StandInArray:
+    def _binary(self, other: object, op: np.ufunc, reflected: bool = False) -> StandInArray:
         o = _unwrap(other, op.__name__)
         DEVICE_OPS.add("alloc")
         DEVICE_OPS.add("kernel")
         return StandInArray(np.asarray(op(o, self._a) if reflected else op(self._a, o)))
 
-    def _inplace(self, other: Any, op: Any) -> StandInArray:
+    def _inplace(self, other: object, op: np.ufunc) -> StandInArray:
         DEVICE_OPS.add("kernel")
         op(self._a, _unwrap(other, op.__name__), out=self._a)
         return self
@@ -263,21 +271,21 @@ def _wrap_result(fn: Any) -> Any:
     return call
 
 
-def _empty(shape: Any, dtype: Any = np.float32) -> StandInArray:
+def _empty(shape: Any, dtype: DTypeLike = np.float32) -> StandInArray:  # Any: int or sequence
     shape = (shape,) if np.isscalar(shape) else tuple(shape)
     n = int(np.prod(shape, dtype=np.int64))
     DEVICE_OPS.add("alloc")
     return StandInArray(aligned_empty(n, dtype).reshape(shape))
 
 
-def _zeros(shape: Any, dtype: Any = np.float32) -> StandInArray:
+def _zeros(shape: int | tuple[int, ...], dtype: DTypeLike = np.float32) -> StandInArray:
     out = _empty(shape, dtype)
     DEVICE_OPS.add("copy")  # a fill
     out._a[...] = 0
     return out
 
 
-def _asarray(x: Any, dtype: Any = None) -> StandInArray:
+def _asarray(x: object, dtype: DTypeLike | None = None) -> StandInArray:
     """Host to device (an explicit copy), or a device array as it is."""
     if isinstance(x, StandInArray):
         return x if dtype is None or np.dtype(dtype) == x.dtype else x.astype(dtype)
@@ -309,12 +317,12 @@ def _copy(x: StandInArray) -> StandInArray:
     return out
 
 
-def _copyto(dst: StandInArray, src: Any) -> None:
+def _copyto(dst: StandInArray, src: object) -> None:
     DEVICE_OPS.add("copy")
     np.copyto(_unwrap(dst, "copyto"), _unwrap(src, "copyto"))
 
 
-def _concatenate(xs: Any, axis: int = 0) -> StandInArray:
+def _concatenate(xs: Iterable[object], axis: int = 0) -> StandInArray:
     DEVICE_OPS.add("alloc")
     DEVICE_OPS.add("copy")
     return StandInArray(np.concatenate([_unwrap(x, "concatenate") for x in xs], axis=axis))
@@ -333,12 +341,12 @@ xp = types.SimpleNamespace(
 )
 
 
-def _driver() -> Any:
+def _driver() -> CudaDriver:
     return _standin_driver()
 
 
 @functools.cache
-def _standin_driver() -> Any:
+def _standin_driver() -> CudaDriver:
     from ops.kernels._cuda import CudaDriver
     from ops.kernels._emulate import EmulatedModule
 
