@@ -60,10 +60,20 @@ import itertools
 import threading
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
+    import jax.stages
+    from jax.extend.core import ClosedJaxpr, Jaxpr
+
+    from ops.comm._base import Communicator
+    from ops.comm._threads import ThreadGroup
+
+_T = TypeVar("_T")
 
 __all__ = ["SLOTS", "Member", "SharedJit", "compiled", "host_call", "member", "placement",
            "program_key", "rank_scope", "ranks_operand", "ready", "register"]
@@ -72,10 +82,13 @@ SLOTS = 8  # ranks a program can take as operands (two per group: data, model, p
 KEEP = 64  # compiled programs kept, the most recently used
 
 _LOCK = threading.Lock()
-_FAMILIES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_FAMILIES: weakref.WeakKeyDictionary[ThreadGroup | Communicator, int] = \
+    weakref.WeakKeyDictionary()
+# by family (Any: register's clean-up loop reuses its variable for _CALLBACKS' keys)
 _MEMBERS: dict[Any, dict[int, weakref.WeakSet[Any]]] = {}
 _NEXT = itertools.count(1)
-_CALLBACKS: dict[tuple[Any, ...], Callable[..., Any]] = {}
+# by (family, fn, arg), and the rank's who outside a SharedJit trace
+_CALLBACKS: dict[tuple[tuple[int, ...], *tuple[object, ...]], Callable[..., object]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,7 +104,7 @@ class Member:
     who: int
 
 
-def _place(comm: Any) -> tuple[Any, tuple[int, ...], int]:
+def _place(comm: Communicator) -> tuple[ThreadGroup | Communicator, tuple[int, ...], int]:
     """(root, splits, rank in the root) of ``comm`` (see :class:`Member`): for
     thread ranks the split groups' lineage; a process's communicator is its
     own root (one rank a process)."""
@@ -102,7 +115,7 @@ def _place(comm: Any) -> tuple[Any, tuple[int, ...], int]:
     return comm, (), comm.rank
 
 
-def register(comm: Any, obj: Any) -> Member:
+def register(comm: Communicator, obj: object) -> Member:
     """Make ``obj`` one of this rank's members of ``comm``'s family (held
     weakly: it lives as long as its owner keeps it; any live member of a rank
     runs its collectives, as all wrap the same group); returns the rank's
@@ -132,7 +145,8 @@ def member(family: tuple[int, ...], who: int) -> Any:
                            "it uses, alive while its programs run)") from None
 
 
-def host_call(place: Member, fn: Callable[..., Any], arg: Any) -> Callable[..., Any]:
+def host_call(place: Member, fn: Callable[..., object], arg: Hashable
+              ) -> Callable[..., object]:
     """The callback ``(who, *xs) -> fn(member(family, who), arg, *xs)`` for the
     rank at ``place``. While a :class:`SharedJit` traces it is one object per
     ``(family, fn, arg)``, the same in every rank's program; otherwise one per
@@ -140,7 +154,7 @@ def host_call(place: Member, fn: Callable[..., Any], arg: Any) -> Callable[..., 
     program on its first call and run it while later callers of an equal
     program wait, and the ranks' collectives must not wait on each other so.
     ``fn`` lives as long as the process; ``arg`` is hashable."""
-    key: tuple[Any, ...] = (place.family, fn, arg)
+    key: tuple[tuple[int, ...], *tuple[object, ...]] = (place.family, fn, arg)
     if _SCOPE.get() is None:
         key = (*key, place.who)
     with _LOCK:
@@ -148,7 +162,7 @@ def host_call(place: Member, fn: Callable[..., Any], arg: Any) -> Callable[..., 
         if found is None:
             family = place.family
 
-            def run(who: Any, *xs: Any) -> Any:
+            def run(who: object, *xs: object) -> object:
                 return fn(member(family, int(np.asarray(who))), arg, *xs)
             found = _CALLBACKS[key] = run
         return found
@@ -157,11 +171,11 @@ def host_call(place: Member, fn: Callable[..., Any], arg: Any) -> Callable[..., 
 class _Scope:
     """The ranks operand of a program being traced, and this rank's values."""
 
-    def __init__(self, ranks: Any) -> None:
+    def __init__(self, ranks: jax.Array) -> None:
         self.ranks, self.values = ranks, np.zeros(SLOTS, np.int32)
-        self.slots: dict[Any, int] = {}
+        self.slots: dict[tuple[tuple[int, ...], str], int] = {}
 
-    def value(self, key: Any, value: int) -> Any:
+    def value(self, key: tuple[tuple[int, ...], str], value: int) -> jax.Array | None:
         slot = self.slots.get(key)
         if slot is None:
             if len(self.slots) == SLOTS:
@@ -175,7 +189,7 @@ _SCOPE: contextvars.ContextVar[_Scope | None] = contextvars.ContextVar("zs_rank_
                                                                        default=None)
 
 
-def ranks_operand(place: Member) -> Any:
+def ranks_operand(place: Member) -> jax.Array:
     """``[rank, who]`` of the rank at ``place`` as a JAX int32 vector: elements
     of the ranks operand while a :class:`SharedJit` traces, else constants."""
     import jax.numpy as jnp
@@ -190,7 +204,7 @@ def ranks_operand(place: Member) -> Any:
 
 
 @contextlib.contextmanager
-def rank_scope(ranks: Any) -> Iterator[_Scope]:
+def rank_scope(ranks: jax.Array) -> Iterator[_Scope]:
     """Trace with ``ranks`` (an int32 vector of :data:`SLOTS`) as the ranks
     operand; the scope's ``values`` are then this rank's."""
     scope = _Scope(ranks)
@@ -212,14 +226,14 @@ def _digest(data: bytes) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def _array_key(x: Any) -> str:
+def _array_key(x: object) -> str:
     a = np.asarray(x)
     if a.dtype.kind == "V" or a.dtype == object:  # a key array's data, an opaque dtype
         raise TypeError
     return f"array({a.shape}, {a.dtype}, {_digest(np.ascontiguousarray(a).tobytes())})"
 
 
-def _canon(v: Any, keep: list[Any]) -> str:
+def _canon(v: Any, keep: list[object]) -> str:  # Any: read by hasattr, as JAX's params are
     """``v`` as text that two equal parameters share and two different ones do
     not; an object known by its identity only is kept alive in ``keep`` so
     that its id is not reused while the key is."""
@@ -249,11 +263,11 @@ def _canon(v: Any, keep: list[Any]) -> str:
     return f"{type(v).__qualname__}:{text}"
 
 
-def _consts_key(consts: Any, keep: list[Any]) -> str:
+def _consts_key(consts: Iterable[object], keep: list[object]) -> str:
     return "[" + ", ".join(_canon(c, keep) for c in consts) + "]"
 
 
-def _jaxpr_key(jaxpr: Any, keep: list[Any]) -> str:
+def _jaxpr_key(jaxpr: Jaxpr, keep: list[object]) -> str:
     parts = []
     for eqn in jaxpr.eqns:
         skip = _RULES.get(eqn.primitive.name, ())
@@ -263,10 +277,10 @@ def _jaxpr_key(jaxpr: Any, keep: list[Any]) -> str:
     return "; ".join(parts)
 
 
-def program_key(closed: Any, out_tree: Any = None) -> tuple[str, list[Any]]:
+def program_key(closed: ClosedJaxpr, out_tree: object = None) -> tuple[str, list[object]]:
     """A traced program's key (see the Note) and the objects it names by
     identity, to be kept alive beside it."""
-    keep: list[Any] = []
+    keep: list[object] = []
     text = str(closed.jaxpr)
     params = _jaxpr_key(closed.jaxpr, keep)
     consts = _consts_key(closed.consts, keep)
@@ -278,14 +292,15 @@ class _Compiled:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.executable: Any = None
-        self.keep: list[Any] = []
+        self.executable: jax.stages.Compiled | None = None
+        self.keep: list[object] = []
 
 
 _PROGRAMS: OrderedDict[str, _Compiled] = OrderedDict()
 
 
-def compiled(key: str, keep: list[Any], compile_fn: Callable[[], Any]) -> Any:
+def compiled(key: str, keep: list[object], compile_fn: Callable[[], jax.stages.Compiled]
+             ) -> jax.stages.Compiled:
     """The executable of the program ``key``, compiled by ``compile_fn`` by the
     first caller; later callers wait for it (nothing runs under its lock)."""
     with _LOCK:
@@ -302,7 +317,7 @@ def compiled(key: str, keep: list[Any], compile_fn: Callable[[], Any]) -> Any:
         return entry.executable
 
 
-def placement(leaves: Any) -> str:
+def placement(leaves: Iterable[object]) -> str:
     """Where a program's inputs live, for its key: each JAX array's sharding,
     and for the other leaves JAX's default device (where a call puts them).
     The same jaxpr compiled for the CPU refuses inputs on a GPU, and the
@@ -316,7 +331,7 @@ def placement(leaves: Any) -> str:
     return repr(tuple(x.sharding if isinstance(x, jax.Array) else here for x in leaves))
 
 
-def _signature(args: tuple[Any, ...]) -> tuple[Any, ...]:
+def _signature(args: tuple[object, ...]) -> tuple[object, ...]:
     import jax
 
     leaves, tree = jax.tree_util.tree_flatten(args)
@@ -337,16 +352,16 @@ class SharedJit:
 
     def __init__(self, fn: Callable[..., Any]) -> None:
         self.fn = fn
-        self._local: dict[Any, tuple[Any, Any, bool, int]] = {}
+        self._local: dict[object, tuple[jax.stages.Compiled, jax.Array, bool, int]] = {}
         self._lock = threading.Lock()
 
-    def _ranked(self, ranks: Any, *args: Any) -> Any:
+    def _ranked(self, ranks: jax.Array, *args: Any) -> Any:
         with rank_scope(ranks) as scope:
             out = self.fn(*args)
         self._values = scope.values
         return out
 
-    def trace(self, *args: Any) -> Any:
+    def trace(self, *args: Any) -> tuple[jax.stages.Traced, np.ndarray]:
         """The ``jax.stages.Traced`` of ``fn`` at ``args``, the ranks operand its
         first input, with this object's values of it."""
         import jax
@@ -356,7 +371,7 @@ class SharedJit:
             traced = jax.jit(self._ranked).trace(ranks, *args)
             return traced, self._values
 
-    def prepare(self, *args: Any) -> tuple[Any, Any, bool, int]:
+    def prepare(self, *args: Any) -> tuple[jax.stages.Compiled, jax.Array, bool, int]:
         """The executable for ``args``'s signature, this object's ranks,
         whether the program has effects (callbacks: collectives) and the
         thread it was made for; traced and compiled on first use (nothing
@@ -389,7 +404,7 @@ class SharedJit:
         return executable(ranks, *args)
 
 
-def ready(args: Any) -> Any:
+def ready(args: _T) -> _T:
     """``args`` once every array in them is computed. A program whose
     callbacks wait on other ranks must start with its inputs ready: XLA runs
     one whose inputs are still being computed on a small pool of its own
