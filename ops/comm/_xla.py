@@ -84,11 +84,9 @@ KEEP = 64  # compiled programs kept, the most recently used
 _LOCK = threading.Lock()
 _FAMILIES: weakref.WeakKeyDictionary[ThreadGroup | Communicator, int] = \
     weakref.WeakKeyDictionary()
-# by family (Any: register's clean-up loop reuses its variable for _CALLBACKS' keys)
-_MEMBERS: dict[Any, dict[int, weakref.WeakSet[Any]]] = {}
+_MEMBERS: dict[tuple[int, ...], dict[int, weakref.WeakSet[Any]]] = {}
 _NEXT = itertools.count(1)
-# by (family, fn, arg), and the rank's who outside a SharedJit trace
-_CALLBACKS: dict[tuple[tuple[int, ...], *tuple[object, ...]], Callable[..., object]] = {}
+_CALLBACKS: dict[tuple[Any, ...], Callable[..., object]] = {}  # by (family, fn, arg[, who])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,7 +152,7 @@ def host_call(place: Member, fn: Callable[..., object], arg: Hashable
     program on its first call and run it while later callers of an equal
     program wait, and the ranks' collectives must not wait on each other so.
     ``fn`` lives as long as the process; ``arg`` is hashable."""
-    key: tuple[tuple[int, ...], *tuple[object, ...]] = (place.family, fn, arg)
+    key: tuple[Any, ...] = (place.family, fn, arg)
     if _SCOPE.get() is None:
         key = (*key, place.who)
     with _LOCK:

@@ -9,13 +9,17 @@ kernel on the CPU with the grid, block and arguments this driver passes.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ops.kernels._build import source
 from ops.kernels._table import EXACT_SLOTS, LAMB_CHUNK, TABLE, Kernel, sumsq_kernels
+
+if TYPE_CHECKING:
+    from ops._types import Array
 
 __all__ = ["NVRTC_OPTIONS", "CudaDriver", "cuda_driver"]
 
@@ -29,7 +33,7 @@ _SCALARS = {"f4": np.float32, "f8": np.float64, "i8": np.int64}
 TABLE_CACHE = 64  # pointer tables kept on the device, by their contents
 
 
-def _address(a: Any) -> int:
+def _address(a: Any) -> int:  # Any: CuPy's .data.ptr is not in ops.Array
     return a.ctypes.data if isinstance(a, np.ndarray) else a.data.ptr
 
 
@@ -44,13 +48,14 @@ class CudaDriver:
 
     kind = "cupy"
 
-    def __init__(self, xp: Any, module_factory: Callable[..., Any], sm_count: int) -> None:
+    def __init__(self, xp: types.ModuleType | types.SimpleNamespace,
+                 module_factory: Callable[..., Any], sm_count: int) -> None:
         self.xp = xp
         self._factory = module_factory
         self.sm_count = sm_count
         self._modules: dict[str, Any] = {}
-        self._tables: dict[tuple, tuple[Any, Any]] = {}
-        self._chunks: dict[tuple, tuple[Any, int]] = {}
+        self._tables: dict[tuple, tuple[Array, Array]] = {}
+        self._chunks: dict[tuple, tuple[Array, int]] = {}
 
     def _module(self, family: str) -> Any:
         if family not in self._modules:
@@ -84,7 +89,7 @@ class CudaDriver:
             return  # a zero-block grid is a launch error in CUDA
         self.launch(kernel, self.grid(kernel, n), args)
 
-    def table(self, rows: list[tuple], sizes: list[int]) -> tuple[Any, Any, int]:
+    def table(self, rows: list[tuple], sizes: list[int]) -> tuple[Array, Array, int]:
         """``(ptrs, starts, total)`` on the device for a multi-tensor launch.
 
         ``rows`` holds each tensor's arrays (None for a null pointer). A ZeRO
@@ -112,7 +117,7 @@ class CudaDriver:
             self.launch(multi, self.grid(multi, total), (ptrs, starts, len(tensors), *scalars))
 
     def lamb_stats(self, stats: Kernel, finish: Kernel, tensors: list[tuple], scalars: tuple,
-                   sums: Any) -> None:
+                   sums: Array) -> None:
         """LAMB's first pass over (p, g, m, v, copy) tuples: one launch updating the
         moments and writing per-chunk partial sums, one adding each tensor's
         partials in order into ``sums`` ((n, 2) float64); see [Note: LAMB's
@@ -136,14 +141,16 @@ class CudaDriver:
         self.launch(stats, grid, (ptrs, starts, chunks, len(tensors), *scalars, partials))
         self.launch(finish, self.grid(finish, len(tensors)), (chunks, len(tensors), partials, sums))
 
-    def lamb_apply(self, apply: Kernel, tensors: list[tuple], scalars: tuple, sums: Any) -> None:
+    def lamb_apply(self, apply: Kernel, tensors: list[tuple], scalars: tuple,
+                   sums: Array) -> None:
         """LAMB's second pass: params (and copies) from the moments and ``sums``."""
         ptrs, starts, total = self.table(tensors, [t[0].size for t in tensors])
         if total:
             self.launch(apply, self.grid(apply, total), (ptrs, starts, len(tensors), *scalars,
                                                          sums))
 
-    def sum_of_squares(self, xs: list[Any], code: str, out: Any, *, exact: bool = False) -> None:
+    def sum_of_squares(self, xs: list[Array], code: str, out: Array, *,
+                       exact: bool = False) -> None:
         """Write the float64 sum of squares of all of ``xs`` into ``out[0]``: one
         launch for the per-block partials over every tensor, one to add them (no
         host synchronisation). With ``exact``, add its int64 slots into ``out``
@@ -171,7 +178,7 @@ class CudaDriver:
         self.launch(multi, grid, (ptrs, starts, len(xs), partials))
         self.launch(finish, 1, (partials, grid, out))
 
-    def _sum_of_squares(self, x: Any, code: str, out: Any) -> None:
+    def _sum_of_squares(self, x: Array, code: str, out: Array) -> None:
         partial, finish = sumsq_kernels(code)
         if x.size == 0:
             out[0] = 0.0
