@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from ops.comm._threads import DEFAULT_TIMEOUT, ThreadGroup
 
 __all__ = ["spawn"]
 
+_T = TypeVar("_T")
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
-          timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
+
+def spawn(fn: Callable[..., _T], world_size: int, *args: object,
+          timeout: float = DEFAULT_TIMEOUT) -> list[_T]:
     """Run ``fn(comm, *args)`` on ``world_size`` thread ranks; return results by rank.
 
     Each rank gets its own :class:`ThreadCommunicator`. If any rank raises, the
@@ -27,7 +29,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any,
     """
     group = ThreadGroup(world_size, timeout)
     comms = group.communicators()
-    results: list[Any] = [None] * world_size
+    results: list[Any] = [None] * world_size  # each rank's _T, once it returned
     errors: dict[int, BaseException] = {}
 
     def run(rank: int) -> None:
