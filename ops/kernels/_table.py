@@ -9,11 +9,14 @@ through the emulation of the very kernel it would launch on a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ops.kernels._dtypes import BF16
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 __all__ = ["ADAM_MULTI_PARAMS", "EXACT_SLOTS", "LAMB_CHUNK", "QUANT_GROUP", "TABLE", "Kernel",
            "adam_kernel", "cast_kernel", "lamb_kernels", "lion_kernel", "runs_kernel",
@@ -187,7 +190,7 @@ def cast_kernel(src_code: str, dst_code: str) -> Kernel:
     return TABLE[f"zs_cast_{src_code}_{dst_code}"]
 
 
-def runs_kernel(src_dtype: Any, dst_dtype: Any) -> Kernel | None:
+def runs_kernel(src_dtype: DTypeLike | None, dst_dtype: DTypeLike) -> Kernel | None:
     """The kernel copying runs of ``src_dtype`` elements into ``dst_dtype`` ones:
     raw copies between equal dtypes, widening of 16-bit floats into float32;
     None for any other pair."""
