@@ -4,23 +4,26 @@ repeated blocks wherever they sit."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["default_units", "name_of"]
 
 _CONTAINERS = ("ModuleList", "Sequential", "ModuleDict")
 
 
-def default_units(module: Any) -> list[tuple[str, Any]]:
+def default_units(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The module's units (see [Note: torch ZeRO-3]): its children, with
     containers opened and every module that holds blocks opened down to them."""
     blocks = _block_types(module)
     out = []
 
-    def holds_blocks(m: Any) -> bool:
+    def holds_blocks(m: torch.nn.Module) -> bool:
         return not isinstance(m, blocks) and any(isinstance(d, blocks) for d in m.modules())
 
-    def visit(prefix: str, m: Any) -> None:
+    def visit(prefix: str, m: torch.nn.Module) -> None:
         for name, child in m.named_children():
             path = f"{prefix}{name}"
             if type(child).__name__ in _CONTAINERS or holds_blocks(child):
@@ -32,7 +35,7 @@ def default_units(module: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def _block_types(module: Any) -> tuple[type, ...]:
+def _block_types(module: torch.nn.Module) -> tuple[type, ...]:
     """The model's repeated blocks: the classes a Hugging Face model names in
     ``_no_split_modules`` (its decoder layers), else the class of every
     ``ModuleList`` or ``Sequential`` whose children, two or more, are all of one
@@ -53,7 +56,7 @@ def _block_types(module: Any) -> tuple[type, ...]:
     return tuple(found)
 
 
-def name_of(root: Any, sub: Any) -> str:
+def name_of(root: torch.nn.Module, sub: torch.nn.Module) -> str:
     for name, m in root.named_modules():
         if m is sub:
             return name

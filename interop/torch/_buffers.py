@@ -18,9 +18,18 @@ consolidate`` writes params, every tied name and the buffers, which
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    import torch
+    from torch import Tensor
+    from torch import dtype as TorchDtype  # in sync(), torch names a local variable
+
+    from ops import Communicator
 
 __all__ = ["ModuleBuffers"]
 
@@ -30,11 +39,11 @@ class ModuleBuffers:
     Note). ``broadcast``: rank 0's buffers to every rank before each forward,
     over ``comm`` once the step's ``init`` has given it (``TorchLoss.claim``)."""
 
-    def __init__(self, module: Any, *, broadcast: bool) -> None:
+    def __init__(self, module: torch.nn.Module, *, broadcast: bool) -> None:
         self.module, self.broadcast = module, broadcast
-        self.comm: Any = None
+        self.comm: Communicator | None = None
 
-    def buffers(self) -> dict[str, Any]:
+    def buffers(self) -> dict[str, torch.Tensor]:
         """The module's persistent buffers by state_dict key (tensors, live)."""
         params = {id(p) for p in self.module.parameters()}
         return {k: v for k, v in self.module.state_dict(keep_vars=True).items()
@@ -83,7 +92,7 @@ class ModuleBuffers:
         import ops
 
         torch = _torch()
-        groups: dict[Any, list[Any]] = {}
+        groups: dict[TorchDtype, list[Tensor]] = {}
         for buf in self.buffers().values():
             if buf.numel():
                 groups.setdefault(buf.dtype, []).append(buf)
@@ -100,7 +109,7 @@ class ModuleBuffers:
                     offset += n
 
 
-def _torch() -> Any:
+def _torch() -> ModuleType:
     import torch
 
     return torch

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from interop.torch._adapter import TorchLoss
 from interop.torch._blocks import default_units, name_of
@@ -13,15 +13,21 @@ from interop.torch._state_dict import remember_dtypes
 from interop.torch._units import ROOT
 from ops.device._dlpack import to_native
 
+if TYPE_CHECKING:
+    import torch
+
+    from ops._types import Array
+
 __all__ = ["functional"]
 
 
-def functional(module: Any, *, loss: Callable[[Any, Any], Any],
-               units: Sequence[Any] | None = None,
+def functional(module: torch.nn.Module, *, loss: Callable[[torch.nn.Module, Any], Any],
+               units: Sequence[torch.nn.Module] | None = None,
                activation_checkpointing: bool = False,
                broadcast_buffers: bool = True,
-               param_init_fn: Callable[[Any], None] | None = None, seed: int = 0,
-               device: Any = None) -> tuple[dict[str, Any], TorchLoss]:
+               param_init_fn: Callable[[torch.nn.Module], None] | None = None, seed: int = 0,
+               device: torch.device | str | int | None = None,
+               ) -> tuple[dict[str, Array] | dict[str, torch.Tensor], TorchLoss]:
     """A module's parameters as a pytree, and a loss the ZeRO transforms train.
 
     Args:

@@ -7,9 +7,12 @@ from __future__ import annotations
 import threading
 import zlib
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from interop.torch._units import ROOT
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["MetaParams"]
 
@@ -39,7 +42,7 @@ _RNG = threading.Lock()
 # boolean buffer has no such marker, so one built on meta needs param_init_fn.
 
 
-def _unset(dtype: Any) -> Any:
+def _unset(dtype: torch.dtype) -> float | int:
     """The marker a materialised buffer holds until something initialises it:
     NaN, or an integer type's minimum (no index, count or position is that)."""
     import torch
@@ -47,7 +50,7 @@ def _unset(dtype: Any) -> Any:
     return float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min
 
 
-def _is_unset(b: Any) -> Any:
+def _is_unset(b: torch.Tensor) -> torch.Tensor:
     import torch
 
     return torch.isnan(b) if b.is_floating_point() else b == torch.iinfo(b.dtype).min
@@ -57,15 +60,17 @@ class MetaParams:
     """The parameters of a module built on the meta device, materialised on
     request, one unit at a time."""
 
-    def __init__(self, module: Any, units: list[tuple[str, Any]],
-                 param_init_fn: Callable[[Any], None] | None, seed: int, device: Any) -> None:
+    def __init__(self, module: Any, units: list[tuple[str, torch.nn.Module]],
+                 param_init_fn: Callable[[torch.nn.Module], None] | None, seed: int,
+                 device: torch.device | str | int | None) -> None:
         import torch
 
         self.module, self.seed = module, int(seed)
         self.device = torch.device(device if device is not None else "cpu")
         self.param_init_fn = param_init_fn
-        self.shapes: dict[int, tuple[Any, Any]] = {}  # id(new parameter) -> (shape, dtype)
-        swapped: dict[int, Any] = {}
+        # id(new parameter) -> (shape, dtype)
+        self.shapes: dict[int, tuple[tuple[int, ...], torch.dtype]] = {}
+        swapped: dict[int, torch.nn.Parameter] = {}
         for m in module.modules():
             for key, p in list(m._parameters.items()):
                 if p is None or not p.is_meta:
@@ -127,7 +132,7 @@ class MetaParams:
                     self._init(m)
                 self._check_buffers(m)
 
-    def _check_buffers(self, m: Any) -> None:
+    def _check_buffers(self, m: torch.nn.Module) -> None:
         """None of ``m``'s own buffers still holds the unset marker."""
         import torch
 
@@ -152,12 +157,13 @@ class MetaParams:
     def _seed_for(self, what: str) -> int:
         return (self.seed * 1_000_003 + zlib.crc32(what.encode())) % (1 << 63)
 
-    def _modules_of(self, keys: set[str], names: list[str], named: dict[str, Any]) -> list[Any]:
+    def _modules_of(self, keys: set[str], names: list[str],
+                    named: dict[str, torch.nn.Parameter]) -> list[torch.nn.Module]:
         """The modules to initialise for ``keys``' units, children first."""
         unit_roots = {id(m): key for key, m in self._units}
         wanted: set[int] = set()
 
-        def visit(m: Any, owner: str) -> None:
+        def visit(m: torch.nn.Module, owner: str) -> None:
             owner = unit_roots.get(id(m), owner)
             if owner in keys:
                 wanted.add(id(m))
@@ -170,9 +176,9 @@ class MetaParams:
             for m in self.module.modules():
                 if any(id(p) in shared for p in m.parameters(recurse=False)):
                     wanted.add(id(m))
-        out: list[Any] = []
+        out: list[torch.nn.Module] = []
 
-        def post_order(m: Any) -> None:
+        def post_order(m: torch.nn.Module) -> None:
             for child in m.children():
                 post_order(child)
             if id(m) in wanted and all(m is not o for o in out):
@@ -181,13 +187,14 @@ class MetaParams:
         post_order(self.module)
         return out
 
-    def materialize(self, names: list[str], keys: set[str], named: dict[str, Any]) -> list[Any]:
+    def materialize(self, names: list[str], keys: set[str],
+                    named: dict[str, torch.nn.Parameter]) -> list[torch.Tensor]:
         """The whole values of parameters ``names`` (of units ``keys``), freshly
         initialised; the module's parameters are empty again afterwards."""
         import torch
 
         modules = self._modules_of(keys, names, named)
-        params: dict[int, Any] = {}
+        params: dict[int, torch.nn.Parameter] = {}
         for m in modules:
             for p in m.parameters(recurse=False):
                 params.setdefault(id(p), p)

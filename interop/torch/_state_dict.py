@@ -17,12 +17,19 @@ the module bound to the state's own buffers, usable as it is.
 from __future__ import annotations
 
 import weakref
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ops.device._device import device_of_or_none
 from ops.device._dlpack import to_native, torch_view
+
+if TYPE_CHECKING:
+    import torch
+
+    from ops import Communicator
+    from shard import TrainState
 
 __all__ = ["load_state", "remember_dtypes", "state_dict"]
 
@@ -31,16 +38,17 @@ __all__ = ["load_state", "remember_dtypes", "state_dict"]
 _DTYPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-def remember_dtypes(module: Any) -> None:
+def remember_dtypes(module: torch.nn.Module) -> None:
     """Keep ``module``'s parameter dtypes, as :func:`functional` found them."""
     _DTYPES.setdefault(module, {name: p.dtype for name, p in module.named_parameters()})
 
 
-def _dtype_of(module: Any, name: str, now: Any) -> Any:
+def _dtype_of(module: torch.nn.Module, name: str, now: torch.dtype) -> torch.dtype:
     return _DTYPES.get(module, {}).get(name, now)
 
 
-def load_state(module: Any, state_or_params: Any, *, comm: Any = None) -> Any:
+def load_state(module: torch.nn.Module, state_or_params: TrainState | Mapping[str, Any], *,
+               comm: Communicator | None = None) -> torch.nn.Module:
     """Write whole parameters back into ``module`` (for evaluation or export).
 
     Args:
@@ -58,7 +66,7 @@ def load_state(module: Any, state_or_params: Any, *, comm: Any = None) -> Any:
 
     from shard import TrainState, gather
 
-    params = state_or_params
+    params: Any = state_or_params  # {name: array} once a TrainState is gathered
     if isinstance(state_or_params, TrainState):
         if comm is None:
             raise ValueError("load_state: gathering a TrainState needs comm=")
@@ -77,7 +85,8 @@ def load_state(module: Any, state_or_params: Any, *, comm: Any = None) -> Any:
     return module
 
 
-def state_dict(module: Any, state_or_params: Any, *, comm: Any = None) -> dict[str, Any]:
+def state_dict(module: torch.nn.Module, state_or_params: TrainState | Mapping[str, Any], *,
+               comm: Communicator | None = None) -> dict[str, torch.Tensor]:
     """The module's whole ``state_dict`` from a ZeRO state, for ``torch.save`` or
     ``load_state_dict(..., strict=True)``.
 
@@ -100,7 +109,7 @@ def state_dict(module: Any, state_or_params: Any, *, comm: Any = None) -> dict[s
     import ops
     from shard import TrainState, gather
 
-    params = state_or_params
+    params: Any = state_or_params  # {name: array} once a TrainState is gathered
     if isinstance(state_or_params, TrainState):
         if comm is None:
             raise ValueError("state_dict: gathering a TrainState needs comm=")
@@ -123,7 +132,7 @@ def state_dict(module: Any, state_or_params: Any, *, comm: Any = None) -> dict[s
     return out
 
 
-def _as_tensor(x: Any) -> Any:
+def _as_tensor(x: Any) -> torch.Tensor:
     """A torch tensor over an array of any device (numbers and lists copied)."""
     import torch
 
