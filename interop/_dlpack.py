@@ -17,12 +17,16 @@ not, instead of copying behind the caller's back:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ops import BF16, HOST, device_of
 from ops.device._dlpack import to_native, torch_view
+
+if TYPE_CHECKING:
+    import jax
+    import torch
 
 __all__ = ["data_ptr", "shares_memory", "to_cupy", "to_jax", "to_numpy", "to_torch"]
 
@@ -30,7 +34,7 @@ _SUPPORTED = {np.dtype(d) for d in (np.float64, np.float32, np.float16, np.int64
                                     np.int16, np.int8, np.uint8, np.bool_)} | {BF16}
 
 
-def _kind(x: Any) -> str:
+def _kind(x: object) -> str:
     if isinstance(x, np.ndarray):
         return "numpy"
     module = type(x).__module__.split(".")[0]
@@ -53,7 +57,7 @@ def data_ptr(x: Any) -> int:
     return x.data.ptr
 
 
-def shares_memory(a: Any, b: Any) -> bool:
+def shares_memory(a: object, b: object) -> bool:
     """Whether two arrays (of any frameworks) start at the same address."""
     return data_ptr(a) == data_ptr(b)
 
@@ -84,7 +88,7 @@ def to_numpy(x: Any, *, copy: bool = False) -> np.ndarray:
     raise TypeError("to_numpy: a cupy array lives on the GPU; use cupy.asnumpy to copy it")
 
 
-def to_torch(x: Any, *, copy: bool = False) -> Any:
+def to_torch(x: Any, *, copy: bool = False) -> torch.Tensor:
     """A torch tensor over ``x``'s memory (numpy, jax or cupy)."""
     import torch
 
@@ -106,7 +110,7 @@ def to_torch(x: Any, *, copy: bool = False) -> Any:
     return torch_view(a)
 
 
-def to_jax(x: Any, *, copy: bool = False) -> Any:
+def to_jax(x: Any, *, copy: bool = False) -> jax.Array:
     """A jax array over ``x``'s memory where JAX accepts it (64-byte aligned)."""
     import jax.numpy as jnp
 

@@ -11,7 +11,7 @@ params are made.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -20,12 +20,18 @@ from ops._tree import tree_util
 from shard import Replicate, Shard, TrainState, to_partition_spec
 from shard.core._specs import DP_AXIS, resolve_specs
 
+if TYPE_CHECKING:
+    from jax.sharding import Mesh, NamedSharding
+    from jax.tree_util import KeyPath
+
+    from shard.core._specs import Spec
+
 __all__ = ["global_params", "local_params", "mesh", "named_params", "shardings"]
 
 log = logging.getLogger(__name__)
 
 
-def mesh(n: int | None = None, axis: str = DP_AXIS, *, backend: str | None = None) -> Any:
+def mesh(n: int | None = None, axis: str = DP_AXIS, *, backend: str | None = None) -> Mesh:
     """A 1-D mesh over ``n`` JAX devices (all by default) named ``axis``.
 
     ``backend`` picks the platform as ``jax.devices(backend)`` does (``"cpu"``,
@@ -45,7 +51,7 @@ def mesh(n: int | None = None, axis: str = DP_AXIS, *, backend: str | None = Non
     return Mesh(np.array(devices[:n]), (axis,))
 
 
-def shardings(params: Any, specs: Any, mesh: Any, axis: str = DP_AXIS) -> Any:
+def shardings(params: Any, specs: Any, mesh: Mesh, axis: str = DP_AXIS) -> Any:
     """A ``NamedSharding`` per leaf of ``params`` from zeroshard specs."""
     from jax.sharding import NamedSharding
 
@@ -55,7 +61,7 @@ def shardings(params: Any, specs: Any, mesh: Any, axis: str = DP_AXIS) -> Any:
     tu = tree_util()
     uneven = []
 
-    def one(path: Any, x: Any, spec: Any) -> Any:
+    def one(path: KeyPath, x: Any, spec: Spec) -> NamedSharding:
         if isinstance(spec, Shard) and x.shape[0] % size:
             uneven.append(f"{tu.keystr(path)}{list(x.shape)}")
             spec = Replicate()
@@ -68,7 +74,7 @@ def shardings(params: Any, specs: Any, mesh: Any, axis: str = DP_AXIS) -> Any:
     return out
 
 
-def global_params(full_params: Any, mesh: Any, specs: Any = None,
+def global_params(full_params: Any, mesh: Mesh, specs: Any = None,
                   axis: str = DP_AXIS) -> Any:
     """Whole params (e.g. ``shard.gather``'s) as jax arrays sharded over ``mesh``,
     ready for ``jax.jit`` code."""
@@ -83,7 +89,7 @@ def local_params(state: TrainState) -> Any:
     return tree_util().tree_map(to_jax, state.params)
 
 
-def named_params(states: list[TrainState], mesh: Any, axis: str = DP_AXIS) -> Any:
+def named_params(states: list[TrainState], mesh: Mesh, axis: str = DP_AXIS) -> Any:
     """The params of the ranks' states (``ops.spawn``'s results: rank ``r``'s
     state on the mesh's device ``r``) as jax arrays sharded over ``mesh``,
     built shard by shard: each device gets its rank's rows of a Shard(0) leaf
