@@ -280,7 +280,7 @@ def test_frozen_16_bit_leaves_checkpoint_and_resume_elsewhere(tmp_path):
         for a, b in zip(jax.tree_util.tree_leaves(loaded), jax.tree_util.tree_leaves(saved),
                         strict=True):
             np.testing.assert_array_equal(a, b, err_msg=f"{world} ranks, stage {stage}")
-        assert (state.meta.plan.master_packing is None) == (offload is not None)
+        assert (state.meta.master_packing is None) == (offload is not None)
         if world == 2:  # bfloat16 losses and gradients round by the ranks' rows
             np.testing.assert_allclose(first + rest, want, rtol=1e-6)
             for a, b in zip(jax.tree_util.tree_leaves(got),
@@ -848,7 +848,7 @@ def test_frozen_16_bit_leaves_without_masters_on_the_device_stand_in(stage):
         got = shard.gather(state, comm)
         if device is not None:
             got = {k: device.to_host(v) for k, v in got.items()}
-        return got, state.nbytes(), state.meta.plan.master_packing is not None
+        return got, state.nbytes(), state.meta.master_packing is not None
 
     for (want, want_bytes, _), (got, have, packed) in zip(
             ops.spawn(lambda c: run(c, None), 2), ops.spawn(lambda c: run(c, STANDIN), 2),

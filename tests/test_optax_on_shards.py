@@ -218,10 +218,10 @@ def test_non_finite_gradients_skip_the_transformation():
 
 def test_mixed_precision_compute_params_follow_the_masters():
     def run(comm):
-        _, state, _ = train(comm, optax.lion(1e-2), 2, batches(2),
-                            precision=shard.Precision(param_dtype=jnp.bfloat16))
+        step, state, _ = train(comm, optax.lion(1e-2), 2, batches(2),
+                               precision=shard.Precision(param_dtype=jnp.bfloat16))
         whole = shard.gather(state, comm)
-        layout = state.meta.plan.full_layout
+        layout = step.plan.full_layout
         compute = jax.tree.unflatten(layout.treedef, layout.local_views(state.compute))
         for c, w in zip(jax.tree.leaves(compute), jax.tree.leaves(whole), strict=True):
             np.testing.assert_array_equal(np.asarray(c),

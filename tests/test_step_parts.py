@@ -1,21 +1,27 @@
 """The ZeRO step's parts, each alone: its frozen configuration, the plan a state
-carries, the checks, the update's norm and the offloaded buffers; and that
+carries (its key), the checks, the update's norm and the offloaded buffers; and that
 ``shard.load`` reads nothing from a step but its configuration."""
 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import inspect
+import pickle
+import types
 
+import jax
 import numpy as np
 import pytest
+import torch
 
+import interop.torch as it
 import ops
 import shard
 from shard.core._mesh import Topology
 from shard.step import _checks, _update
 from shard.step._config import StepConfig
-from shard.step._plan import make_plan
+from shard.step._plan import Plan, make_plan, plan_of
 from tests import zero_models as M
 
 
@@ -46,18 +52,21 @@ def test_no_class_of_the_step_is_assembled_from_mixins():
                 assert cls.__bases__ == (object,), cls
 
 
-def test_a_state_carries_the_plan_its_step_made():
+def test_a_state_carries_its_plans_key_and_the_step_holds_the_plan():
     step = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=one_comm())
     assert step.plan is None and step.layout is None
     state = step.init(M.init_params())
-    plan = state.meta.plan
-    assert step.plan is plan and plan.config is step.config
+    plan = step.plan
+    assert state.meta.origin == plan.key and plan_of(state) is plan
+    assert plan.config is step.config
     assert plan.layout is state.meta.layout and plan.device is ops.HOST
     new, _ = step(state, M.batches(1)[0])
-    assert new.meta.plan is plan
+    assert new.meta.origin == plan.key and step.plan is plan
+    assert not any(isinstance(v, (StepConfig, Plan, ops.Communicator))
+                   for v in vars(state.meta).values())
 
 
-def test_load_reads_only_the_configuration_and_the_step_takes_the_plan_from_the_state(
+def test_load_reads_only_the_configuration_and_gives_the_step_the_plan_of_its_state(
         tmp_path):
     comm = one_comm()
     first = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm)
@@ -66,13 +75,62 @@ def test_load_reads_only_the_configuration_and_the_step_takes_the_plan_from_the_
 
     step = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm)
     loaded, _ = shard.load(tmp_path / "ckpt", step, comm=comm, like=M.init_params())
-    assert step.plan is None  # loading changed nothing in the step
-    assert loaded.meta.plan.config is step.config
+    assert step.plan is plan_of(loaded) and step.plan.config is step.config  # as init's
     after, _ = step(loaded, M.batches(2)[1])
-    assert step.plan is loaded.meta.plan
+    assert step.plan is plan_of(loaded)
     want, _ = first(state, M.batches(2)[1])
     for a, b in zip(after.master, want.master, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def _reaches(root, target):
+    """Whether ``target`` is reachable from ``root`` through the objects' references
+    (not through classes, modules or functions, which reach every module's globals)."""
+    seen, todo = set(), [root]
+    while todo:
+        x = todo.pop()
+        if x is target:
+            return True
+        if id(x) in seen or isinstance(x, (type, types.ModuleType, types.FunctionType)):
+            continue
+        seen.add(id(x))
+        todo.extend(gc.get_referents(x))
+    return False
+
+
+def _torch_step(comm, trainable=None):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.BatchNorm1d(8),
+                              torch.nn.Linear(8, 3))
+    if trainable == "head":
+        net[0].weight.requires_grad_(False)
+    params, fn = it.functional(net, loss=lambda m, b: m(b).pow(2).mean())
+    return net, shard.zero2(fn, optimizer=ops.adamw(1e-2), comm=comm), params
+
+
+def test_a_state_pickles_compares_and_prints_without_its_step_module_or_communicator():
+    comm = one_comm()
+    net, step, params = _torch_step(comm, trainable="head")
+    state, _ = step(step.init(params), torch.randn(4, 5))
+    text = repr(state)
+    copy = pickle.loads(pickle.dumps(state))
+    assert copy.meta == state.meta and repr(copy) == text and "Sequential" not in text
+    for a, b in zip(jax.tree.leaves(copy.params), jax.tree.leaves(state.params), strict=True):
+        np.testing.assert_array_equal(a, b)  # frozen leaves' masters cast from the compute params
+    for a, b in zip(jax.tree.leaves(copy.opt), jax.tree.leaves(state.opt), strict=True):
+        np.testing.assert_array_equal(a, b)
+    want, _ = step(state, torch.ones(4, 5))
+    got, _ = step(copy, torch.ones(4, 5))  # the copy is this step's state: it steps on
+    for a, b in zip(got.master, want.master, strict=True):
+        np.testing.assert_array_equal(a, b)
+    for held in (net, step.config, comm, step.config.loss_fn):
+        assert not _reaches(got, held) and not _reaches(copy, held), type(held)
+    assert _reaches(got, got.master[0])  # the walk finds what a state holds
+    del step, _  # the metrics hold their step
+    gc.collect()
+    with pytest.raises(RuntimeError, match=r"save: the step that made this state is gone.*"
+                       r"torch module's buffers"):
+        shard.save(got, "unused", comm=comm)
 
 
 def test_a_state_of_another_step_must_fit_this_steps_plan():

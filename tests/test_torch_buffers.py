@@ -120,7 +120,11 @@ def test_consolidated_file_loads_strictly_with_tied_names_and_buffers(tmp_path):
 
 def test_buffers_that_do_not_fit_are_refused_and_the_step_is_unchanged(tmp_path, caplog):
     model = built()
-    ops.spawn(lambda c: shard.save(train(c, model, 1, 1)[2], tmp_path / "ck", comm=c), 1)
+    def save(comm):
+        _, _step, state = train(comm, model, 1, 1)  # _step holds the module's buffers
+        shard.save(state, tmp_path / "ck", comm=comm)
+
+    ops.spawn(save, 1)
 
     def load(comm):
         net = built(track=False)  # the same params, no running statistics

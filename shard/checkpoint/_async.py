@@ -136,7 +136,7 @@ def async_save(state: TrainState, path: str | os.PathLike, *, comm: Communicator
 
     path = Path(path)
     ck.check_savable(state, extra, "async_save")
-    plan = state.meta.plan
+    plan = ck.step_plan(state, "async_save")
     if plan is not None and plan.config.tensor_parallel is not None:
         raise NotImplementedError("async_save: a tensor-parallel state is saved by shard.save "
                                   "(one checkpoint per model rank, see [Note: tensor-parallel "
@@ -146,12 +146,13 @@ def async_save(state: TrainState, path: str | os.PathLike, *, comm: Communicator
                         "step; save it with shard.save(...)")
     key = (str(path.absolute()), id(comm))
     wait_pending(path, comm)
-    replicas = plan.config.replicate if plan is not None else None
+    c = plan.config if plan is not None else None
+    replicas = c.replicate if c is not None else None
     tmp = path.with_name(path.name + ".tmp")
-    if replicas is not None:  # the first replica writes (see [Note: replicas])
-        if comm.world_size != plan.config.comm.world_size:
+    if c is not None and replicas is not None:  # the first replica writes (see [Note: replicas])
+        if comm.world_size != c.comm.world_size:
             raise ValueError(f"async_save: this state's step shards over "
-                             f"{plan.config.comm.world_size} ranks with replicas: pass comm= "
+                             f"{c.comm.world_size} ranks with replicas: pass comm= "
                              f"that communicator (the step's comm), not one of {comm.world_size}")
         with ck.every_rank("async_save", replicas):
             replicas.barrier()  # this rank's counterparts are done with the previous save
@@ -176,7 +177,7 @@ def async_save(state: TrainState, path: str | os.PathLike, *, comm: Communicator
     tensors = ck.rank_tensors(state, copy=True) if writes else None  # the snapshot
     manifest = None
     if comm.rank == 0:
-        module = ck.write_module_file(state, tmp)
+        module = ck.write_module_file(plan, tmp)
         manifest = ck.manifest(state, [], extra, module, ck.write_model_state_file(state, tmp))
     rank, world = comm.rank, comm.world_size
 

@@ -52,12 +52,12 @@ from shard.checkpoint._module import _write_module_file as write_module_file
 from shard.checkpoint._module import read_module_file
 from shard.checkpoint._validate import REST_DTYPES
 from shard.core._layout import Layout
-from shard.core._state import TrainState
+from shard.core._state import TrainState, full_masters, full_moments
+from shard.step._plan import Plan, plan_of
 
 __all__ = ["CheckpointError", "check_savable", "commit", "every_rank", "kinds", "leaf_names",
-           "manifest", "rank_tensors", "read_module_file", "save", "write_model_state_file",
-           "write_module_file",
-           "write_tensors"]
+           "manifest", "rank_tensors", "read_module_file", "save", "step_plan",
+           "write_model_state_file", "write_module_file", "write_tensors"]
 
 log = logging.getLogger(__name__)
 FORMAT, VERSION = "zeroshard-checkpoint", 1
@@ -69,14 +69,27 @@ def kinds(state: TrainState) -> dict[str, tuple]:
     """The unit buffers a rank file holds, by name: the masters and each moment,
     in the params' layout (frozen leaves' moments zero, their masters cast from
     the compute params where they keep none: see [Note: frozen leaves])."""
-    plan = state.meta.plan
-    if plan is None:
-        master, moments = state.master, state.moments
-    else:
-        master = plan.full_masters(state.master, state.compute)
-        moments = plan.full_moments(state.moments)
-    return {"master": master, **dict(zip(state.meta.moment_names, moments,
-                                                strict=True))}
+    return {"master": full_masters(state), **dict(zip(state.meta.moment_names,
+                                                       full_moments(state), strict=True))}
+
+
+def step_plan(state: TrainState, fn: str) -> Plan | None:
+    """The plan of the step that made ``state``, where a checkpoint needs it:
+    a torch module's buffers, HSDP's replicas, the tensor-parallel ranks. A
+    state whose step is gone (collected, or in another process) and that
+    needs one is refused by name; None for one that needs none."""
+    plan = plan_of(state)
+    m = state.meta
+    needs = [what for what, yes in (("its torch module's buffers", m.module_buffers),
+                                    (f"its {m.replicas} replicas' communicator", m.replicas > 1),
+                                    (f"its {m.model_size} model ranks' communicator",
+                                     m.model_size > 1)) if yes]
+    if plan is None and needs:
+        raise RuntimeError(f"{fn}: the step that made this state is gone (collected, or in "
+                           f"another process), and the checkpoint needs {' and '.join(needs)}; "
+                           "keep that step alive while saving, or shard.load the state into "
+                           "a step first")
+    return plan
 
 
 def leaf_names(layout: Layout) -> list[str]:
@@ -193,6 +206,7 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
     from shard.checkpoint._async import wait_pending
 
     check_savable(state, extra, "save")
+    plan = step_plan(state, "save")
     path = Path(path)
     # After an async_save of this path (every rank called it, so every rank has
     # one), no rank starts this save until every rank has seen that one
@@ -201,25 +215,22 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
     if wait_pending(path, comm):
         with every_rank("save", comm):
             comm.barrier()
-    plan = state.meta.plan
-    replicas = plan.config.replicate if plan is not None else None
-    tp = plan.config.tensor_parallel if plan is not None else None
-    if (replicas is not None or tp is not None) and comm.world_size != plan.config.comm.world_size:
-        raise ValueError(f"save: this state's step shards over {plan.config.comm.world_size} "
-                         f"ranks: pass comm= that communicator (the step's comm), not one of "
-                         f"{comm.world_size}")
+    c = plan.config if plan is not None else None
+    replicas = c.replicate if c is not None else None
+    tp = c.tensor_parallel if c is not None else None
+    if c is not None and (replicas is not None or tp is not None) and \
+            comm.world_size != c.comm.world_size:
+        raise ValueError(f"save: this state's step shards over {c.comm.world_size} ranks"
+                         f"{' with replicas' if replicas is not None else ''}: pass comm= that "
+                         f"communicator (the step's comm), not one of {comm.world_size}")
     if tp is not None:
-        return _save_model_parts(state, path, comm, extra, tp)
+        return _save_model_parts(state, path, comm, extra, tp, plan)
     if replicas is not None:  # one replica writes; the others wait for it
-        if comm.world_size != plan.config.comm.world_size:
-            raise ValueError(f"save: this state's step shards over {plan.config.comm.world_size} "
-                             f"ranks with replicas: pass comm= that communicator (the "
-                             f"step's comm), not one of {comm.world_size}")
         if replicas.rank != 0:
             with every_rank("save", replicas):
                 replicas.barrier()
             return path
-    written = _save(state, path, comm, extra)
+    written = _save(state, path, comm, extra, plan)
     if replicas is not None:
         with every_rank("save", replicas):
             replicas.barrier()
@@ -245,7 +256,8 @@ def check_savable(state: Any, extra: Any, fn: str) -> None:
                             ".tolist()") from None
 
 
-def _save(state: TrainState, path: Path, comm: Communicator, extra: Any) -> Path:
+def _save(state: TrainState, path: Path, comm: Communicator, extra: Any,
+          plan: Plan | None) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     if comm.rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
@@ -261,7 +273,7 @@ def _save(state: TrainState, path: Path, comm: Communicator, extra: Any) -> Path
     if comm.rank == 0:
         files = [{"file": f"rank-{r:05d}.safetensors", "sha256": digests[r].tobytes().hex(),
                   "bytes": int(sizes[r])} for r in range(comm.world_size) if sizes[r] > 0]
-        module = write_module_file(state, tmp)
+        module = write_module_file(plan, tmp)
         commit(path, tmp, manifest(state, files, extra, module,
                                    write_model_state_file(state, tmp)))
     comm.barrier()
@@ -269,7 +281,7 @@ def _save(state: TrainState, path: Path, comm: Communicator, extra: Any) -> Path
 
 
 def _save_model_parts(state: TrainState, path: Path, comm: Communicator, extra: Any,
-                      tp: Any) -> Path:
+                      tp: Any, plan: Plan | None) -> Path:
     """[Note: tensor-parallel checkpoints]
     With tensor parallelism each model rank's state is a checkpoint of its own,
     written by its data ranks as :func:`save` writes one, in
@@ -295,12 +307,12 @@ def _save_model_parts(state: TrainState, path: Path, comm: Communicator, extra: 
         shutil.rmtree(tmp, ignore_errors=True)  # a save that crashed earlier
         tmp.mkdir(parents=True)
     mesh_barrier()
-    _save(state, tmp / f"model-{tp.rank:03d}", comm, extra)
+    _save(state, tmp / f"model-{tp.rank:03d}", comm, extra, plan)
     mesh_barrier()
     if first:
         import jax
 
-        layout = state.meta.plan.layout
+        layout = state.meta.layout
         splits = tp.splits(layout.treedef.unflatten(
             [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in layout.leaves]),
             whole=False)

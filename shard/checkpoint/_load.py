@@ -292,6 +292,7 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
                              for leaf in layout.leaves],
                       copies=copies)
     _load_module(path, manifest, step)
+    step.use_plan(plan, offloader)
     model_state = read_model_state(path, manifest, getattr(step, "model_state_like", None))
     if model_state is not None and config.kind == "jax":  # see [Note: model state]
         state = state.replace(model_state=model_state)

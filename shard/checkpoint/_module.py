@@ -13,19 +13,22 @@ import numpy as np
 
 from shard.checkpoint._files import CheckpointError, _sha256
 from shard.core._state import TrainState
+from shard.step._plan import Plan
 
 __all__ = ["read_model_state", "read_module_file"]
 
 log = logging.getLogger("shard.checkpoint._checkpoint")
 
 
-def _write_module_file(state: TrainState, directory: Path) -> dict | None:
-    """Rank 0's torch buffers and tied names (see [Note: torch buffers])."""
-    if state.meta.module_state is None:
+def _write_module_file(plan: Plan | None, directory: Path) -> dict | None:
+    """Rank 0's torch buffers and tied names (see [Note: torch buffers]), from
+    the step's loss (``plan``, the state's step's plan, where it has one)."""
+    module_state = plan.config.loss_fn.module_state if plan is not None else None
+    if module_state is None:
         return None
     from safetensors.numpy import save_file
 
-    buffers, aliases = state.meta.module_state()
+    buffers, aliases = module_state()
     path = directory / "module.safetensors"
     save_file({k: np.array(v, order="C") for k, v in buffers.items()}, str(path))
     with open(path, "rb+") as f:

@@ -10,7 +10,7 @@ from ops import HOST, Communicator
 from ops._tree import tree_util
 from ops.device._device import device_named
 from shard.core._layout import make_layout, native_leaves
-from shard.core._state import TrainState
+from shard.core._state import TrainState, full_masters
 
 __all__ = ["MicroBatches", "gather", "split_batch"]
 
@@ -70,8 +70,8 @@ def gather(x: Any, comm: Communicator, *, specs: Any = None, like: Any = None) -
     """
     if isinstance(x, TrainState):
         x.check_live()
-        layout, plan = x.meta.layout, x.meta.plan
-        buffers = list(x.master if plan is None else plan.full_masters(x.master, x.compute))
+        layout = x.meta.layout
+        buffers = list(full_masters(x))
         if x.meta.stage and (comm.world_size, comm.rank) != (layout.world_size, x.meta.rank):
             raise ValueError(f"gather: this state is rank {x.meta.rank}'s of {layout.world_size}"
                              f" but comm is rank {comm.rank} of {comm.world_size}; gather over "

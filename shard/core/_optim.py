@@ -53,9 +53,11 @@ import numpy as np
 from ops import FusedOptimizer
 from ops._adam import grad_multiplier
 from ops._tree import tree_util
+from shard.core._layout import Layout
 from shard.core._parts import PER_LEAF, Segments, check_parts, clip_first, describe, parts_of
 
-__all__ = ["ADAM_MOMENTS", "ShardOptimizer", "is_transformation", "moment_names", "on_shards"]
+__all__ = ["ADAM_MOMENTS", "OptimizerTree", "ShardOptimizer", "is_transformation", "moment_names",
+           "on_shards"]
 
 ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 _REST_DTYPES = ("float32", "float64", "int32", "int64", "uint32", "bool")
@@ -66,6 +68,33 @@ def is_transformation(x: Any) -> bool:
     one of the fused optimizers."""
     return (not isinstance(x, FusedOptimizer) and callable(getattr(x, "init", None))
             and callable(getattr(x, "update", None)))
+
+
+@dataclass(frozen=True)
+class OptimizerTree:
+    """How an optimizer's state, as a pytree, is made of a state's buffers:
+    static, so a state's metadata carries it (``state.opt`` needs no step).
+
+    Attributes:
+      state: a fused optimizer's state type (``AdamState``, ``LionState``),
+        built from the step count and the moments; None for optax.
+      treedef: an optax state's top level, whose leaves are its moments (as
+        pytrees shaped like the params) and its other leaves.
+      is_moment: per top-level leaf, whether it is a moment.
+    """
+
+    state: Callable[..., Any] | None = None
+    treedef: Any = None
+    is_moment: tuple[bool, ...] = ()
+
+    def tree(self, layout: Layout, step: Any, moments: tuple, rest: tuple) -> Any:
+        """The optimizer's state as pytrees of views: ``AdamState`` or optax's."""
+        views = [layout.treedef.unflatten(layout.local_views(m)) for m in moments]
+        if self.state is not None:
+            return self.state(step, *views)
+        it, rest_it = iter(views), iter(rest)
+        return self.treedef.unflatten([next(it) if m else next(rest_it)
+                                       for m in self.is_moment])
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,14 +148,15 @@ class ShardOptimizer:
             moments.append(bufs)
         return moments, tuple(rest)
 
-    def tree(self, layout: Any, step: Any, moments: tuple, rest: tuple) -> Any:
+    @property
+    def opt_tree(self) -> OptimizerTree:
+        """How this optimizer's state is made of a state's buffers."""
+        return OptimizerTree(self.fused.state if self.fused is not None else None,
+                             self._treedef, self._is_moment)
+
+    def tree(self, layout: Layout, step: Any, moments: tuple, rest: tuple) -> Any:
         """The optimizer's state as pytrees of views: ``AdamState`` or optax's."""
-        views = [layout.treedef.unflatten(layout.local_views(m)) for m in moments]
-        if self.fused is not None:
-            return self.fused.state(step, *views)
-        it, rest_it = iter(views), iter(rest)
-        return self._treedef.unflatten([next(it) if m else next(rest_it)
-                                        for m in self._is_moment])
+        return self.opt_tree.tree(layout, step, moments, rest)
 
     # -- update -------------------------------------------------------------------
     def apply_optax(self, layout: Any, master: tuple, moments: tuple, rest: tuple,

@@ -8,8 +8,15 @@ compute-dtype copy the next
 all-gather sends (stage 3 with mixed precision; otherwise the masters serve),
 the full compute params of stages 0-2 (what plain data parallelism and ZeRO-1/2
 keep whole on every rank), and scalars (step, loss scale, good steps). Static
-metadata (the layout, stage, policies) is aux data. ``params`` and ``opt``
-present the buffers as pytrees shaped like the model's params (views).
+metadata (:class:`StateMeta`: the layout, stage, policies, the frozen leaves'
+packing, the optimizer state's structure) is aux data: shapes, specs and
+layouts, never the loss, a torch module or a communicator, so a state pickles,
+compares and prints by itself. The step holds what it runs with (its plan,
+``shard/step/_plan.py``) and knows its own states by the plan's key
+(``meta.origin``); a checkpoint that needs the step (a torch module's buffers,
+HSDP's replicas, the model ranks) finds it by that key while the step lives.
+``params`` and ``opt`` present the buffers as pytrees shaped like the model's
+params (views).
 
 A step reuses the buffers of the state it is given: that state is donated, and
 using it again raises :class:`DonatedStateError`. A step that fails before its
@@ -19,32 +26,107 @@ update leaves the state valid (see [Note: failed steps] in
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
+import ops
 from ops import AdamState
 from ops._tree import tree_util
+from ops._types import Array
+from ops.device._device import device_named
 from shard.core._layout import Layout
-from shard.core._optim import ADAM_MOMENTS
+from shard.core._optim import ADAM_MOMENTS, OptimizerTree
+from shard.core._policy import Precision
 
-__all__ = ["DonatedStateError", "StateMeta", "TrainState"]
+__all__ = ["DonatedStateError", "Packing", "StateMeta", "TrainState", "full_masters",
+           "full_moments"]
+
+
+_ADAM = OptimizerTree(AdamState)
 
 
 class DonatedStateError(RuntimeError):
     """A TrainState was used after a step consumed (donated) its buffers."""
 
 
+A = TypeVar("A", bound=Array)
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Where each trainable run of a unit's local buffer lives in the unit's
+    packed buffer.
+
+    Attributes:
+      runs: per unit, its trainable runs: ``(start, stop)`` ranges of its
+        local buffer, in order.
+      starts: per unit, each run's start in the local buffer.
+      packed: per unit, each run's start in the packed buffer.
+      sizes: per unit, its packed buffer's size.
+    """
+
+    runs: tuple[tuple[tuple[int, int], ...], ...]
+    starts: tuple[tuple[int, ...], ...] = field(init=False, compare=False, repr=False)
+    packed: tuple[tuple[int, ...], ...] = field(init=False, compare=False, repr=False)
+    sizes: tuple[int, ...] = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        starts, packed, sizes = [], [], []
+        for unit_runs in self.runs:
+            at, mine = 0, []
+            for a, b in unit_runs:
+                mine.append(at)
+                at += b - a
+            starts.append(tuple(a for a, _ in unit_runs))
+            packed.append(tuple(mine))
+            sizes.append(at)
+        object.__setattr__(self, "starts", tuple(starts))
+        object.__setattr__(self, "packed", tuple(packed))
+        object.__setattr__(self, "sizes", tuple(sizes))
+
+    def where(self, u: int, a: int, b: int) -> tuple[int, int]:
+        """The packed range of unit ``u``'s local range [a, b) (inside one run)."""
+        k = bisect.bisect_right(self.starts[u], a) - 1
+        start = self.packed[u][k] + a - self.starts[u][k]
+        return start, start + b - a
+
+    def views(self, bufs: tuple[Array, ...] | list[Array],
+              runs: tuple[tuple[tuple[int, int], ...], ...]) -> tuple[Array, ...]:
+        """The packed buffers' views of ``runs`` (ranges inside trainable runs)."""
+        out = []
+        for u, (buf, unit_runs) in enumerate(zip(bufs, runs, strict=True)):
+            for a, b in unit_runs:
+                pa, pb = self.where(u, a, b)
+                out.append(buf[pa:pb])
+        return tuple(out)
+
+    def expand(self, u: int, packed: Array, full: A) -> A:
+        """``full`` (unit ``u``'s local size, zeros) with the packed runs in place."""
+        for (a, b), p in zip(self.runs[u], self.packed[u], strict=True):
+            full[a:b] = packed[p:p + b - a]
+        return full
+
+    def pack(self, u: int, full: Array, packed: A) -> A:
+        """``packed`` filled from unit ``u``'s local-layout buffer ``full``."""
+        for (a, b), p in zip(self.runs[u], self.packed[u], strict=True):
+            packed[p:p + b - a] = full[a:b]
+        return packed
+
+
 @dataclass(frozen=True)
 class StateMeta:
-    """What a TrainState's buffers mean; static, hashable."""
+    """What a TrainState's buffers mean; static, hashable, picklable: shapes,
+    specs and layouts, never the loss, a module or a communicator (the step
+    holds what it runs with; see [Note: TrainState])."""
 
     layout: Layout
     stage: int
     rank: int
-    precision: Any
+    precision: Precision
     master_dtype: str
     compute_dtype: str
     device: str = "numpy"  # where every buffer lives (see [Note: devices])
@@ -52,14 +134,24 @@ class StateMeta:
     #                             on ``device``; see [Note: offload])
     compute_on_host: bool = False  # Offload(params="host"): stage 3's compute shards too
     moment_names: tuple[str, ...] = ADAM_MOMENTS  # TrainState.moments' names
-    # () -> (buffers, tied names) of the torch module the state trains, which
-    # checkpoints keep beside the params (see [Note: torch buffers]); None for
-    # other losses. Not part of the state's identity.
-    module_state: Any = field(default=None, compare=False, hash=False, repr=False)
-    # The step's plan this state was made with (shard/step/_plan.py): which step
-    # made it, and what that step derived from its params. Not part of the
-    # state's identity.
-    plan: Any = field(default=None, compare=False, hash=False, repr=False)
+    opt_tree: OptimizerTree = _ADAM  # how ``opt`` is made of the buffers
+    # Frozen leaves (see [Note: frozen leaves]): their indices; where the masters
+    # and the moments keep the trainable runs alone, packed, where those runs
+    # live; and, at stages 1-2 with packed masters, the whole params' layout
+    # (the compute params') from which the frozen leaves' masters are cast.
+    frozen: frozenset[int] = frozenset()
+    master_packing: Packing | None = None
+    moment_packing: Packing | None = None
+    full_layout: Layout | None = None
+    # What a checkpoint needs of the step that made the state: whether its loss
+    # has a torch module whose buffers checkpoints keep beside the params (see
+    # [Note: torch buffers]), HSDP's replicas and the tensor-parallel ranks.
+    module_buffers: bool = False
+    replicas: int = 1
+    model_size: int = 1
+    # The key of the step's plan this state was made with (``shard.step._plan``):
+    # the step recognises its own states by it. Not part of the state's identity.
+    origin: tuple[int, int] | None = field(default=None, compare=False, hash=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -121,23 +213,17 @@ class TrainState:
         copies where frozen leaves keep no masters, their values cast from the
         compute params: see [Note: frozen leaves])."""
         self.check_live()
-        layout, plan = self.meta.layout, self.meta.plan
-        master = self.master if plan is None else plan.full_masters(self.master, self.compute)
-        return layout.treedef.unflatten(layout.local_views(master))
+        layout = self.meta.layout
+        return layout.treedef.unflatten(layout.local_views(full_masters(self)))
 
     @property
     def opt(self) -> Any:
         """The optimizer's state with its moments as pytrees shaped like the
-        params (views): an ``AdamState`` (``LionState``...), or the optax
-        transformation's state."""
+        params (views; zeros for frozen leaves, see [Note: frozen leaves]): an
+        ``AdamState`` (``LionState``...), or the optax transformation's state."""
         self.check_live()
-        plan = self.meta.plan
-        if plan is not None:  # frozen leaves' moments: zeros (see [Note: frozen leaves])
-            return plan.optimizer.tree(self.meta.layout, self.step,
-                                       plan.full_moments(self.moments), self.opt_rest)
-        layout = self.meta.layout
-        return AdamState(self.step, *(layout.treedef.unflatten(layout.local_views(m))
-                                      for m in self.moments))
+        return self.meta.opt_tree.tree(self.meta.layout, self.step, full_moments(self),
+                                       self.opt_rest)
 
     def moment(self, name: str) -> tuple[np.ndarray, ...]:
         """The unit buffers of the optimizer's moment ``name`` (see ``meta.moment_names``),
@@ -230,6 +316,50 @@ class TrainState:
 
     def replace(self, **changes: Any) -> TrainState:
         return dataclasses.replace(self, _live=[True], **changes)
+
+
+def full_masters(state: TrainState) -> tuple:
+    """The state's master unit buffers in the params' layout: its own, or,
+    where frozen leaves keep none, copies with their entries cast from the
+    compute params (exact: the compute dtype is theirs; see [Note: frozen
+    leaves])."""
+    meta, master, compute = state.meta, state.master, state.compute
+    packing = meta.master_packing
+    if packing is None:
+        return tuple(master)
+    dtype = np.dtype(meta.master_dtype)
+    if meta.stage in (0, 3):  # the compute params are laid out as the masters
+        return tuple(packing.expand(u, m, ops.cast(x, dtype))
+                     for u, (m, x) in enumerate(zip(master, compute, strict=True)))
+    layout, whole_layout = meta.layout, meta.full_layout  # stages 1-2: whole compute params
+    if whole_layout is None:
+        raise ValueError("StateMeta: packed masters at stages 1-2 need full_layout")
+    device = device_named(meta.device)
+    out = [packing.expand(u, m, device.empty(unit.local_size, m.dtype))
+           for u, (unit, m) in enumerate(zip(layout.units, master, strict=True))]
+    wide: dict[int, Array] = {}
+    for i in sorted(meta.frozen):
+        leaf, whole = layout.leaves[i], whole_layout.leaves[i]
+        if leaf.unit not in wide:
+            wide[leaf.unit] = ops.cast(compute[leaf.unit], dtype)
+        layout.scatter_leaf(
+            leaf, wide[leaf.unit][whole.offset:whole.offset + whole.size], meta.rank,
+            out[leaf.unit][leaf.offset:leaf.offset + leaf.local_size].reshape(leaf.local_shape))
+    return tuple(out)
+
+
+def full_moments(state: TrainState) -> tuple:
+    """The state's moment unit buffers in the masters' layout: its own, or,
+    where frozen leaves keep none, copies with their entries zero (see [Note:
+    frozen leaves])."""
+    packing = state.meta.moment_packing
+    if packing is None:
+        return tuple(state.moments)
+    device = device_named(state.meta.device)
+    return tuple(tuple(packing.expand(u, buf, device.zeros(unit.local_size, buf.dtype))
+                       for u, (unit, buf) in enumerate(zip(state.meta.layout.units, bufs,
+                                                           strict=True)))
+                 for bufs in state.moments)
 
 
 def _count(n: int) -> str:

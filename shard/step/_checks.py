@@ -193,16 +193,15 @@ def check_fits(plan: Plan, state: TrainState) -> None:
             f"{c.name}: this TrainState does not fit the params this step was set up for: "
             f"{layout_difference(m.layout, plan.layout)}; pass the state of this model "
             "(shard.load re-shards a checkpoint), or init a new state")
-    made = m.plan
-    if made is not None and made is not plan and made.frozen != plan.frozen:
-        paths = [plan.layout.leaves[i].path for i in sorted(made.frozen ^ plan.frozen)]
+    if m.frozen != plan.frozen:
+        paths = [plan.layout.leaves[i].path for i in sorted(m.frozen ^ plan.frozen)]
         raise ValueError(
             f"{c.name}: this TrainState was made with other leaves frozen (differing: "
             f"{', '.join(paths[:5])}{' and more' if len(paths) > 5 else ''}): its moments keep "
             "the trainable leaves alone; save it and shard.load it into this step, which "
             "lays them out for its own trainable=")
-    if made is not None and (made.master_packing is None) != (plan.master_packing is None):
-        kept = "keeps" if made.master_packing is None else "keeps no"
+    if (m.master_packing is None) != (plan.master_packing is None):
+        kept = "keeps" if m.master_packing is None else "keeps no"
         raise ValueError(
             f"{c.name}: this TrainState {kept} masters for its frozen leaves, unlike this "
             "step (made with another precision, optimizer or offload): save it and "

@@ -60,7 +60,6 @@ the trainable ranges of each unit or chunk, reading the packed gradients
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 from typing import TYPE_CHECKING, Any, cast
 
@@ -69,7 +68,7 @@ import numpy as np
 import ops
 from ops._tree import tree_util
 from shard.core._layout import Layout
-from shard.core._state import TrainState
+from shard.core._state import Packing, TrainState
 
 if TYPE_CHECKING:
     from shard.step._plan import Plan
@@ -195,52 +194,6 @@ def views(bufs: Any, runs: tuple) -> tuple:
     return tuple(buf[a:b] for buf, unit_runs in zip(bufs, runs, strict=True)
                  for a, b in unit_runs)
 
-
-
-class Packing:
-    """Where each trainable run of a unit's local buffer lives in the unit's
-    packed moment buffer (see [Note: frozen leaves])."""
-
-    def __init__(self, runs: tuple) -> None:
-        self.runs = runs
-        self.starts: list[list[int]] = []  # per unit, each run's start in the local buffer
-        self.packed: list[list[int]] = []  # per unit, each run's start in the packed buffer
-        self.sizes: list[int] = []
-        for unit_runs in runs:
-            at, packed = 0, []
-            for a, b in unit_runs:
-                packed.append(at)
-                at += b - a
-            self.starts.append([a for a, _ in unit_runs])
-            self.packed.append(packed)
-            self.sizes.append(at)
-
-    def where(self, u: int, a: int, b: int) -> tuple[int, int]:
-        """The packed range of unit ``u``'s local range [a, b) (inside one run)."""
-        k = bisect.bisect_right(self.starts[u], a) - 1
-        start = self.packed[u][k] + a - self.starts[u][k]
-        return start, start + b - a
-
-    def views(self, bufs: Any, runs: tuple) -> tuple:
-        """The packed buffers' views of ``runs`` (ranges inside trainable runs)."""
-        out = []
-        for u, (buf, unit_runs) in enumerate(zip(bufs, runs, strict=True)):
-            for a, b in unit_runs:
-                pa, pb = self.where(u, a, b)
-                out.append(buf[pa:pb])
-        return tuple(out)
-
-    def expand(self, u: int, packed: Any, full: Any) -> Any:
-        """``full`` (unit ``u``'s local size, zeros) with the packed runs in place."""
-        for (a, b), p in zip(self.runs[u], self.packed[u], strict=True):
-            full[a:b] = packed[p:p + b - a]
-        return full
-
-    def pack(self, u: int, full: Any, packed: Any) -> Any:
-        """``packed`` filled from unit ``u``'s local-layout buffer ``full``."""
-        for (a, b), p in zip(self.runs[u], self.packed[u], strict=True):
-            packed[p:p + b - a] = full[a:b]
-        return packed
 
 
 def copy_left(plan: Plan, state: TrainState, copies: tuple, skip: frozenset[int]) -> None:

@@ -3,15 +3,18 @@ device), and the :class:`~shard.TrainState` over a plan's buffers.
 
 ``step.init(params)`` and ``shard.load(path, step, ...)`` make a plan from the
 step's :class:`~shard.step._config.StepConfig` and the params (or their
-shapes); every state made with it carries it (``state.meta.plan``), and a step
-takes its plan from the state it is given.
+shapes); every state made with it carries its key (``state.meta.origin``), and
+a step takes its plan from the states it made, or from ``plan_of`` their key.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import logging
+import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,12 +40,28 @@ from shard.step._frozen import (
 )
 from shard.step._reduce import CopyPlans
 
-__all__ = ["Plan", "make_plan", "moment_buffers", "new_state"]
+__all__ = ["Plan", "make_plan", "moment_buffers", "new_state", "plan_of"]
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 _LARGE = 1 << 20  # params from which a dominant unit is worth a warning
 
 log = logging.getLogger("shard.step")
+
+
+_KEYS = itertools.count(1)
+_PLANS: weakref.WeakValueDictionary[tuple[int, int], Plan] = weakref.WeakValueDictionary()
+
+
+def _new_key() -> tuple[int, int]:
+    return os.getpid(), next(_KEYS)
+
+
+def plan_of(state: TrainState) -> Plan | None:
+    """The plan ``state`` was made with, while the step holding it lives (a
+    state's metadata keeps only its key, ``meta.origin``); None for a state
+    made elsewhere (another process, a step since collected)."""
+    origin = state.meta.origin
+    return None if origin is None else _PLANS.get(origin)
 
 
 @dataclass(frozen=True, eq=False)
@@ -101,6 +120,10 @@ class Plan:
     frozen: frozenset[int] = frozenset()
     runs: tuple | None = None
     packing: Packing | None = None
+    key: tuple[int, int] = dataclasses.field(init=False, default_factory=lambda: _new_key())
+
+    def __post_init__(self) -> None:
+        _PLANS[self.key] = self
 
     @property
     def moment_packing(self) -> Packing | None:
@@ -120,30 +143,6 @@ class Plan:
             self.layout, self.frozen, stage=c.stage, compute_dtype=self.compute_dtype,
             master_dtype=self.master_dtype, fused=self.optimizer.fused is not None,
             offload=c.offload is not None) else None
-
-    def full_masters(self, master: Any, compute: Any) -> tuple:
-        """Master unit buffers in the params' layout: ``master`` themselves, or,
-        where frozen leaves keep none, copies with their entries cast from the
-        compute params (exact: the compute dtype is theirs)."""
-        packing = self.master_packing
-        if packing is None:
-            return tuple(master)
-        if self.config.stage in (0, 3):  # the compute params are laid out as the masters
-            return tuple(packing.expand(u, m, ops.cast(x, self.master_dtype))
-                         for u, (m, x) in enumerate(zip(master, compute, strict=True)))
-        layout, rank = self.layout, self.config.comm.rank  # stages 1-2: whole compute params
-        out = [packing.expand(u, m, self.device.empty(unit.local_size, m.dtype))
-               for u, (unit, m) in enumerate(zip(layout.units, master, strict=True))]
-        wide: dict[int, Any] = {}
-        for i in sorted(self.frozen):
-            leaf, whole = layout.leaves[i], self.full_layout.leaves[i]
-            if leaf.unit not in wide:
-                wide[leaf.unit] = ops.cast(compute[leaf.unit], self.master_dtype)
-            layout.scatter_leaf(
-                leaf, wide[leaf.unit][whole.offset:whole.offset + whole.size], rank,
-                out[leaf.unit][leaf.offset:leaf.offset + leaf.local_size].reshape(
-                    leaf.local_shape))
-        return tuple(out)
 
     @functools.cached_property
     def refresh_plans(self) -> CopyPlans:
@@ -181,16 +180,6 @@ class Plan:
                       master_dtype=self.master_dtype, device_host=False, offload=False,
                       fn=self.config.name)  # raises: optax runs on host state
         return dataclasses.replace(self, device=device)
-
-    def full_moments(self, moments: Any) -> tuple:
-        """Moment unit buffers in the masters' layout: ``moments`` themselves, or,
-        where frozen leaves keep none, copies with their entries zero (see
-        [Note: frozen leaves])."""
-        if self.moment_packing is None:
-            return tuple(moments)
-        return tuple(tuple(self.moment_packing.expand(u, buf, self.device.zeros(
-            unit.local_size, buf.dtype)) for u, (unit, buf) in enumerate(
-                zip(self.layout.units, bufs, strict=True))) for bufs in moments)
 
     def packed_moments(self, moments: Any) -> list:
         """Moment unit buffers in the masters' layout (a checkpoint's) as this
@@ -330,10 +319,16 @@ def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,
     elif c.stage == 3 and compute_dtype != master_dtype:
         compute = tuple(ops.cast(m, compute_dtype) for m in master)
     master = plan.packed_masters(master)  # the compute params, made above, keep frozen leaves
+    packed = plan.master_packing is not None
     meta = StateMeta(plan.layout, c.stage, c.comm.rank, plan.precision, str(master_dtype),
                      str(compute_dtype), device.name,
                      c.offload.optimizer if c.offload else None, plan.compute_on_host,
-                     plan.optimizer.moments, c.loss_fn.module_state, plan)
+                     plan.optimizer.moments, plan.optimizer.opt_tree, plan.frozen,
+                     plan.master_packing, plan.moment_packing,
+                     plan.full_layout if packed and c.stage in (1, 2) else None,
+                     c.loss_fn.module_state is not None,
+                     c.replicate.world_size if c.replicate is not None else 1,
+                     c.tensor_parallel.size if c.tensor_parallel is not None else 1, plan.key)
     if loss_scale is None:
         loss_scale = c.loss_scale.initial if c.loss_scale else 1.0
     if hysteresis is None:

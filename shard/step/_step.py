@@ -90,7 +90,7 @@ from shard.offload._step import Offloader
 from shard.step import _checks, _grads, _init, _ordered, _update
 from shard.step._config import StepConfig, ZeroOptions
 from shard.step._ordered import OrderedReducer
-from shard.step._plan import Plan
+from shard.step._plan import Plan, plan_of
 from shard.step._reduce import (
     Compressed,
     GradBuffers,
@@ -189,7 +189,7 @@ class ZeroStep:
             model_state = _checks.model_state(self.config, model_state)
             self.model_state_like = model_state
         state, plan, offloader = _init.from_params(self.config, params, device, self.device)
-        self._use(plan, offloader)
+        self.use_plan(plan, offloader)
         if opt_state is not None:
             state = _init.with_optax_state(self.config, plan, state, opt_state)
         return state if model_state is None else state.replace(model_state=model_state)
@@ -218,10 +218,13 @@ class ZeroStep:
           [[2, 16], [2, 16]]
         """
         state, plan, offloader = _init.from_function(self.config, init_fn, args, device)
-        self._use(plan, offloader)
+        self.use_plan(plan, offloader)
         return state
 
-    def _use(self, plan: Plan, offloader: Offloader | None = None) -> Plan:
+    def use_plan(self, plan: Plan, offloader: Offloader | None = None) -> Plan:
+        """Hold ``plan`` (and its offloader) as this step's: ``init`` and
+        ``shard.load`` give it the plan of the state they make, whose metadata
+        keeps only the plan's key (see [Note: TrainState])."""
         if plan is not self._plan:
             self._plan = plan
             self._offloader = offloader or plan.offloader()
@@ -233,9 +236,12 @@ class ZeroStep:
         step's own plan."""
         c = self.config
         _checks.check_is_state(c.name, state)
-        plan = state.meta.plan
+        mine = self._plan
+        if mine is not None and state.meta.origin == mine.key:
+            return mine
+        plan = plan_of(state)
         if plan is not None and plan.config is c:
-            return self._use(plan)
+            return self.use_plan(plan)
         if self._plan is None:
             raise RuntimeError(f"{c.name}: call init(params) before stepping")
         _checks.check_fits(self._plan, state)
