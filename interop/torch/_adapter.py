@@ -126,7 +126,7 @@ class TorchLoss(LossProvider):
     has_aux = False  # True inside a call of a step built with has_aux=True
     reports_missing = True  # see [Note: missing gradients]
 
-    def __init__(self, module: torch.nn.Module, loss: Callable[[torch.nn.Module, Any], Any],
+    def __init__(self, module: torch.nn.Module, loss: Callable[[torch.nn.Module, Any], object],
                  named: dict[str, torch.nn.Parameter], unit_of: dict[str, str],
                  unit_modules: list[tuple[str, torch.nn.Module]], *,
                  activation_checkpointing: bool = False, broadcast_buffers: bool = True,

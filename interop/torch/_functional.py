@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["functional"]
 
 
-def functional(module: torch.nn.Module, *, loss: Callable[[torch.nn.Module, Any], Any],
+def functional(module: torch.nn.Module, *, loss: Callable[[torch.nn.Module, Any], object],
                units: Sequence[torch.nn.Module] | None = None,
                activation_checkpointing: bool = False,
                broadcast_buffers: bool = True,

@@ -265,7 +265,7 @@ class TorchLayered(LossProvider):
                 x = m(x)
         return times
 
-    def _forward(self, x: torch.Tensor) -> Any:
+    def _forward(self, x: torch.Tensor) -> object:
         for m in self.layers:
             x = m(x)
         return x

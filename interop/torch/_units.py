@@ -137,7 +137,7 @@ class UnitHooks:
             cached = self._plan_cache = _Plan(self, units.layout, units.full_layout)
         return cached
 
-    def install(self, before_forward: Callable[..., Any]) -> None:
+    def install(self, before_forward: Callable[..., object]) -> None:
         """Wrap each unit's forward, and hook ``before_forward`` before the
         root module's (once)."""
         if self._installed:
@@ -147,8 +147,8 @@ class UnitHooks:
                 continue
             forward = m.forward
 
-            def wrapped(*args: Any, _key: str = key,
-                        _forward: Callable[..., Any] = forward, **kw: Any) -> Any:
+            def wrapped(*args: object, _key: str = key,
+                        _forward: Callable[..., Any] = forward, **kw: Any) -> object:
                 if self.active is None or not self.active.gathering:
                     return _forward(*args, **kw)
                 if self.activation_checkpointing:
@@ -186,7 +186,8 @@ class UnitHooks:
         upcoming = a.order[pos + 1:] if a.phase == "forward" else a.order[:pos][::-1]
         self._bind(u, a.units.flat(u, upcoming))
 
-    def _run_unit(self, key: str, forward: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+    def _run_unit(self, key: str, forward: Callable[..., Any], *args: object,
+                  **kw: object) -> object:
         """A unit's forward with its gathered params saved for the backward as
         references, not tensors (see the Note)."""
         import torch
@@ -248,8 +249,8 @@ class UnitHooks:
         with timed("library"):
             a.units.prefetch_after(a.order[:pos][::-1])
 
-    def _run_recomputed(self, key: str, forward: Callable[..., Any], *args: Any,
-                        **kw: Any) -> Any:
+    def _run_recomputed(self, key: str, forward: Callable[..., Any], *args: object,
+                        **kw: object) -> object:
         """A unit's forward under activation checkpointing: the backward recomputes
         it, gathering the unit again."""
         a = self._current
