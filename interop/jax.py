@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from interop._dlpack import to_jax
-from ops._tree import tree_util
+from ops._types import tree_util
 from shard import Replicate, Shard, TrainState, to_partition_spec
 from shard.core._specs import DP_AXIS, resolve_specs
 

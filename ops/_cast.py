@@ -6,8 +6,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ops._tree import tree_map
-from ops._types import Array
+from ops._types import Array, tree_map
 from ops.device._arrays import array_kind, check_array, driver_for, dtype_code, xp_of
 from ops.kernels._table import cast_kernel
 

@@ -7,8 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from ops._tree import tree_leaves
-from ops._types import Array
+from ops._types import Array, tree_leaves
 from ops.device._arrays import array_kind, check_array, driver_for, xp_of
 from ops.device._device import device_of
 from ops.kernels._table import EXACT_SLOTS

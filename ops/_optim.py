@@ -19,8 +19,7 @@ import numpy as np
 from ops._adam import fused_adam_multi, fused_adam_step
 from ops._lamb import Reduce, fused_lamb
 from ops._lion import fused_lion
-from ops._tree import tree_util
-from ops._types import Array
+from ops._types import Array, tree_util
 from ops.device._arrays import xp_of
 
 if TYPE_CHECKING:

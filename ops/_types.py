@@ -1,4 +1,4 @@
-"""The types the library's signatures share.
+"""The types the library's signatures share, and the pytree helpers.
 
 ``Array`` is what a unit buffer, a shard, a moment or a kernel's argument is: an
 array of one device's array module (numpy, CuPy, or the stand-in of
@@ -9,14 +9,17 @@ left out: where code computes on arrays it names ``np.ndarray`` (host arrays) or
 goes through the device's ``xp`` module.
 
 A pytree (params, gradients, a batch, an optax state) is annotated ``Any``: any
-nesting of containers and leaves, as JAX's own signatures take it.
+nesting of containers and leaves, as JAX's own signatures take it. ``tree_util``
+is ``jax.tree_util``, imported when first needed.
 """
 
 from __future__ import annotations
 
+import types
+from collections.abc import Callable
 from typing import Any, Protocol
 
-__all__ = ["Array"]
+__all__ = ["Array", "tree_leaves", "tree_map", "tree_util"]
 
 
 class ArrayFlags(Protocol):
@@ -67,3 +70,19 @@ class Array(Protocol):
     def copy(self, *args: Any, **kwargs: Any) -> Array: ...
 
     def fill(self, value: Any, /) -> None: ...
+
+
+def tree_util() -> types.ModuleType:
+    try:
+        import jax.tree_util as tu
+    except ImportError as e:  # pragma: no cover - jax is a core dependency
+        raise ImportError("pytrees need jax: pip install jax") from e
+    return tu
+
+
+def tree_map(fn: Callable[..., object], tree: Any, *rest: Any) -> Any:
+    return tree_util().tree_map(fn, tree, *rest)
+
+
+def tree_leaves(tree: Any) -> list[Any]:
+    return tree_util().tree_leaves(tree)

@@ -392,6 +392,6 @@ register_device(StandInArray, STANDIN)
 
 def to_device(tree: Any, device: Device = STANDIN) -> Any:
     """Every array leaf of a pytree copied to ``device`` (explicitly)."""
-    from ops._tree import tree_map
+    from ops._types import tree_map
 
     return tree_map(lambda a: device.asarray(a), tree)

@@ -20,7 +20,7 @@ import torch
 import interop.torch as it
 import ops
 import shard
-from ops._tree import tree_map
+from ops._types import tree_map
 from ops.device._device import HOST, device_of_or_none
 from ops.testing import STANDIN, SYNCS, to_device
 from tests import test_interop_torch as T

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ops._tree import tree_util
+from ops._types import tree_util
 from ops.device._dlpack import torch_view
 
 if TYPE_CHECKING:

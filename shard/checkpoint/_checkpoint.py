@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from ops import CollectiveError, Communicator
-from ops._tree import tree_util
+from ops._types import tree_util
 from ops.comm._collectives import all_gather_host
 from ops.device._device import device_named
 from shard.checkpoint._files import CheckpointError, _sha256

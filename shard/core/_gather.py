@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from ops import HOST, Communicator
-from ops._tree import tree_util
+from ops._types import tree_util
 from ops.device._device import device_named
 from shard.core._layout import make_layout, native_leaves
 from shard.core._state import TrainState, full_masters

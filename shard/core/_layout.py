@@ -31,7 +31,7 @@ from typing import Any, cast
 import numpy as np
 
 from ops import HOST, Device, device_of
-from ops._tree import tree_util
+from ops._types import tree_util
 from ops.device._runs import Runs
 from shard.core._paths import meta_shape
 from shard.core._specs import Shard, resolve_specs

@@ -52,7 +52,7 @@ import numpy as np
 
 from ops import FusedOptimizer
 from ops._adam import grad_multiplier
-from ops._tree import tree_util
+from ops._types import tree_util
 from shard.core._layout import Layout
 from shard.core._parts import PER_LEAF, Segments, check_parts, clip_first, describe, parts_of
 

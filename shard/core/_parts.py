@@ -22,7 +22,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ops._tree import tree_util
+from ops._types import tree_util
 
 __all__ = ["PER_LEAF", "Part", "Segments", "check_parts", "clip_first", "describe", "free_var",
            "parts_of", "probe"]

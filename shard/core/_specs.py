@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ops._tree import tree_util
+from ops._types import tree_util
 
 __all__ = ["DP_AXIS", "Replicate", "Shard", "Spec", "Split", "from_partition_spec",
            "join_split", "joined_stack", "resolve_specs", "take_split", "to_partition_spec"]

@@ -35,8 +35,7 @@ import numpy as np
 
 import ops
 from ops import AdamState
-from ops._tree import tree_util
-from ops._types import Array
+from ops._types import Array, tree_util
 from ops.device._device import device_named
 from shard.core._layout import Layout
 from shard.core._optim import ADAM_MOMENTS, OptimizerTree

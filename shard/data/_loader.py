@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from ops import Communicator
-from ops._tree import tree_util
+from ops._types import tree_util
 from shard.core._gather import MicroBatches
 from shard.core._mesh import Mesh
 

@@ -21,7 +21,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from ops._tree import tree_util
+from ops._types import tree_util
 
 __all__ = ["FlopCount", "signature"]
 

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-import ops._tree
+import ops._types
 from ops import Communicator, Device, FusedOptimizer
 from ops._optim import ZeroOne
 from ops.comm._collectives import all_gather_host
@@ -59,7 +59,7 @@ def agree_on_layout(comm: Communicator, layout: Layout, fn: str) -> None:
 
 def check_batch(name: str, rank: int, batch: Any) -> None:
     """An empty batch would give a nan loss (a mean over nothing) silently."""
-    tu = ops._tree.tree_util()
+    tu = ops._types.tree_util()
     for path, x in tu.tree_flatten_with_path(batch)[0]:
         shape = getattr(x, "shape", None)
         if shape is not None and len(shape) > 0 and shape[0] == 0:
@@ -94,7 +94,7 @@ def batch_rows(where: str, batch: Any) -> int:
     """A batch's rows, the leading dimension its array leaves share; a
     ValueError (after ``where``) names the leaves that disagree, or a batch
     with none."""
-    tu = ops._tree.tree_util()
+    tu = ops._types.tree_util()
     seen: tuple[str, int] | None = None
     for path, x in tu.tree_flatten_with_path(batch)[0]:
         shape: tuple[int, ...] = getattr(x, "shape", ())
@@ -115,7 +115,7 @@ def virtual_shards(batch: Any, rows: int, group: int) -> list[Any]:
     """``batch`` (of ``rows`` rows, which ``group`` divides) cut into ``group``
     equal, contiguous parts along its rows (see [Note: the same bits at any
     world size])."""
-    tu = ops._tree.tree_util()
+    tu = ops._types.tree_util()
     flat, tree = tu.tree_flatten(batch)
     n = rows // group
     return [tu.tree_unflatten(tree, [x[j * n:(j + 1) * n] if len(getattr(x, "shape", ())) else x
@@ -130,7 +130,7 @@ def total_rows(batches: list[Any]) -> int:
 
 
 def _rows(batch: Any) -> int | None:
-    dims = {x.shape[0] for x in ops._tree.tree_util().tree_leaves(batch)
+    dims = {x.shape[0] for x in ops._types.tree_util().tree_leaves(batch)
             if len(getattr(x, "shape", ())) > 0}
     return dims.pop() if len(dims) == 1 else None
 
@@ -168,7 +168,7 @@ def cast_inputs(plan: Plan, batch: Any) -> Any:
         d = np.dtype(dtype)
         return x.astype(p.param_dtype) if d.kind == "f" and d != p.param_dtype else x
 
-    return ops._tree.tree_map(cast, batch)
+    return ops._types.tree_map(cast, batch)
 
 
 def check_is_state(name: str, state: Any) -> None:
@@ -261,7 +261,7 @@ def eval_loss(c: Any, loss_fn: Any) -> Any:
 def refuse_keys(params: Any, fn: str) -> None:
     """A TypeError naming the first leaf that is a typed JAX PRNG key: a key is
     state of the model, not a parameter the optimizer can train."""
-    tu = ops._tree.tree_util()
+    tu = ops._types.tree_util()
     for path, x in tu.tree_leaves_with_path(params):
         dtype = str(getattr(x, "dtype", ""))
         if dtype.startswith("key<"):
@@ -279,7 +279,7 @@ def model_state(c: Any, tree: Any) -> Any:
     if c.kind != "jax":
         raise TypeError(f"{fn}: model_state= is for a JAX loss function; a torch module's "
                         "buffers are its model state already")
-    tu = ops._tree.tree_util()
+    tu = ops._types.tree_util()
     for path, x in tu.tree_leaves_with_path(tree):
         if str(getattr(x, "dtype", "")).startswith("key<"):
             raise TypeError(f"{fn}: model_state{tu.keystr(path)} is a JAX PRNG key; keep keys "

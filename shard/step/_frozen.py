@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING, Any, cast
 import numpy as np
 
 import ops
-from ops._tree import tree_util
+from ops._types import tree_util
 from shard.core._layout import Layout
 from shard.core._state import Packing, TrainState
 

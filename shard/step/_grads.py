@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 import ops
-import ops._tree
+import ops._types
 from ops.comm._collectives import all_gather_host
 from ops.device._device import device_of_or_none
 from ops.device._dlpack import host_copy, jax_view
@@ -193,7 +193,7 @@ def mean_aux(plan: Plan, auxes: list[Any]) -> Any:
     micro-batches and the ranks (one host all-gather); other leaves are this
     rank's last."""
     c = plan.config
-    tu = ops._tree.tree_util()
+    tu = ops._types.tree_util()
     flat = [tu.tree_flatten(a) for a in auxes]
     treedef = flat[-1][1]
     if any(t != treedef for _, t in flat):
@@ -239,7 +239,7 @@ def same_model_state(plan: Plan, old: Any, new: Any) -> Any:
     """The loss's new model state, checked against the old one's structure,
     shapes and dtypes (a TypeError naming the leaf), as numpy arrays."""
     c = plan.config
-    tu = ops._tree.tree_util()
+    tu = ops._types.tree_util()
     before, tree = tu.tree_flatten_with_path(old)
     after, new_tree = tu.tree_flatten(new)
     if new_tree != tree:
@@ -260,7 +260,7 @@ def mean_model_state(plan: Plan, model_state: Any) -> Any:
     floating-point leaves averaged over the data ranks, its others rank 0's
     (one host all-gather each)."""
     c = plan.config
-    tu = ops._tree.tree_util()
+    tu = ops._types.tree_util()
     leaves, tree = tu.tree_flatten(model_state)
     if not leaves or (c.ranks == 1):
         return model_state

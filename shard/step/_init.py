@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-import ops._tree
+import ops._types
 from ops import Device
 from shard.core._layout import alloc_units, native_leaves
 from shard.core._paths import is_shape
@@ -30,7 +30,7 @@ def from_params(c: StepConfig, params: Any, device: Device | None, current: Devi
     """``step.init(params)``: arrays (on ``current``'s device unless they say
     otherwise), or shapes a loss object can materialise."""
     fn = f"{c.name}.init"
-    tu = ops._tree.tree_util()
+    tu = ops._types.tree_util()
     if c.tensor_parallel is not None and c.loss_fn.tensor_parallel is None:
         params = c.tensor_parallel.shard(params)  # this model rank's slices of the whole params
     _checks.refuse_keys(params, fn)
@@ -105,7 +105,7 @@ def _from_split_arrays(c: StepConfig, params: Any, current: Device) -> Made | No
     host: the caller then reads whole leaves."""
     import jax
 
-    tu = ops._tree.tree_util()
+    tu = ops._types.tree_util()
     shapes = tu.tree_map(lambda x: jax.ShapeDtypeStruct(
         np.shape(x), x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype), params)
     plan = make_plan(c, shapes, device=current)
@@ -141,7 +141,7 @@ def from_function(c: StepConfig, init_fn: Any, args: tuple, device: Device | Non
     if c.tensor_parallel is not None:
         raise NotImplementedError(f"{c.name}.init_from: with a 'model' axis, give the whole "
                                   f"params to {c.name}.init (it keeps this model rank's slices)")
-    tu = ops._tree.tree_util()
+    tu = ops._types.tree_util()
     plan = make_plan(c, jax.eval_shape(init_fn, *args), device=device)
 
     def unit(u: int, idx: list[int]) -> list[Any]:
@@ -230,7 +230,7 @@ def with_optax_state(c: StepConfig, plan: Plan, state: TrainState, opt_state: An
     if c.offload is not None:
         raise NotImplementedError(f"{fn}: opt_state= with offload= is not built; init without "
                                   "it and load a checkpoint instead")
-    tu = ops._tree.tree_util()
+    tu = ops._types.tree_util()
     layout, opt = plan.layout, plan.optimizer
     rank = c.comm.rank if c.stage > 0 else 0
     found = [x for x in tu.tree_leaves(opt_state, is_leaf=lambda x: _has(x, "count"))

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 import ops
-import ops._tree
+import ops._types
 from ops import HOST, Communicator, Device
 from shard.core._layout import Layout, alloc_units, make_layout, master_dtype_of, native_leaves
 from shard.core._loss import Layered
@@ -210,7 +210,7 @@ def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) 
     w, fn = config.comm.world_size, f"{config.name}.init"
     loss_fn = config.loss_fn
     loss_fn.claim(config.comm)  # a loss object that serves one rank binds to it
-    found, _ = native_leaves(ops._tree.tree_leaves(params), fn)
+    found, _ = native_leaves(ops._types.tree_leaves(params), fn)
     layout = make_layout(params, config.specs, world_size=1 if config.stage == 0 else w,
                          units=config.units, fn=fn)
     if not layout.leaves:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ops import Communicator
-from ops._tree import tree_util
+from ops._types import tree_util
 from ops.device._device import device_of_or_none
 from shard.core._mesh import Mesh
 from shard.core._specs import Split, joined_stack, take_split
