@@ -44,7 +44,7 @@ def _group_of(comm: Any) -> Any:
 def register(comm: Any) -> int:
     """Make ``comm``'s collectives reachable from the programs of its group;
     returns the group's key."""
-    from shard.tensor_parallel._jax import Collectives
+    from shard.tensor_parallel._megatron import Collectives
 
     group = _group_of(comm)
     with _LOCK:

@@ -58,7 +58,7 @@ def _bound_to_ranks(fn: Any, axis_name: Any, topology: Topology, tp: Any, where:
 
     from shard.core._data_rank import bind_axis
     from shard.core._protocol import classify
-    from shard.tensor_parallel._jax import Collectives
+    from shard.tensor_parallel._megatron import Collectives
 
     if not isinstance(axis_name, str):
         raise TypeError(f"{where}: axis_name must be a string (the name the loss's "

@@ -74,6 +74,14 @@ def test_every_folder_says_what_it_holds_and_stays_small(package):
     assert unnamed == []
 
 
+@pytest.mark.parametrize("top", ["ops", "shard", "interop"])
+def test_a_module_name_says_one_thing_in_its_package(top):
+    """No two modules of one package share a file name (two ``_step.py`` read as
+    one in a traceback or a search)."""
+    names = [p.name for p in (ROOT / top).rglob("*.py") if p.name != "__init__.py"]
+    assert sorted(n for n in set(names) if names.count(n) > 1) == []
+
+
 def test_every_subpackage_has_an_import_contract():
     """pyproject.toml's import-linter contracts place every subpackage (`make
     lint` checks them)."""

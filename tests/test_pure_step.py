@@ -268,7 +268,7 @@ def test_frozen_leaves_are_zero3_s_and_their_gradients_are_never_reduced(monkeyp
     """trainable= as zero3 takes it: the frozen leaves stay as given, keep no
     optax state, and no reduce-scatter carries them; the trainable ones train
     as under zero3 with the same mask and transformation."""
-    from shard.tensor_parallel._jax import Collectives
+    from shard.tensor_parallel._megatron import Collectives
 
     mask = {"embed": False, "mlp": {"w": True, "b": False}, "head": True, "scale": True}
     opt = tx()

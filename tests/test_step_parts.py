@@ -43,10 +43,10 @@ def test_the_configuration_is_frozen_and_checked_once():
 
 
 def test_no_class_of_the_step_is_assembled_from_mixins():
-    import shard.offload._step
+    import shard.offload._offloader
     import shard.step._step
 
-    for module in (shard.step._step, shard.offload._step):
+    for module in (shard.step._step, shard.offload._offloader):
         for _, cls in inspect.getmembers(module, inspect.isclass):
             if cls.__module__ == module.__name__:
                 assert cls.__bases__ == (object,), cls

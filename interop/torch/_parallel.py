@@ -7,7 +7,7 @@ does with ``ColwiseParallel`` / ``RowwiseParallel``, and Hugging Face's
 slice of its weights (as plain parameters, so :func:`functional` and the ZeRO
 transforms see ordinary tensors) and runs Megatron's conjugate collectives
 around its own computation (see [Note: tensor-parallel collectives] in
-``shard/tensor_parallel/_jax.py``), as torch autograd functions:
+``shard/tensor_parallel/_megatron.py``), as torch autograd functions:
 
 =========================  ==================  =============================
 style                      weight split        forward

@@ -58,7 +58,7 @@ from shard.core._mesh import Mesh
 from shard.core._protocol import LossProvider
 from shard.monitor._profile import timed
 from shard.pipelines._balance import _balanced, _size, balance_by_time
-from shard.pipelines._jax import JaxStage
+from shard.pipelines._jax_stage import JaxStage
 from shard.pipelines._ties import TiedReducer, check_ties, resolve_ties
 
 __all__ = ["Pipeline", "balance_by_time", "pipeline"]

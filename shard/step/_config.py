@@ -17,7 +17,7 @@ from shard.core._optim import is_transformation
 from shard.core._policy import LossScale, Precision
 from shard.core._protocol import LossProvider, Provided, classify
 from shard.offload._offload import Offload
-from shard.offload._step import check_offload
+from shard.offload._offloader import check_offload
 from shard.step._checks import check_onebit
 
 __all__ = ["StepConfig", "ZeroOptions", "check_invariant", "option_docs", "protocol_of",

@@ -55,7 +55,7 @@ frozen leaves' values from the compute params (exact: the compute dtype is
 theirs), and a checkpoint's are packed again on load. The offload tiers keep
 moments in the masters' layout (zero for frozen leaves) and run the kernel on
 the trainable ranges of each unit or chunk, reading the packed gradients
-(``shard/offload/_step.py``).
+(``shard/offload/_offloader.py``).
 """
 
 from __future__ import annotations

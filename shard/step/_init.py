@@ -14,7 +14,7 @@ from ops import Device
 from shard.core._layout import alloc_units, native_leaves
 from shard.core._paths import is_shape
 from shard.core._state import TrainState
-from shard.offload._step import Offloader
+from shard.offload._offloader import Offloader
 from shard.step import _checks
 from shard.step._config import StepConfig
 from shard.step._plan import Plan, make_plan, moment_buffers, new_state

@@ -28,7 +28,7 @@ from shard.core._loss import Layered
 from shard.core._optim import ShardOptimizer, on_shards
 from shard.core._policy import Precision
 from shard.core._state import StateMeta, TrainState
-from shard.offload._step import Offloader
+from shard.offload._offloader import Offloader
 from shard.step._checks import agree_on_layout
 from shard.step._config import StepConfig
 from shard.step._frozen import (

@@ -26,7 +26,7 @@ One step, in order (the part that does each in brackets):
    (:meth:`ZeroStep._run`, below);
 4. the fused optimizer on every unit's shard: unscale, clip, AdamW, and the
    compute-dtype copy of the new params, in one pass (``_update.apply``, or
-   the :class:`~shard.offload._step.Offloader` where the masters are
+   the :class:`~shard.offload._offloader.Offloader` where the masters are
    offloaded);
 5. stages 1-2: all-gather the new compute params for the next step
    (``_update.refresh``).
@@ -86,7 +86,7 @@ from shard.core._state import TrainState
 from shard.monitor._flops import FlopCount
 from shard.monitor._metrics import StepMetrics
 from shard.monitor._profile import step_breakdown, timed
-from shard.offload._step import Offloader
+from shard.offload._offloader import Offloader
 from shard.step import _checks, _grads, _init, _ordered, _update
 from shard.step._config import StepConfig, ZeroOptions
 from shard.step._ordered import OrderedReducer

@@ -3,7 +3,7 @@
 - ``_parallel.py``: which dimension of each leaf splits over the ``model``
   ranks, the slices of a rank, and Megatron's layers
   ([Note: tensor parallelism with ZeRO]);
-- ``_jax.py``: the differentiable collectives that join the slices inside a
+- ``_megatron.py``: the differentiable collectives that join the slices inside a
   JAX loss ([Note: tensor-parallel collectives]).
 
 It may import :mod:`shard.core` and :mod:`ops`.

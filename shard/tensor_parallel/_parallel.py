@@ -9,7 +9,7 @@ takes the whole params, keeps this model rank's slices, and shards those over
 the data ranks, so the model ranks of one data index hold different state
 (their slices and the moments of their slices) of the same layout.
 
-Inside the loss, the building blocks of :mod:`shard.tensor_parallel._jax`
+Inside the loss, the building blocks of :mod:`shard.tensor_parallel._megatron`
 join the slices (see [Note: tensor-parallel collectives]). With Megatron's
 conjugate collectives every model rank computes the same loss, and the
 gradient of a replicated leaf comes out the same on every model rank (a
@@ -32,7 +32,7 @@ from ops._types import tree_util
 from ops.device._device import device_of_or_none
 from shard.core._mesh import Mesh
 from shard.core._specs import Split, joined_stack, take_split
-from shard.tensor_parallel._jax import Collectives
+from shard.tensor_parallel._megatron import Collectives
 
 __all__ = ["Packed", "TensorParallel"]
 
@@ -240,7 +240,7 @@ class TensorParallel:
     # -- the collectives (see [Note: tensor-parallel collectives]) -----------------
     def _rank_value(self) -> Any:
         """This model rank inside a JAX program: an operand where the ranks
-        share the program (see :class:`~shard.tensor_parallel._jax.Collectives`)."""
+        share the program (see :class:`~shard.tensor_parallel._megatron.Collectives`)."""
         return self.collectives.ids()[0] if self.size > 1 else 0
 
     def copy(self, x: Any) -> Any:
