@@ -39,14 +39,17 @@ takes through ``reduce``: ``softmax - onehot`` on each rank's slice.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Hashable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ops import Communicator
 from ops.comm._collectives import to_comm
 from ops.comm._xla import host_call, ranks_operand, register
+
+if TYPE_CHECKING:
+    import jax
 
 __all__ = ["Collectives"]
 
@@ -61,13 +64,13 @@ class Collectives:
 
     def __init__(self, comm: Communicator) -> None:
         self.comm, self.rank, self.size = comm, comm.rank, comm.world_size
-        self._fns: dict[str, Callable[..., Any]] = {}
+        self._fns: dict[str, Callable[..., jax.Array]] = {}
         if self.size > 1:
             self.place = register(comm, self)
             self._build()
 
     # -- host side: what the callbacks run --------------------------------------
-    def _on_comm(self, fn: Callable[..., Any], out: np.ndarray, *xs: np.ndarray) -> np.ndarray:
+    def _on_comm(self, fn: Callable[..., object], out: np.ndarray, *xs: np.ndarray) -> np.ndarray:
         """``fn(out, *xs)``, a collective, on host arrays (flat, contiguous; ``out``
         may be ``xs[0]``, in place). A backend that moves device memory only
         (NCCL) gets them copied to its device and ``out`` copied back."""
@@ -79,14 +82,14 @@ class Collectives:
         fn(there, *staged)
         return self.comm.device.to_host_into(there, out)
 
-    def stacked(self, x: Any) -> np.ndarray:
+    def stacked(self, x: np.ndarray | jax.Array) -> np.ndarray:
         """Every model rank's ``x`` (host memory), stacked on a new first axis."""
         x = np.ascontiguousarray(x)
         out = np.empty((self.size, *x.shape), x.dtype)
         self._on_comm(self.comm.all_gather_into, out.reshape(-1), x.reshape(-1))
         return out
 
-    def host(self, name: str, x: Any) -> np.ndarray:
+    def host(self, name: str, x: np.ndarray | jax.Array) -> np.ndarray:
         """The collective ``name`` (``all_gather``, ``reduce_scatter`` or
         ``all_reduce``, a sum) of a host array along its first axis, for
         callbacks made elsewhere (``shard/_pure_program.py``)."""
@@ -97,36 +100,36 @@ class Collectives:
         return _host_all_reduce(self, "sum", x)
 
     # -- device side: ordered callbacks -----------------------------------------
-    def ids(self) -> Any:
+    def ids(self) -> jax.Array:
         """``[rank, who]``: this rank in its group, and in its family's root
         (which finds it from a shared callback), as JAX values (operands of
         the program where one is being shared; see the class)."""
         return ranks_operand(self.place)
 
-    def _call(self, host: Callable[..., np.ndarray], arg: Any, x: Any, shape: tuple[int, ...],
-              ids: Any) -> Any:
+    def _call(self, host: Callable[..., np.ndarray], arg: Hashable, x: jax.Array,
+              shape: tuple[int, ...], ids: jax.Array) -> jax.Array:
         import jax
         from jax.experimental import io_callback
 
         return io_callback(host_call(self.place, host, arg),
                            jax.ShapeDtypeStruct(shape, x.dtype), ids[1], x, ordered=True)
 
-    def all_reduce(self, x: Any, op: str = "sum") -> Any:
+    def all_reduce(self, x: jax.Array, op: str = "sum") -> jax.Array:
         """The elementwise ``op`` of every rank's ``x`` (not differentiable: use
         :meth:`reduce` or :meth:`copy` where a gradient flows)."""
         if self.size == 1:
             return x
         return self._all_reduce(x, self.ids(), op)
 
-    def _all_reduce(self, x: Any, ids: Any, op: str = "sum") -> Any:
+    def _all_reduce(self, x: jax.Array, ids: jax.Array, op: str = "sum") -> jax.Array:
         return self._call(_host_all_reduce, op, x, x.shape, ids)
 
-    def _all_gather(self, x: Any, ids: Any, axis: int) -> Any:
+    def _all_gather(self, x: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
         shape = list(x.shape)
         shape[axis] *= self.size
         return self._call(_host_all_gather, axis, x, tuple(shape), ids)
 
-    def _reduce_scatter(self, x: Any, ids: Any, axis: int) -> Any:
+    def _reduce_scatter(self, x: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
         if x.shape[axis] % self.size:
             raise ValueError(f"reduce_scatter: dimension {axis} of {tuple(x.shape)} does not "
                              f"divide over {self.size} model ranks")
@@ -134,7 +137,7 @@ class Collectives:
         shape[axis] //= self.size
         return self._call(_host_reduce_scatter, axis, x, tuple(shape), ids)
 
-    def _slice(self, x: Any, ids: Any, axis: int) -> Any:
+    def _slice(self, x: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
         import jax
 
         if x.shape[axis] % self.size:
@@ -149,18 +152,20 @@ class Collectives:
         # the ranks are an argument, not a closure: a custom_vjp rule must not
         # close over a value of the trace it is called from
         @jax.custom_vjp
-        def copy(x: Any, ids: Any) -> Any:
+        def copy(x: jax.Array, ids: jax.Array) -> jax.Array:
             return x
         copy.defvjp(lambda x, ids: (x, ids), lambda ids, ct: (self._all_reduce(ct, ids), None))
 
         @jax.custom_vjp
-        def reduce(x: Any, ids: Any) -> Any:
+        def reduce(x: jax.Array, ids: jax.Array) -> jax.Array:
             return self._all_reduce(x, ids)
         reduce.defvjp(lambda x, ids: (self._all_reduce(x, ids), None),
                       lambda _, ct: (ct, None))
 
-        def pair(fwd: Callable[[Any, Any, int], Any], bwd: Callable[[Any, Any, int], Any]) -> Any:
-            def f(x: Any, ids: Any, axis: int) -> Any:
+        def pair(fwd: Callable[[jax.Array, jax.Array, int], jax.Array],
+                 bwd: Callable[[jax.Array, jax.Array, int], jax.Array]
+                 ) -> Callable[[jax.Array, jax.Array, int], jax.Array]:
+            def f(x: jax.Array, ids: jax.Array, axis: int) -> jax.Array:
                 return fwd(x, ids, axis)
             f = jax.custom_vjp(f, nondiff_argnums=(2,))
             f.defvjp(lambda x, ids, axis: (fwd(x, ids, axis), ids),
@@ -175,14 +180,14 @@ class Collectives:
             "reduce_scatter": pair(self._reduce_scatter, self._all_gather),
         }
 
-    def _axis(self, x: Any, axis: int) -> int:
+    def _axis(self, x: jax.Array, axis: int) -> int:
         nd = len(x.shape)
         if not -nd <= axis < nd:
             raise ValueError(f"axis {axis} is out of range for an array of shape "
                              f"{tuple(x.shape)}")
         return axis % nd
 
-    def apply(self, name: str, x: Any, axis: int | None = None) -> Any:
+    def apply(self, name: str, x: jax.Array, axis: int | None = None) -> jax.Array:
         if self.size == 1:
             return x
         fn = self._fns[name]
@@ -192,15 +197,16 @@ class Collectives:
 
 
 # The host side of the callbacks, one function each for every group (see
-# host_call): ``coll`` is the calling rank's Collectives.
-def _host_all_reduce(coll: Collectives, op: str, x: Any) -> np.ndarray:
+# host_call): ``coll`` is the calling rank's Collectives; ``x`` a host array (a
+# numpy array, or a JAX array on the CPU where JAX runs the callback eagerly).
+def _host_all_reduce(coll: Collectives, op: str, x: np.ndarray | jax.Array) -> np.ndarray:
     out = np.array(x, copy=True, order="C")
     flat = out.reshape(-1)
     coll._on_comm(lambda o, _: coll.comm.all_reduce_(o, op), flat, flat)
     return out
 
 
-def _host_all_gather(coll: Collectives, axis: int, x: Any) -> np.ndarray:
+def _host_all_gather(coll: Collectives, axis: int, x: np.ndarray | jax.Array) -> np.ndarray:
     out = coll.stacked(x)
     # (T, ..., n, ...) -> (..., T, n, ...) -> (..., T n, ...): one copy
     shape = list(out.shape[1:])
@@ -208,7 +214,7 @@ def _host_all_gather(coll: Collectives, axis: int, x: Any) -> np.ndarray:
     return np.moveaxis(out, 0, axis).reshape(shape)
 
 
-def _host_reduce_scatter(coll: Collectives, axis: int, x: Any) -> np.ndarray:
+def _host_reduce_scatter(coll: Collectives, axis: int, x: np.ndarray | jax.Array) -> np.ndarray:
     x = np.asarray(x)
     shape = list(x.shape)
     shape[axis:axis + 1] = [coll.size, shape[axis] // coll.size]

@@ -23,7 +23,7 @@ of the whole model's gradient.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import numpy as np
 
@@ -33,6 +33,10 @@ from ops.device._device import device_of_or_none
 from shard.core._mesh import Mesh
 from shard.core._specs import Split, joined_stack, take_split
 from shard.tensor_parallel._megatron import Collectives
+
+if TYPE_CHECKING:
+    import jax
+    from jax.sharding import PartitionSpec
 
 __all__ = ["Packed", "TensorParallel"]
 
@@ -47,7 +51,7 @@ class Packed:
     the query, the key and the value, ``(d, 3 d / T)``.
     """
 
-    def __init__(self, spec: Any, blocks: int) -> None:
+    def __init__(self, spec: PartitionSpec, blocks: int) -> None:
         from jax.sharding import PartitionSpec
 
         if not isinstance(spec, PartitionSpec):
@@ -68,7 +72,7 @@ class Packed:
         return hash((self.spec, self.blocks))
 
 
-def _is_pspec(x: Any) -> bool:
+def _is_pspec(x: object) -> bool:
     from jax.sharding import PartitionSpec
 
     return x is None or isinstance(x, (PartitionSpec, Packed))
@@ -174,6 +178,8 @@ class TensorParallel:
         return out
 
     def _dim(self, where: str, shape: tuple[int, ...], spec: Any, whole: bool) -> Split | None:
+        # spec: a PartitionSpec, a Packed or None (Any: mypy narrows ``spec`` to the
+        # PartitionSpec mid-way through the unpacking below)
         blocks = 1
         if isinstance(spec, Packed):
             spec, blocks = spec.spec, spec.blocks
@@ -238,41 +244,42 @@ class TensorParallel:
         return tu.tree_unflatten(treedef, out)
 
     # -- the collectives (see [Note: tensor-parallel collectives]) -----------------
-    def _rank_value(self) -> Any:
+    def _rank_value(self) -> jax.Array | int:
         """This model rank inside a JAX program: an operand where the ranks
         share the program (see :class:`~shard.tensor_parallel._megatron.Collectives`)."""
         return self.collectives.ids()[0] if self.size > 1 else 0
 
-    def copy(self, x: Any) -> Any:
+    def copy(self, x: jax.Array) -> jax.Array:
         """Megatron's *f*: the identity forward, an all-reduce of the gradient."""
         return self.collectives.apply("copy", x)
 
-    def reduce(self, x: Any) -> Any:
+    def reduce(self, x: jax.Array) -> jax.Array:
         """Megatron's *g*: an all-reduce (sum) forward, the identity backward."""
         return self.collectives.apply("reduce", x)
 
-    def gather(self, x: Any, axis: int = -1) -> Any:
+    def gather(self, x: jax.Array, axis: int = -1) -> jax.Array:
         """Every rank's ``x`` concatenated along ``axis``; the backward keeps
         this rank's slice of the gradient."""
         return self.collectives.apply("gather", x, axis)
 
-    def scatter(self, x: Any, axis: int = -1) -> Any:
+    def scatter(self, x: jax.Array, axis: int = -1) -> jax.Array:
         """This rank's slice of ``x`` along ``axis``; the backward all-gathers."""
         return self.collectives.apply("scatter", x, axis)
 
-    def gather_sequence(self, x: Any, axis: int = 1) -> Any:
+    def gather_sequence(self, x: jax.Array, axis: int = 1) -> jax.Array:
         """Sequence parallelism's all-gather along ``axis`` into a
         column-parallel layer; the backward reduce-scatters the gradient."""
         return self.collectives.apply("gather_sequence", x, axis)
 
-    def reduce_scatter(self, x: Any, axis: int = 1) -> Any:
+    def reduce_scatter(self, x: jax.Array, axis: int = 1) -> jax.Array:
         """Sequence parallelism's reduce-scatter along ``axis`` out of a
         row-parallel layer; the backward all-gathers the gradient."""
         return self.collectives.apply("reduce_scatter", x, axis)
 
     # -- Megatron's layers -----------------------------------------------------
-    def column_linear(self, x: Any, w: Any, b: Any = None, *, gather_output: bool = False,
-                      sequence_parallel: bool = False, sequence_axis: int = 1) -> Any:
+    def column_linear(self, x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
+                      gather_output: bool = False, sequence_parallel: bool = False,
+                      sequence_axis: int = 1) -> jax.Array:
         """``x @ w + b`` with ``w``'s output columns split over the model ranks
         (``w``: this rank's ``(d_in, d_out / T)``, ``b``: its ``(d_out / T,)``):
         each rank's slice of the output, or the whole output with
@@ -284,8 +291,8 @@ class TensorParallel:
             y = y + b
         return self.gather(y, -1) if gather_output else y
 
-    def row_linear(self, x: Any, w: Any, b: Any = None, *, sequence_parallel: bool = False,
-                   sequence_axis: int = 1) -> Any:
+    def row_linear(self, x: jax.Array, w: jax.Array, b: jax.Array | None = None, *,
+                   sequence_parallel: bool = False, sequence_axis: int = 1) -> jax.Array:
         """``x @ w + b`` with ``w``'s input rows split over the model ranks
         (``x``: this rank's ``(..., d_in / T)``, as a column-parallel layer
         leaves it; ``b`` whole): the whole output on every rank, or with
@@ -297,8 +304,8 @@ class TensorParallel:
         y = self.reduce(y)
         return y if b is None else y + b
 
-    def embedding(self, ids: Any, table: Any, *, sequence_parallel: bool = False,
-                  sequence_axis: int = 1) -> Any:
+    def embedding(self, ids: jax.Array, table: jax.Array, *, sequence_parallel: bool = False,
+                  sequence_axis: int = 1) -> jax.Array:
         """A vocabulary-parallel embedding: ``table`` is this rank's rows of the
         vocabulary (``(V / T, d)``, rank r's rows ``[r V/T, (r+1) V/T)``); each
         rank looks up the ids it holds, and the sum over ranks is every id's
@@ -314,7 +321,7 @@ class TensorParallel:
             return self.reduce_scatter(rows, sequence_axis)
         return self.reduce(rows)
 
-    def cross_entropy(self, logits: Any, labels: Any) -> Any:
+    def cross_entropy(self, logits: jax.Array, labels: jax.Array) -> jax.Array:
         """The per-token cross-entropy of vocabulary-parallel ``logits`` (this
         rank's ``(..., V / T)`` slice of the vocabulary, rank r's classes
         ``[r V/T, (r+1) V/T)``) against integer ``labels`` ``(...)``, without
@@ -345,7 +352,7 @@ class _NoRanks:
     def __init__(self, size: int) -> None:
         self.size = size
 
-    def __getattr__(self, name: str) -> Any:
+    def __getattr__(self, name: str) -> NoReturn:
         raise RuntimeError(f"TensorParallel({self.size}) describes a split without ranks (for "
                            "specs, shard and estimate_memory); give it a shard.Mesh or a "
                            "communicator to run its collectives")
