@@ -37,7 +37,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -47,16 +47,37 @@ from shard.core._data_rank import evaluate, named_axes_refused
 from shard.core._loss import _placed, _UnitLayer, check_scalar, split_aux
 from shard.monitor._profile import timed
 
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import jax
+    from jax.extend.core import ClosedJaxpr, JaxprEqn, Literal, Var
+    from jax.tree_util import PyTreeDef
+    from jax.typing import ArrayLike
+
+    from shard.core._layout import Layout
+    from shard.core._loss import JaxLoss
+    from shard.step._reduce import GradReducer
+    from shard.step._runtime import Units
+
+    # a batch's leaves' dtypes and structure: (the units' compute dtypes, the
+    # batch's treedef, each leaf's shape and dtype, or type where it has none)
+    _Signature: TypeAlias = tuple[tuple[np.dtype, ...], PyTreeDef,
+                                  tuple[tuple[tuple[int, ...], object], ...]]
+    # a segment's forward: its compiled forward and backward, and its residuals
+    # that are not its own inputs
+    _Saved: TypeAlias = tuple[tuple[SharedJit, SharedJit], list[jax.Array]]
+
 __all__ = ["TracedUnits", "traced"]
 
 KEEP = 8  # programs kept per loss function
 
 
-_TRACED: weakref.WeakKeyDictionary[Any, TracedUnits] = weakref.WeakKeyDictionary()
+_TRACED: weakref.WeakKeyDictionary[JaxLoss, TracedUnits] = weakref.WeakKeyDictionary()
 _TRACED_LOCK = threading.Lock()
 
 
-def traced(loss: Any) -> TracedUnits:
+def traced(loss: Any) -> TracedUnits:  # Any: the step's LossProvider, a JaxLoss here
     """The one :class:`TracedUnits` of a ``JaxLoss`` (shared, as the loss is,
     by every step and thread rank of its function)."""
     with _TRACED_LOCK:
@@ -73,13 +94,15 @@ class TracedUnits:
     and each segment compiled once per (layout, batch shapes and dtypes).
     """
 
-    def __init__(self, fn: Callable[..., Any], has_aux: bool) -> None:
+    def __init__(self, fn: Callable[..., object], has_aux: bool) -> None:
         self.fn, self.has_aux = fn, has_aux
-        self._programs: dict[Any, tuple[_Program, Any]] = {}  # (program, ranks operand)
-        self._by_id: dict[Any, tuple[Any, tuple[_Program, Any]]] = {}
+        # (program, ranks operand)
+        self._programs: dict[tuple[Layout, _Signature], tuple[_Program, jax.Array]] = {}
+        self._by_id: dict[tuple[int, _Signature],
+                          tuple[Layout, tuple[_Program, jax.Array]]] = {}
         self._lock = threading.Lock()
 
-    def program(self, units: Any, batch: Any) -> tuple[_Program, Any]:
+    def program(self, units: Units, batch: object) -> tuple[_Program, jax.Array]:
         """The cut program for this layout and batch, and this loss's ranks
         operand for it (traced on first use; the last :data:`KEEP` are kept,
         keyed by value, so step objects of equal layouts share them; a program
@@ -91,7 +114,7 @@ class TracedUnits:
         layout = units.full_layout
         dtypes = tuple(np.dtype(x.dtype) for x in units.local)
         leaves, tree = jax.tree_util.tree_flatten(batch)
-        signature = (dtypes, tree, tuple((np.shape(x), _dtype_of(x)) for x in leaves))
+        signature: _Signature = (dtypes, tree, tuple((np.shape(x), _dtype_of(x)) for x in leaves))
         with self._lock:
             seen = self._by_id.get((id(layout), signature))
             if seen is not None and seen[0] is layout:
@@ -110,7 +133,8 @@ class TracedUnits:
             self._by_id[(id(layout), signature)] = (layout, found)
         return found
 
-    def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
+    def run_units(self, units: Units, reducer: GradReducer, batch: object,
+                  scale: float) -> ArrayLike | tuple[ArrayLike, Any]:
         """One micro-batch segment by segment: returns the loss (and aux, with
         ``has_aux``); each unit's gradient of ``scale * loss`` goes to
         ``reducer``."""
@@ -118,19 +142,20 @@ class TracedUnits:
         program, ranks = self.program(units, batch)
         return program.run(units, reducer, (batch, ranks), scale)
 
-    def loss_units(self, units: Any, batch: Any) -> Any:
+    def loss_units(self, units: Units, batch: object) -> ArrayLike | tuple[ArrayLike, Any]:
         """The loss (and aux), forward only, segment by segment."""
         batch = _placed(batch)
         program, ranks = self.program(units, batch)
         return program.forward_only(units, (batch, ranks))
 
 
-_SHARED: dict[Any, _Program] = {}  # programs by value, for every loss that traces one
+# programs by value, for every loss that traces one
+_SHARED: dict[tuple[str, Layout, _Signature, bool], _Program] = {}
 _SHARED_LOCK = threading.Lock()
 
 
-def _shared(closed: Any, aux_tree: Any, has_aux: bool, layout: Any,
-            signature: Any) -> _Program:
+def _shared(closed: ClosedJaxpr, aux_tree: PyTreeDef, has_aux: bool, layout: Layout,
+            signature: _Signature) -> _Program:
     """The one :class:`_Program` of this traced program, layout and signature."""
     key = (program_key(closed, aux_tree)[0], layout, signature, has_aux)
     with _SHARED_LOCK:
@@ -143,8 +168,9 @@ def _shared(closed: Any, aux_tree: Any, has_aux: bool, layout: Any,
         return found
 
 
-def _trace(fn: Callable[..., Any], has_aux: bool, layout: Any, dtypes: tuple[np.dtype, ...],
-           batch: Any) -> tuple[Any, Any, np.ndarray]:
+def _trace(fn: Callable[..., object], has_aux: bool, layout: Layout,
+           dtypes: tuple[np.dtype, ...],
+           batch: object) -> tuple[ClosedJaxpr, PyTreeDef, np.ndarray]:
     """The loss's program over the params' leaves, the batch's leaves and the
     ranks operand, with nested jit calls inlined: (closed jaxpr, aux tree,
     this loss's values of the ranks operand)."""
@@ -160,7 +186,7 @@ def _trace(fn: Callable[..., Any], has_aux: bool, layout: Any, dtypes: tuple[np.
     n_p = len(layout.leaves)
     found: dict[str, Any] = {}
 
-    def flat_fn(*xs: Any) -> Any:
+    def flat_fn(*xs: jax.Array) -> list[jax.Array]:
         p = layout.treedef.unflatten(list(xs[:n_p]))
         with rank_scope(xs[-1]) as scope:
             out = fn(p, jax.tree_util.tree_unflatten(b_tree, list(xs[n_p:-1])))
@@ -179,18 +205,18 @@ def _trace(fn: Callable[..., Any], has_aux: bool, layout: Any, dtypes: tuple[np.
     return closed, found["aux_tree"], found["values"]
 
 
-def _dtype_of(x: Any) -> Any:
+def _dtype_of(x: object) -> object:
     return getattr(x, "dtype", type(x))
 
 
-def _inexact(v: Any) -> bool:
+def _inexact(v: Any) -> bool:  # Any: a jaxpr Var (JAX types its aval without a dtype)
     import jax.numpy as jnp
 
     dtype = v.aval.dtype
     return not jax_extended(dtype) and jnp.issubdtype(dtype, jnp.inexact)
 
 
-def jax_extended(dtype: Any) -> bool:
+def jax_extended(dtype: np.dtype) -> bool:
     import jax
 
     return jax.dtypes.issubdtype(dtype, jax.dtypes.extended)
@@ -200,7 +226,8 @@ class _Program:
     """The loss's program for one layout and batch signature, cut into segments
     (its batch leaves end with the ranks operand)."""
 
-    def __init__(self, closed: Any, aux_tree: Any, has_aux: bool, layout: Any) -> None:
+    def __init__(self, closed: ClosedJaxpr, aux_tree: PyTreeDef, has_aux: bool,
+                 layout: Layout) -> None:
         from jax.extend.core import Literal
 
         self.layout, self.has_aux, self.aux_tree = layout, has_aux, aux_tree
@@ -240,9 +267,9 @@ class _Program:
         n = len(order)
 
         # where each value is made (segment), and the last segment reading it
-        made: dict[Any, int] = {v: position[unit_of[v]] for v in self.param_vars
+        made: dict[Var, int] = {v: position[unit_of[v]] for v in self.param_vars
                                 if unit_of[v] in position}
-        last: dict[Any, int] = {}
+        last: dict[Var, int] = {}
         for e, eqn in enumerate(jaxpr.eqns):
             k = int(seg_of_eqn[e])
             for v in eqn.invars:
@@ -273,14 +300,16 @@ class _Program:
 
     # -- running ---------------------------------------------------------------
 
-    def _finish(self, loss: Any, aux: list[Any]) -> Any:
+    def _finish(self, loss: ArrayLike,
+                aux: list[ArrayLike]) -> ArrayLike | tuple[ArrayLike, Any]:
         import jax
 
         if not self.has_aux:
             return loss
         return loss, jax.tree_util.tree_unflatten(self.aux_tree, aux)
 
-    def run(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
+    def run(self, units: Units, reducer: GradReducer, batch: tuple[object, jax.Array],
+            scale: float) -> ArrayLike | tuple[ArrayLike, Any]:
         import jax
         import jax.numpy as jnp
 
@@ -288,8 +317,8 @@ class _Program:
         n = len(self.layers)
         if n == 0:
             return self._without_params(units, reducer, b)
-        carries: list[tuple[Any, Any]] = [((), ())]
-        saved: list[Any] = [None] * n
+        carries: list[tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...]]] = [((), ())]
+        saved: list[Any] = [None] * n  # Any: each _Saved, None before its forward and after
         order = self.order
         for k in range(n):
             u = order[k]
@@ -301,7 +330,7 @@ class _Program:
             if k < n - 1:
                 del flat
         (loss,), aux = carries.pop()
-        ct: Any = (jnp.asarray(scale, dtype=jnp.result_type(loss)),)
+        ct: tuple[jax.Array, ...] = (jnp.asarray(scale, dtype=jnp.result_type(loss)),)
         for k in reversed(range(n)):
             u = order[k]
             if k < n - 1:
@@ -317,19 +346,21 @@ class _Program:
             reducer.add(u, [None] * len(self.layout.units[u].leaves))
         return self._finish(loss, list(aux))
 
-    def _without_params(self, units: Any, reducer: Any, b: tuple[Any, ...]) -> Any:
+    def _without_params(self, units: Units, reducer: GradReducer,
+                        b: tuple[ArrayLike, ...]) -> ArrayLike | tuple[ArrayLike, Any]:
         outs = _evaluate([], self.constvars, self.consts, self.batch_vars, b, self._eqns,
                          self._outvars)
         for u in self.unused:
             reducer.add(u, [None] * len(self.layout.units[u].leaves))
         return self._finish(outs[0], outs[1:])
 
-    def forward_only(self, units: Any, batch: Any) -> Any:
+    def forward_only(self, units: Units,
+                     batch: tuple[object, jax.Array]) -> ArrayLike | tuple[ArrayLike, Any]:
         import jax
 
         b = tuple(jax.tree_util.tree_leaves(batch))
         n = len(self.layers)
-        carry: tuple[Any, Any] = ((), ())
+        carry: tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...]] = ((), ())
         for k in range(n):
             flat = jax_view(units.flat(self.order[k], self.order[k + 1:]))
             carry = jax.block_until_ready(self.layers[k].apply(flat, carry, b))
@@ -342,22 +373,23 @@ class _Cut:
     """Segment ``k``: unit ``u``'s equations, its own params, what it reads from
     earlier segments (float ``in_d``, others ``in_nd``) and what it passes on."""
 
-    def __init__(self, k: int, u: int, eqns: list[Any], own: list[Any], in_d: list[Any],
-                 in_nd: list[Any], out_d: list[Any], out_nd: list[Any]) -> None:
+    def __init__(self, k: int, u: int, eqns: list[JaxprEqn], own: list[Var], in_d: list[Var],
+                 in_nd: list[Var], out_d: list[Var | Literal],
+                 out_nd: list[Var | Literal]) -> None:
         self.k, self.u, self.eqns, self.own = k, u, eqns, own
         self.in_d, self.in_nd, self.out_d, self.out_nd = in_d, in_nd, out_d, out_nd
 
 
-def _evaluate(pairs: list[tuple[Any, Any]], constvars: list[Any], consts: list[Any],
-              batch_vars: list[Any], batch: tuple[Any, ...], eqns: list[Any],
-              outvars: list[Any]) -> list[Any]:
+def _evaluate(pairs: list[tuple[Var, ArrayLike]], constvars: list[Var],
+              consts: list[ArrayLike], batch_vars: list[Var], batch: tuple[ArrayLike, ...],
+              eqns: list[JaxprEqn], outvars: list[Var | Literal]) -> list[ArrayLike]:
     from jax.extend.core import Literal
 
-    env: dict[Any, Any] = dict(zip(constvars, consts, strict=True))
+    env: dict[Var, ArrayLike] = dict(zip(constvars, consts, strict=True))
     env.update(zip(batch_vars, batch, strict=True))
     env.update(pairs)
 
-    def read(v: Any) -> Any:
+    def read(v: Var | Literal) -> ArrayLike:
         return v.val if isinstance(v, Literal) else env[v]
 
     for eqn in eqns:
@@ -374,7 +406,7 @@ class _Segment(_UnitLayer):
     :class:`~shard.core._loss.Layered` layer is: ``apply`` (forward only),
     ``forward`` keeping its VJP residuals less its own inputs, ``backward``."""
 
-    def __init__(self, program: _Program, cut: _Cut, layout: Any) -> None:
+    def __init__(self, program: _Program, cut: _Cut, layout: Layout) -> None:
         import jax
 
         unit = layout.units[cut.u]
@@ -382,7 +414,8 @@ class _Segment(_UnitLayer):
                        for i in unit.leaves)
         self.cut = cut
 
-        def f(ls: list[Any], carry: tuple[Any, Any], b: tuple[Any, ...]) -> Any:
+        def f(ls: list[jax.Array], carry: tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...]],
+              b: tuple[ArrayLike, ...]) -> tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...]]:
             cd, cnd = carry
             pairs = [*zip(cut.own, ls, strict=True), *zip(cut.in_d, cd, strict=True),
                      *zip(cut.in_nd, cnd, strict=True)]
@@ -392,10 +425,12 @@ class _Segment(_UnitLayer):
 
         super().__init__(f, jax.tree_util.tree_structure(list(range(len(pieces)))), pieces,
                          unit.local_size)
-        self._kept: Any = None
+        self._kept: tuple[SharedJit, SharedJit] | None = None
 
     def forward(  # type: ignore[override]  # a segment's carry comes in two parts
-            self, flat: Any, cd: Any, cnd: Any, b: Any) -> tuple[Any, Any, Any]:
+            self, flat: jax.Array, cd: tuple[ArrayLike, ...], cnd: tuple[ArrayLike, ...],
+            b: tuple[ArrayLike, ...]
+    ) -> tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...], _Saved]:
         """``(float outputs, other outputs, saved)`` (``saved`` for :meth:`backward`)."""
         plan = self._kept
         if plan is None:
@@ -408,13 +443,15 @@ class _Segment(_UnitLayer):
         out_d, out_nd, kept = plan[0](flat, cd, cnd, b)
         return out_d, out_nd, (plan, kept)
 
-    def _plan(self) -> tuple[Any, Any]:
+    def _plan(self) -> tuple[SharedJit, SharedJit]:
         import jax
 
         sources: list[int | None] = []
-        meta: list[Any] = []
+        meta: list[PyTreeDef] = []
 
-        def fwd(flat: Any, cd: Any, cnd: Any, b: Any) -> Any:
+        def fwd(flat: jax.Array, cd: tuple[jax.Array, ...], cnd: tuple[jax.Array, ...],
+                b: tuple[jax.Array, ...]
+                ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], list[jax.Array]]:
             ls = self.leaves(flat)
             out_d, vjp, out_nd = jax.vjp(lambda ls, cd: self.f(ls, (cd, cnd), b), ls, cd,
                                          has_aux=True)
@@ -424,7 +461,9 @@ class _Segment(_UnitLayer):
             meta[:] = [structure]
             return out_d, out_nd, [r for r, s in zip(res, sources, strict=True) if s is None]
 
-        def bwd(kept: Any, flat: Any, cd: Any, cnd: Any, b: Any, ct: Any) -> Any:
+        def bwd(kept: list[jax.Array], flat: jax.Array, cd: tuple[jax.Array, ...],
+                cnd: tuple[jax.Array, ...], b: tuple[jax.Array, ...],
+                ct: tuple[jax.Array, ...]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
             ins = jax.tree_util.tree_leaves((self.leaves(flat), cd, cnd, b))
             rest = iter(kept)
             res = [next(rest) if s is None else ins[s] for s in sources]
@@ -433,7 +472,8 @@ class _Segment(_UnitLayer):
 
         return SharedJit(fwd), SharedJit(bwd)
 
-    def backward(self, saved: Any, flat: Any, cd: Any, cnd: Any,  # type: ignore[override]
-                 b: Any, ct: Any) -> tuple[Any, Any]:
+    def backward(self, saved: _Saved, flat: jax.Array,  # type: ignore[override]
+                 cd: tuple[ArrayLike, ...], cnd: tuple[ArrayLike, ...], b: tuple[ArrayLike, ...],
+                 ct: tuple[jax.Array, ...]) -> tuple[jax.Array, tuple[jax.Array, ...]]:
         (_, bwd), kept = saved
         return bwd(kept, flat, cd, cnd, b, ct)
