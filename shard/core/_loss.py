@@ -28,15 +28,28 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ops.comm._xla import SharedJit
 from ops.device._dlpack import jax_view
 from shard.core._data_rank import unbound_axis
-from shard.core._protocol import LossProvider
+from shard.core._protocol import GradSink, LossProvider, UnitSource
 from shard.monitor._profile import timed
+
+if TYPE_CHECKING:
+    import jax
+    from jax.tree_util import PyTreeDef
+
+    from shard.core._layout import Layout
+
+    # a layer function, its unit's subtree structure, its leaves' (offset, size,
+    # shape) in the unit's buffer, and the buffer's size
+    _LayerKey = tuple[Callable[..., Any], PyTreeDef, tuple[tuple[int, int, tuple[int, ...]], ...],
+                      int]
+    # a kept forward's plan (forward, backward) and the residuals it kept
+    _Saved = tuple[tuple[SharedJit, SharedJit], list[jax.Array]]
 
 __all__ = ["Layered"]
 
@@ -62,13 +75,13 @@ class Layered(LossProvider):
             raise ValueError("Layered needs at least one layer")
         self.layers = list(layers)
         self.activation_checkpointing = activation_checkpointing
-        self._fwd: list[Any] = []
-        self._bwd: list[Any] = []
-        self._unit_layers: dict[Any, _UnitLayer] = {}
-        self._for_layout: dict[int, tuple[Any, list[_UnitLayer]]] = {}
+        self._fwd: list[SharedJit] = []
+        self._bwd: list[SharedJit] = []
+        self._unit_layers: dict[_LayerKey, _UnitLayer] = {}
+        self._for_layout: dict[int, tuple[Layout, list[_UnitLayer]]] = {}
         self._lock = threading.Lock()  # thread ranks share one Layered
 
-    def compiled(self) -> tuple[list[Any], list[Any]]:
+    def compiled(self) -> tuple[list[SharedJit], list[SharedJit]]:
         """Jitted forward and vector-Jacobian functions, one per layer."""
         with self._lock:
             if not self._fwd:
@@ -83,7 +96,7 @@ class Layered(LossProvider):
                 self._fwd = [SharedJit(f) for f in self.layers]
         return self._fwd, self._bwd
 
-    def unit_layers(self, layout: Any) -> list[_UnitLayer]:
+    def unit_layers(self, layout: Layout) -> list[_UnitLayer]:
         """Each layer over its unit's flat params buffer (laid out as ``layout``'s
         unit); units of one geometry running one layer function share one, so
         each is traced and compiled once. Made once per layout, not per step."""
@@ -105,7 +118,8 @@ class Layered(LossProvider):
             found = self._for_layout[id(layout)] = (layout, made)  # (kept: its id stays its)
         return found[1]
 
-    def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
+    def run_units(self, units: UnitSource, reducer: GradSink, batch: Any,
+                  scale: float) -> jax.Array:
         """One micro-batch unit by unit (see [Note: ZeRO-3 schedule]): ``units.flat``
         gives each unit's whole params as one buffer (one DLPack exchange, sliced
         into the leaves inside the compiled layer), ``reducer.add`` takes its
@@ -121,7 +135,7 @@ class Layered(LossProvider):
         layers = self.unit_layers(units.full_layout)
         batch = _placed(batch)
         carries: list[Any] = [None]
-        saved: list[Any] = [None] * n
+        saved: list[Any] = [None] * n  # Any: a _Saved, None once used
         for u in range(n):
             # the last unit's backward comes next: it stays gathered for it (as
             # FSDP2's root does), and the backward's first gather starts now
@@ -155,7 +169,7 @@ class Layered(LossProvider):
             reducer.add(u, units.leaf_views(u, units.device.from_jax(grad)))
         return loss
 
-    def loss_units(self, units: Any, batch: Any) -> Any:
+    def loss_units(self, units: UnitSource, batch: Any) -> Any:
         """The loss, forward only, unit by unit (for ``ZeroStep.evaluate``)."""
         import jax
 
@@ -195,29 +209,30 @@ class _UnitLayer:
     its residuals are inputs, are kept per input structure and shapes.
     """
 
-    def __init__(self, f: Callable[..., Any], treedef: Any,
+    def __init__(self, f: Callable[..., Any], treedef: PyTreeDef,
                  pieces: tuple[tuple[int, int, tuple[int, ...]], ...], size: int) -> None:
         import jax
 
         self.f, self.treedef, self.pieces, self.size = f, treedef, pieces, size
-        self._plans: dict[Any, tuple[Any, Any]] = {}
+        self._plans: dict[tuple[PyTreeDef, tuple[tuple[tuple[int, ...], object], ...]],
+                          tuple[SharedJit, SharedJit]] = {}
         self._lock = threading.Lock()
         self.apply = SharedJit(lambda flat, c, b: f(self.params(flat), c, b))
 
-        def recompute(flat: Any, c: Any, b: Any, ct: Any) -> Any:
+        def recompute(flat: jax.Array, c: Any, b: Any, ct: Any) -> tuple[jax.Array, Any]:
             g, dc = jax.vjp(lambda ls, c: f(self.treedef.unflatten(ls), c, b),
                             self.leaves(flat), c)[1](ct)
             return self.flat_grad(g, flat.dtype), dc
 
         self.recompute = SharedJit(recompute)
 
-    def leaves(self, flat: Any) -> list[Any]:
+    def leaves(self, flat: jax.Array) -> list[jax.Array]:
         return [flat[o:o + n].reshape(shape) for o, n, shape in self.pieces]
 
-    def params(self, flat: Any) -> Any:
+    def params(self, flat: jax.Array) -> Any:
         return self.treedef.unflatten(self.leaves(flat))
 
-    def flat_grad(self, grads: list[Any], dtype: Any) -> Any:
+    def flat_grad(self, grads: list[jax.Array], dtype: np.dtype) -> jax.Array:
         """The leaves' gradients as one buffer laid out as the params'."""
         import jax.numpy as jnp
 
@@ -231,7 +246,7 @@ class _UnitLayer:
             parts.append(jnp.zeros(self.size - at, dtype))
         return jnp.concatenate(parts) if parts else jnp.zeros(0, dtype)
 
-    def forward(self, flat: Any, c: Any, b: Any) -> tuple[Any, Any]:
+    def forward(self, flat: jax.Array, c: Any, b: Any) -> tuple[Any, _Saved]:
         """``(output, saved)``: the layer's output and what :meth:`backward` needs."""
         import jax
 
@@ -248,13 +263,13 @@ class _UnitLayer:
         out, kept = plan[0](flat, c, b)
         return out, (plan, kept)
 
-    def _plan(self) -> tuple[Any, Any]:
+    def _plan(self) -> tuple[SharedJit, SharedJit]:
         import jax
 
         sources: list[int | None] = []
-        meta: list[Any] = []  # the residuals' structure, set while tracing
+        meta: list[PyTreeDef] = []  # the residuals' structure, set while tracing
 
-        def fwd(flat: Any, c: Any, b: Any) -> Any:
+        def fwd(flat: jax.Array, c: Any, b: Any) -> tuple[Any, list[jax.Array]]:
             ls = self.leaves(flat)
             out, vjp = jax.vjp(lambda ls, c: self.f(self.treedef.unflatten(ls), c, b), ls, c)
             res, structure = jax.tree_util.tree_flatten(vjp)
@@ -263,7 +278,8 @@ class _UnitLayer:
             meta[:] = [structure]
             return out, [r for r, s in zip(res, sources, strict=True) if s is None]
 
-        def bwd(kept: Any, flat: Any, c: Any, b: Any, ct: Any) -> Any:
+        def bwd(kept: list[jax.Array], flat: jax.Array, c: Any, b: Any,
+                ct: Any) -> tuple[jax.Array, Any]:
             ins = jax.tree_util.tree_leaves((self.leaves(flat), c, b))
             rest = iter(kept)
             res = [next(rest) if s is None else ins[s] for s in sources]
@@ -272,7 +288,8 @@ class _UnitLayer:
 
         return SharedJit(fwd), SharedJit(bwd)
 
-    def backward(self, saved: Any, flat: Any, c: Any, b: Any, ct: Any) -> tuple[Any, Any]:
+    def backward(self, saved: _Saved, flat: jax.Array, c: Any, b: Any,
+                 ct: Any) -> tuple[jax.Array, Any]:
         """``(d params, d carry)`` of the cotangent ``ct``, from the saved residuals
         and the layer's inputs (params gathered again); d params is one buffer
         laid out as ``flat``."""
@@ -320,7 +337,7 @@ class JaxLoss(LossProvider):
 
         self.fn, self.has_aux = fn, has_aux
 
-        def scaled(p: Any, b: Any, s: Any) -> Any:
+        def scaled(p: Any, b: Any, s: jax.Array) -> Any:
             loss, aux = split_aux(fn(p, b), has_aux)
             check_scalar(loss)
             return (loss * s, aux) if has_aux else loss * s
@@ -369,7 +386,8 @@ def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
     return (out[0], out[1]) if has_aux else (out, None)
 
 
-_SHARED: weakref.WeakKeyDictionary[Any, dict[Any, JaxLoss]] = weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary[Callable[..., Any], dict[bool | tuple[str, bool], JaxLoss]] = \
+    weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
 
 
@@ -424,7 +442,7 @@ def _checked(pair: tuple[Any, Any], has_aux: bool) -> Any:
     return pair if has_aux else pair[0]
 
 
-def check_scalar(value: Any) -> None:
+def check_scalar(value: object) -> None:
     """A TypeError unless the loss's value is a scalar (before JAX's own, which
     does not say what to do)."""
     shape = getattr(value, "shape", ())

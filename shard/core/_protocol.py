@@ -23,11 +23,41 @@ units and the gradient reducer (``run_units``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
-__all__ = ["LossProvider", "Provided", "classify"]
+if TYPE_CHECKING:
+    import jax
+    import numpy as np
+
+    from ops import Communicator, Device
+    from ops._types import Array
+    from shard.core._layout import Layout
+
+__all__ = ["GradSink", "LossProvider", "Provided", "UnitSource", "classify"]
+
+
+class UnitSource(Protocol):
+    """What ``run_units`` reads of the step's units (``shard.step``'s ``Units``):
+    each unit's whole params as one flat buffer, and its leaves as views of it."""
+
+    @property
+    def full_layout(self) -> Layout: ...
+
+    @property
+    def device(self) -> Device: ...
+
+    def flat(self, u: int, upcoming: Sequence[int] = (), *, pinned: bool = False) -> Array: ...
+
+    def leaf_views(self, u: int, flat: Array) -> list[Array]: ...
+
+
+class GradSink(Protocol):
+    """What ``run_units`` hands a unit's gradients to (``shard.step``'s reducers)."""
+
+    # Any: the state's device arrays, torch tensors or jax arrays on it, or None
+    def add(self, u: int, grads: list[Any]) -> None: ...
 
 
 class LossProvider:
@@ -36,11 +66,13 @@ class LossProvider:
 
     # -- the model --------------------------------------------------------------
     #: One entry per layer, for a loss made of layers (``Layered``, a pipeline's).
+    #: (Any: a Layered's JAX functions, the torch adapter's modules; each reads its own)
     layers: Sequence[Any] = ()
     #: The model's units (a callable from a leaf's key path to its unit key, as
     #: ``units=``), when the loss knows them (a torch module's modules).
-    units: Any = None
+    units: Callable[[tuple], Hashable] | None = None
     #: A torch module split by ``interop.torch.parallelize``: its TensorParallel.
+    # Any: a shard.TensorParallel, a layer above this one
     tensor_parallel: Any = None
     #: Whether the loss may return ``(loss, aux)`` (the transforms' ``has_aux``).
     supports_aux: bool = False
@@ -60,13 +92,13 @@ class LossProvider:
     norm_skip: tuple[int, ...] = ()
 
     @property
-    def norm_comm(self) -> Any:
+    def norm_comm(self) -> Communicator | None:
         """The communicator over the whole mesh that norms and loss sums span (a
         pipeline stage's), or None."""
         return None
 
     @property
-    def data_axis(self) -> Any:
+    def data_axis(self) -> Communicator | None:
         """A pipeline stage's data axis, on which its ZeRO step must run, or None."""
         return None
 
@@ -78,16 +110,16 @@ class LossProvider:
 
     # -- module state, checkpoints and meta-device init --------------------------
     #: ``() -> (buffers, dtypes)``: a torch module's buffers for a checkpoint.
-    module_state: Callable[[], Any] | None = None
+    module_state: Callable[[], tuple[dict[str, np.ndarray], dict[str, str]]] | None = None
     #: ``(buffers, where) -> None``: a checkpoint's buffers into the module.
-    load_buffers: Callable[[Any, str], None] | None = None
+    load_buffers: Callable[[dict[str, np.ndarray], str], None] | None = None
     #: ``() -> params of ShapeDtypeStruct``: what a checkpoint must hold.
-    params_like: Callable[[], Any] | None = None
+    params_like: Callable[[], dict[str, jax.ShapeDtypeStruct]] | None = None
     #: ``(paths) -> values``: a meta-device module's units, materialised.
     materialize: Callable[[list[tuple]], list[Any]] | None = None
 
     @property
-    def materialize_device(self) -> Any:
+    def materialize_device(self) -> Device | None:
         """Where ``materialize`` puts them (an ``ops.Device``), or None."""
         return None
 
@@ -115,22 +147,22 @@ class LossProvider:
     #: modules (``interop.torch.layered``'s); None runs JAX layers.
     make_stage: Callable[..., Any] | None = None
     #: ``(batch, repeats) -> seconds per layer``: measured by the loss itself.
-    layer_times: Callable[..., Any] | None = None
+    layer_times: Callable[..., list[float]] | None = None
 
     def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> Any:
         """``(loss, grads)`` of ``loss_scale * loss`` at the whole ``params``."""
         raise NotImplementedError(f"{type(self).__name__} runs unit by unit (run_units); it "
                                   "has no gradients of whole params in one call")
 
-    def hooks_usable(self, comm: Any) -> bool:
+    def hooks_usable(self, comm: Communicator) -> bool:
         """Whether ``run_units`` may run collectives inside the backward on ``comm``."""
         return True
 
-    def claim(self, comm: Any) -> None:
+    def claim(self, comm: Communicator) -> None:
         """Bind the loss to ``comm``'s rank (``init`` calls it); by default nothing."""
 
     def configured(self, *, has_aux: bool,
-                   cast_forward_inputs: bool) -> AbstractContextManager[Any]:
+                   cast_forward_inputs: bool) -> AbstractContextManager[object]:
         """A context in which the loss runs as one step asks: its ``has_aux``
         (for a loss object that splits ``(loss, aux)`` itself,
         ``supports_aux``) and its precision policy's ``cast_forward_inputs``
@@ -145,7 +177,7 @@ class LossProvider:
         refuses such a loss."""
         return None
 
-    def evaluating(self) -> AbstractContextManager[Any]:
+    def evaluating(self) -> AbstractContextManager[object]:
         """A context in which the loss runs in eval mode (a torch module's)."""
         return nullcontext()
 
@@ -164,7 +196,7 @@ class Provided(LossProvider):
         return self.obj.value_and_grad(params, batch, loss_scale=loss_scale)
 
 
-def classify(loss_fn: Any) -> str:
+def classify(loss_fn: object) -> str:
     """'layered', 'provider' or 'jax'; a TypeError for anything else."""
     from shard.core._loss import Layered
 
