@@ -44,7 +44,8 @@ rank compiles the user's program.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -58,6 +59,12 @@ from shard.step._checks import agree_on_layout
 from shard.step._frozen import frozen_leaves
 from shard.step._init import rows_of, split_over_devices
 from shard.step._plan import FLOAT_DTYPES
+
+if TYPE_CHECKING:
+    import jax
+    import optax
+
+    from shard.core._layout import Units
 
 __all__ = ["PureState", "PureStep", "pure_zero3"]
 
@@ -77,7 +84,7 @@ class PureState(NamedTuple):
 
     params: Any
     opt_state: Any
-    step: Any
+    step: jax.Array
     model_state: Any = None
 
 
@@ -90,9 +97,10 @@ class PureStep:
     ``jax.lax.scan`` and ``jax.lax.fori_loop``. Every rank calls it with its
     own batch."""
 
-    def __init__(self, loss_fn: Any, *, optimizer: Any, comm: Communicator,
-                 specs: Any = None, units: Any = None, has_aux: bool = False,
-                 key: Any = None, trainable: Any = None, axis_name: str | None = None) -> None:
+    def __init__(self, loss_fn: Callable[..., Any], *, optimizer: optax.GradientTransformation,
+                 comm: Communicator, specs: Any = None, units: Units = None,
+                 has_aux: bool = False, key: jax.Array | None = None, trainable: Any = None,
+                 axis_name: str | None = None) -> None:
         if not callable(loss_fn):
             raise TypeError(f"pure_zero3: loss_fn must be a function (params, batch) -> loss; "
                             f"got {type(loss_fn).__name__}")
@@ -173,7 +181,7 @@ class PureStep:
             raise RuntimeError(f"pure_zero3.{fn}: call init(params) first")
         return self.program
 
-    def _rank(self) -> Any:
+    def _rank(self) -> jax.Array:
         import jax.numpy as jnp
 
         ensure(self.comm, self.group)
@@ -188,7 +196,8 @@ class PureStep:
         buffer, as do its replicated leaves."""
         return self._program("whole").run("whole", (params, self._rank()))
 
-    def evaluate(self, state: PureState, batch: Any, *, loss_fn: Any = None) -> Any:
+    def evaluate(self, state: PureState, batch: Any, *, loss_fn: Callable[..., Any] | None = None
+                 ) -> jax.Array | tuple[jax.Array, Any]:
         """The loss at ``state``'s params on this rank's ``batch``, averaged over
         the ranks (a collective), with no update: ``(loss, aux)`` with
         ``has_aux``. ``loss_fn``: another function of the same params (the
@@ -202,9 +211,10 @@ class PureStep:
     step = __call__
 
 
-def pure_zero3(loss_fn: Any, *, optimizer: Any, comm: Communicator, specs: Any = None,
-               units: Any = None, has_aux: bool = False, key: Any = None,
-               trainable: Any = None, axis_name: str | None = None) -> PureStep:
+def pure_zero3(loss_fn: Callable[..., Any], *, optimizer: optax.GradientTransformation,
+               comm: Communicator, specs: Any = None, units: Units = None,
+               has_aux: bool = False, key: jax.Array | None = None, trainable: Any = None,
+               axis_name: str | None = None) -> PureStep:
     """ZeRO-3 as a pure JAX function of a :class:`PureState`, for the user's
     ``jax.jit`` and ``jax.lax.scan`` over steps (see [Note: pure steps]).
 

@@ -21,27 +21,40 @@ the user's program instead.
 from __future__ import annotations
 
 import threading
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ops.comm._xla import placement
 from shard.core._data_rank import bind_axis
 from shard.core._loss import check_scalar, split_aux
 
+if TYPE_CHECKING:
+    import jax
+    import jax.stages
+    import numpy as np
+    import optax
+
+    from ops import Communicator, ThreadGroup
+    from shard._pure import PureState
+    from shard.core._layout import Layout
+    from shard.tensor_parallel._megatron import Collectives
+
 __all__ = ["Program", "ensure", "program_for", "register"]
 
 _LOCK = threading.Lock()
-_GROUPS: dict[int, tuple[Any, dict[int, Any]]] = {}  # id(group) -> (group, {rank: Collectives})
-_PROGRAMS: dict[tuple, Any] = {}
+# id(group) -> (group, {rank: Collectives})
+_GROUPS: dict[int, tuple[ThreadGroup | Communicator, dict[int, Collectives]]] = {}
+_PROGRAMS: dict[tuple, Program] = {}
 _MAX = 32  # both caches are cleared when they reach it: a few groups live at a time
 
 
-def _group_of(comm: Any) -> Any:
+def _group_of(comm: Communicator) -> ThreadGroup | Communicator:
     from ops.comm._threads import ThreadCommunicator
 
     return comm.group if isinstance(comm, ThreadCommunicator) else comm
 
 
-def register(comm: Any) -> int:
+def register(comm: Communicator) -> int:
     """Make ``comm``'s collectives reachable from the programs of its group;
     returns the group's key."""
     from shard.tensor_parallel._megatron import Collectives
@@ -55,7 +68,7 @@ def register(comm: Any) -> int:
     return id(group)
 
 
-def ensure(comm: Any, gid: int) -> None:
+def ensure(comm: Communicator, gid: int) -> None:
     """``comm`` registered under ``gid`` again where the registry was cleared
     since (past ``_MAX`` groups; the group itself lives while its steps do)."""
     entry = _GROUPS.get(gid)
@@ -63,9 +76,10 @@ def ensure(comm: Any, gid: int) -> None:
         register(comm)
 
 
-def program_for(gid: int, world: int, loss_fn: Any, optimizer: Any, layout: Any,
-                has_aux: bool, max_norm: float | None,
-                frozen: frozenset[int] = frozenset(), axis_name: str | None = None) -> Program:
+def program_for(gid: int, world: int, loss_fn: Callable[..., Any],
+                optimizer: optax.GradientTransformation, layout: Layout, has_aux: bool,
+                max_norm: float | None, frozen: frozenset[int] = frozenset(),
+                axis_name: str | None = None) -> Program:
     """The group's program for these parts (made by the first rank to ask)."""
     key = (gid, id(loss_fn), id(optimizer), layout.fingerprint(), has_aux, max_norm,
            tuple(sorted(frozen)), axis_name)
@@ -79,10 +93,11 @@ def program_for(gid: int, world: int, loss_fn: Any, optimizer: Any, layout: Any,
         return hit
 
 
-def _host(gid: int, name: str) -> Any:
+def _host(gid: int, name: str) -> Callable[[np.ndarray | jax.Array, np.ndarray | jax.Array],
+                                           np.ndarray]:
     import numpy as np
 
-    def run(rank: Any, x: Any) -> Any:
+    def run(rank: np.ndarray | jax.Array, x: np.ndarray | jax.Array) -> np.ndarray:
         return _GROUPS[gid][1][int(np.asarray(rank))].host(name, x)
     return run
 
@@ -90,9 +105,10 @@ def _host(gid: int, name: str) -> Any:
 class Program:
     """The step's JAX functions for one group (see the Note)."""
 
-    def __init__(self, gid: int, world: int, loss_fn: Any, optimizer: Any, layout: Any,
-                 has_aux: bool, max_norm: float | None,
-                 frozen: frozenset[int] = frozenset(), axis_name: str | None = None) -> None:
+    def __init__(self, gid: int, world: int, loss_fn: Callable[..., Any],
+                 optimizer: optax.GradientTransformation, layout: Layout, has_aux: bool,
+                 max_norm: float | None, frozen: frozenset[int] = frozenset(),
+                 axis_name: str | None = None) -> None:
         import jax
         import optax
 
@@ -111,11 +127,11 @@ class Program:
         self.step = jax.jit(self._step)
         self.whole = jax.jit(self._whole)
         self.evaluate = jax.jit(self._evaluate, static_argnames="fn")
-        self._compiled: dict[Any, Any] = {}
+        self._compiled: dict[tuple, jax.stages.Compiled] = {}
         self._compiling = threading.Lock()
 
     # -- collectives ------------------------------------------------------------
-    def _call(self, name: str, x: Any, n: int, rank: Any) -> Any:
+    def _call(self, name: str, x: jax.Array, n: int, rank: jax.Array) -> jax.Array:
         import jax
         from jax.experimental import io_callback
 
@@ -127,32 +143,34 @@ class Program:
 
         w = self.w
 
+        # its derivative: the reduce-scatter
         @jax.custom_vjp
-        def gather(x: Any, rank: Any) -> Any:  # its derivative: the reduce-scatter
+        def gather(x: jax.Array, rank: jax.Array) -> jax.Array:
             return self._call("all_gather", x, x.shape[0] * w, rank)
         gather.defvjp(lambda x, rank: (gather(x, rank), rank),
                       lambda rank, ct: (self._call("reduce_scatter", ct, ct.shape[0] // w,
                                                    rank), None))
 
         @jax.custom_vjp
-        def copy(x: Any, rank: Any) -> Any:  # its derivative: the all-reduce
+        def copy(x: jax.Array, rank: jax.Array) -> jax.Array:  # its derivative: the all-reduce
             return x
         copy.defvjp(lambda x, rank: (x, rank),
                     lambda rank, ct: (self._call("all_reduce", ct, ct.shape[0], rank), None))
 
+        # the loss's over the data axis; its derivative too
         @jax.custom_vjp
-        def psum(x: Any, rank: Any) -> Any:  # the loss's over the data axis; its derivative too
+        def psum(x: jax.Array, rank: jax.Array) -> jax.Array:
             return self.all_reduce(x, rank)
         psum.defvjp(lambda x, rank: (psum(x, rank), rank),
                     lambda rank, ct: (self.all_reduce(ct, rank), None))
         self.gather, self.copy, self.psum = gather, copy, psum
 
-    def all_reduce(self, x: Any, rank: Any) -> Any:
+    def all_reduce(self, x: jax.Array, rank: jax.Array) -> jax.Array:
         """The sum over the ranks of ``x`` (any shape; not differentiated)."""
         return self._call("all_reduce", x.reshape(-1), x.size, rank).reshape(x.shape)
 
     # -- the functions ----------------------------------------------------------
-    def _whole(self, params: Any, rank: Any) -> Any:
+    def _whole(self, params: Any, rank: jax.Array) -> Any:
         import jax
         import jax.numpy as jnp
 
@@ -179,8 +197,8 @@ class Program:
                 at += leaf.local_size
         return layout.treedef.unflatten(out)
 
-    def _loss(self, fn: Any, params: Any, state: Any, batch: Any, rank: Any,
-              key: Any) -> tuple[Any, Any, Any]:
+    def _loss(self, fn: Callable[..., Any], params: Any, state: PureState, batch: Any,
+              rank: jax.Array, key: jax.Array | None) -> tuple[jax.Array, Any, Any]:
         """``fn`` on the whole ``params``: ``(loss, new model state, aux)``, with
         the model state and the key it takes."""
         import jax
@@ -210,7 +228,7 @@ class Program:
                 out, new = (out[0], out[1][1]), out[1][0]
             else:
                 out, new = out[0], out[1]
-            structure: Any = jax.tree_util.tree_structure(new)
+            structure: object = jax.tree_util.tree_structure(new)  # only compared
             if structure != jax.tree_util.tree_structure(state.model_state):
                 raise TypeError("pure_zero3: the loss returned a model state of another "
                                 "structure than the state's")
@@ -218,7 +236,7 @@ class Program:
         check_scalar(value)
         return value, new, aux
 
-    def _mean(self, tree: Any, rank: Any) -> Any:
+    def _mean(self, tree: Any, rank: jax.Array) -> Any:
         """Every numeric leaf of ``tree`` averaged over the ranks, in float32."""
         import jax
         import jax.numpy as jnp
@@ -234,7 +252,7 @@ class Program:
             at += x.size
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    def _same_everywhere(self, tree: Any, rank: Any) -> Any:
+    def _same_everywhere(self, tree: Any, rank: jax.Array) -> Any:
         """``tree`` made the same on every rank: floating-point leaves averaged,
         the others rank 0's (two collectives, as for ``zero3``'s model state)."""
         import jax
@@ -262,7 +280,8 @@ class Program:
                 at += n
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    def _evaluate(self, state: Any, batch: Any, rank: Any, key: Any, fn: Any) -> Any:
+    def _evaluate(self, state: PureState, batch: Any, rank: jax.Array, key: jax.Array | None,
+                  fn: Callable[..., Any]) -> jax.Array | tuple[jax.Array, Any]:
         import jax.numpy as jnp
 
         value, _, aux = self._loss(fn, state.params, state, batch, rank, key)
@@ -270,7 +289,8 @@ class Program:
         mean = self.all_reduce(value, rank) / self.w if self.w > 1 else value
         return (mean, self._mean(aux, rank)) if self.has_aux else mean
 
-    def _step(self, state: Any, batch: Any, rank: Any, key: Any) -> tuple[Any, dict[str, Any]]:
+    def _step(self, state: PureState, batch: Any, rank: jax.Array, key: jax.Array | None
+              ) -> tuple[PureState, dict[str, Any]]:
         import jax
         import jax.numpy as jnp
         import optax
@@ -279,7 +299,7 @@ class Program:
 
         layout, w = self.layout, self.w
 
-        def loss(shards: Any) -> Any:
+        def loss(shards: Any) -> tuple[jax.Array, tuple[Any, Any]]:
             value, new, aux = self._loss(self.loss_fn, shards, state, batch, rank, key)
             return value, (new, aux)
 
@@ -310,7 +330,7 @@ class Program:
         return PureState(params, opt_state, state.step + 1, model_state), metrics
 
     # -- running it -------------------------------------------------------------
-    def run(self, name: str, args: tuple, fn: Any = None) -> Any:
+    def run(self, name: str, args: tuple, fn: Callable[..., Any] | None = None) -> Any:
         """``step``, ``whole`` or ``evaluate`` (with its loss ``fn``) on ``args``:
         inside a trace (the user's ``jit`` or ``scan``) the jitted function, else
         the group's executable for these shapes, compiled once. Never the jitted
