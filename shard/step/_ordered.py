@@ -32,7 +32,14 @@ from shard.step._reduce import (
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from numpy.typing import DTypeLike
+
+    from ops._types import Array
+    from shard.core._layout import UnitLayout
     from shard.step._plan import Plan
+    from shard.step._reduce import Grad
 
 __all__ = ["OrderedReducer", "exact_norm_and_loss", "reducer", "virtual_shards"]
 
@@ -155,7 +162,7 @@ class OrderedReducer(GradReducer):
     are added in order (the first copied). Nothing is in flight between
     calls."""
 
-    def __init__(self, layout: Layout, comm: Communicator, *, stage: int, dtype: Any,
+    def __init__(self, layout: Layout, comm: Communicator, *, stage: int, dtype: DTypeLike,
                  device: Device, group: int, replica: Communicator | None = None,
                  buffers: GradBuffers | None = None, plans: CopyPlans | None = None) -> None:
         buffers = buffers or GradBuffers(layout, dtype, device)
@@ -167,10 +174,10 @@ class OrderedReducer(GradReducer):
         self._calls = 0  # the virtual shards of this micro-batch so far
         self._summed: set[int] = set()  # units whose shard holds a micro-batch's sum
 
-    def bucket(self, u: int) -> Any | None:
+    def bucket(self, u: int) -> None:
         return None  # every shard's gradient apart, never summed in place
 
-    def _scratch(self, n: int, *, zero: bool = False) -> Any:
+    def _scratch(self, n: int, *, zero: bool = False) -> Array:
         """A buffer of ``n`` elements: a spare one kept from an earlier use."""
         free = self._spare.setdefault(n, [])
         buf = free.pop() if free else self.device.empty(n, self.dtype)
@@ -178,7 +185,7 @@ class OrderedReducer(GradReducer):
             buf[...] = 0
         return buf
 
-    def _release(self, buf: Any) -> None:
+    def _release(self, buf: Array) -> None:
         self._spare[buf.size].append(buf)
 
     def _tree(self, u: int) -> TreeSum:
@@ -186,7 +193,7 @@ class OrderedReducer(GradReducer):
             self._trees[u] = TreeSum(release=self._release)
         return self._trees[u]
 
-    def _add(self, u: int, grads: list[Any]) -> None:
+    def _add(self, u: int, grads: Sequence[Grad | None]) -> None:
         unit, w = self.layout.units[u], self.layout.world_size
         n = unit.sharded_size * w + unit.replicated_size
         tree = self._tree(u)
@@ -220,7 +227,7 @@ class OrderedReducer(GradReducer):
                     self._add_group(u, unit)
         self._trees, self._calls = {}, 0
 
-    def _add_group(self, u: int, unit: Any) -> None:
+    def _add_group(self, u: int, unit: UnitLayout) -> None:
         w, s = self.layout.world_size, unit.sharded_size
         tree = self._tree(u)
         while tree.count < self.group:
@@ -242,7 +249,7 @@ class OrderedReducer(GradReducer):
         self._release(buf)
         self._summed.add(u)
 
-    def finish(self) -> list[Any]:
+    def finish(self) -> list[Array]:
         if self._calls:
             raise RuntimeError(f"OrderedReducer: {self._calls} virtual shards of a micro-batch "
                                f"of {self.group} were added")
@@ -252,8 +259,8 @@ class OrderedReducer(GradReducer):
         return self.shards
 
 
-def exact_norm_and_loss(plan: Plan, sharded: list[Any], replicated: list[Any],
-                        losses: list[Any]) -> tuple[float, float]:
+def exact_norm_and_loss(plan: Plan, sharded: list[Array], replicated: list[Array],
+                        losses: list[Array]) -> tuple[float, float]:
     """The sum of squares of the gradients (this rank's ``sharded`` sections
     over the data ranks, the ``replicated`` ones once) and the sum of every
     virtual shard's loss, each exact, so the same bits however the ranks split

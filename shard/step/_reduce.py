@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Any, NamedTuple, cast
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, cast
 
 import numpy as np
 
@@ -23,6 +24,21 @@ from ops.device._runs import Runs, contiguous_on, copy_runs
 from ops.kernels._table import runs_kernel
 from shard.core._layout import Layout
 from shard.monitor._profile import timed
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import jax
+    import torch
+    from numpy.typing import DTypeLike
+
+    from ops._types import Array
+    from ops.comm._base import Pending
+    from shard.core._state import TrainState
+
+    # a leaf's gradient as a loss hands it over: an array of the state's device,
+    # or a torch tensor or jax array on it (viewed through DLPack)
+    Grad: TypeAlias = Array | jax.Array | torch.Tensor
 
 __all__ = ["Compressed", "CopyPlans", "GradBuffers", "GradReducer", "LocalReducer",
            "OneBitMomentum", "OneBitReducer", "ZeroOneLocal", "check_float32", "gather_whole",
@@ -44,7 +60,7 @@ class GradReducer:
     0: exact.
     """
 
-    def __init__(self, layout: Layout, comm: Communicator, *, stage: int, dtype: Any,
+    def __init__(self, layout: Layout, comm: Communicator, *, stage: int, dtype: DTypeLike,
                  device: Device, buffers: GradBuffers | None = None,
                  plans: CopyPlans | None = None, accumulate: bool = True,
                  quantized: int = 0,
@@ -78,15 +94,17 @@ class GradReducer:
                       [s[:u.sharded_size] for u, s in zip(layout.units, self.shards, strict=True)]
                       if self.solo or stage == 0 else
                       [device.zeros(u.sharded_size * w, self.dtype) for u in layout.units])
-        self._pending: list[tuple[int, Any, Any]] = []
-        self._early: dict[int, Any] = {}  # stages 0-1: units whose reduction is in flight
+        self._pending: list[tuple[int, Array | None, Pending]] = []
+        # stages 0-1: units whose reduction is in flight (Any: a Pending, which
+        # finish pops with a None default into a name its loop over _pending typed)
+        self._early: dict[int, Any] = {}
         self.final = True  # the micro-batch being added is the step's last
         # on_final(u, parts): takes unit u's reductions, [(later, work)] in order,
         # instead of finish() (an overlapped offload; see [Note: overlapped offload])
-        self.on_final: Any = None
+        self.on_final: Callable[[int, list[tuple[Array | None, Pending]]], None] | None = None
         self._handed: set[int] = set()
 
-    def add(self, u: int, grads: list[Any]) -> None:
+    def add(self, u: int, grads: Sequence[Grad | None]) -> None:
         """Add unit ``u``'s full leaf gradients (in the unit's leaf order): arrays of
         the state's device, or torch tensors and jax arrays on it (viewed through
         DLPack, no copy); None is a zero gradient. A leaf the layout gives no
@@ -94,7 +112,7 @@ class GradReducer:
         with timed("library"):
             self._add(u, grads)
 
-    def _add(self, u: int, grads: list[Any]) -> None:
+    def _add(self, u: int, grads: Sequence[Grad | None]) -> None:
         unit, w = self.layout.units[u], self.layout.world_size
         shard = self.shards[u]
         replicated = shard[unit.sharded_size:]
@@ -139,7 +157,7 @@ class GradReducer:
             else:
                 self._pending.append((u, None if first else out, work))
 
-    def _accumulate(self, u: int, grads: list[Any]) -> None:
+    def _accumulate(self, u: int, grads: Sequence[Grad | None]) -> None:
         """Add unit ``u``'s gradients to its full sum (stages 0-1): the sharded
         leaves' in the (W, S) reduce layout, the replicated ones' in the shard."""
         unit, full = self.layout.units[u], cast(list, self._full)[u]
@@ -152,14 +170,14 @@ class GradReducer:
             for i, g in zip(unit.leaves, grads, strict=True):
                 self.layout.pack_grad(self.layout.leaves[i], g, full, replicated, add=True)
 
-    def _own_sumsq(self, scale: float) -> Any:
+    def _own_sumsq(self, scale: float) -> Array:
         """The sum of squares of this rank's own gradient (stages 0-1: its sums,
         times ``scale``), on the device (float64, one element)."""
         parts = [x for u, unit in enumerate(self.layout.units) for x in (
             cast(list, self._full)[u], self.shards[u][unit.sharded_size:]) if x.size]
         return sum_of_squares(parts) * (scale * scale) if parts else self.device.xp.zeros(1)
 
-    def _clip_coef(self, sumsq: Any, max_norm: float | None) -> Any:
+    def _clip_coef(self, sumsq: Array, max_norm: float | None) -> Array | None:
         """The 1-bit family's compressed phases clip each rank's own gradient,
         as DeepSpeed's engine does there, by ``min(1, max_norm / (norm +
         1e-6))`` as ``clip_grad_norm_``: that factor on the device (float32,
@@ -169,7 +187,7 @@ class GradReducer:
         xp = self.device.xp
         return xp.minimum(max_norm / (xp.sqrt(sumsq) + 1e-6), 1.0).astype(np.float32)
 
-    def _reduce_scatter(self, out: Any, x: Any) -> Any:
+    def _reduce_scatter(self, out: Array, x: Array) -> Pending:
         """The sum over the ranks of ``x``'s sections, this rank's into ``out``,
         started (a handle)."""
         if self.quantized:
@@ -177,7 +195,7 @@ class GradReducer:
                                             bits=self.quantized)
         return self.comm.reduce_scatter_async(out, x, op="sum")
 
-    def _pack(self, u: int, grads: list[Any], packed: Any) -> bool:
+    def _pack(self, u: int, grads: Sequence[Grad | None], packed: Array) -> bool:
         """Copy unit ``u``'s sharded leaves' gradients into ``packed`` (its (W, S)
         reduce layout, padding rows zero) in one launch, reading each gradient
         where it lies; False (nothing done) unless every one can be read so,
@@ -201,7 +219,7 @@ class GradReducer:
                   src_dtype=dtype)
         return True
 
-    def bucket(self, u: int) -> Any | None:
+    def bucket(self, u: int) -> Array | None:
         """Where the caller may sum unit ``u``'s whole gradient itself (a torch
         module's ``.grad`` tensors are views of it, as DDP's
         ``gradient_as_bucket_view``), announcing it with :meth:`added`: the
@@ -223,7 +241,7 @@ class GradReducer:
         # stage 0: the whole gradient is complete; all-reduce it while others compute
         self._early[u] = self.comm.all_reduce_async(self.shards[u][:unit.sharded_size], "sum")
 
-    def _on_device(self, i: int, g: Any) -> Any:
+    def _on_device(self, i: int, g: Grad) -> Array | None:
         leaf = self.layout.leaves[i]
         if not leaf.local_size:  # no rows here: a frozen leaf's gradient is dropped
             return None
@@ -240,7 +258,7 @@ class GradReducer:
         self._pending, self._early = [], {}
         wait_quietly([w for _, _, w in pending] + list(early.values()))
 
-    def finish(self) -> list[Any]:
+    def finish(self) -> list[Array]:
         """Wait for the reductions; return per-unit gradient shards (sums over ranks)."""
         if self.solo:  # summed in place, nothing in flight
             return self.shards
@@ -281,7 +299,7 @@ class Compressed(NamedTuple):
     gradient sum into its own mean."""
 
     kind: str
-    held: Any
+    held: Any  # Any: a OneBitMomentum or a ZeroOneLocal, as kind says
     scale: float
 
 
@@ -299,14 +317,14 @@ class OneBitMomentum:
 
     def __init__(self) -> None:
         self.key: tuple | None = None
-        self.worker: list[Any] = []
-        self.server: list[Any] = []
-        self.momentum: list[Any] = []
-        self.params: list[Any] = []
-        self.variance: list[Any] = []
-        self.scratch: list[Any] = []  # the update's exp_avg, which it overwrites
+        self.worker: list[Array] = []
+        self.server: list[Array] = []
+        self.momentum: list[Array] = []
+        self.params: list[Array] = []
+        self.variance: list[Array] = []
+        self.scratch: list[Array] = []  # the update's exp_avg, which it overwrites
 
-    def ready(self, layout: Layout, comm: Communicator, device: Device, state: Any,
+    def ready(self, layout: Layout, comm: Communicator, device: Device, state: TrainState,
               step: int, momentum: bool = True) -> bool:
         """Make the buffers hold for ``state`` (its masters and moments) at
         ``step`` (a collective when they are made: the agreed momentum, the
@@ -333,12 +351,13 @@ class OneBitMomentum:
         self.key = key
         return True
 
-    def advanced(self, step: int, exp_avg: Any) -> None:
+    def advanced(self, step: int, exp_avg: Sequence[Array]) -> None:
         """The update of ``step`` ran: the buffers hold for the next one."""
         self.key = (step + 1, tuple(id(b) for b in exp_avg))
 
 
-def gather_whole(layout: Layout, comm: Communicator, device: Device, bufs: Any) -> list[Any]:
+def gather_whole(layout: Layout, comm: Communicator, device: Device,
+                 bufs: Sequence[Array]) -> list[Array]:
     """Each unit's whole vector on every rank (a collective), float32: the
     sharded leaves' in the (W, S) reduce layout, then the replicated ones'."""
     w, out = comm.world_size, []
@@ -352,7 +371,8 @@ def gather_whole(layout: Layout, comm: Communicator, device: Device, bufs: Any) 
     return out
 
 
-def write_sections(layout: Layout, rank: int, wholes: list[Any], shards: Any) -> None:
+def write_sections(layout: Layout, rank: int, wholes: Sequence[Array],
+                   shards: Sequence[Array]) -> None:
     """This rank's sections of whole vectors (see :func:`gather_whole`) into
     its shards."""
     for unit, x, dst in zip(layout.units, wholes, shards, strict=True):
@@ -373,7 +393,7 @@ class OneBitReducer(GradReducer):
     ``ops/_zeroone.py``) the ranks agree on ``scale g`` itself, and the shards
     are this rank's sections of that mean gradient."""
 
-    def __init__(self, layout: Layout, comm: Communicator, *, dtype: Any, device: Device,
+    def __init__(self, layout: Layout, comm: Communicator, *, dtype: DTypeLike, device: Device,
                  buffers: GradBuffers, plans: CopyPlans, momentum: OneBitMomentum,
                  beta1: float | None, scale: float, max_norm: float | None = None) -> None:
         check_float32(dtype)
@@ -384,10 +404,10 @@ class OneBitReducer(GradReducer):
         self.weight = np.float32((1.0 - (beta1 or 0.0)) * scale)
         self.scale, self.max_norm = scale, max_norm
 
-    def _add(self, u: int, grads: list[Any]) -> None:
+    def _add(self, u: int, grads: Sequence[Grad | None]) -> None:
         self._accumulate(u, grads)
 
-    def finish(self) -> list[Any]:
+    def finish(self) -> list[Array]:
         mo, rank, w = self.momentum, self.comm.rank, self.comm.world_size
         mo.key = None  # they hold for the state again once its update ran (advanced)
         coef = None if self.max_norm is None else self._clip_coef(
@@ -408,7 +428,7 @@ class OneBitReducer(GradReducer):
                 shard[s:] = m
         return self.shards
 
-    def _fold(self, g: Any, m: Any, coef: Any) -> Any:
+    def _fold(self, g: Any, m: Any, coef: Array | None) -> Any:  # Any: arithmetic on arrays
         """``g`` (a rank's gradient sums) scaled, clipped and folded into the
         momentum ``m`` in place, ``m = b1 m + (1 - b1) g``; with no momentum
         (0/1 Adam's compressed gradients) ``g`` itself, scaled."""
@@ -433,7 +453,7 @@ class LocalReducer(GradReducer):
     ones', float32, clipped by ``max_norm``; ``sumsq`` is then its sum of
     squares before the clip."""
 
-    def __init__(self, layout: Layout, comm: Communicator, *, dtype: Any, device: Device,
+    def __init__(self, layout: Layout, comm: Communicator, *, dtype: DTypeLike, device: Device,
                  buffers: GradBuffers, plans: CopyPlans, scale: float,
                  max_norm: float | None = None) -> None:
         check_float32(dtype)
@@ -441,10 +461,10 @@ class LocalReducer(GradReducer):
                          plans=plans)
         self.scale, self.max_norm = scale, max_norm
 
-    def _add(self, u: int, grads: list[Any]) -> None:
+    def _add(self, u: int, grads: Sequence[Grad | None]) -> None:
         self._accumulate(u, grads)
 
-    def finish(self) -> list[Any]:
+    def finish(self) -> list[Array]:
         out = []
         self.sumsq = self._own_sumsq(self.scale)  # before the clip, as the norm reported
         coef = self._clip_coef(self.sumsq, self.max_norm)
@@ -472,7 +492,7 @@ class ZeroOneLocal:
         self.steps: LocalSteps | None = None
 
     def ready(self, layout: Layout, comm: Communicator, device: Device, spec: ZeroOne,
-              masters: Any, moments: Any, step: int) -> bool:
+              masters: Sequence[Array], moments: Sequence[Sequence[Array]], step: int) -> bool:
         """Make the local steps hold for ``masters`` at ``step`` (a collective
         when they are made: the whole vectors are gathered from the shards);
         whether they were made (the compute params are then to be copied out
@@ -488,19 +508,20 @@ class ZeroOneLocal:
         self.key = key
         return True
 
-    def write(self, layout: Layout, rank: int, masters: Any, exp_avg: Any) -> None:
+    def write(self, layout: Layout, rank: int, masters: Sequence[Array],
+              exp_avg: Sequence[Array]) -> None:
         """This rank's sections of the synchronised params and momentum into the
         state's masters and ``exp_avg``."""
         steps = cast(LocalSteps, self.steps)
         write_sections(layout, rank, steps.params, masters)
         write_sections(layout, rank, steps.exp_avg, exp_avg)
 
-    def advanced(self, step: int, masters: Any) -> None:
+    def advanced(self, step: int, masters: Sequence[Array]) -> None:
         """The update of ``step`` ran: the local steps hold for the next one."""
         self.key = (step + 1, tuple(id(b) for b in masters))
 
 
-def check_float32(dtype: Any) -> None:
+def check_float32(dtype: DTypeLike) -> None:
     """1-bit and 0/1 Adam compress float32 gradients."""
     if np.dtype(dtype) != np.float32:
         raise TypeError(f"onebit_adam and zero_one_adam: the gradients are reduced in "
@@ -514,7 +535,7 @@ class CopyPlans:
 
     def __init__(self, layout: Layout, full_layout: Layout) -> None:
         self.layout, self.full_layout = layout, full_layout
-        self._plans: dict[tuple, Any] = {}
+        self._plans: dict[tuple, Any] = {}  # Any: (Runs, Runs) for a gather, Runs for grads
 
     def gather(self, u: int, order: tuple[int, ...] | None = None) -> tuple[Runs, Runs]:
         """Unit ``u``'s copy-out (see :meth:`Layout.gather_runs`): one launch for its
@@ -540,19 +561,19 @@ class GradBuffers:
     ``.grad`` views of them (see :meth:`GradReducer.bucket`) and the optimizer's
     pointer tables are made once."""
 
-    def __init__(self, layout: Layout, dtype: Any, device: Device) -> None:
+    def __init__(self, layout: Layout, dtype: DTypeLike, device: Device) -> None:
         self.layout, self.dtype, self.device = layout, np.dtype(dtype), device
         self.flat = device.empty(layout.local_size(), dtype)
         bounds = np.cumsum([0, *(u.local_size for u in layout.units)]).tolist()
         self.units = [self.flat[a:b] for a, b in itertools.pairwise(bounds)]
         # scratch buffers by size, kept for the next step: the ordered reduction's
         # partial sums (see [Note: the same bits at any world size])
-        self.spare: dict[int, list[Any]] = {}
+        self.spare: dict[int, list[Array]] = {}
 
-    def serves(self, layout: Layout, dtype: Any, device: Device) -> bool:
+    def serves(self, layout: Layout, dtype: DTypeLike, device: Device) -> bool:
         return layout is self.layout and dtype == self.dtype and device is self.device
 
-    def zeroed(self) -> list[Any]:
+    def zeroed(self) -> list[Array]:
         self.flat[...] = 0
         return self.units
 
@@ -568,7 +589,7 @@ class _Done:
 _DONE = _Done()
 
 
-def wait_quietly(works: Any) -> None:
+def wait_quietly(works: Iterable[Pending | None]) -> None:
     """Wait for each collective (None: nothing in flight), ignoring its errors:
     a failed step's, which the caller raises."""
     for work in works:

@@ -69,7 +69,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import numpy as np
 
@@ -79,6 +80,12 @@ from ops.device._runs import copy_runs, dequantize_runs
 from shard.core._layout import Layout
 from shard.monitor._profile import timed
 from shard.step._reduce import CopyPlans, wait_quietly
+
+if TYPE_CHECKING:
+    from ops._types import Array
+    from ops.comm._base import Pending
+
+_A = TypeVar("_A", bound="Array")
 
 __all__ = ["LiveBytes", "Units"]
 
@@ -98,7 +105,7 @@ class LiveBytes:
         self.live = 0
         self.peak = 0
 
-    def track(self, a: Any, device: Device) -> Any:
+    def track(self, a: _A, device: Device) -> _A:
         self.live += a.nbytes
         self.peak = max(self.peak, self.live)
         weakref.finalize(device.memory_owner(a), self._release, a.nbytes)
@@ -112,7 +119,7 @@ class Units:
     """Full parameters of one unit at a time (see [Note: ZeRO-3 schedule])."""
 
     def __init__(self, layout: Layout, comm: Communicator, *, stage: int, device: Device,
-                 local: list[Any], full: list[Any] | None,
+                 local: Sequence[Array], full: Sequence[Array] | None,
                  full_layout: Layout, prefetch: int = 1,
                  tracker: LiveBytes | None = None, plans: CopyPlans | None = None,
                  secondary: tuple[Communicator, Communicator] | None = None,
@@ -120,7 +127,7 @@ class Units:
         self.layout, self.comm, self.stage, self.device = layout, comm, stage, device
         self.quantized = quantized  # see [Note: quantized gathers]
         self.secondary = secondary  # (local, node): see [Note: secondary shards]
-        self._secondaries: dict[int, Any] = {}  # u: its secondary shard, kept for the step
+        self._secondaries: dict[int, Array] = {}  # u: its secondary shard, kept for the step
         self._order: tuple[int, ...] | None = None
         if secondary is not None:
             per_node, nodes = secondary[0].world_size, secondary[1].world_size
@@ -134,7 +141,8 @@ class Units:
         self.pinned_bytes = 0
         self._in_use = 0  # bytes of the unit in use, as the schedule counts them
         self._warned = False
-        self._inflight: dict[int, tuple[Any, Any, Any]] = {}  # u: (gathered, work, shard)
+        # u: (gathered, work, shard)
+        self._inflight: dict[int, tuple[Array, Pending | None, Array]] = {}
         self._unit_bytes = max((self._gather_bytes(u) for u in range(len(layout.units))),
                                default=0)
         # One rank at stage 3: its shards are the whole params, laid out as the
@@ -207,6 +215,7 @@ class Units:
             return True
         out = self.tracker.track(self.device.empty(unit.sharded_size * self.comm.world_size,
                                                    shard.dtype), self.device)
+        work: Pending | None
         if not unit.sharded_size:
             work = None
         elif self.secondary is None:
@@ -216,7 +225,8 @@ class Units:
         self._inflight[u] = (out, work, shard)
         return True
 
-    def _quantized(self, comm: Communicator, out: Any, shard: Any) -> _Dequantized:
+    # out: Any: an Array or None, read by the closure made only where it is an array
+    def _quantized(self, comm: Communicator, out: Any, shard: Array) -> _Dequantized:
         """[Note: quantized gathers]
         With ``quantized_weights=`` (ZeRO++'s qwZ) each rank block-quantizes
         its section of the unit (:func:`ops.quantize_blocks`: int8 values, a
@@ -244,14 +254,14 @@ class Units:
         s_all = self.device.empty(k * w, np.float32)
         works = [comm.all_gather_async(q_all, q), comm.all_gather_async(s_all, scales)]
 
-        def dequantized() -> Any:
+        def dequantized() -> Array:
             for r in range(w):
                 dequantize_blocks(q_all[r * n:(r + 1) * n], s_all[r * k:(r + 1) * k],
                                   out.dtype, out=out[r * n:(r + 1) * n])
             return out
         return _Dequantized(works, dequantized if out is not None else None, q_all, s_all, n)
 
-    def _two_hops(self, u: int, out: Any, shard: Any) -> Any:
+    def _two_hops(self, u: int, out: Array, shard: Array) -> Pending:
         """Unit ``u``'s gather into ``out`` from its secondary shard, gathering
         that first if this step has not (see [Note: secondary shards])."""
         local, node = cast(tuple, self.secondary)  # only a step with secondary shards
@@ -266,8 +276,8 @@ class Units:
                  node.all_gather_async(kept, shard))
         return _Then(first, lambda: local.all_gather_async(out, kept))
 
-    def get(self, u: int, upcoming: list[int] | tuple = (), *,
-            pinned: bool = False) -> list[Any]:
+    def get(self, u: int, upcoming: Sequence[int] = (), *,
+            pinned: bool = False) -> list[Array]:
         """Unit ``u``'s full leaves (views of :meth:`flat`), then start the gathers
         of ``upcoming`` units.
 
@@ -278,7 +288,7 @@ class Units:
         """
         return self.leaf_views(u, self.flat(u, upcoming, pinned=pinned))
 
-    def flat(self, u: int, upcoming: list[int] | tuple = (), *, pinned: bool = False) -> Any:
+    def flat(self, u: int, upcoming: Sequence[int] = (), *, pinned: bool = False) -> Array:
         """Unit ``u``'s whole params as one flat buffer, laid out as the full
         layout's unit (each leaf whole and contiguous at its offset there; see
         :meth:`leaf_views`). Where :attr:`persistent`, it is the state's own
@@ -290,13 +300,13 @@ class Units:
         with timed("library"):
             return self._gather(u, upcoming, pinned)
 
-    def leaf_views(self, u: int, flat: Any) -> list[Any]:
+    def leaf_views(self, u: int, flat: Array) -> list[Array]:
         """The leaves of unit ``u`` (in its leaf order) as views of its flat buffer."""
         leaves = self.full_layout.leaves
         return [flat[leaf.offset:leaf.offset + leaf.size].reshape(leaf.shape)
                 for leaf in (leaves[i] for i in self.full_layout.units[u].leaves)]
 
-    def _gather(self, u: int, upcoming: Any, pinned: bool) -> Any:
+    def _gather(self, u: int, upcoming: Sequence[int], pinned: bool) -> Array:
         if pinned:
             self.pinned_bytes += self._gather_bytes(u)
         self._in_use = 0  # the caller is done with the unit before (pinned ones aside)
@@ -331,7 +341,7 @@ class Units:
         self.prefetch_after(upcoming)
         return flat
 
-    def prefetch_after(self, upcoming: Any) -> None:
+    def prefetch_after(self, upcoming: Sequence[int]) -> None:
         """Start the gathers of the next ``prefetch`` units of ``upcoming``, then of
         more while they fit in the memory bound (small units, such as norms,
         would otherwise leave the next large unit's gather with nothing to hide
@@ -344,7 +354,7 @@ class Units:
             if not self.start(v, wait=i < self.prefetch):
                 return
 
-    def _drop_prefetches(self, keep: Any) -> None:
+    def _drop_prefetches(self, keep: set[int]) -> None:
         """Free the prefetched units not in ``keep`` once their gathers are done:
         a unit is needed now, or next, and there is no room for it, so those
         prefetches guessed wrong (a unit the forward passed over, such as a
@@ -368,11 +378,12 @@ class _Dequantized:
     elements a rank), then ``then()`` where it is given: the sections
     dequantized (see [Note: quantized gathers])."""
 
-    def __init__(self, works: list[Any], then: Any, q: Any, scales: Any, section: int) -> None:
+    def __init__(self, works: Sequence[Pending], then: Callable[[], Array] | None, q: Array,
+                 scales: Array, section: int) -> None:
         self.works, self.then = works, then
         self.q, self.scales, self.section = q, scales, section
 
-    def wait(self) -> Any:
+    def wait(self) -> Array | None:
         for work in self.works:
             work.wait()
         return self.then() if self.then is not None else None
@@ -382,9 +393,9 @@ class _Then:
     """A collective, then another started once it is done (the second hop of
     a unit's gather; see [Note: secondary shards])."""
 
-    def __init__(self, first: Any, then: Any) -> None:
+    def __init__(self, first: Pending, then: Callable[[], Pending]) -> None:
         self.first, self.then = first, then
 
-    def wait(self) -> Any:
+    def wait(self) -> Array | None:
         self.first.wait()
         return self.then().wait()
