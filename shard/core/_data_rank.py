@@ -57,16 +57,21 @@ import contextlib
 import re
 import threading
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Hashable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    import jax
+    from jax.extend.core import Jaxpr, JaxprEqn, Literal, Var
+    from jax.typing import ArrayLike
 
 __all__ = ["bind_axis", "check_key", "derived_key", "evaluate", "keyed", "named_axes_refused",
            "step_key", "unbound_axis"]
 
 
-def check_key(name: str, key: Any) -> tuple[np.ndarray, str | None]:
+def check_key(name: str, key: object) -> tuple[np.ndarray, str | None]:
     """``key=``'s raw data (uint32, on the host) and its implementation's name
     (None for a raw key); a TypeError naming ``key=`` for anything else."""
     import jax
@@ -84,7 +89,7 @@ def check_key(name: str, key: Any) -> tuple[np.ndarray, str | None]:
     return data, None
 
 
-def step_key(key: Any, *, step: int, rank: int, micro_batch: int = 0) -> Any:
+def step_key(key: jax.Array, *, step: int, rank: int, micro_batch: int = 0) -> jax.Array:
     """The key a step hands its loss (see [Note: per-rank keys]): ``key``
     folded with the step count, the data rank and the micro-batch.
 
@@ -111,7 +116,7 @@ def derived_key(data: np.ndarray, impl: str | None, *, step: int, rank: int,
     return np.asarray(out if impl is None else jax.random.key_data(out))
 
 
-def _fold(key: Any, values: np.ndarray) -> Any:
+def _fold(key: jax.Array | np.ndarray, values: np.ndarray) -> jax.Array:
     import jax
 
     global _FOLD
@@ -121,7 +126,7 @@ def _fold(key: Any, values: np.ndarray) -> Any:
     return _FOLD(key, values)
 
 
-_FOLD: Any = None
+_FOLD: Callable[[jax.Array | np.ndarray, np.ndarray], jax.Array] | None = None
 
 
 def keyed(fn: Callable[..., Any], impl: str | None) -> Callable[..., Any]:
@@ -140,7 +145,7 @@ def keyed(fn: Callable[..., Any], impl: str | None) -> Callable[..., Any]:
 
 
 def _wrap(fn: Callable[..., Any], impl: str | None) -> Callable[..., Any]:
-    def loss(params: Any, batch_and_key: Any, *rest: Any) -> Any:
+    def loss(params: Any, batch_and_key: tuple[Any, jax.Array], *rest: Any) -> Any:
 
         batch, data = batch_and_key
         key = data if impl is None else _wrap_key(data, impl)
@@ -159,8 +164,9 @@ _CALLS = ("jit", "pjit", "closed_call", "core_call")
 _SUMS = ("psum", "psum2", "psum_invariant")
 
 
-def evaluate(jaxpr: Any, consts: list[Any], args: list[Any],
-             rule: Callable[[Any, list[Any]], list[Any] | None] | None = None) -> list[Any]:
+def evaluate(jaxpr: Jaxpr, consts: list[ArrayLike], args: list[ArrayLike],
+             rule: Callable[[JaxprEqn, list[ArrayLike]], list[ArrayLike] | None] | None = None
+             ) -> list[ArrayLike]:
     """Evaluate ``jaxpr``, binding every primitive again except nested jit
     calls, whose bodies are evaluated in place, and the equations for which
     ``rule(eqn, inputs)`` returns the outputs itself. Traced by
@@ -168,9 +174,9 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any],
     inlined and those equations replaced."""
     from jax.extend.core import Literal
 
-    env: dict[Any, Any] = {}
+    env: dict[Var, ArrayLike] = {}
 
-    def read(v: Any) -> Any:
+    def read(v: Var | Literal) -> ArrayLike:
         return v.val if isinstance(v, Literal) else env[v]
 
     env.update(zip(jaxpr.constvars, consts, strict=True))
@@ -192,9 +198,9 @@ def evaluate(jaxpr: Any, consts: list[Any], args: list[Any],
     return [read(v) for v in jaxpr.outvars]
 
 
-def _names(params: dict[str, Any]) -> set[Any]:
+def _names(params: dict[str, Any]) -> set[Hashable]:
     """The axis names an equation's parameters mention."""
-    out: set[Any] = set()
+    out: set[Hashable] = set()
     for key in ("axes", "axis_name"):
         v = params.get(key)
         out.update(v if isinstance(v, (tuple, list)) else () if v is None else (v,))
@@ -212,7 +218,7 @@ def _jaxprs(params: dict[str, Any]) -> list[Any]:
     return out
 
 
-def _uses(jaxpr: Any, name: str) -> Any:
+def _uses(jaxpr: Jaxpr, name: str) -> JaxprEqn | None:
     """The first equation of ``jaxpr`` (nested ones included) that names the axis."""
     for eqn in jaxpr.eqns:
         if name in _names(eqn.params):
@@ -225,14 +231,14 @@ def _uses(jaxpr: Any, name: str) -> Any:
 
 
 def bind_axis(fn: Callable[..., Any], name: str, size: int, *, psum: Callable[[Any], Any],
-              index: Callable[[], Any], where: str) -> Callable[..., Any]:
+              index: Callable[[], jax.Array], where: str) -> Callable[..., Any]:
     """``fn`` with ``name`` bound as an axis of ``size`` ranks (see the Note):
     its ``psum`` over the axis is ``psum(x)``, its ``axis_index`` is
     ``index()``. ``where`` names the step in errors."""
     import jax
     from jax._src.core import extend_axis_env_nd  # how shard_map binds its mesh axes
 
-    def rule(eqn: Any, ins: list[Any]) -> list[Any] | None:
+    def rule(eqn: JaxprEqn, ins: list[ArrayLike]) -> list[ArrayLike] | None:
         names = _names(eqn.params)
         prim = eqn.primitive.name
         if name not in names:
@@ -257,7 +263,7 @@ def bind_axis(fn: Callable[..., Any], name: str, size: int, *, psum: Callable[[A
     def bound(*args: Any, **kw: Any) -> Any:
         flat, tree = jax.tree_util.tree_flatten((args, kw))
 
-        def flat_fn(*xs: Any) -> Any:
+        def flat_fn(*xs: jax.Array) -> Any:
             a, k = jax.tree_util.tree_unflatten(tree, list(xs))
             return fn(*a, **k)
 
@@ -295,7 +301,7 @@ def named_axes_refused(where: str) -> Iterator[None]:
         raise refused from e
 
 
-def _wrap_key(data: Any, impl: str) -> Any:
+def _wrap_key(data: Any, impl: str) -> jax.Array:  # Any: numpy data, which jax's stubs refuse
     """A typed JAX key from raw key data (numpy, as JAX takes it)."""
     import jax
 

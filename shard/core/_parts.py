@@ -18,11 +18,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, SupportsFloat
 
 import numpy as np
 
 from ops._types import tree_util
+
+if TYPE_CHECKING:
+    import optax
+    from jax.tree_util import PyTreeDef
+
+    from shard.core._layout import Layout
 
 __all__ = ["PER_LEAF", "Part", "Segments", "check_parts", "clip_first", "describe", "free_var",
            "parts_of", "probe"]
@@ -52,18 +58,19 @@ def free_var(f: Any, var: str) -> Any:
     return f.__closure__[code.co_freevars.index(var)].cell_contents
 
 
-def outer_name(f: Any) -> str:
+def outer_name(f: object) -> str:
     """``chain`` for ``chain.<locals>.update_fn``; '' for a module-level function."""
     qual = getattr(f, "__qualname__", "")
     return qual.split(".<locals>.")[0] if ".<locals>." in qual else ""
 
 
-def parts_of(tx: Any) -> list[Part]:
+def parts_of(tx: optax.GradientTransformation) -> list[Part]:
     """``tx``'s transformations in the order they apply, nested chains flattened."""
     return _flatten(tx.init, tx.update, ())
 
 
-def _flatten(init: Any, update: Any, path: tuple[int, ...]) -> list[Part]:
+def _flatten(init: Callable[..., object], update: Callable[..., object],
+             path: tuple[int, ...]) -> list[Part]:
     while outer_name(update) == "with_extra_args_support":  # optax's wrapper: the inner one
         inner = free_var(update, "tx")
         if inner is None:
@@ -101,13 +108,14 @@ class Segments:
     rank's (the rest padding) and ``sharded[i]`` whether the leaf is split.
     """
 
-    def __init__(self, parts: list[Part], treedef: Any, valid: list[int],
+    def __init__(self, parts: list[Part], treedef: PyTreeDef, valid: list[int],
                  sharded: list[bool], sizes: list[int]) -> None:
         import jax
 
         self.parts, self.treedef = parts, treedef
         self.valid, self.sharded, self.sizes = valid, sharded, sizes
-        self.runs: list[Any] = []  # (part indices, jitted fn) or a per-leaf part index
+        # (part indices, jitted fn) or a per-leaf part index
+        self.runs: list[tuple[list[int], Callable[..., Any]] | int] = []
         run: list[int] = []
         for i, part in enumerate([*parts, None]):
             if part is None or part.name in PER_LEAF:
@@ -122,7 +130,7 @@ class Segments:
                       for i, p in enumerate(parts) if p.name in PER_LEAF}
 
     def __call__(self, grads: Any, state: Any, params: Any,
-                 reduce: Callable[[np.ndarray], np.ndarray]) -> tuple[list, Any]:
+                 reduce: Callable[[np.ndarray], np.ndarray]) -> tuple[list[np.ndarray], Any]:
         tu = tree_util()
         states = [_get(state, p.path) for p in self.parts]
         u = grads
@@ -172,7 +180,7 @@ class Segments:
         return self.treedef.unflatten(us)
 
 
-def _safe(norm: float, floor: Any) -> float:
+def _safe(norm: float, floor: SupportsFloat) -> float:
     """optax's ``safe_norm`` / ``safe_root_mean_squares``: ``floor`` where the
     value is at most it."""
     floor = float(floor)
@@ -208,14 +216,15 @@ _REDUCERS = {
 _PROBE_SCALES = (1.0, 1e12, 1e-6, 1.0, 3.0)
 
 
-def describe(tx: Any) -> str:
+def describe(tx: optax.GradientTransformation) -> str:
     """``optax.chain(clip_by_global_norm, scale_by_adam, ...)``: the transformations a
     GradientTransformation is built of, found in its functions' closures."""
     names = _parts(tx.update)
     return f"optax transformation ({', '.join(names)})" if names else type(tx).__name__
 
 
-def check_parts(tx: Any, parts: list[Part], layout: Any, what: str, fn: str) -> None:
+def check_parts(tx: optax.GradientTransformation, parts: list[Part], layout: Layout, what: str,
+                fn: str) -> None:
     """Refuse ``tx`` unless each of its parts is a per-leaf reduction computed on
     shards (``PER_LEAF``), a ``clip_by_global_norm`` first in it, or acts
     element by element: by the names of the reductions it holds, then by the
@@ -232,11 +241,11 @@ def check_parts(tx: Any, parts: list[Part], layout: Any, what: str, fn: str) -> 
 
 
 class _Tx(NamedTuple):
-    init: Any
-    update: Any
+    init: Callable[..., Any]  # params -> state (an optax state: any pytree)
+    update: Callable[..., tuple[Any, Any]]  # (grads, state, params) -> (updates, state)
 
 
-def _factors_a_split_leaf(part: Part, layout: Any) -> bool:
+def _factors_a_split_leaf(part: Part, layout: Layout) -> bool:
     """Whether Adafactor's ``scale_by_factored_rms`` keeps row and column
     statistics (optax's ``_factored_dims``) for a leaf ZeRO splits."""
     update = next((f for f in _functions(part.update)
@@ -251,7 +260,8 @@ def _factors_a_split_leaf(part: Part, layout: Any) -> bool:
 
 
 # -- the element-wise probe ------------------------------------------------------
-def probe(tx: Any, layout: Any, what: str, fn: str, whole: Any = None) -> None:
+def probe(tx: _Tx, layout: Layout, what: str, fn: str,
+          whole: optax.GradientTransformation | None = None) -> None:
     """Refuse ``tx`` (a part of ``whole``) unless its update on two ranks' row
     blocks equals its update on the whole leaves (see [Note: optax on shards])."""
     tu = tree_util()
@@ -293,7 +303,7 @@ def probe(tx: Any, layout: Any, what: str, fn: str, whole: Any = None) -> None:
                 _refuse(whole_tx, layout, k, what, fn, part=outer_name(tx.update))
 
 
-def _probe_step(tx: Any, td: Any) -> Any:
+def _probe_step(tx: _Tx, td: PyTreeDef) -> Callable[..., tuple]:
     def step(g: Any, state: Any, p: Any) -> tuple:
         tu = tree_util()
         updates, state = tx.update(g, state, p)
@@ -309,7 +319,8 @@ def _close(a: np.ndarray, b: np.ndarray) -> bool:
     return bool(np.allclose(a, b, rtol=1e-4, atol=1e-6 * scale + 1e-30, equal_nan=True))
 
 
-def _refuse(tx: Any, layout: Any, k: int | None, what: str, fn: str,
+def _refuse(tx: optax.GradientTransformation | _Tx, layout: Layout, k: int | None, what: str,
+            fn: str,
             found: Sequence[str] = (), part: str = "") -> None:
     """A ValueError naming the reductions ``found`` in ``tx``, or its ``part``
     whose update differed on the probe's step ``k``."""
@@ -326,13 +337,14 @@ def _refuse(tx: Any, layout: Any, k: int | None, what: str, fn: str,
 
 
 # -- reading a GradientTransformation's parts -------------------------------------
-def _functions(f: Any, depth: int = 0, seen: set | None = None) -> list[Any]:
+def _functions(f: object, depth: int = 0,
+               seen: set[int] | None = None) -> list[Callable[..., object]]:
     """``f`` and the functions its closure holds, depth first, in order."""
     seen = set() if seen is None else seen
     if depth > 8 or id(f) in seen or not callable(f):
         return []
     seen.add(id(f))
-    out = [f]
+    out: list[Callable[..., object]] = [f]
     for cell in getattr(f, "__closure__", None) or ():
         try:
             v = cell.cell_contents
@@ -346,7 +358,7 @@ def _functions(f: Any, depth: int = 0, seen: set | None = None) -> list[Any]:
     return out
 
 
-def _parts(update: Any) -> list[str]:
+def _parts(update: object) -> list[str]:
     names = []
     for f in _functions(update):
         qual = getattr(f, "__qualname__", "")
@@ -357,7 +369,7 @@ def _parts(update: Any) -> list[str]:
     return names
 
 
-def clip_first(tx: Any) -> float | None:
+def clip_first(tx: optax.GradientTransformation) -> float | None:
     """The max norm of a ``clip_by_global_norm`` that comes first in ``tx``."""
     fs = [f for f in _functions(tx.update)
           if ".<locals>." in getattr(f, "__qualname__", "")
@@ -371,5 +383,5 @@ def clip_first(tx: Any) -> float | None:
         return None
 
 
-def _is_transformation(x: Any) -> bool:
+def _is_transformation(x: object) -> bool:
     return callable(getattr(x, "init", None)) and callable(getattr(x, "update", None))
