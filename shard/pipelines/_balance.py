@@ -13,6 +13,7 @@ from shard.core._loss import Layered
 __all__ = ["balance_by_time"]
 
 
+# loss: Any, a Layered or a loss with layer_times (mypy cannot tie which to the branch below)
 def balance_by_time(loss: Any, params: list[Any], batch: Any, stages: int, *,
                     repeats: int = 3) -> list[int]:
     """Layers per stage for ``pipeline(balance=...)``, from each layer's measured

@@ -3,11 +3,18 @@ in ``shard/pipelines/_pipeline.py``)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ops.device._dlpack import jax_view
 from shard.core._loss import Layered
 from shard.monitor._profile import timed
+
+if TYPE_CHECKING:
+    import jax
+    import numpy as np
+
+    from shard.core._protocol import GradSink
+    from shard.step._runtime import Units
 
 __all__ = ["JaxStage"]
 
@@ -18,7 +25,7 @@ class JaxStage:
     then ``finish(reducer)`` (the runner protocol ``interop.torch.layered``'s
     stages share)."""
 
-    def __init__(self, loss: Layered, units: Any, layers: range, checkpointing: bool) -> None:
+    def __init__(self, loss: Layered, units: Units, layers: range, checkpointing: bool) -> None:
         fwd, bwd = loss.compiled()
         self.fwd, self.bwd = [fwd[i] for i in layers], [bwd[i] for i in layers]
         self.units, self.checkpointing = units, checkpointing
@@ -48,7 +55,7 @@ class JaxStage:
             self.forward_passes += 1
         return carry, saved
 
-    def forward(self, k: int, x: Any, batch: Any) -> Any:
+    def forward(self, k: int, x: np.ndarray | None, batch: Any) -> jax.Array:
         import jax.numpy as jnp
 
         out, saved = self._run(None if x is None else jnp.asarray(x), batch, len(self.fwd))
@@ -56,7 +63,8 @@ class JaxStage:
         self.carries[k] = (saved[:1] if self.checkpointing else saved, batch)
         return out
 
-    def backward(self, k: int, ct: Any) -> Any:
+    # ct: the loss's cotangent (a float) or a received array, rebound to its jax array
+    def backward(self, k: int, ct: Any) -> jax.Array:
         import jax
         import jax.numpy as jnp
 
@@ -73,6 +81,6 @@ class JaxStage:
                 jnp.add, self.grads[u], g)
         return ct
 
-    def finish(self, reducer: Any) -> None:
+    def finish(self, reducer: GradSink) -> None:
         for u in range(len(self.fwd)):
             reducer.add(u, self.subtrees[u].flatten_up_to(self.grads[u]))

@@ -45,7 +45,7 @@ import os
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -61,16 +61,45 @@ from shard.pipelines._balance import _balanced, _size, balance_by_time
 from shard.pipelines._jax_stage import JaxStage
 from shard.pipelines._ties import TiedReducer, check_ties, resolve_ties
 
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    import jax
+    import torch
+
+    from ops.comm._base import Pending
+    from shard.core._protocol import GradSink
+    from shard.core._state import TrainState
+    from shard.step._runtime import Units
+    from shard.step._step import ZeroStep
+
 __all__ = ["Pipeline", "balance_by_time", "pipeline"]
+
+
+class StageRunner(Protocol):
+    """What runs a stage's layers (see [Note: pipeline]): a :class:`JaxStage`, or
+    ``interop.torch.layered``'s stage (its loss's ``make_stage``)."""
+
+    forward_passes: int
+
+    def forward(self, k: int, x: np.ndarray | None, batch: Any) -> jax.Array | torch.Tensor:
+        """Micro-batch ``k``'s output to send on (the loss on the last stage)."""
+
+    def backward(self, k: int, ct: float | np.ndarray) -> object:
+        """The input's gradient to send back (none on the first stage)."""
+
+    def finish(self, reducer: GradSink) -> None:
+        """Every layer's summed gradients to ``reducer``."""
 
 _DTYPES = ("float32", "bfloat16", "float16", "float64")
 _HEADER, _DATA = 0, 1  # tags: a message's header, then its payload
 _MAX_DIMS = 8
 
 
-def pipeline(loss: Any, *, comm: Communicator | None = None, stages: int | None = None,
-             microbatches: int = 1, schedule: str = "1f1b", balance: list[int] | None = None,
-             activation_checkpointing: bool = False, tied: Any = None,
+def pipeline(loss: LossProvider, *, comm: Communicator | None = None,
+             stages: int | None = None, microbatches: int = 1, schedule: str = "1f1b",
+             balance: list[int] | None = None, activation_checkpointing: bool = False,
+             tied: Sequence[Sequence[tuple[int, str]]] | None = None,
              mesh: Mesh | None = None) -> Pipeline:
     """Split a :class:`shard.Layered` loss into ``stages`` pipeline stages over
     ``comm``'s ranks (see [Note: pipeline]).
@@ -149,7 +178,7 @@ class Pipeline(LossProvider):
     pipe: Communicator
     world: Communicator
     activation_checkpointing: bool = False
-    tied: list[Any] = field(default_factory=list)  # see [Note: tied weights]
+    tied: list[list[tuple[int, str]]] = field(default_factory=list)  # see [Note: tied weights]
     forward_passes: int = 0  # layer forwards run, recomputations included
 
     def __post_init__(self) -> None:
@@ -179,7 +208,7 @@ class Pipeline(LossProvider):
         return {i: params[i] for i in self._layers}
 
     # -- checkpoints --------------------------------------------------------------
-    def save(self, state: Any, path: str | os.PathLike, *, extra: Any = None) -> Path:
+    def save(self, state: TrainState, path: str | os.PathLike, *, extra: object = None) -> Path:
         """Save every stage's state under ``path`` (a collective over the whole
         mesh): one checkpoint per stage in ``stage-<s>/``, then ``pipeline.json``.
         ``shard.load`` reads it into a plain step or a pipeline of any shape."""
@@ -196,7 +225,7 @@ class Pipeline(LossProvider):
         self.world.barrier()
         return path
 
-    def load(self, path: str | os.PathLike, step: Any) -> tuple[Any, Any]:
+    def load(self, path: str | os.PathLike, step: ZeroStep) -> tuple[TrainState, Any]:
         """This stage's state from a checkpoint of the whole model, plain or
         pipelined (a collective over the stage's data ranks)."""
         from shard.checkpoint._load import load
@@ -209,7 +238,7 @@ class Pipeline(LossProvider):
         self.loss.claim(self.world)
 
     def configured(self, *, has_aux: bool,
-                   cast_forward_inputs: bool) -> AbstractContextManager[Any]:
+                   cast_forward_inputs: bool) -> AbstractContextManager[object]:
         """The stage's loss as the step asks (a torch stage casts its first
         input as ``Precision`` says)."""
         return self.loss.configured(has_aux=has_aux, cast_forward_inputs=cast_forward_inputs)
@@ -231,7 +260,7 @@ class Pipeline(LossProvider):
         return self.data
 
     # -- the step -------------------------------------------------------------
-    def run_units(self, units: Any, reducer: Any, batch: Any, scale: float) -> Any:
+    def run_units(self, units: Units, reducer: GradSink, batch: Any, scale: float) -> float:
         """One step's schedule over every micro-batch (see the Note); returns this
         stage's share of the loss (the mean over micro-batches on the last stage,
         0 elsewhere)."""
@@ -239,8 +268,8 @@ class Pipeline(LossProvider):
         m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
         micro, rows = _split(batch, m)
         self._begin(backward=True, rows=rows)
-        losses: list[Any] = []
-        sends: list[Any] = []
+        losses: list[jax.Array | torch.Tensor] = []
+        sends: list[_Sends] = []
         for kind, k in _order(self.schedule, self.stages, self.stage, m):
             if kind == "F":
                 out = runner.forward(k, None if first else self._recv(self.stage - 1), micro[k])
@@ -263,7 +292,7 @@ class Pipeline(LossProvider):
         self.forward_passes += runner.forward_passes
         return sum(float(x) for x in losses) / m if last else 0.0
 
-    def loss_units(self, units: Any, batch: Any) -> float:
+    def loss_units(self, units: Units, batch: Any) -> float:
         """Every micro-batch's forward through the stages, no gradients (for
         ``step.evaluate``); the mean loss on the last stage, 0 elsewhere."""
         m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
@@ -282,7 +311,7 @@ class Pipeline(LossProvider):
                 work.wait()
         return sum(float(x) for x in losses) / m if last else 0.0
 
-    def _runner(self, units: Any, checkpointing: bool) -> Any:
+    def _runner(self, units: Units, checkpointing: bool) -> StageRunner:
         layers = getattr(self, "_layers", None)
         if layers is None:
             raise RuntimeError("pipeline: call step.init(pipe.params(params)) first")
@@ -303,7 +332,7 @@ class Pipeline(LossProvider):
     # Messages are host arrays (what a JAX or torch CPU stage computes); a backend
     # that moves device memory only (NCCL) gets them copied to its device and back
     # (to_comm, from_comm), into buffers of its own memory (allocate).
-    def _send(self, x: Any, dst: int) -> Any:
+    def _send(self, x: object, dst: int) -> _Sends:
         a = _host_array(x)
         if a.ndim > _MAX_DIMS or str(a.dtype) not in _DTYPES:
             raise TypeError(f"pipeline: stage {self.stage} passes a {a.dtype} array of "
@@ -356,13 +385,13 @@ class Pipeline(LossProvider):
         rows."""
         m = self.microbatches
         self._rows = rows
-        self._sent: dict[int, Any] = {}
-        self._received: dict[int, Any] = {}
-        self._posted: dict[int, Any] = {}
+        self._sent: dict[int, tuple[tuple[int, ...], str]] = {}  # (shape, dtype)
+        self._received: dict[int, tuple[tuple[int, ...], np.dtype]] = {}
+        self._posted: dict[int, Pending] = {}
         self._expected = {self.stage - 1: m, self.stage + 1: m if backward else 0}
 
 
-def _host_array(x: Any) -> np.ndarray:
+def _host_array(x: object) -> np.ndarray:
     """A message's payload in host memory (device activations are copied out)."""
     if not isinstance(x, np.ndarray):
         x = to_native(x)[0]
@@ -373,7 +402,7 @@ def _host_array(x: Any) -> np.ndarray:
 
 
 class _Sends:
-    def __init__(self, works: list[Any]) -> None:
+    def __init__(self, works: list[Pending]) -> None:
         self.works = works
 
     def wait(self) -> None:

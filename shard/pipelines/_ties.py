@@ -24,12 +24,15 @@ The trajectory is that of the model with one shared weight. With
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from ops import Communicator
 from ops.device._dlpack import host_copy
+
+if TYPE_CHECKING:
+    from shard.core._protocol import GradSink
 
 __all__ = ["TiedReducer", "resolve_ties"]
 
@@ -40,10 +43,11 @@ class Tie:
 
     here: tuple[tuple[int, int], ...]  # (unit, leaf within the unit) of each member here
     shape: tuple[int, ...]
-    dtype: Any
+    dtype: np.dtype
     skip: tuple[int, ...]  # leaves (of the stage's layout) left out of the norm
 
 
+# tied: Any, the user's argument as given (pairs may be lists), checked here
 def check_ties(tied: Any, layers: int) -> list[list[tuple[int, str]]]:
     """The ``tied=`` argument as lists of (layer, key), refused by name when malformed."""
     groups = []
@@ -112,7 +116,7 @@ class TiedReducer:
     def add(self, u: int, grads: list[Any]) -> None:
         self.added.append((u, list(grads)))
 
-    def flush(self, reducer: Any) -> None:
+    def flush(self, reducer: GradSink) -> None:
         at = {u: grads for u, grads in self.added}
         for tie in self.ties:  # in group order on every stage of the data index
             total = np.zeros(tie.shape, tie.dtype)
