@@ -26,6 +26,11 @@ from shard.step._reduce import GradBuffers, GradReducer
 from shard.step._runtime import LiveBytes, Units
 
 if TYPE_CHECKING:
+    import jax
+    from numpy.typing import DTypeLike
+
+    from ops._types import Array
+    from shard.core._protocol import LossProvider
     from shard.step._plan import Plan
 
 __all__ = [
@@ -50,7 +55,8 @@ def reduce_dtype(plan: Plan) -> np.dtype:
     return np.dtype(p.reduce_dtype or p.param_dtype or plan.master_dtype)
 
 
-def grad_buffers(plan: Plan, kept: GradBuffers | None, dtype: Any = None) -> GradBuffers:
+def grad_buffers(plan: Plan, kept: GradBuffers | None,
+                 dtype: DTypeLike | None = None) -> GradBuffers:
     """The gradient shards, kept across steps (see :class:`GradBuffers`):
     ``kept`` where it serves ``plan``, else new ones; in ``dtype`` (default:
     the reductions')."""
@@ -79,21 +85,21 @@ def whole_params(plan: Plan, units: Units) -> Any:
     layout = plan.layout
     n = len(layout.units)
     units.bounded = False
-    leaves: list[Any] = [None] * len(layout.leaves)
+    leaves: list[Array | jax.Array | None] = [None] * len(layout.leaves)
     for u in range(n):
         for i, x in zip(layout.units[u].leaves, units.get(u, tuple(range(u + 1, n))), strict=True):
             leaves[i] = jax_view(x) if plan.config.kind == "jax" else x
     return layout.treedef.unflatten(leaves)
 
 
-def on_device(plan: Plan, x: Any, what: str) -> Any:
+def on_device(plan: Plan, x: object, what: str) -> Any:  # Any: callers compute on it
     """A loss (a number, or a torch, jax or device scalar) as a device array."""
     if isinstance(x, (int, float)):
         x = np.asarray(x, np.float64)
     return plan.device.asarray(x, what=f"{plan.config.name}: {what}").reshape(1)
 
 
-def placement(plan: Plan) -> Any:
+def placement(plan: Plan) -> AbstractContextManager[object]:
     """JAX computations over host state run on JAX's CPU device, even where
     JAX's default device is a GPU."""
     if not plan.device.host or plan.config.kind == "provider":
@@ -103,7 +109,8 @@ def placement(plan: Plan) -> Any:
     return jax.default_device(jax.devices("cpu")[0])
 
 
-def configured(plan: Plan, loss_fn: Any = None) -> AbstractContextManager[Any]:
+def configured(plan: Plan,
+               loss_fn: LossProvider | None = None) -> AbstractContextManager[object]:
     """The step's loss (or ``loss_fn``) run with the step's ``has_aux`` and
     precision policy (see [Note: the loss protocol])."""
     c = plan.config
@@ -112,7 +119,8 @@ def configured(plan: Plan, loss_fn: Any = None) -> AbstractContextManager[Any]:
                            cast_forward_inputs=plan.precision.cast_forward_inputs)
 
 
-def step_loss(plan: Plan, with_state: bool, loss_fn: Any = None) -> JaxLoss | None:
+def step_loss(plan: Plan, with_state: bool,
+              loss_fn: JaxLoss | None = None) -> JaxLoss | None:
     """The JAX loss the step calls in place of its own (or of ``loss_fn``, an
     eval-mode one), or None where it calls it as it is: one that threads a
     model state (see [Note: model state]) and takes a key (see [Note:
@@ -144,7 +152,8 @@ def keyed_batch(plan: Plan, batch: Any, step: int, micro_batch: int) -> Any:
     return batch, derived_key(*c.key, step=step, rank=rank, micro_batch=micro_batch)
 
 
-def counted(plan: Plan, flops: FlopCount, called: Any, batch: Any) -> AbstractContextManager[Any]:
+def counted(plan: Plan, flops: FlopCount, called: LossProvider | None,
+            batch: object) -> AbstractContextManager[object]:
     """Where the step counts FLOPs, one micro-batch's run counted into ``flops``
     (see [Note: model FLOPs]); else nothing. ``called``: the loss the step
     calls, as for :func:`loss_and_grads`."""
@@ -163,7 +172,9 @@ def counted(plan: Plan, flops: FlopCount, called: Any, batch: Any) -> AbstractCo
     return flops.micro_batch(loss.counts_flops, loss, batch, program)
 
 
-def loss_and_grads(plan: Plan, units: Units, reducer: GradReducer, batch: Any,
+# loss_fn: Any: a JaxLoss, or the step's LossProvider in its place, whose optional
+# callables (run_units, loss_units, loss_value) the step's kind says are there
+def loss_and_grads(plan: Plan, units: Units, reducer: GradReducer, batch: object,
                    scale: float, loss_fn: Any = None) -> Any:
     """Loss of one micro-batch (a number or a scalar array); its gradients (of
     loss * scale) go to ``reducer``. ``loss_fn``: a JAX loss in place of the
@@ -218,7 +229,7 @@ def mean_aux(plan: Plan, auxes: list[Any]) -> Any:
     return tu.tree_unflatten(treedef, leaves)
 
 
-def _number_like(x: Any) -> bool:
+def _number_like(x: object) -> bool:
     """Numbers and arrays of them (numpy, JAX, torch, device arrays, bf16 too)."""
     if isinstance(x, (bool, int, float, np.number)):
         return True
@@ -226,7 +237,7 @@ def _number_like(x: Any) -> bool:
     return any(k in name for k in ("float", "int", "bool"))
 
 
-def _host(plan: Plan, x: Any) -> np.ndarray:
+def _host(plan: Plan, x: Any) -> np.ndarray:  # Any: a number or any library's array
     """An aux value on the host, as float64 (an explicit copy from a device)."""
     if hasattr(x, "detach"):  # torch
         x = x.detach().cpu().float().numpy()
@@ -287,7 +298,7 @@ def mean_model_state(plan: Plan, model_state: Any) -> Any:
     return tu.tree_unflatten(tree, out)
 
 
-def evaluate(plan: Plan, units: Units, batch: Any, loss_fn: Any = None) -> Any:
+def evaluate(plan: Plan, units: Units, batch: object, loss_fn: Any = None) -> Any:
     """The loss at ``units``' params on this rank's ``batch``, averaged over the
     ranks (a collective); with ``has_aux``, ``(loss, aux)``, aux averaged as the
     step's metrics are. ``loss_fn`` (a ``JaxLoss``) replaces the step's loss. A
