@@ -64,11 +64,15 @@ import queue
 import threading
 import uuid
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
 
 __all__ = ["DiskTier", "Offload"]
 
@@ -128,7 +132,7 @@ class Offload:
 class DiskTier:
     """One rank's generation files of masters and moments (see [Note: offload])."""
 
-    def __init__(self, policy: Offload, rank: int, sizes: list[int], dtype: Any) -> None:
+    def __init__(self, policy: Offload, rank: int, sizes: list[int], dtype: DTypeLike) -> None:
         if policy.path is None:
             raise ValueError("Offload('disk') needs path=, a directory for the disk tier")
         self.dir = Path(policy.path) / f"rank-{rank:05d}"
@@ -193,7 +197,9 @@ class DiskTier:
         _unlink(str(path))
 
     # -- the streamed update ------------------------------------------------------
-    def update(self, src: Path, run_chunk: Any) -> Path:
+    def update(self, src: Path,
+               run_chunk: Callable[[int, int, int, np.ndarray, np.ndarray, np.ndarray], None]
+               ) -> Path:
         """Stream ``src``'s masters and moments through ``run_chunk(u, lo, hi, p, m,
         v)`` (which updates them in place) into a new generation; returns its
         path once it is on disk."""

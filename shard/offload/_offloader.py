@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import numpy as np
 
@@ -17,12 +18,33 @@ from shard.monitor._profile import timed
 from shard.offload._offload import KINDS, DiskTier, Offload
 from shard.offload._overlap import HostStaging, OverlappedUpdate, Spare
 
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
+    from ops import Device, FusedOptimizer
+    from ops._types import Array
+    from ops.comm._base import Pending
+    from shard.core._layout import Layout
+    from shard.core._state import Packing, TrainState
+
+    # one unit's host buffers: masters, first and second moments, compute-dtype copy
+    _Bufs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
+
 __all__ = ["Offloader", "check_offload", "check_offload_device"]
 
 log = logging.getLogger(__name__)
 
 
-def check_offload(name: str, stage: int, offload: Any, clip_norm: Any) -> None:
+class _Reducing(Protocol):
+    """What the overlapped update reads of the step's gradient reducer."""
+
+    @property
+    def shards(self) -> list[Array]: ...
+
+    on_final: Callable[[int, list[tuple[Array | None, Pending]]], None] | None
+
+
+def check_offload(name: str, stage: int, offload: object, clip_norm: float | None) -> None:
     """``zero1``-``zero3``'s ``offload=`` argument, before anything is built."""
     if offload is None:
         return
@@ -40,7 +62,7 @@ def check_offload(name: str, stage: int, offload: Any, clip_norm: Any) -> None:
                          "Offload(overlap=True) updates during the backward; drop one of them")
 
 
-def check_offload_device(name: str, offload: Offload, device: Any) -> None:
+def check_offload_device(name: str, offload: Offload, device: Device) -> None:
     """What the offload does not run on a GPU (see [Note: offload on a GPU] in
     ``shard/offload/_offload.py``), refused before anything is built."""
     if device.name != "cupy":
@@ -62,10 +84,11 @@ class Offloader:
     crosses the bus, and the overlapped update's spare set (see [Note:
     overlapped offload]), kept from step to step."""
 
-    def __init__(self, policy: Offload, *, name: str, stage: int, layout: Any, device: Any,
-                 master_dtype: Any, compute_dtype: Any, rank: int, optimizer: Any,
-                 clip_norm: float | None, runs: tuple | None = None,
-                 packing: Any = None) -> None:
+    def __init__(self, policy: Offload, *, name: str, stage: int, layout: Layout,
+                 device: Device, master_dtype: DTypeLike, compute_dtype: DTypeLike, rank: int,
+                 optimizer: FusedOptimizer, clip_norm: float | None,
+                 runs: tuple[tuple[tuple[int, int], ...], ...] | None = None,
+                 packing: Packing | None = None) -> None:
         check_offload_device(name, policy, device)
         self.policy, self.name, self.stage, self.layout = policy, name, stage, layout
         # with frozen leaves: each unit's trainable ranges, and where their
@@ -80,11 +103,13 @@ class Offloader:
         self.spare: Spare | None = None
         self.overlap: OverlappedUpdate | None = None
 
-    def init_buffers(self, values: Any, rank: int) -> tuple[list, list, list, list]:
+    def init_buffers(self, values: Callable[[int], Sequence[Array]], rank: int
+                     ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray],
+                                list[np.ndarray]]:
         """``init``'s masters (scattered straight into host memory or the disk tier,
         one unit at a time: ``values(u)`` gives unit ``u``'s whole leaves), zero
         moments, and the masters' compute-dtype copies."""
-        def fill(u: int, kind: str, buf: Any) -> None:
+        def fill(u: int, kind: str, buf: np.ndarray) -> None:
             if kind != "master":
                 return
             for i, x in zip(self.layout.units[u].leaves, values(u), strict=True):
@@ -97,7 +122,9 @@ class Offloader:
         log.info("%s: masters and moments offloaded to %s", self.name, self.policy.optimizer)
         return out
 
-    def buffers(self, fill: Any) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+    def buffers(self, fill: Callable[[int, str, np.ndarray], None]
+                ) -> tuple[list[np.ndarray], list[np.ndarray], list[np.ndarray],
+                           list[np.ndarray]]:
         """Masters and moments where the policy keeps them, unit by unit, and the
         compute-dtype copy of each unit's masters (host arrays, for the device).
 
@@ -128,8 +155,8 @@ class Offloader:
         maps = tier.maps(path)
         return maps["master"], maps["exp_avg"], maps["exp_avg_sq"], copies
 
-    def apply(self, state: Any, shards: list[Any], grad_scale: float,
-              grad_sumsq: Any) -> tuple[Any, tuple | None]:
+    def apply(self, state: TrainState, shards: list[Array], grad_scale: float,
+              grad_sumsq: Array | None) -> tuple[TrainState, tuple[Array, ...] | None]:
         """The update in host memory or streamed through the disk tier. Returns the
         new state, and the new compute-dtype params (device arrays) that stages
         1-2 still gather into their whole compute params, else None."""
@@ -160,11 +187,11 @@ class Offloader:
                 return state, None
         return state, tuple(self.device.asarray(c) for c in out)
 
-    def _resident(self, state: Any) -> bool:
+    def _resident(self, state: TrainState) -> bool:
         """Stage 3's compute shards are host memory: new params go straight in."""
         return self.stage == 3 and (self.device.host or state.meta.compute_on_host)
 
-    def _staging(self, state: Any, shards: list[Any]) -> HostStaging:
+    def _staging(self, state: TrainState, shards: list[Array]) -> HostStaging:
         """Host buffers for what crosses the bus: gradients from a device, and new
         compute params wherever the compute shards are not host memory."""
         sizes = [u.local_size for u in self.layout.units]
@@ -177,7 +204,8 @@ class Offloader:
                                                  grad_sizes)
         return self.host_staging
 
-    def _unit_update(self, state: Any, grad_scale: float, host_sumsq: Any) -> Any:
+    def _unit_update(self, state: TrainState, grad_scale: float,
+                     host_sumsq: np.ndarray | None) -> Callable[..., None]:
         """``run(u, lo, grad, p, m, v, copy, read_from=None)``: the kernel on unit
         ``u``'s host buffers from element ``lo`` (the whole unit, or a chunk of
         it: ``p``, ``m``, ``v`` and ``copy`` are views of the same elements),
@@ -189,15 +217,18 @@ class Offloader:
         separate = np.dtype(state.meta.compute_dtype) != np.dtype(state.meta.master_dtype)
         count = AdamState(state.step, (), ())
 
-        def kernel(grads: tuple, p: tuple, m: tuple, v: tuple, copy: tuple,
-                   read_from: Any) -> None:
+        def kernel(grads: tuple[Array, ...], p: tuple[np.ndarray, ...],
+                   m: tuple[np.ndarray, ...], v: tuple[np.ndarray, ...],
+                   copy: tuple[np.ndarray, ...],
+                   read_from: tuple[tuple[np.ndarray, ...], ...] | None) -> None:
             self.optimizer.apply(grads, count._replace(mu=m, nu=v), p,
                                  grad_scale=grad_scale, grad_sumsq=host_sumsq,
                                  max_norm=self.clip_norm, param_copies=copy if separate
                                  else None, finite=True, read_from=read_from)
 
-        def run(u: int, lo: int, grad: Any, p: Any, m: Any, v: Any, copy: Any,
-                read_from: Any = None) -> None:
+        def run(u: int, lo: int, grad: Array, p: np.ndarray, m: np.ndarray, v: np.ndarray,
+                copy: np.ndarray,
+                read_from: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> None:
             hi = lo + p.size
             if self.runs is None:
                 kernel((grad[lo:hi],), (p,), (m,), (v,), (copy,),
@@ -210,8 +241,8 @@ class Offloader:
 
         return run
 
-    def _update_units(self, state: Any, grads: list[Any], out: list[Any], grad_scale: float,
-                      host_sumsq: Any) -> Any:
+    def _update_units(self, state: TrainState, grads: list[Array], out: list[np.ndarray],
+                      grad_scale: float, host_sumsq: np.ndarray | None) -> TrainState:
         run = self._unit_update(state, grad_scale, host_sumsq)
         if self.tier is None:
             for u in range(len(self.layout.units)):
@@ -227,7 +258,8 @@ class Offloader:
                              moments=(tuple(maps["exp_avg"]), tuple(maps["exp_avg_sq"])))
 
     # -- overlap (see [Note: overlapped offload]) -----------------------------------
-    def start_overlap(self, state: Any, reducer: Any, grad_scale: float) -> Any:
+    def start_overlap(self, state: TrainState, reducer: _Reducing,
+                      grad_scale: float) -> OverlappedUpdate | None:
         """The step's :class:`OverlappedUpdate` (handed each unit's reduction by
         ``reducer``), or None where the policy does not overlap."""
         if not self.policy.overlap:
@@ -254,7 +286,7 @@ class Offloader:
             self.overlap.close()
             self.overlap = None
 
-    def _commit(self, state: Any, spare: Spare, resident: bool) -> Any:
+    def _commit(self, state: TrainState, spare: Spare, resident: bool) -> TrainState:
         """The spare set becomes the state's; the old set the next step's spare."""
         old = Spare(list(state.master), list(state.exp_avg), list(state.exp_avg_sq),
                     list(state.compute) if resident else None)
@@ -266,8 +298,11 @@ class Offloader:
         return state.replace(**changes)
 
 
-def _trainable_update(kernel: Any, runs: tuple, packing: Any, u: int, lo: int, hi: int,
-                      grad: Any, bufs: tuple, read_from: Any, separate: bool) -> None:
+def _trainable_update(kernel: Callable[..., None], runs: tuple[tuple[int, int], ...],
+                      # Any: the Offloader's Packing, None only where runs is
+                      packing: Any, u: int, lo: int, hi: int, grad: Array, bufs: _Bufs,
+                      read_from: tuple[np.ndarray, np.ndarray, np.ndarray] | None,
+                      separate: bool) -> None:
     """The kernel on the trainable ranges of unit ``u``'s elements [lo, hi)
     (``bufs``: the masters', moments' and copy's views of them); the frozen
     ranges keep their masters and moments (copied from ``read_from`` out of
@@ -283,7 +318,7 @@ def _trainable_update(kernel: Any, runs: tuple, packing: Any, u: int, lo: int, h
         if separate:  # their compute-dtype copies
             ops.cast(p[a:b], copy.dtype, out=copy[a:b])
     if parts:
-        def local(x: Any) -> tuple:
+        def local(x: np.ndarray) -> tuple[np.ndarray, ...]:
             return tuple(x[a - lo:b - lo] for a, b in parts)
 
         kernel(tuple(grad[slice(*packing.where(u, a, b))] for a, b in parts), local(p),
@@ -295,7 +330,7 @@ def _cast(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     return ops.cast(x, dtype) if x.dtype != dtype else x.copy()
 
 
-def _file_of(bufs: Any) -> Path:
+def _file_of(bufs: Sequence[np.ndarray]) -> Path:
     for b in bufs:
         name = getattr(b, "filename", None)
         if name is not None:

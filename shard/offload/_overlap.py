@@ -33,10 +33,19 @@ from __future__ import annotations
 
 import queue
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from numpy.typing import DTypeLike
+
+    from ops import Device
+    from ops._types import Array
+    from ops.comm._base import Pending
+    from shard.core._state import TrainState
 
 __all__ = ["HostStaging", "OverlappedUpdate", "Spare"]
 
@@ -54,23 +63,25 @@ class HostStaging:
     key: tuple
 
     @classmethod
-    def make(cls, device: Any, sizes: list[int], grad_dtype: Any, out_dtype: Any,
+    def make(cls, device: Device, sizes: list[int], grad_dtype: DTypeLike | None,
+             out_dtype: DTypeLike | None,
              grad_sizes: list[int]) -> HostStaging:
         """``grad_dtype`` / ``out_dtype`` None: that set is not needed;
         ``grad_sizes``: the gradient shards' (the trainable leaves' alone, see
         [Note: frozen leaves])."""
-        def bufs(dtype: Any, sizes: list[int]) -> list[np.ndarray]:
+        def bufs(dtype: DTypeLike | None, sizes: list[int]) -> list[np.ndarray]:
             return [] if dtype is None else [device.pinned_empty(n, dtype) for n in sizes]
 
         return cls(bufs(grad_dtype, grad_sizes), bufs(out_dtype, sizes),
                    _key(sizes, grad_dtype, out_dtype, grad_sizes))
 
-    def fits(self, sizes: list[int], grad_dtype: Any, out_dtype: Any,
+    def fits(self, sizes: list[int], grad_dtype: DTypeLike | None, out_dtype: DTypeLike | None,
              grad_sizes: list[int]) -> bool:
         return self.key == _key(sizes, grad_dtype, out_dtype, grad_sizes)
 
 
-def _key(sizes: list[int], grad_dtype: Any, out_dtype: Any, grad_sizes: list[int]) -> tuple:
+def _key(sizes: list[int], grad_dtype: DTypeLike | None, out_dtype: DTypeLike | None,
+         grad_sizes: list[int]) -> tuple:
     return (tuple(sizes), tuple(grad_sizes), None if grad_dtype is None else np.dtype(grad_dtype),
             None if out_dtype is None else np.dtype(out_dtype))
 
@@ -86,14 +97,14 @@ class Spare:
     compute: list[np.ndarray] | None
 
     @classmethod
-    def like(cls, state: Any, resident: bool) -> Spare:
-        def empty(bufs: Any) -> list[np.ndarray]:
+    def like(cls, state: TrainState, resident: bool) -> Spare:
+        def empty(bufs: tuple[np.ndarray, ...]) -> list[np.ndarray]:
             return [np.empty_like(b) for b in bufs]
 
         return cls(empty(state.master), empty(state.exp_avg), empty(state.exp_avg_sq),
                    empty(state.compute) if resident else None)
 
-    def fits(self, state: Any, resident: bool) -> bool:
+    def fits(self, state: TrainState, resident: bool) -> bool:
         same = all(a.shape == b.shape and a.dtype == b.dtype
                    for a, b in zip(self.master, state.master, strict=True))
         return same and (self.compute is not None) == resident
@@ -110,12 +121,12 @@ class OverlappedUpdate:
     ``spare``; ``shards`` are the reducer's device gradient shards.
     """
 
-    def __init__(self, device: Any, shards: list[Any], staging: HostStaging, spare: Spare,
-                 run_unit: Any) -> None:
+    def __init__(self, device: Device, shards: list[Array], staging: HostStaging, spare: Spare,
+                 run_unit: Callable[[int, np.ndarray, Spare], None]) -> None:
         self.device, self.shards, self.units = device, shards, len(shards)
         self.staging, self.spare, self.run_unit = staging, spare, run_unit
         self.handed: set[int] = set()
-        self._grads: list[Any] = [None] * self.units  # on the host, per unit
+        self._grads: list[np.ndarray | None] = [None] * self.units  # on the host, per unit
         self._copy_q: queue.Queue = queue.Queue()
         self._update_q: queue.Queue = queue.Queue()
         self._lock = threading.Condition()
@@ -129,7 +140,7 @@ class OverlappedUpdate:
             t.start()
 
     # -- the step's side -----------------------------------------------------------
-    def submit(self, u: int, parts: list[tuple[Any, Any]]) -> None:
+    def submit(self, u: int, parts: list[tuple[Array | None, Pending]]) -> None:
         """Unit ``u``'s reductions in flight, in order: ``(later, work)``, where
         ``later`` is a later micro-batch's part to add to the shard once ``work``
         is done (None: it reduced into the shard)."""
@@ -158,7 +169,7 @@ class OverlappedUpdate:
             t.join()
 
     # -- threads ---------------------------------------------------------------
-    def _wait(self, done: Any) -> None:
+    def _wait(self, done: Callable[[], bool]) -> None:
         with self._lock:
             while not done() and self._error is None:
                 self._lock.wait(0.5)
@@ -166,7 +177,7 @@ class OverlappedUpdate:
                 raise RuntimeError("the overlapped offload update failed; the state is "
                                    "unchanged") from self._error
 
-    def _guard(self, fn: Any) -> None:
+    def _guard(self, fn: Callable[[], None]) -> None:
         try:
             fn()
         except BaseException as e:  # re-raised on the step's thread
