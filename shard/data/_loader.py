@@ -25,7 +25,7 @@ from __future__ import annotations
 import queue
 import threading
 from collections.abc import Callable, Generator, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,6 +33,11 @@ from ops import Communicator
 from ops._types import tree_util
 from shard.core._gather import MicroBatches
 from shard.core._mesh import Mesh
+
+if TYPE_CHECKING:
+    from tqdm import tqdm
+
+    from shard.core._state import TrainState
 
 __all__ = ["DataLoader"]
 
@@ -125,7 +130,7 @@ class DataLoader:
         """The epoch of the next batch."""
         return self.position // len(self)
 
-    def resume(self, state: Any) -> DataLoader:
+    def resume(self, state: TrainState | int) -> DataLoader:
         """Continue after the batches ``state``'s steps took (``state.batches``,
         kept by checkpoints): the next batch is the one the run would have
         taken next, at any world size. Returns the loader."""
@@ -222,7 +227,7 @@ class DataLoader:
             stop.set()
             thread.join()
 
-    def _bar(self) -> Any:
+    def _bar(self) -> tqdm | None:
         if not self.progress:
             return None
         from tqdm import tqdm
@@ -251,7 +256,7 @@ def _length(data: Any, where: str) -> int:
                         f"dataset with len() and [i]; got {type(data).__name__}") from None
 
 
-def _is_arrays(data: Any) -> bool:
+def _is_arrays(data: object) -> bool:
     """Whether ``data`` is an array or a pytree (dict, tuple, list) of arrays."""
     if isinstance(data, (dict, tuple, list)) and not data:
         return False
