@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -13,13 +13,16 @@ from shard.core._policy import Precision
 from shard.offload._offload import Offload
 from shard.step._frozen import frozen_leaves, masters_in_compute
 
+if TYPE_CHECKING:
+    from shard.tensor_parallel._parallel import TensorParallel
+
 __all__ = ["estimate_memory"]
 
 
 def estimate_memory(params: Any, *, stage: int, world_size: int,
                     policy: Precision | None = None, specs: Any = None,
                     units: Units = None, offload: Offload | None = None,
-                    optimizer: Any = None, tensor_parallel: Any = None,
+                    optimizer: object = None, tensor_parallel: TensorParallel | None = None,
                     trainable: Any = None) -> dict[str, int]:
     """Bytes per rank, by kind, that a ZeRO stage keeps for ``params``.
 

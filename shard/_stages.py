@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from ops import Communicator
 from shard.core._mesh import Mesh, Topology
@@ -14,13 +14,18 @@ from shard.step._config import ZeroOptions, option_docs, resolve_topology
 from shard.step._step import ZeroStep
 from shard.tensor_parallel._parallel import TensorParallel
 
+if TYPE_CHECKING:
+    import jax
+
 __all__ = ["zero0", "zero1", "zero2", "zero3"]
 
 
 def _make(stage: int) -> Callable[..., ZeroStep]:
     name = f"zero{stage}"
 
-    def transform(loss_fn: Any, /, *, optimizer: Any, mesh: Mesh | None = None,
+    # loss_fn: a JAX function, a Layered or an object with value_and_grad, told apart by
+    # classify; optimizer: a fused one or an optax transformation, checked by the step
+    def transform(loss_fn: object, /, *, optimizer: object, mesh: Mesh | None = None,
                   comm: Communicator | None = None, specs: Any = None, trainable: Any = None,
                   precision: Precision | None = None, offload: Offload | None = None,
                   clip_norm: float | None = None, has_aux: bool = False,
@@ -47,7 +52,8 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
     return transform
 
 
-def _bound_to_ranks(fn: Any, axis_name: Any, topology: Topology, tp: Any, where: str) -> Any:
+def _bound_to_ranks(fn: object, axis_name: object, topology: Topology,
+                    tp: TensorParallel | None, where: str) -> Callable[..., Any]:
     """``fn`` with ``axis_name`` bound to this rank's data ranks: its
     ``jax.lax.psum`` over the name is an all-reduce over the data ranks (the
     all-reduce of the cotangent its derivative), its ``axis_index`` the rank.
@@ -74,7 +80,7 @@ def _bound_to_ranks(fn: Any, axis_name: Any, topology: Topology, tp: Any, where:
     data = Collectives(topology.data)
     replicas = Collectives(topology.replicate) if topology.replicate is not None else None
 
-    def psum(x: Any) -> Any:
+    def psum(x: jax.Array) -> jax.Array:
         # "copy" all-reduces the cotangent, "reduce" the value: together an
         # all-reduce both ways, each with the rank an operand
         for group in (data, replicas):
@@ -82,7 +88,7 @@ def _bound_to_ranks(fn: Any, axis_name: Any, topology: Topology, tp: Any, where:
                 x = group.apply("reduce", group.apply("copy", x))
         return x
 
-    def index() -> Any:
+    def index() -> jax.Array:
         k = data.ids()[0] if data.size > 1 else 0
         r = replicas.ids()[0] if replicas is not None and replicas.size > 1 else 0
         return jnp.asarray(r * data.size + k, jnp.int32)
@@ -151,7 +157,7 @@ Examples:
 DIRECT = ("specs", "trainable", "precision", "offload", "clip_norm", "has_aux")
 
 
-def _args(names: Any, indent: str) -> str:
+def _args(names: Iterable[str], indent: str) -> str:
     """The Args entries of ``names``, from :class:`ZeroOptions`'s docstring."""
     docs = option_docs()
     return "\n".join(f"{indent}{n}: " + docs[n].replace("\n      ", "\n" + indent + "  ")

@@ -22,9 +22,9 @@ from __future__ import annotations
 import itertools
 import logging
 import statistics
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,10 @@ from shard.core._state import _bytes
 from shard.data._loader import DataLoader
 from shard.offload._offload import Offload
 from shard.step._config import ZeroOptions
+
+if TYPE_CHECKING:
+    from ops import Communicator
+    from shard.core._layout import Units
 
 __all__ = ["Autotuned", "autotune"]
 
@@ -79,11 +83,13 @@ class Autotuned:
         return "\n".join(rows)
 
 
-def autotune(loss_fn: Any, params: Any, data: Any, *, optimizer: Any, batch_size: int,
+# comm: Any, a Communicator or None (the check below that one of mesh and comm is given
+# does not narrow it for mypy)
+def autotune(loss_fn: object, params: Any, data: Any, *, optimizer: object, batch_size: int,
              budget: int, mesh: Mesh | None = None, comm: Any = None,
              stages: Sequence[int] = (1, 2, 3), micro_batches: Sequence[int] = (1, 2, 4),
              offload: Sequence[str | None] = (None, "host"), prefetch: Sequence[int] = (1, 2),
-             units: Sequence[Any] = (None,), steps: int = 3, warmup: int = 1,
+             units: Sequence[Units] = (None,), steps: int = 3, warmup: int = 1,
              seed: int = 0) -> Autotuned:
     """Choose the ZeRO stage, micro-batches, offload, prefetch and units that
     train ``loss_fn`` fastest within ``budget`` device bytes per rank, by short
@@ -163,9 +169,9 @@ def autotune(loss_fn: Any, params: Any, data: Any, *, optimizer: Any, batch_size
     return result
 
 
-def _trial(loss_fn: Any, params: Any, data: Any, optimizer: Any, stage: int, k: int,
-           offload: Offload | None, prefetch: int, units: Any, batch_size: int,
-           where: dict[str, Any], group: Any, steps: int, warmup: int,
+def _trial(loss_fn: object, params: Any, data: Any, optimizer: object, stage: int, k: int,
+           offload: Offload | None, prefetch: int, units: Units, batch_size: int,
+           where: dict[str, Any], group: Communicator, steps: int, warmup: int,
            seed: int) -> tuple[float, int]:
     """One candidate's median step time (its slowest rank's) and measured
     device bytes (the largest over the ranks)."""
@@ -187,18 +193,18 @@ def _trial(loss_fn: Any, params: Any, data: Any, optimizer: Any, stage: int, k: 
     return float(every[:, 0].max()), int(every[:, 1].max())
 
 
-def _largest(params: Any, units: Any) -> int:
+def _largest(params: Any, units: Units) -> int:
     """The bytes of the largest unit gathered whole."""
     whole = make_layout(params, None, world_size=1, units=units)
     return max(sum(whole.leaves[i].size * np.dtype(whole.leaves[i].dtype).itemsize
                    for i in u.leaves) for u in whole.units)
 
 
-def _name(units: Any) -> str:
+def _name(units: Units) -> str:
     """A units candidate in the table: None, a depth, or a function's name."""
     return "-" if units is None else str(getattr(units, "__name__", units))
 
 
-def _forever(loader: DataLoader) -> Any:
+def _forever(loader: DataLoader) -> Iterator[Any]:
     while True:
         yield from loader

@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shard.core._state import TrainState
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from shard.step._step import ZeroStep
 
 __all__ = ["LRRangeTest", "lr_range_test"]
 
@@ -52,7 +57,7 @@ class LRRangeTest:
     suggested: float
     stopped: str
 
-    def plot(self, ax: Any = None) -> Any:
+    def plot(self, ax: Axes | None = None) -> Axes:
         """The loss against the rate (log scale), the suggested rate marked;
         returns the matplotlib axes."""
         if ax is None:
@@ -70,7 +75,7 @@ class LRRangeTest:
         return ax
 
 
-def lr_range_test(make_step: Callable[[Callable[[int], float]], Any], params: Any,
+def lr_range_test(make_step: Callable[[Callable[[int], float]], ZeroStep], params: Any,
                   batches: Iterable[Any], *, min_lr: float = 1e-7, max_lr: float = 10.0,
                   steps: int = 100, schedule: Callable[[int], float] | None = None,
                   diverge: float = 4.0, beta: float = 0.98) -> LRRangeTest:
@@ -159,7 +164,7 @@ def _suggest(lrs: list[float], smoothed: list[float]) -> float:
     return float(10 ** x[int(np.argmin(slope))])
 
 
-def _cycle(batches: Iterable[Any]) -> Any:
+def _cycle(batches: Iterable[Any]) -> Iterator[Any]:
     """The batches over and over (each pass a fresh ``iter``: a DataLoader's
     next epoch)."""
     for _ in itertools.count():
