@@ -19,6 +19,12 @@ from shard.core._layout import Layout
 from shard.core._state import TrainState
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from ops._types import Array
+    from shard.core._loss import JaxLoss
+    from shard.core._mesh import Topology
+    from shard.step._config import StepConfig, ZeroOptions
     from shard.step._plan import Plan
 
 __all__ = ["agree_on_layout", "agree_on_values", "batch_rows", "cast_inputs", "check_batch",
@@ -26,7 +32,7 @@ __all__ = ["agree_on_layout", "agree_on_values", "batch_rows", "cast_inputs", "c
            "model_state", "refuse_keys", "total_rows", "virtual_shards", "weights"]
 
 
-def digest(device: Device, arrays: list[Any], start: int = 1) -> int:
+def digest(device: Device, arrays: Sequence[Array], start: int = 1) -> int:
     """A checksum of ``arrays``' bytes, continued from ``start`` (on a GPU, an
     explicit copy of each to the host: ``init`` runs once)."""
     for x in arrays:
@@ -57,7 +63,7 @@ def agree_on_layout(comm: Communicator, layout: Layout, fn: str) -> None:
                          "every rank must init with the same params")
 
 
-def check_batch(name: str, rank: int, batch: Any) -> None:
+def check_batch(name: str, rank: int, batch: object) -> None:
     """An empty batch would give a nan loss (a mean over nothing) silently."""
     tu = ops._types.tree_util()
     for path, x in tu.tree_flatten_with_path(batch)[0]:
@@ -68,7 +74,7 @@ def check_batch(name: str, rank: int, batch: Any) -> None:
                              "non-empty part of the batch")
 
 
-def weights(batches: list[Any]) -> list[float] | None:
+def weights(batches: Sequence[object]) -> list[float] | None:
     """Each micro-batch's weight in the step's mean: its rows over the mean rows,
     so that micro-batches of 3 and 1 rows give the gradient of their 4 rows'
     mean, as their concatenation would. None where every micro-batch weighs the
@@ -84,13 +90,13 @@ def weights(batches: list[Any]) -> list[float] | None:
     return [n / mean for n in rows]
 
 
-def counted_rows(name: str, rank: int, batch: Any) -> int:
+def counted_rows(name: str, rank: int, batch: object) -> int:
     """A batch's rows for ``weight_by_rows`` (see :func:`batch_rows`)."""
     return batch_rows(f"{name}: weight_by_rows weighs each batch by its rows, but on rank "
                       f"{rank}", batch)
 
 
-def batch_rows(where: str, batch: Any) -> int:
+def batch_rows(where: str, batch: object) -> int:
     """A batch's rows, the leading dimension its array leaves share; a
     ValueError (after ``where``) names the leaves that disagree, or a batch
     with none."""
@@ -111,7 +117,7 @@ def batch_rows(where: str, batch: Any) -> int:
     return seen[1]
 
 
-def virtual_shards(batch: Any, rows: int, group: int) -> list[Any]:
+def virtual_shards(batch: object, rows: int, group: int) -> list[Any]:
     """``batch`` (of ``rows`` rows, which ``group`` divides) cut into ``group``
     equal, contiguous parts along its rows (see [Note: the same bits at any
     world size])."""
@@ -122,20 +128,20 @@ def virtual_shards(batch: Any, rows: int, group: int) -> list[Any]:
                                      for x in flat]) for j in range(group)]
 
 
-def total_rows(batches: list[Any]) -> int:
+def total_rows(batches: Sequence[object]) -> int:
     """The rows of all ``batches`` together, or 0 where some cannot be counted."""
     rows = [_rows(b) for b in batches]
     counted = [n for n in rows if n is not None]
     return sum(counted) if len(counted) == len(rows) else 0
 
 
-def _rows(batch: Any) -> int | None:
+def _rows(batch: object) -> int | None:
     dims = {x.shape[0] for x in ops._types.tree_util().tree_leaves(batch)
             if len(getattr(x, "shape", ())) > 0}
     return dims.pop() if len(dims) == 1 else None
 
 
-def learning_rate(config: Any, count: int) -> float | None:
+def learning_rate(config: StepConfig, count: int) -> float | None:
     """The rate of the update after ``count`` updates: a finite number >= 0, or a
     ValueError before the step changes anything (see [Note: failed steps])."""
     if not isinstance(config.optimizer, FusedOptimizer):
@@ -161,7 +167,7 @@ def cast_inputs(plan: Plan, batch: Any) -> Any:
             or p.param_dtype == plan.master_dtype):
         return batch
 
-    def cast(x: Any) -> Any:
+    def cast(x: object) -> object:
         dtype = getattr(x, "dtype", None)
         if dtype is None or not hasattr(x, "astype"):
             return x
@@ -171,7 +177,7 @@ def cast_inputs(plan: Plan, batch: Any) -> Any:
     return ops._types.tree_map(cast, batch)
 
 
-def check_is_state(name: str, state: Any) -> None:
+def check_is_state(name: str, state: object) -> None:
     if not isinstance(state, TrainState):
         raise TypeError(f"{name}: expected the TrainState from {name}.init; got "
                         f"{type(state).__name__}")
@@ -212,7 +218,7 @@ def check_fits(plan: Plan, state: TrainState) -> None:
                          "with shard.load(..., device=), or init a new state")
 
 
-def layout_difference(have: Any, want: Any, limit: int = 5) -> str:
+def layout_difference(have: Layout, want: Layout, limit: int = 5) -> str:
     """What differs between two layouts, by leaf and unit name: the state's
     (``have``) against the step's (``want``)."""
     mine = {leaf.path: leaf for leaf in have.leaves}
@@ -241,7 +247,7 @@ def layout_difference(have: Any, want: Any, limit: int = 5) -> str:
     return "; ".join(parts)
 
 
-def eval_loss(c: Any, loss_fn: Any) -> Any:
+def eval_loss(c: StepConfig, loss_fn: object) -> JaxLoss:
     """``ZeroStep.evaluate``'s ``loss_fn``: a JAX function of the step's params,
     for a step on a JAX loss."""
     from shard.core._loss import JaxLoss
@@ -258,7 +264,7 @@ def eval_loss(c: Any, loss_fn: Any) -> Any:
     return JaxLoss.shared(loss_fn, c.has_aux)
 
 
-def refuse_keys(params: Any, fn: str) -> None:
+def refuse_keys(params: object, fn: str) -> None:
     """A TypeError naming the first leaf that is a typed JAX PRNG key: a key is
     state of the model, not a parameter the optimizer can train."""
     tu = ops._types.tree_util()
@@ -271,7 +277,7 @@ def refuse_keys(params: Any, fn: str) -> None:
                             "params, rest = nnx.split(model, nnx.Param, ...))")
 
 
-def model_state(c: Any, tree: Any) -> Any:
+def model_state(c: StepConfig, tree: Any) -> Any:
     """``init``'s ``model_state``: for a JAX loss; arrays (numpy, as every rank
     holds its own copy), no PRNG keys, the same on every rank (a checksum is
     compared: a collective)."""
@@ -297,8 +303,8 @@ def model_state(c: Any, tree: Any) -> Any:
     return tree
 
 
-def check_onebit(name: str, stage: int, options: Any, topology: Any, optimizer: Any,
-                 tensor_parallel: Any) -> None:
+def check_onebit(name: str, stage: int, options: ZeroOptions, topology: Topology,
+                 optimizer: object, tensor_parallel: object) -> None:
     """Refuse, by name, what 1-bit Adam and 0/1 Adam (``ops.onebit_adam``,
     ``ops.zero_one_adam``; see [Note: 1-bit Adam] in ``ops/_onebit.py``) do
     not run with: their compressed phases sum no gradients over the ranks
