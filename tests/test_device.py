@@ -25,6 +25,7 @@ from ops.device._device import HOST, device_of_or_none
 from ops.testing import STANDIN, SYNCS, to_device
 from tests import test_interop_torch as T
 from tests import zero_models as M
+from tests.harness import run_steps
 from tests.test_zero import STEPS, ZERO
 
 WORLDS = [1, 3]  # 3 divides none of the leaf sizes
@@ -39,14 +40,8 @@ def host(x):
 def train(comm, device, *, stage, loss_fn=M.loss, steps=STEPS, **kwargs):
     step = ZERO[stage](loss_fn, optimizer=ops.adamw(M.LR, weight_decay=M.WD), comm=comm,
                        options=shard.ZeroOptions(**kwargs))
-    state = step.init(to_device(M.init_params(), device))
-    losses, norms = [], []
-    for b in M.batches(steps):
-        state, metrics = step(state, shard.split_batch(b, rank=comm.rank,
-                                                       world_size=comm.world_size))
-        losses.append(metrics["loss"])
-        norms.append(metrics["grad_norm"])
-    return step, state, losses, norms
+    state, metrics = run_steps(step, to_device(M.init_params(), device), M.batches(steps), comm)
+    return step, state, [m["loss"] for m in metrics], [m["grad_norm"] for m in metrics]
 
 
 def assert_on(device, state):

@@ -12,7 +12,8 @@ import pytest
 
 import ops
 import shard
-from tests.test_optax_on_shards import assert_is_slice, init_params, loss
+from tests.harness import assert_rank_slices
+from tests.test_optax_on_shards import init_params, loss
 
 ZERO = {1: shard.zero1, 2: shard.zero2, 3: shard.zero3}
 LR, WD = 1e-2, 1e-2
@@ -58,8 +59,7 @@ def test_replicas_train_like_one_process_and_stay_identical(stage, world, replic
             state, m = step(state, shard.split_batch(b, rank=comm.rank, world_size=world))
             losses.append(m["loss"])
         shards = mesh["shard"].world_size
-        for g, w in zip(jax.tree.leaves(state.params), jax.tree.leaves(want), strict=True):
-            assert_is_slice(g, w, mesh["shard"].rank, shards)
+        assert_rank_slices(state.params, want, mesh["shard"].rank, shards)
         every = ops.all_gather(mesh["replicate"], np.concatenate(state.master))
         copies = np.split(every, replicas)  # each replica's masters, bit for bit
         assert all(np.array_equal(x, copies[0]) for x in copies)
@@ -97,8 +97,7 @@ def test_a_checkpoint_is_written_once_and_resumes_as_flat_zero(tmp_path, save):
         state, _ = shard.load(tmp_path / "ckpt", step, comm=comm, like=init_params())
         for b in data[3:]:
             state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=4))
-        for g, w in zip(jax.tree.leaves(state.params), jax.tree.leaves(want), strict=True):
-            assert_is_slice(g, w, comm.rank, 4)
+        assert_rank_slices(state.params, want, comm.rank, 4)
 
     ops.spawn(first, 4)
     assert sorted(p.name for p in (tmp_path / "ckpt").glob("rank-*")) == [

@@ -17,6 +17,7 @@ from ops.device._arrays import BF16
 from ops.kernels._cpu import cpu_driver
 from ops.kernels._table import LAMB_CHUNK, lamb_kernels
 from ops.testing import STANDIN, to_device
+from tests.harness import assert_rank_slices, run_steps
 
 DT = {"f32": np.float32, "bf16": BF16, "f16": np.float16}
 LR, B1, B2, EPS, WD = 1e-2, 0.9, 0.999, 1e-6, 0.1
@@ -274,17 +275,12 @@ def test_zero_with_lamb_matches_single_process_optax(stage, world, device):
     def run(comm):
         step = zero(loss, optimizer=ops.lamb(LR, weight_decay=WD), comm=comm)
         params = init_params() if device == "numpy" else to_device(init_params(), STANDIN)
-        state = step.init(params)
-        for b in data:
-            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=world))
-        parts = (lambda t: shard.partition(t, rank=comm.rank, world_size=world)) if stage else \
-            (lambda t: t)
+        state, _ = run_steps(step, params, data, comm)
         host = (lambda x: x) if device == "numpy" else STANDIN.to_host
         opt = state.opt
         assert isinstance(opt, ops.AdamState) and int(opt.count) == len(data)
-        for got, want in ((state.params, parts(want_p)), (opt.nu, parts(want_s[0].nu))):
-            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-                np.testing.assert_allclose(host(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+        for got, want in ((state.params, want_p), (opt.nu, want_s[0].nu)):
+            assert_rank_slices(jax.tree.map(host, got), want, comm.rank, world)
 
     ops.spawn(run, world)
 
@@ -296,15 +292,13 @@ def test_lamb_checkpoints_reshard_and_refuse_offload(tmp_path):
     def first(comm):
         step = shard.zero2(loss, optimizer=ops.lamb(LR, weight_decay=WD), comm=comm)
         state = step.init(init_params())
-        for b in data[:2]:
-            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=2))
+        state, _ = run_steps(step, None, data[:2], comm, state=state)
         shard.save(state, tmp_path / "ckpt", comm=comm)
 
     def resume(comm):
         step = shard.zero3(loss, optimizer=ops.lamb(LR, weight_decay=WD), comm=comm)
         state, _ = shard.load(tmp_path / "ckpt", step, comm=comm, like=init_params())
-        for b in data[2:]:
-            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=3))
+        state, _ = run_steps(step, None, data[2:], comm, state=state)
         whole = shard.gather(state, comm)
         for g, w in zip(jax.tree.leaves(whole), jax.tree.leaves(want_p), strict=True):
             np.testing.assert_allclose(g, np.asarray(w), rtol=1e-5, atol=1e-6)

@@ -17,6 +17,7 @@ from ops.device._arrays import BF16
 from ops.kernels._cpu import cpu_driver
 from ops.kernels._table import TABLE, lion_kernel
 from ops.testing import STANDIN, to_device
+from tests.harness import assert_rank_slices, run_steps
 
 DT = {"f32": np.float32, "bf16": BF16, "f16": np.float16}
 SIZES = [0, 1, 300, 7, 1000, 257, 2049]  # an empty tensor, and none a multiple of a block
@@ -198,16 +199,12 @@ def test_zero_with_lion_matches_single_process_optax(stage, world, device):
         params = init_params() if device == "numpy" else to_device(init_params(), STANDIN)
         state = step.init(params)
         assert state.meta.moment_names == ("exp_avg",)
-        for b in data:
-            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=world))
-        ref_p = shard.partition(want_p, rank=comm.rank, world_size=world)
-        ref_m = shard.partition(want_s[0].mu, rank=comm.rank, world_size=world)
+        state, _ = run_steps(step, None, data, comm, state=state)
         host = (lambda x: x) if device == "numpy" else STANDIN.to_host
         opt = state.opt
         assert isinstance(opt, ops.LionState) and int(opt.count) == len(data)
-        for got, want in ((state.params, ref_p), (opt.mu, ref_m)):
-            for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-                np.testing.assert_allclose(host(g), np.asarray(w), rtol=1e-5, atol=1e-6)
+        for got, want in ((state.params, want_p), (opt.mu, want_s[0].mu)):
+            assert_rank_slices(jax.tree.map(host, got), want, comm.rank, world)
 
     ops.spawn(run, world)
 
@@ -219,15 +216,13 @@ def test_lion_checkpoints_reshard_and_refuse_offload(tmp_path):
     def first(comm):
         step = shard.zero2(loss, optimizer=ops.lion(LR, weight_decay=WD), comm=comm)
         state = step.init(init_params())
-        for b in data[:2]:
-            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=2))
+        state, _ = run_steps(step, None, data[:2], comm, state=state)
         shard.save(state, tmp_path / "ckpt", comm=comm)
 
     def resume(comm):
         step = shard.zero3(loss, optimizer=ops.lion(LR, weight_decay=WD), comm=comm)
         state, _ = shard.load(tmp_path / "ckpt", step, comm=comm, like=init_params())
-        for b in data[2:]:
-            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=3))
+        state, _ = run_steps(step, None, data[2:], comm, state=state)
         whole = shard.gather(state, comm)
         for g, w in zip(jax.tree.leaves(whole), jax.tree.leaves(want_p), strict=True):
             np.testing.assert_allclose(g, np.asarray(w), rtol=1e-5, atol=1e-6)

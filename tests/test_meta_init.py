@@ -14,6 +14,7 @@ import torch
 import interop.torch as it
 import ops
 import shard
+from tests.harness import assert_rank_slices
 
 ZERO = {0: shard.zero0, 1: shard.zero1, 2: shard.zero2, 3: shard.zero3}
 LR, WD, STEPS = 1e-2, 0.01, 3
@@ -41,13 +42,7 @@ def on_meta(make):
 
 def assert_shards(state, comm, want, err=""):
     """This rank's master shards equal the reference's slice for this rank."""
-    stage = state.meta.stage
-    ref = shard.partition(want, rank=comm.rank if stage else 0,
-                          world_size=comm.world_size if stage else 1)
-    got = state.params
-    for k in want:
-        np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-6,
-                                   err_msg=f"{err} rank {comm.rank} {k}")
+    assert_rank_slices(state.params, want, comm.rank, comm.world_size, what=err)
 
 
 def initial_values(make, seed=3):

@@ -20,6 +20,7 @@ import pytest
 import ops
 import shard
 from ops.testing import STANDIN
+from tests.harness import assert_rank_slices, run_steps
 
 ZERO = {0: shard.zero0, 1: shard.zero1, 2: shard.zero2, 3: shard.zero3}
 STEPS = 5
@@ -70,26 +71,9 @@ def reference(tx, params, data):
     return p, state
 
 
-def assert_is_slice(got, want, rank, world):
-    """``got`` (this rank's local leaf) equals its rows of ``want`` (whole), or
-    all of it where the leaf is replicated."""
-    got, want = np.asarray(got), np.asarray(want)
-    if got.shape != want.shape:  # a Shard(0) leaf: rows_per_rank rows, then padding
-        per = -(-want.shape[0] // world)
-        assert got.shape == (per, *want.shape[1:])
-        want = want[rank * per:(rank + 1) * per]
-        got = got[:want.shape[0]]
-    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-
-
 def train(comm, tx, stage, data, **kw):
     step = ZERO[stage](loss, optimizer=tx, comm=comm, **kw)
-    state = step.init(init_params())
-    metrics = []
-    for b in data:
-        state, m = step(state, shard.split_batch(b, rank=comm.rank, world_size=comm.world_size))
-        metrics.append(m)
-    return step, state, metrics
+    return step, *run_steps(step, init_params(), data, comm)
 
 
 CASES = [(name, stage, world) for name in sorted(ELEMENTWISE)
@@ -105,12 +89,10 @@ def test_elementwise_transformations_match_single_process_optax(name, stage, wor
 
     def run(comm):
         _, state, metrics = train(comm, ELEMENTWISE[name](), stage, data)
-        for g, w in zip(jax.tree.leaves(state.params), jax.tree.leaves(want_p), strict=True):
-            assert_is_slice(g, w, comm.rank, world)
+        assert_rank_slices(state.params, want_p, comm.rank, world)
         opt = state.opt  # optax's own state structure, moments as this rank's views
         assert jax.tree.structure(opt) == jax.tree.structure(want_s)
-        for g, w in zip(jax.tree.leaves(opt), jax.tree.leaves(want_s), strict=True):
-            assert_is_slice(g, w, comm.rank, world)
+        assert_rank_slices(opt, want_s, comm.rank, world, zero_padding=False)
         assert "lr" not in metrics[-1] and not metrics[-1]["skipped"]
         return float(metrics[0]["loss"])
 
@@ -244,10 +226,8 @@ def test_checkpoint_reshards_optax_state(tmp_path):
         state, _ = shard.load(tmp_path / "ckpt", step, comm=comm, like=init_params())
         for b in data[3:]:
             state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=3))
-        for g, w in zip(jax.tree.leaves(state.params), jax.tree.leaves(want_p), strict=True):
-            assert_is_slice(g, w, comm.rank, 3)
-        for g, w in zip(jax.tree.leaves(state.opt), jax.tree.leaves(want_s), strict=True):
-            assert_is_slice(g, w, comm.rank, 3)
+        assert_rank_slices(state.params, want_p, comm.rank, 3)
+        assert_rank_slices(state.opt, want_s, comm.rank, 3, zero_padding=False)
         adam = shard.zero1(loss, optimizer=ops.adamw(1e-2), comm=comm)
         with pytest.raises(shard.CheckpointError, match=r"moments are \['1.0.mu', '1.0.nu'\]"):
             shard.load(tmp_path / "ckpt", adam, comm=comm, like=init_params())

@@ -12,6 +12,7 @@ import ops
 import shard
 from shard.step._grads import unit_params
 from shard.step._runtime import LiveBytes
+from tests.harness import run_steps
 
 
 def _params():
@@ -77,12 +78,8 @@ def test_a_gathered_unit_is_within_half_a_block_scale_and_moves_a_quarter_of_the
 def _train(comm, zero, steps=6, **options):
     step = zero(_loss, optimizer=ops.adamw(1e-2), comm=comm,
                 options=shard.ZeroOptions(**options))
-    state, losses = step.init(_params()), []
-    for k in range(steps):
-        state, metrics = step(state, shard.split_batch(_batch(k), rank=comm.rank,
-                                                       world_size=comm.world_size))
-        losses.append(metrics["loss"])
-    return losses, shard.gather(state, comm)
+    state, metrics = run_steps(step, _params(), [_batch(k) for k in range(steps)], comm)
+    return [m["loss"] for m in metrics], shard.gather(state, comm)
 
 
 def test_with_secondary_shards_the_quantized_hop_is_the_one_across_nodes():
@@ -103,12 +100,8 @@ def test_training_with_quantized_gathers_keeps_exact_masters_and_follows_the_exa
     def run(comm, quantized):
         step = shard.zero3(_loss, optimizer=ops.adamw(1e-2), comm=comm,
                            options=shard.ZeroOptions(quantized_weights=quantized))
-        state, losses = step.init(_params()), []
-        for k in range(6):
-            state, metrics = step(state, shard.split_batch(_batch(k), rank=comm.rank,
-                                                           world_size=comm.world_size))
-            losses.append(metrics["loss"])
-        return losses, shard.gather(state, comm)
+        state, metrics = run_steps(step, _params(), [_batch(k) for k in range(6)], comm)
+        return [m["loss"] for m in metrics], shard.gather(state, comm)
 
     exact = shard.spawn(lambda c: run(c, False), 3)
     quantized = shard.spawn(lambda c: run(c, True), 3)
@@ -150,12 +143,8 @@ def test_quantized_gathers_of_device_state_equal_the_host_s(device):
             params = jax.tree.map(device.from_host, params)
         step = shard.zero3(_loss, optimizer=ops.adamw(1e-2), comm=comm,
                            options=shard.ZeroOptions(quantized_weights=True))
-        state, losses = step.init(params), []
-        for k in range(3):
-            state, metrics = step(state, shard.split_batch(_batch(k), rank=comm.rank,
-                                                           world_size=comm.world_size))
-            losses.append(metrics["loss"])
-        return losses
+        _, metrics = run_steps(step, params, [_batch(k) for k in range(3)], comm)
+        return [m["loss"] for m in metrics]
 
     host = shard.spawn(lambda c: run(c, False), 3)
     there = shard.spawn(lambda c: run(c, True), 3)

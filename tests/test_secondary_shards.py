@@ -16,7 +16,7 @@ import ops
 import shard
 from ops.comm._base import Communicator
 from tests import zero_models as M
-from tests.test_optax_on_shards import assert_is_slice
+from tests.harness import assert_rank_slices, run_steps
 
 
 @pytest.fixture
@@ -37,16 +37,8 @@ def gathers(monkeypatch):
 
 def train(comm, loss_fn, data, micro=1, **kw):
     step = shard.zero3(loss_fn, optimizer=adamw(), comm=comm, options=shard.ZeroOptions(**kw))
-    state = step.init(M.init_params())
-    losses = []
-    for b in data:
-        b = shard.split_batch(b, rank=comm.rank, world_size=comm.world_size)
-        if micro > 1:
-            b = shard.MicroBatches(shard.split_batch(b, rank=i, world_size=micro)
-                                   for i in range(micro))
-        state, m = step(state, b)
-        losses.append(m["loss"])
-    return step, state, losses
+    state, metrics = run_steps(step, M.init_params(), data, comm, micro=micro)
+    return step, state, [m["loss"] for m in metrics]
 
 
 def adamw():
@@ -66,8 +58,7 @@ def test_secondary_shards_train_as_flat_zero3_bit_for_bit(world, per_node, micro
         assert losses == flat_losses
         for a, b in zip(state.master, flat.master, strict=True):
             np.testing.assert_array_equal(a, b)
-        for g, w in zip(jax.tree.leaves(state.params), jax.tree.leaves(want), strict=True):
-            assert_is_slice(g, w, comm.rank, world)
+        assert_rank_slices(state.params, want, comm.rank, world)
         return losses
 
     losses = ops.spawn(run, world)[0]

@@ -13,6 +13,7 @@ import pytest
 
 import ops
 import shard
+from tests.harness import assert_rank_slices, run_steps
 
 LR, WD = 1e-2, 0.01
 
@@ -35,11 +36,7 @@ def train(loss, params, batches, world, *, has_aux=False, units=None, check=None
     def run(comm):
         step = shard.zero3(loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
                            has_aux=has_aux, options=shard.ZeroOptions(units=units))
-        state = step.init(params)
-        metrics = []
-        for b in batches:
-            state, m = step(state, shard.split_batch(b, rank=comm.rank, world_size=world))
-            metrics.append(m)
+        state, metrics = run_steps(step, params, batches, comm)
         out = check(step, state, comm) if check else None
         return state, metrics, step.tracker, out
 
@@ -48,12 +45,7 @@ def train(loss, params, batches, world, *, has_aux=False, units=None, check=None
 
 def assert_shards_equal(states, want, world, rtol=2e-5, atol=2e-6):
     for rank, state in enumerate(states):
-        ref = shard.partition(want, rank=rank, world_size=world)
-        for path, g, w in zip(jax.tree_util.tree_leaves_with_path(state.params),
-                              jax.tree_util.tree_leaves(state.params),
-                              jax.tree_util.tree_leaves(ref), strict=True):
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=atol,
-                                       err_msg=f"rank {rank} {jax.tree_util.keystr(path[0])}")
+        assert_rank_slices(state.params, want, rank, world, rtol=rtol, atol=atol)
 
 
 # -- a plain-dict model with what real programs do -----------------------------------------

@@ -10,6 +10,7 @@ import pytest
 import ops
 import shard
 from tests import zero_models as M
+from tests.harness import assert_rank_slices, run_steps
 
 STEPS = 10
 STAGES = [0, 1, 2, 3]
@@ -21,27 +22,14 @@ def train(comm, *, stage, loss_fn=M.loss, precision=None, clip_norm=None, accumu
           steps=STEPS, data=None):
     step = ZERO[stage](loss_fn, optimizer=ops.adamw(M.LR, weight_decay=M.WD), comm=comm,
                        precision=precision, clip_norm=clip_norm)
-    state = step.init(M.init_params())
-    losses, norms = [], []
-    for b in data or M.batches(steps):
-        local = shard.split_batch(b, rank=comm.rank, world_size=comm.world_size)
-        if accumulate > 1:
-            local = shard.MicroBatches(shard.split_batch(local, rank=i, world_size=accumulate)
-                                       for i in range(accumulate))
-        state, metrics = step(state, local)
-        losses.append(metrics["loss"])
-        norms.append(metrics["grad_norm"])
-    return state, losses, norms
+    state, metrics = run_steps(step, M.init_params(), data or M.batches(steps), comm,
+                               micro=accumulate)
+    return state, [m["loss"] for m in metrics], [m["grad_norm"] for m in metrics]
 
 
 def assert_shards_match(state, comm, want_params, rtol, atol=1e-6):
-    want = shard.partition(want_params, rank=comm.rank if state.meta.stage else 0,
-                           world_size=comm.world_size if state.meta.stage else 1)
-    got = state.params
-    for path_g, path_w in zip(jax.tree_util.tree_leaves_with_path(got),
-                              jax.tree_util.tree_leaves_with_path(want), strict=True):
-        np.testing.assert_allclose(path_g[1], path_w[1], rtol=rtol, atol=atol,
-                                   err_msg=f"rank {comm.rank} {jax.tree_util.keystr(path_g[0])}")
+    assert_rank_slices(state.params, want_params, comm.rank, comm.world_size, rtol=rtol,
+                       atol=atol)
 
 
 @pytest.fixture(scope="module")
@@ -161,11 +149,8 @@ def test_float64_matches_the_reference_tightly(stage):
 
         def run(comm):
             step = ZERO[stage](M.loss, optimizer=ops.adamw(M.LR, weight_decay=M.WD), comm=comm)
-            state = step.init(params)
-            assert state.master[0].dtype == np.float64
-            for b in data:
-                state, _ = step(state, shard.split_batch(b, rank=comm.rank,
-                                                         world_size=comm.world_size))
+            assert step.init(params).master[0].dtype == np.float64
+            state, _ = run_steps(step, params, data, comm)
             # 1000x tighter than fp32 (other world sizes sum gradients in another order)
             assert_shards_match(state, comm, want, rtol=1e-8, atol=1e-9)
 
