@@ -82,7 +82,7 @@ import logging
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ops import FusedOptimizer, adam, adamw, lamb, lion, onebit_adam, zero_one_adam
 from ops._optim import ZeroOne
@@ -93,6 +93,10 @@ from shard.monitor._loggers import CSVLogger, TensorBoardLogger
 from shard.offload._offload import Offload
 from shard.step._config import ZeroOptions
 from shard.step._step import ZeroStep
+
+if TYPE_CHECKING:
+    from ops import Communicator
+    from shard.core._mesh import Mesh
 
 __all__ = ["DeepSpeedConfig", "from_deepspeed_config"]
 
@@ -147,8 +151,9 @@ class DeepSpeedConfig:
     quantized_weights: bool = False
     quantized_gradients: bool = False
 
-    def transform(self, loss_fn: Any, *, comm: Any = None, mesh: Any = None,
-                  **overrides: Any) -> ZeroStep:
+    # overrides: Any, each of its own ZeroOptions field's type
+    def transform(self, loss_fn: object, *, comm: Communicator | None = None,
+                  mesh: Mesh | None = None, **overrides: Any) -> ZeroStep:
         """``shard.zero{stage}(loss_fn, ...)`` with this config's options on
         ``comm`` (one data axis) or ``mesh``; ``overrides`` (``optimizer=`` or
         any :class:`shard.ZeroOptions` field) replace them. The step takes
@@ -190,7 +195,8 @@ class DeepSpeedConfig:
 
 
 def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str = "error",
-                          lr: float | None = None, betas: Any = None, eps: float | None = None,
+                          lr: float | None = None, betas: tuple[float, float] | None = None,
+                          eps: float | None = None,
                           weight_decay: float | None = None, warmup_steps: int | None = None,
                           total_steps: int | None = None, micro_batch_size: int | None = None,
                           gradient_accumulation_steps: int | None = None,
@@ -405,7 +411,7 @@ def _optimizer(cfg: dict, bad: list[str]) -> FusedOptimizer | None:
 def _loggers(cfg: dict, bad: list[str]) -> tuple:
     """``tensorboard`` and ``csv_monitor`` as ``shard.TensorBoardLogger`` and
     ``shard.CSVLogger`` (under ``output_path/job_name``)."""
-    out: list[Any] = []
+    out: list[TensorBoardLogger | CSVLogger] = []
     for key, make in (("tensorboard", TensorBoardLogger), ("csv_monitor", CSVLogger)):
         section = dict(cfg.pop(key, {}) or {})
         if not section.pop("enabled", False):
