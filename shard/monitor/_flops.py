@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ops._types import tree_util
+
+if TYPE_CHECKING:
+    import jax.stages
 
 __all__ = ["FlopCount", "signature"]
 
@@ -33,7 +36,7 @@ def signature(tree: Any) -> tuple:
                                 for x in leaves))
 
 
-def xla_flops(jitted: Any, *args: Any) -> float:
+def xla_flops(jitted: jax.stages.Wrapped, *args: Any) -> float:
     """The FLOPs XLA's cost analysis gives for ``jitted`` at ``args`` (arrays or
     ``jax.ShapeDtypeStruct``), compiled for nothing but the count."""
     cost = jitted.lower(*args).cost_analysis()
@@ -50,7 +53,7 @@ class FlopCount:
         self.step = 0.0  # the FLOPs of the micro-batches counted since the last reset
 
     @contextlib.contextmanager
-    def micro_batch(self, how: str | None, loss: Any, batch: Any,
+    def micro_batch(self, how: str | None, loss: object, batch: Any,
                     program: Callable[[], float]) -> Iterator[None]:
         """Count one micro-batch of ``loss`` on ``batch``: ``how`` is ``"xla"``
         (``program()`` gives the count) or ``"torch"`` (counted around the run

@@ -14,9 +14,14 @@ import csv
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TextIO, TypeVar
+
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 __all__ = ["CSVLogger", "TensorBoardLogger", "flatten_metrics"]
+
+_E = TypeVar("_E", bound="_Every")
 
 
 def flatten_metrics(metrics: Mapping, prefix: str = "") -> dict[str, float]:
@@ -44,10 +49,10 @@ class _Every:
     def write(self, step: int, values: dict[str, float]) -> None:
         raise NotImplementedError
 
-    def __enter__(self) -> Any:
+    def __enter__(self: _E) -> _E:
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
@@ -73,7 +78,7 @@ class CSVLogger(_Every):
         super().__init__(every)
         self.path = Path(path)
         self.columns: list[str] | None = None
-        self._file: Any = None
+        self._file: TextIO | None = None
 
     def write(self, step: int, values: dict[str, float]) -> None:
         if self._file is None:
@@ -114,7 +119,7 @@ class TensorBoardLogger(_Every):
                               ) from e
         self.log_dir = str(log_dir)
         self._writer_type = SummaryWriter
-        self._writer: Any = None
+        self._writer: SummaryWriter | None = None
 
     def write(self, step: int, values: dict[str, float]) -> None:
         if self._writer is None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ops._types import Array
 
 __all__ = ["StepMetrics"]
 
@@ -21,11 +24,12 @@ class StepMetrics(Mapping):
     whose metrics nobody reads synchronises with the device not at all.
     """
 
-    def __init__(self, known: dict[str, Any], pending: Any = None,
+    def __init__(self, known: dict[str, Any], pending: Array | None = None,
                  finish: Callable[[np.ndarray], dict[str, Any]] | None = None,
-                 to_host: Callable[[Any], np.ndarray] | None = None) -> None:
+                 to_host: Callable[[Array], np.ndarray] | None = None) -> None:
         self._known = dict(known)
-        self._pending: tuple[Any, Callable, Callable] | None = None
+        self._pending: tuple[Array, Callable[[np.ndarray], dict[str, Any]],
+                             Callable[[Array], np.ndarray]] | None = None
         if pending is not None:
             if finish is None or to_host is None:
                 raise TypeError("StepMetrics: a pending device array needs finish= and to_host=")

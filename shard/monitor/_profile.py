@@ -31,7 +31,6 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 __all__ = ["CATEGORIES", "Breakdown", "profile", "step_breakdown", "timed"]
 
@@ -130,7 +129,7 @@ class timed:
             b._stack.append([time.perf_counter(), 0.0])
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         b = self.b
         if b is None:
             return
