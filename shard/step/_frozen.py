@@ -71,6 +71,11 @@ from shard.core._layout import Layout
 from shard.core._state import Packing, TrainState
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from numpy.typing import DTypeLike
+
+    from ops._types import Array
     from shard.step._plan import Plan
 
 __all__ = ["Packing", "copies_packing", "copy_left", "copy_views", "frozen_leaves", "full_grads",
@@ -78,7 +83,7 @@ __all__ = ["Packing", "copies_packing", "copy_left", "copy_views", "frozen_leave
            "outside", "trainable_runs", "views"]
 
 
-def frozen_leaves(trainable: Any, names: frozenset[str] | None, params: Any,
+def frozen_leaves(trainable: object, names: frozenset[str] | None, params: object,
                   fn: str) -> frozenset[int]:
     """The indices (in leaf order) of the leaves of ``params`` that do not train:
     ``trainable``'s False entries, or a torch loss's ``requires_grad=False``
@@ -109,11 +114,11 @@ def frozen_leaves(trainable: Any, names: frozenset[str] | None, params: Any,
     return frozenset(out)
 
 
-def _broadcast(mask: Any, params: Any, fn: str) -> Any:
+def _broadcast(mask: object, params: object, fn: str) -> Any:
     """``mask`` with each bool at a prefix node repeated over that subtree."""
     tu = tree_util()
 
-    def spread(path: tuple, m: Any, sub: Any) -> Any:
+    def spread(path: tuple, m: object, sub: object) -> Any:
         if not isinstance(m, (bool, np.bool_)):
             raise TypeError(f"{fn}: trainable{tu.keystr(path)} must be True or False; got "
                             f"{type(m).__name__}")
@@ -132,8 +137,9 @@ def trainable_runs(layout: Layout, frozen: frozenset[int]) -> tuple[tuple[tuple[
         for unit in layout.units)
 
 
-def masters_in_compute(layout: Layout, frozen: frozenset[int], *, stage: int, compute_dtype: Any,
-                       master_dtype: Any, fused: bool, offload: bool) -> bool:
+def masters_in_compute(layout: Layout, frozen: frozenset[int], *, stage: int,
+                       compute_dtype: DTypeLike, master_dtype: DTypeLike, fused: bool,
+                       offload: bool) -> bool:
     """Whether the frozen leaves keep no masters, the compute params holding
     their values in their own dtype (see [Note: frozen leaves]): with a fused
     optimizer and no offload, when every frozen leaf has the compute dtype (a
@@ -189,7 +195,7 @@ def outside(sections: list[tuple[int, int]], cuts: list[tuple[int, int]]) -> lis
     return out
 
 
-def views(bufs: Any, runs: tuple) -> tuple:
+def views(bufs: Sequence[Array], runs: tuple) -> tuple[Array, ...]:
     """The trainable runs of per-unit buffers ``bufs``, as one flat tuple of views."""
     return tuple(buf[a:b] for buf, unit_runs in zip(bufs, runs, strict=True)
                  for a, b in unit_runs)
@@ -220,7 +226,7 @@ def copy_left(plan: Plan, state: TrainState, copies: tuple, skip: frozenset[int]
             ops.cast(state.master[u][a:b], copies[u].dtype, out=copies[u][a:b])
 
 
-def full_grads(plan: Plan, shards: list[Any]) -> list[Any]:
+def full_grads(plan: Plan, shards: list[Array]) -> list[Array]:
     """For an optax transformation, which takes gradients shaped like the
     params: the packed gradient shards in the masters' layout, zero for the
     frozen leaves, so that its state for them stays zero (see [Note: frozen
@@ -242,27 +248,30 @@ def hold_frozen(plan: Plan, state: TrainState) -> list:
     return held
 
 
-def grad_views(plan: Plan, bufs: Any, runs: tuple) -> tuple:
+def grad_views(plan: Plan, bufs: tuple[Array, ...] | list[Array],
+               runs: tuple) -> tuple[Array, ...]:
     """The gradients' (and a fused optimizer's moments') views of ``runs``:
     packed where leaves are frozen (see [Note: frozen leaves])."""
     return views(bufs, runs) if plan.packing is None else plan.packing.views(bufs, runs)
 
 
-def master_views(plan: Plan, bufs: Any, runs: tuple) -> tuple:
+def master_views(plan: Plan, bufs: tuple[Array, ...] | list[Array],
+                 runs: tuple) -> tuple[Array, ...]:
     """The masters' views of ``runs``: packed where frozen leaves keep no
     masters (see [Note: frozen leaves])."""
     packing = plan.master_packing
     return views(bufs, runs) if packing is None else packing.views(bufs, runs)
 
 
-def copies_packing(plan: Plan) -> Any:
+def copies_packing(plan: Plan) -> Packing | None:
     """Where the trainable runs live in the buffers the optimizer writes the
     compute-dtype params into: stages 0 and 3 write the compute params, laid
     out as the params; stages 1-2 fresh buffers, packed as the masters."""
     return plan.master_packing if plan.config.stage in (1, 2) else None
 
 
-def copy_views(plan: Plan, copies: Any, runs: tuple) -> tuple:
+def copy_views(plan: Plan, copies: tuple[Array, ...] | list[Array],
+               runs: tuple) -> tuple[Array, ...]:
     """The compute-dtype copies' views of ``runs`` (see :func:`copies_packing`)."""
     packing = copies_packing(plan)
     return views(copies, runs) if packing is None else packing.views(copies, runs)

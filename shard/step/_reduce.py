@@ -112,7 +112,8 @@ class GradReducer:
         with timed("library"):
             self._add(u, grads)
 
-    def _add(self, u: int, grads: Sequence[Grad | None]) -> None:
+    # grads: Any: each a Grad or None, until replaced by its device array (Array | None)
+    def _add(self, u: int, grads: Sequence[Any]) -> None:
         unit, w = self.layout.units[u], self.layout.world_size
         shard = self.shards[u]
         replicated = shard[unit.sharded_size:]
@@ -157,7 +158,7 @@ class GradReducer:
             else:
                 self._pending.append((u, None if first else out, work))
 
-    def _accumulate(self, u: int, grads: Sequence[Grad | None]) -> None:
+    def _accumulate(self, u: int, grads: Sequence[Any]) -> None:  # grads: as _add's
         """Add unit ``u``'s gradients to its full sum (stages 0-1): the sharded
         leaves' in the (W, S) reduce layout, the replicated ones' in the shard."""
         unit, full = self.layout.units[u], cast(list, self._full)[u]

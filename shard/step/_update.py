@@ -78,6 +78,12 @@ from shard.step._ordered import exact_norm_and_loss
 from shard.step._reduce import OneBitMomentum, write_sections
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from ops import Device
+    from ops._types import Array
+    from shard.core._state import Packing
+    from shard.step._config import StepConfig
     from shard.step._plan import Plan
 
 __all__ = ["add_skips", "apply", "copy_out", "count_missing", "fresh_totals",
@@ -87,7 +93,7 @@ __all__ = ["add_skips", "apply", "copy_out", "count_missing", "fresh_totals",
 log = logging.getLogger("shard.step")
 
 
-def norm_and_loss(plan: Plan, shards: list[Any], totals: Any, losses: list[Any]) -> None:
+def norm_and_loss(plan: Plan, shards: list[Array], totals: Array, losses: list[Array]) -> None:
     """``totals`` (on the device) becomes [global sum of squares of the summed
     gradients, sum of the losses (``losses``, each call's) over ranks]."""
     c, layout = plan.config, plan.grad_layout  # frozen leaves hold nothing there
@@ -95,8 +101,8 @@ def norm_and_loss(plan: Plan, shards: list[Any], totals: Any, losses: list[Any])
         with timed("reduce_wait"):  # (ordered ones sum the replicas per micro-batch)
             for g in shards:
                 plan.replica.all_reduce_(g, "sum")
-    sharded: list[Any] = []
-    replicated: list[Any] = []
+    sharded: list[Array] = []
+    replicated: list[Array] = []
     skip = set(c.loss_fn.norm_skip)  # copies of a tied weight
     tp = c.tensor_parallel  # see [Note: tensor parallelism with ZeRO]
     if tp is not None and tp.rank > 0:
@@ -130,7 +136,8 @@ def norm_and_loss(plan: Plan, shards: list[Any], totals: Any, losses: list[Any])
         tp.comm.all_reduce_(totals[SUMSQ], "sum")
 
 
-def local_norm_and_loss(plan: Plan, sumsq: Any, totals: Any) -> None:
+# sumsq: Any: a device array (LocalReducer's), multiplied here
+def local_norm_and_loss(plan: Plan, sumsq: Any, totals: Array) -> None:
     """0/1 Adam's local steps (see [Note: 0/1 Adam] in ``ops/_zeroone.py``):
     ``totals`` becomes [the mean over the ranks of each one's squared gradient
     norm (``sumsq``: its own), the losses summed over the ranks]."""
@@ -154,7 +161,7 @@ def onebit_update(plan: Plan, state: TrainState, held: OneBitMomentum) -> None:
         copy_out(plan, state, held.params)
 
 
-def copy_out(plan: Plan, state: TrainState, wholes: list[Any]) -> None:
+def copy_out(plan: Plan, state: TrainState, wholes: Sequence[Array]) -> None:
     """Stages 1-2: each unit's whole params on this rank (float32, the (W, S)
     reduce layout, then the replicated leaves) into its compute params, with
     no collective (0/1 Adam's local steps)."""
@@ -183,7 +190,8 @@ def value(host: np.ndarray, s: slice) -> float:
     return float(host[s.start])
 
 
-def fresh_totals(kept: dict, device: Any, rows: int, leaves: int = 0) -> Any:
+def fresh_totals(kept: dict[tuple[str, int, int], Array], device: Device, rows: int,
+                 leaves: int = 0) -> Array:
     """A step's ``[sum of squares, sum of losses, rows, rows squared, ranks that
     counted rows]`` for ``rows`` rows (0: not counted), then with ``leaves``
     the ranks that had no gradient for each leaf (0 here; see [Note: missing
@@ -199,7 +207,7 @@ def fresh_totals(kept: dict, device: Any, rows: int, leaves: int = 0) -> Any:
     return base.copy()
 
 
-def warn_if_rows_differ(c: Any, host: np.ndarray) -> bool:
+def warn_if_rows_differ(c: StepConfig, host: np.ndarray) -> bool:
     """Warn that the ranks' rows differed in a step that weighs each rank's mean
     the same (see [Note: rows across ranks]); whether it did."""
     n, total = c.ranks, value(host, ROWS)
@@ -215,22 +223,22 @@ def warn_if_rows_differ(c: Any, host: np.ndarray) -> bool:
     return True
 
 
-def tracks_missing(c: Any) -> bool:
+def tracks_missing(c: StepConfig) -> bool:
     """Whether the step asks its loss which leaves got no gradient: a torch
     module's (a JAX gradient is always defined), outside a pipeline, whose
     stages' all-reduce spans other layouts (see [Note: missing gradients])."""
     return c.kind == "provider" and c.loss_fn.reports_missing and c.topology.whole is None
 
 
-def count_missing(totals: Any, missing: frozenset[int], device: Any) -> None:
+def count_missing(totals: Array, missing: frozenset[int], device: Device) -> None:
     """Count this rank's missing leaves into ``totals`` before its all-reduce."""
     flags = np.zeros(totals.shape[0] - MISSING.start)
     flags[sorted(missing)] = 1.0
     totals[MISSING] = device.asarray(flags)
 
 
-def skipped_leaves(totals: Any, missing: frozenset[int], ranks: int,
-                   device: Any) -> frozenset[int]:
+def skipped_leaves(totals: Array, missing: frozenset[int], ranks: int,
+                   device: Device) -> frozenset[int]:
     """The leaves no rank had a gradient for (after the all-reduce): a host read,
     on the ranks that missed any."""
     counts = device.to_host(totals)[MISSING]
@@ -273,7 +281,8 @@ def _count_groups(plan: Plan, state: TrainState, skip: frozenset[int]) -> list |
             for t, members in sorted(groups.items())]
 
 
-def weigh_by_rows(shards: list[Any], totals: Any, parts: int) -> None:
+# shards: Any: device arrays, multiplied in place
+def weigh_by_rows(shards: list[Any], totals: Array, parts: int) -> None:
     """``weight_by_rows``'s correction (see [Note: rows across ranks]): each
     micro-batch's loss was scaled by its rows, so the summed gradients become
     the mean over all rows under the step's usual ``1 / parts`` scale once
@@ -291,6 +300,8 @@ def weigh_by_rows(shards: list[Any], totals: Any, parts: int) -> None:
     totals[LOSS] *= f
 
 
+# shards: Any: device arrays (numpy ones for an optax transformation, on the host);
+# grad_sumsq: Any: a device array or None, an array wherever the optimizer is optax's
 def apply(plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
           grad_sumsq: Any, skip: frozenset[int] = frozenset(),
           compressed: str | None = None) -> TrainState:
@@ -347,8 +358,8 @@ def apply(plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
     return state
 
 
-def _per_leaf(plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
-              grad_sumsq: Any, copies: tuple | None, skip: frozenset[int]) -> None:
+def _per_leaf(plan: Plan, state: TrainState, shards: list[Array], grad_scale: float,
+              grad_sumsq: Array | None, copies: tuple | None, skip: frozenset[int]) -> None:
     """A fused optimizer whose update reduces over each whole leaf (LAMB's trust
     ratio), on each leaf's local view: the split leaves first, so that their
     per-leaf sums are one leading block, summed over the data ranks by one
@@ -360,11 +371,12 @@ def _per_leaf(plan: Plan, state: TrainState, shards: list[Any], grad_scale: floa
                    key=lambda i: not split[i])
     nsplit = sum(split[i] for i in order)
 
-    def views(bufs: Any) -> tuple:
+    def views(bufs: Sequence[Array]) -> tuple[Array, ...]:
         return tuple(bufs[leaves[i].unit][leaves[i].offset:leaves[i].offset +
                                           leaves[i].local_size] for i in order)
 
-    def packed_views(bufs: Any, packing: Any = plan.packing) -> tuple:  # gradients', moments'
+    def packed_views(bufs: tuple[Array, ...] | list[Array],  # gradients', moments'
+                     packing: Packing | None = plan.packing) -> tuple[Array, ...]:
         if packing is None:
             return views(bufs)
         out = []
@@ -374,7 +386,7 @@ def _per_leaf(plan: Plan, state: TrainState, shards: list[Any], grad_scale: floa
             out.append(bufs[leaves[i].unit][a:b])
         return tuple(out)
 
-    def reduce(sums: Any) -> Any:
+    def reduce(sums: Array) -> Array:
         if nsplit:
             with timed("reduce_wait"):
                 plan.fast.all_reduce_(sums[:nsplit], "sum")
