@@ -6,10 +6,12 @@ Two network namespaces of this machine, joined by a veth link whose ends a
 token bucket limits to ``--rate`` (1 Gbit/s by default), run ``examples/gpt.py``'s
 GPT under torchrun, 2 processes each (``tests/netns_worker.py``): once as flat
 ZeRO-3 over the 4 ranks, once with ZeRO-3 inside each host and the replicas
-across (a ``replicate`` x ``shard`` mesh, see [Note: replicas]). The modes alternate over
-``--rounds``; the table gives the median seconds per step (the run's wall time
+across (a ``replicate`` x ``shard`` mesh, see [Note: replicas]), and so on: one
+launch a round trains every mode in turn in its one process group. The table
+gives the median over ``--rounds`` of the seconds per step (the run's wall time
 over its steps, the first included) and the bytes each host sent over its link
-per step, against the analytic figures: flat ZeRO-3 sends about 3x the
+per step (read by the ranks from the link's counters around each mode's run,
+its set-up included), against the analytic figures: flat ZeRO-3 sends about 3x the
 params' bytes per host and step (each of a host's two ranks receives the
 other host's half of every unit twice, 2x, and sends its gradients for the
 other host's shards, 1x), HSDP about 1x (each rank all-reduces its
@@ -71,37 +73,43 @@ MODES = ("flat", "hsdp", "hpz", "qwz", "hpz-qwz", "qgz", "hpz-qwz-qgz", "hpz-qwz
          "zero2", "zero2-onebit", "zero2-zeroone")
 
 
-def run(mode: str, args: argparse.Namespace, out: Path) -> tuple[dict, list[int]]:
+def mode_env(mode: str, args: argparse.Namespace) -> dict[str, str]:
+    """The worker's variables for ``mode`` (see ``tests/netns_worker.py``)."""
     freeze = max(1, args.warmup - 1)  # the 1-bit family's warm-up: compressing from there
+    return {"ZS_REPLICAS": "2" if mode == "hsdp" else "1",
+            "ZS_RESHARD": "2" if mode.startswith("hpz") else "0",
+            "ZS_QWZ": "1" if "qwz" in mode else "0",
+            "ZS_QGZ": "4" if mode.endswith("qgz4") else "8" if "qgz" in mode else "0",
+            "ZS_STAGE": "2" if mode.startswith("zero2") else "3",
+            "ZS_ONEBIT": str(freeze) if mode.endswith("onebit") else "0",
+            # 0/1 Adam's local steps from there, their interval doubling every update up to 4
+            "ZS_ZEROONE": f"{freeze},1,4" if mode.endswith("zeroone") else ""}
+
+
+def run(modes: list[str], args: argparse.Namespace, out: Path, tag: str) -> dict[str, dict]:
+    """One torchrun launch per host that trains every mode in turn in its one
+    process group (each mode's run a fresh model, step and state); each mode's
+    report, its bytes read from the link's counters by the ranks."""
     env = dict(os.environ, ZS_OUT=str(out), ZS_STEPS=str(args.warmup + args.steps),
                ZS_WARMUP=str(args.warmup), PYTHONPATH=str(ROOT),
                OMP_NUM_THREADS="1", ZS_D=str(args.d_model), ZS_LAYERS=str(args.layers),
-               ZS_REPLICAS="2" if mode == "hsdp" else "1",
-               ZS_RESHARD="2" if mode.startswith("hpz") else "0",
-               ZS_QWZ="1" if "qwz" in mode else "0",
-               ZS_QGZ="4" if mode.endswith("qgz4") else "8" if "qgz" in mode else "0",
-               ZS_STAGE="2" if mode.startswith("zero2") else "3",
-               ZS_ONEBIT=str(freeze) if mode.endswith("onebit") else "0",
-               # 0/1 Adam's local steps from there, their interval doubling every update
-               # up to 4
-               ZS_ZEROONE=f"{freeze},1,4" if mode.endswith("zeroone") else "")
+               ZS_MODES=json.dumps({mode: mode_env(mode, args) for mode in modes}))
     with netns.two_hosts(rate=args.rate) as hosts:
         port, procs = free_port(), []
         for i, h in enumerate(hosts):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
                    "--nproc-per-node", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-                   f"{hosts[0].addr}:{port}", "--rdzv-id", f"zs-bench-{mode}", "--rdzv-conf",
+                   f"{hosts[0].addr}:{port}", "--rdzv-id", f"zs-bench-{tag}", "--rdzv-conf",
                    f"is_host={int(i == 0)},join_timeout=120", "--local-addr", h.addr,
                    "--max-restarts", "0", str(ROOT / "tests" / "netns_worker.py")]
             procs.append(subprocess.Popen(h.command(cmd), cwd=ROOT, text=True,
                                           env=dict(env, GLOO_SOCKET_IFNAME=h.ifname),
                                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
         for p in procs:
-            log = p.communicate(timeout=900)[0]
+            log = p.communicate(timeout=900 * len(modes))[0]
             if p.returncode:
-                raise SystemExit(f"{mode} failed:\n{log[-3000:]}")
-        sent = [h.tx_bytes() for h in hosts]
-    return json.loads(out.read_text()), sent
+                raise SystemExit(f"{', '.join(modes)} failed:\n{log[-3000:]}")
+    return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -128,16 +136,14 @@ def main() -> None:
     diverged: set[str] = set()
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(args.rounds):
+            reports = run(modes, args, Path(tmp) / f"round{r}.json", f"round{r}")
             for mode in modes:
-                report, nbytes = run(mode, args, Path(tmp) / f"{mode}{r}.json")
+                report = reports[mode]
                 if not all(math.isfinite(x) for x in report["losses"]):
                     diverged.add(mode)  # a run that diverged measures nothing
-                if args.warmup:
-                    times[mode].append(report["measured_seconds"] / args.steps)
-                    sent[mode].append(report["measured_sent"] / args.steps)
-                else:
-                    times[mode].append(report["seconds"] / args.steps)
-                    sent[mode].append(max(nbytes) / args.steps)
+                times[mode].append(report["measured_seconds" if args.warmup else "seconds"]
+                                   / args.steps)
+                sent[mode].append(report["measured_sent"] / args.steps)
                 param_bytes = report["param_bytes"]
                 print(f"round {r + 1}/{args.rounds} {mode}: {times[mode][-1] * 1e3:.0f} ms/step, "
                       f"{sent[mode][-1] / 2**20:.2f} MiB sent per host and step", flush=True)
