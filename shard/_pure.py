@@ -97,7 +97,7 @@ class PureStep:
     ``jax.lax.scan`` and ``jax.lax.fori_loop``. Every rank calls it with its
     own batch."""
 
-    def __init__(self, loss_fn: Callable[..., Any], *, optimizer: optax.GradientTransformation,
+    def __init__(self, loss_fn: Callable[..., object], *, optimizer: optax.GradientTransformation,
                  comm: Communicator, specs: Any = None, units: Units = None,
                  has_aux: bool = False, key: jax.Array | None = None, trainable: Any = None,
                  axis_name: str | None = None) -> None:
@@ -196,8 +196,8 @@ class PureStep:
         buffer, as do its replicated leaves."""
         return self._program("whole").run("whole", (params, self._rank()))
 
-    def evaluate(self, state: PureState, batch: Any, *, loss_fn: Callable[..., Any] | None = None
-                 ) -> jax.Array | tuple[jax.Array, Any]:
+    def evaluate(self, state: PureState, batch: Any, *,
+                 loss_fn: Callable[..., object] | None = None) -> jax.Array | tuple[jax.Array, Any]:
         """The loss at ``state``'s params on this rank's ``batch``, averaged over
         the ranks (a collective), with no update: ``(loss, aux)`` with
         ``has_aux``. ``loss_fn``: another function of the same params (the
@@ -211,7 +211,7 @@ class PureStep:
     step = __call__
 
 
-def pure_zero3(loss_fn: Callable[..., Any], *, optimizer: optax.GradientTransformation,
+def pure_zero3(loss_fn: Callable[..., object], *, optimizer: optax.GradientTransformation,
                comm: Communicator, specs: Any = None, units: Units = None,
                has_aux: bool = False, key: jax.Array | None = None, trainable: Any = None,
                axis_name: str | None = None) -> PureStep:

@@ -179,7 +179,7 @@ class Program:
         if w == 1:  # one rank's rows are the whole leaves
             return layout.treedef.unflatten([x.reshape(leaf.shape) for leaf, x in
                                              zip(layout.leaves, leaves, strict=True)])
-        out: list[Any] = [None] * len(leaves)
+        out: list[jax.Array | None] = [None] * len(leaves)
         for split, still, idx in self.groups:
             flat = jnp.concatenate([leaves[i].reshape(-1) for i in idx])
             if still:  # frozen: gathered, but never differentiated, so never reduced

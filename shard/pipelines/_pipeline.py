@@ -66,6 +66,7 @@ if TYPE_CHECKING:
 
     import jax
     import torch
+    from numpy.typing import ArrayLike
 
     from ops.comm._base import Pending
     from shard.core._protocol import GradSink
@@ -425,7 +426,7 @@ def _split(batch: Any, m: int) -> tuple[list[Any], int]:
     """The batch cut into ``m`` micro-batches by rows, and their rows."""
     import jax
 
-    def rows(x: Any) -> int:
+    def rows(x: ArrayLike) -> int:
         return int(np.shape(x)[0])
 
     leaves = jax.tree_util.tree_leaves(batch)
