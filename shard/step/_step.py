@@ -71,7 +71,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from typing import Any, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -100,6 +101,9 @@ from shard.step._reduce import (
 )
 from shard.step._runtime import LiveBytes
 
+if TYPE_CHECKING:
+    from ops._types import Array
+
 __all__ = ["ZeroStep"]
 
 log = logging.getLogger(__name__)
@@ -118,8 +122,8 @@ class ZeroStep:
     ``shard.load`` make it); what it keeps between steps are buffers only.
     """
 
-    def __init__(self, loss_fn: Any, *, stage: int, optimizer: Any, topology: Topology,
-                 options: ZeroOptions | None = None, tensor_parallel: Any = None) -> None:
+    def __init__(self, loss_fn: object, *, stage: int, optimizer: object, topology: Topology,
+                 options: ZeroOptions | None = None, tensor_parallel: object = None) -> None:
         self.config = StepConfig.make(loss_fn, stage=stage, optimizer=optimizer,
                                       topology=topology, options=options or ZeroOptions(),
                                       tensor_parallel=tensor_parallel)
@@ -138,7 +142,7 @@ class ZeroStep:
             return getattr(config, name)
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
-    def __setattr__(self, name: str, value: Any) -> None:
+    def __setattr__(self, name: str, value: object) -> None:
         if name in _CONFIG_FIELDS:
             raise AttributeError(f"{self.name}: the step's {name} is part of its frozen "
                                  f"configuration; build a new step with {name}=...")
@@ -162,7 +166,7 @@ class ZeroStep:
         return self._plan.precision if self._plan else self.config.precision
 
     # -- init -----------------------------------------------------------------
-    def init(self, params: Any, *, model_state: Any = None, opt_state: Any = None,
+    def init(self, params: object, *, model_state: object = None, opt_state: object = None,
              device: Device | None = None) -> TrainState:
         """Partition full ``params`` (the same on every rank) into this rank's state.
 
@@ -194,7 +198,8 @@ class ZeroStep:
             state = _init.with_optax_state(self.config, plan, state, opt_state)
         return state if model_state is None else state.replace(model_state=model_state)
 
-    def init_from(self, init_fn: Any, *args: Any, device: Device | None = None) -> TrainState:
+    def init_from(self, init_fn: Callable[..., object], *args: object,
+                  device: Device | None = None) -> TrainState:
         """This rank's state from ``init_fn(*args)``, a JAX function returning the
         params (``model.init`` with its key and inputs, say), without holding
         them whole: each rank computes one unit's leaves at a time (``jax.jit``
@@ -230,7 +235,7 @@ class ZeroStep:
             self._offloader = offloader or plan.offloader()
         return plan
 
-    def _plan_for(self, state: Any) -> Plan:
+    def _plan_for(self, state: TrainState) -> Plan:
         """The plan ``state`` was made with, where this step (its ``init``, or
         ``shard.load`` into it) made it; a state of another step must fit this
         step's own plan."""
@@ -248,7 +253,7 @@ class ZeroStep:
         return self._plan
 
     # -- step -------------------------------------------------------------------
-    def __call__(self, state: TrainState, batch: Any, *,
+    def __call__(self, state: TrainState, batch: object, *,
                  tokens: int | None = None) -> tuple[TrainState, StepMetrics]:
         """One optimizer step. ``tokens``: how many tokens (or samples) this rank's
         ``batch`` holds, for ``metrics["tokens_per_s"]`` (this rank's rate)."""
@@ -272,7 +277,7 @@ class ZeroStep:
             logger(int(state.step), metrics)
         return state, metrics
 
-    def _step(self, state: TrainState, batch: Any) -> tuple[TrainState, StepMetrics]:
+    def _step(self, state: TrainState, batch: object) -> tuple[TrainState, StepMetrics]:
         plan = self._plan_for(state)
         state.check_live()
         micro = list(batch) if isinstance(batch, MicroBatches) else [batch]
@@ -453,8 +458,8 @@ class ZeroStep:
                              good_steps=np.asarray(good, np.int64),
                              hysteresis=np.asarray(left, np.int64)), StepMetrics(known)
 
-    def _apply(self, plan: Plan, state: TrainState, shards: list[Any], grad_scale: float,
-               grad_sumsq: Any, skip: frozenset[int] = frozenset(),
+    def _apply(self, plan: Plan, state: TrainState, shards: list[Array], grad_scale: float,
+               grad_sumsq: Array | None, skip: frozenset[int] = frozenset(),
                compressed: str | None = None) -> TrainState:
         """The update where the state's masters live; returns the new state.
         ``compressed``: the kind of the 1-bit family's phase the shards are of
@@ -494,7 +499,7 @@ class ZeroStep:
         return Compressed("momentum" if isinstance(spec, OneBit) else "gradients", held, scale)
 
     def _local_step(self, plan: Plan, state: TrainState, local: ZeroOneLocal,
-                    grads: list[Any]) -> None:
+                    grads: list[Array]) -> None:
         """0/1 Adam's local step, and the ranks' synchronisation where it is due
         (see [Note: 0/1 Adam] in ``ops/_zeroone.py``): the compute params
         become this rank's own; the masters and moments change at a
@@ -513,7 +518,7 @@ class ZeroStep:
             _update.copy_out(plan, state, steps.params)
 
     # -- evaluation -------------------------------------------------------------
-    def evaluate(self, state: Any, batch: Any, *, loss_fn: Any = None) -> Any:
+    def evaluate(self, state: TrainState, batch: object, *, loss_fn: object = None) -> Any:
         """The loss at ``state``'s params on this rank's ``batch``, averaged over
         the ranks (a collective: every rank calls it); no gradients, no update,
         the state stays usable. With ``has_aux=True`` it returns ``(loss, aux)``,
