@@ -60,6 +60,7 @@ def train_one(comm, env: dict[str, str]) -> dict | None:
             "seconds": out["seconds"],
             # the steps after the warm-up: their seconds and the most any host sent
             "measured_seconds": seconds, "measured_sent": float(tx.max()),
+            "sent": [float(x) for x in tx],  # each rank's reading, from the run's start
             "param_bytes": sum(int(v.nbytes) for v in params.values()),
             "params": {k: [float(np.sum(v, dtype=np.float64)),
                            float(np.sum(np.abs(v), dtype=np.float64))]
