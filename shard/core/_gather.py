@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -11,6 +11,11 @@ from ops._types import tree_util
 from ops.device._device import device_named
 from shard.core._layout import make_layout, native_leaves
 from shard.core._state import TrainState, full_masters
+
+if TYPE_CHECKING:
+    from jax.tree_util import KeyPath
+
+    from ops._types import Array
 
 __all__ = ["MicroBatches", "gather", "split_batch"]
 
@@ -100,7 +105,7 @@ def gather(x: Any, comm: Communicator, *, specs: Any = None, like: Any = None) -
         buffers = [device.empty(u.local_size, local[u.leaves[0]].dtype) for u in layout.units]
         for dst, src in zip(layout.local_views(buffers), local, strict=True):
             dst[...] = src.reshape(dst.shape)
-    out: list[Any] = [None] * len(layout.leaves)
+    out: list[Array | None] = [None] * len(layout.leaves)
     for u, unit in enumerate(layout.units):
         gathered = device.empty(unit.sharded_size * comm.world_size, buffers[u].dtype)
         if unit.sharded_size:
@@ -119,7 +124,7 @@ def split_batch(batch: Any, *, rank: int, world_size: int) -> Any:
     """
     tu = tree_util()
 
-    def cut(path: Any, x: Any) -> Any:
+    def cut(path: KeyPath, x: Any) -> Any:
         if not hasattr(x, "shape"):
             x = np.asarray(x)  # numbers and lists: host data
         if x.ndim == 0 or x.shape[0] % world_size:

@@ -24,9 +24,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -38,7 +38,13 @@ from shard.core._specs import Shard, resolve_specs
 
 __all__ = ["Layout", "LeafLayout", "UnitLayout", "make_layout", "partition", "unpartition"]
 
-Units = None | int | Callable[[tuple], Any]
+if TYPE_CHECKING:
+    from jax.tree_util import PyTreeDef
+    from numpy.typing import DTypeLike
+
+    from ops._types import Array
+
+Units = None | int | Callable[[tuple], Hashable]
 
 
 @dataclass(frozen=True)
@@ -93,7 +99,7 @@ class UnitLayout:
 class Layout:
     """The layout of a params pytree over ``world_size`` ranks (hashable, static)."""
 
-    treedef: Any
+    treedef: PyTreeDef
     leaves: tuple[LeafLayout, ...]
     units: tuple[UnitLayout, ...]
     world_size: int
@@ -115,7 +121,7 @@ class Layout:
             out.append(buf[leaf.offset:leaf.offset + leaf.local_size].reshape(leaf.local_shape))
         return out
 
-    def scatter_leaf(self, leaf: LeafLayout, x: Any, rank: int, dst: Any) -> None:
+    def scatter_leaf(self, leaf: LeafLayout, x: Array, rank: int, dst: Array) -> None:
         """Write rank ``rank``'s part of the full leaf ``x`` into ``dst`` (its local
         view); ``x`` is an array of ``dst``'s device."""
         if not leaf.sharded:
@@ -187,7 +193,7 @@ class Layout:
                 tensor += [j, -1]
         return Runs(src, dst, lengths, tensor=tensor)
 
-    def pack_grad(self, leaf: LeafLayout, g: Any, sharded: Any, replicated: Any,
+    def pack_grad(self, leaf: LeafLayout, g: Any, sharded: Array, replicated: Array,
                   *, add: bool = False) -> None:
         """Copy (or with ``add``, add) a full gradient into a unit's reduce layout
         (see [Note: unit buffers]); the padding rows are left at zero. ``g`` is an
@@ -226,7 +232,7 @@ def _columns(rows: list[tuple[int, int, int]]) -> tuple[list[int], list[int], li
     return ([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows])
 
 
-def _unit_keys(paths: list[tuple], units: Units) -> list[Any]:
+def _unit_keys(paths: list[tuple], units: Units) -> list[Hashable]:
     tu = tree_util()
     if units is None or isinstance(units, int):
         depth = 1 if units is None else units
@@ -282,12 +288,12 @@ def master_dtype_of(layout: Layout) -> np.dtype:
     return np.dtype(np.float32)
 
 
-def alloc_units(layout: Layout, dtype: Any, device: Device = HOST) -> list[Any]:
+def alloc_units(layout: Layout, dtype: DTypeLike, device: Device = HOST) -> list[Any]:
     """Zeroed local buffers on ``device``, one per unit (64-byte aligned on the host)."""
     return [device.zeros(unit.local_size, dtype) for unit in layout.units]
 
 
-def native_leaves(leaves: Sequence[Any], fn: str) -> tuple[Device | None, list[Any]]:
+def native_leaves(leaves: Sequence[object], fn: str) -> tuple[Device | None, list[Any]]:
     """Array leaves as arrays of the one device they live on.
 
     numpy and device arrays stay as they are, torch tensors and jax arrays are
@@ -322,7 +328,7 @@ def native_leaves(leaves: Sequence[Any], fn: str) -> tuple[Device | None, list[A
 
 
 def partition(tree: Any, specs: Any = None, *, rank: int, world_size: int,
-              units: Units = None, dtype: Any = None) -> Any:
+              units: Units = None, dtype: DTypeLike | None = None) -> Any:
     """This rank's shards of a full pytree (see [Note: unit buffers]).
 
     Args:

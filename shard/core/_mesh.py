@@ -19,11 +19,15 @@ from __future__ import annotations
 import zlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ops import Communicator
+
+if TYPE_CHECKING:
+    import jax
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["Mesh", "Topology"]
 
@@ -133,7 +137,7 @@ class Mesh:
         """The grid of global ranks, shaped like the mesh."""
         return np.arange(self.comm.world_size).reshape(tuple(self.shape.values()))
 
-    def to_jax(self, devices: Any = None) -> Any:
+    def to_jax(self, devices: Iterable[jax.Device] | None = None) -> jax.sharding.Mesh:
         """A ``jax.sharding.Mesh`` of the same shape and axis names over
         ``devices`` (default: the first ``world_size`` of ``jax.devices()``)."""
         import jax
@@ -147,7 +151,7 @@ class Mesh:
         return jax.sharding.Mesh(grid, self.axis_names)
 
     @classmethod
-    def from_jax(cls, mesh: Any, comm: Communicator) -> Mesh:
+    def from_jax(cls, mesh: jax.sharding.Mesh, comm: Communicator) -> Mesh:
         """The mesh of a ``jax.sharding.Mesh``'s shape and axis names over ``comm``."""
         return cls(comm, dict(zip(mesh.axis_names, mesh.devices.shape, strict=True)))
 
@@ -156,7 +160,7 @@ class Mesh:
         return tuple(self.shape.values()), self.axis_names
 
     @classmethod
-    def from_torch(cls, device_mesh: Any, comm: Communicator) -> Mesh:
+    def from_torch(cls, device_mesh: DeviceMesh, comm: Communicator) -> Mesh:
         """The mesh of a torch ``DeviceMesh``'s shape and dimension names over
         ``comm``."""
         names = device_mesh.mesh_dim_names
@@ -304,7 +308,7 @@ class Topology:
                              "'replicate' axis is for a step without pipeline stages")
         return cls(data, replicate=replicate, model=model, whole=whole)
 
-    def with_secondary(self, where: str, stage: int, reshard: Any) -> Topology:
+    def with_secondary(self, where: str, stage: int, reshard: bool | int) -> Topology:
         """This topology with ``reshard_after_forward``'s communicators (see
         [Note: secondary shards]): none for True (or an int equal to the data
         ranks), else the mesh of ``nodes x reshard_after_forward`` ranks' two

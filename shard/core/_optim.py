@@ -46,7 +46,7 @@ import math
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -54,7 +54,15 @@ from ops import FusedOptimizer
 from ops._adam import grad_multiplier
 from ops._types import tree_util
 from shard.core._layout import Layout
-from shard.core._parts import PER_LEAF, Segments, check_parts, clip_first, describe, parts_of
+from shard.core._parts import PER_LEAF, Part, Segments, check_parts, clip_first, describe, parts_of
+
+if TYPE_CHECKING:
+    import jax
+    import optax
+    from numpy.typing import DTypeLike
+
+    from ops import AdamState, LionState
+    from ops._types import Array
 
 __all__ = ["ADAM_MOMENTS", "OptimizerTree", "ShardOptimizer", "is_transformation", "moment_names",
            "on_shards"]
@@ -63,7 +71,7 @@ ADAM_MOMENTS = ("exp_avg", "exp_avg_sq")
 _REST_DTYPES = ("float32", "float64", "int32", "int64", "uint32", "bool")
 
 
-def is_transformation(x: Any) -> bool:
+def is_transformation(x: object) -> bool:
     """An optax ``GradientTransformation`` (or anything shaped like one), not
     one of the fused optimizers."""
     return (not isinstance(x, FusedOptimizer) and callable(getattr(x, "init", None))
@@ -83,11 +91,13 @@ class OptimizerTree:
       is_moment: per top-level leaf, whether it is a moment.
     """
 
-    state: Callable[..., Any] | None = None
+    state: Callable[..., AdamState | LionState] | None = None
+    # Any: a PyTreeDef where state is None (optax), None beside a fused state
     treedef: Any = None
     is_moment: tuple[bool, ...] = ()
 
-    def tree(self, layout: Layout, step: Any, moments: tuple, rest: tuple) -> Any:
+    def tree(self, layout: Layout, step: np.ndarray | None,
+             moments: tuple[tuple[np.ndarray, ...], ...], rest: tuple[np.ndarray, ...]) -> Any:
         """The optimizer's state as pytrees of views: ``AdamState`` or optax's."""
         views = [layout.treedef.unflatten(layout.local_views(m)) for m in moments]
         if self.state is not None:
@@ -114,14 +124,15 @@ class ShardOptimizer:
 
     moments: tuple[str, ...]
     fused: FusedOptimizer | None = None
+    # Any: the optax transformation, None beside a fused optimizer
     tx: Any = None
     clip_first: float | None = None
     rest: tuple[tuple[tuple[int, ...], str], ...] = ()  # the other leaves' shapes, dtypes
     _treedef: Any = None  # the optax state's top level: moments and rest leaves
     _is_moment: tuple[bool, ...] = ()
-    _parts: tuple = ()  # the transformation's parts, where some reduce over whole leaves
+    _parts: tuple[Part, ...] = ()  # the transformation's parts, where some reduce over whole leaves
     _jitted: list = field(default_factory=list)
-    _segments: dict = field(default_factory=dict)  # rank -> Segments
+    _segments: dict[int, Segments] = field(default_factory=dict)
 
     @property
     def reduces_leaves(self) -> bool:
@@ -130,7 +141,8 @@ class ShardOptimizer:
         return bool(self._parts) or (self.fused is not None and self.fused.per_tensor)
 
     # -- state ------------------------------------------------------------------
-    def init(self, layout: Any, master: list[Any]) -> tuple[list[list[Any]], tuple]:
+    def init(self, layout: Layout, master: list[np.ndarray]
+             ) -> tuple[list[list[np.ndarray]], tuple[np.ndarray, ...]]:
         """An optax transformation's fresh moment buffers (one list of unit
         buffers per moment, host arrays) and rest leaves for ``master``'s
         params."""
@@ -154,15 +166,18 @@ class ShardOptimizer:
         return OptimizerTree(self.fused.state if self.fused is not None else None,
                              self._treedef, self._is_moment)
 
-    def tree(self, layout: Layout, step: Any, moments: tuple, rest: tuple) -> Any:
+    def tree(self, layout: Layout, step: np.ndarray | None,
+             moments: tuple[tuple[np.ndarray, ...], ...], rest: tuple[np.ndarray, ...]) -> Any:
         """The optimizer's state as pytrees of views: ``AdamState`` or optax's."""
         return self.opt_tree.tree(layout, step, moments, rest)
 
     # -- update -------------------------------------------------------------------
-    def apply_optax(self, layout: Any, master: tuple, moments: tuple, rest: tuple,
-                    grads: list[Any], grad_scale: float, grad_sumsq: Any,
+    def apply_optax(self, layout: Layout, master: tuple[np.ndarray, ...],
+                    moments: tuple[tuple[np.ndarray, ...], ...], rest: tuple[np.ndarray, ...],
+                    grads: list[Any], grad_scale: float, grad_sumsq: Array,
                     max_norm: float | None, rank: int = 0,
-                    reduce: Callable[[np.ndarray], np.ndarray] | None = None) -> tuple | None:
+                    reduce: Callable[[np.ndarray], np.ndarray] | None = None
+                    ) -> tuple[np.ndarray, ...] | None:
         """One optax update of host buffers, in place; returns the new rest
         leaves, or None where the gradients are not finite (nothing changed).
         ``reduce`` sums a vector over the data ranks, for the parts that reduce
@@ -215,7 +230,8 @@ _cache: dict = {}  # (update, layout) -> (optimizer, ShardOptimizer): ranks shar
 _lock = threading.Lock()
 
 
-def on_shards(optimizer: Any, layout: Any, *, stage: int, master_dtype: Any,
+def on_shards(optimizer: FusedOptimizer | optax.GradientTransformation, layout: Layout, *,
+              stage: int, master_dtype: DTypeLike,
               device_host: bool, offload: bool, fn: str) -> ShardOptimizer:
     """The :class:`ShardOptimizer` for ``optimizer`` on ``layout``, or a
     TypeError / ValueError naming what cannot run on these shards (before
@@ -254,7 +270,7 @@ def on_shards(optimizer: Any, layout: Any, *, stage: int, master_dtype: Any,
     return hit[1]
 
 
-def moment_names(optimizer: Any, layout: Any) -> tuple[str, ...]:
+def moment_names(optimizer: object, layout: Layout) -> tuple[str, ...]:
     """The moments ``optimizer`` keeps for ``layout``'s params (no probe)."""
     if isinstance(optimizer, FusedOptimizer):
         return optimizer.moments
@@ -264,7 +280,8 @@ def moment_names(optimizer: Any, layout: Any) -> tuple[str, ...]:
     return _make(optimizer, layout, False, describe(optimizer), "estimate_memory").moments
 
 
-def _make(tx: Any, layout: Any, sharded: bool, what: str, fn: str) -> ShardOptimizer:
+def _make(tx: optax.GradientTransformation, layout: Layout, sharded: bool, what: str,
+          fn: str) -> ShardOptimizer:
     import jax
 
     first, parts = clip_first(tx), parts_of(tx)
@@ -314,10 +331,10 @@ def _name(path: tuple) -> str:
     return ".".join(parts) or "state"
 
 
-def _jit_update(tx: Any) -> Any:
+def _jit_update(tx: optax.GradientTransformation) -> Callable[..., tuple]:
     import jax
 
-    def update(g: Any, state: Any, p: Any, factor: Any) -> tuple:
+    def update(g: Any, state: Any, p: Any, factor: jax.Array) -> tuple:
         tu = tree_util()
         g = tu.tree_map(lambda x: x.astype(np.float32) * factor, g)
         updates, state = tx.update(g, state, p)
@@ -326,7 +343,7 @@ def _jit_update(tx: Any) -> Any:
     return jax.jit(update)
 
 
-def _segments_for(parts: tuple, layout: Any, rank: int) -> Segments:
+def _segments_for(parts: tuple[Part, ...], layout: Layout, rank: int) -> Segments:
     """The :class:`Segments` of rank ``rank``: which leading rows of each local
     view are its own, which leaves are split."""
     valid = [max(0, min(leaf.rows_per_rank, leaf.rows - rank * leaf.rows_per_rank))

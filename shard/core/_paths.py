@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,8 +62,8 @@ def shapes_from_manifest(manifest: dict, where: str = "the manifest") -> Any:
         f"load: {where}")
 
 
-def tree_from_manifest(manifest: dict, leaf: Any, where: str = "the manifest", *,
-                       attributes: bool = False) -> Any:
+def tree_from_manifest(manifest: dict, leaf: Callable[..., object],
+                       where: str = "the manifest", *, attributes: bool = False) -> Any:
     """``leaf(entry)`` for each of a manifest's leaf entries, in the nested dicts
     and lists their paths name (with ``attributes``, an attribute is a dict
     key: see :func:`parse_path`)."""
@@ -82,7 +83,7 @@ def tree_from_manifest(manifest: dict, leaf: Any, where: str = "the manifest", *
     return _lists(root, where)
 
 
-def _lists(node: Any, where: str) -> Any:
+def _lists(node: object, where: str) -> object:
     """Dicts keyed 0..n-1 by ints become lists."""
     if not isinstance(node, dict):
         return node
@@ -102,7 +103,7 @@ class Shape:
     dtype: np.dtype
 
 
-def is_shape(x: Any) -> bool:
+def is_shape(x: object) -> bool:
     """Whether a native leaf is a shape with no values (a :class:`Shape` or a
     ``jax.ShapeDtypeStruct``)."""
     from ops.device._device import device_of_or_none

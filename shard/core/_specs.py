@@ -23,16 +23,24 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import numpy as np
 
 from ops._types import tree_util
 
+if TYPE_CHECKING:
+    import jax
+    import torch
+    from jax.sharding import PartitionSpec
+    from jax.tree_util import KeyPath
+
 __all__ = ["DP_AXIS", "Replicate", "Shard", "Spec", "Split", "from_partition_spec",
            "join_split", "joined_stack", "resolve_specs", "take_split", "to_partition_spec"]
 
 DP_AXIS = "dp"
+
+_Leaf = TypeVar("_Leaf", "np.ndarray", "jax.Array", "torch.Tensor")
 
 
 @dataclass(frozen=True)
@@ -66,11 +74,11 @@ class Replicate:
 Spec = Shard | Replicate
 
 
-def _is_spec(x: Any) -> bool:
+def _is_spec(x: object) -> bool:
     return isinstance(x, (Shard, Replicate)) or _is_partition_spec(x)
 
 
-def _is_partition_spec(x: Any) -> bool:
+def _is_partition_spec(x: object) -> bool:
     """A ``jax.sharding.PartitionSpec`` (without importing jax for other specs)."""
     module = type(x).__module__
     if module != "jax" and not module.startswith("jax."):
@@ -125,7 +133,7 @@ def resolve_specs(params: Any, specs: Any = None, *, fn: str = "specs") -> Any:
             raise TypeError(f"{fn}: {tu.keystr(bad[0])} is not a spec: Shard(0), Replicate() or "
                             "a jax.sharding.PartitionSpec (shard.from_partition_spec)")
 
-    def fix(path: Any, leaf: Any, spec: Any) -> Any:
+    def fix(path: KeyPath, leaf: object, spec: Any) -> Spec:
         spec = _spec_of(tu.keystr(path), spec, fn)
         shape: tuple[int, ...] = getattr(leaf, "shape", ())
         return Replicate() if len(shape) == 0 or shape[0] == 0 else spec
@@ -133,14 +141,14 @@ def resolve_specs(params: Any, specs: Any = None, *, fn: str = "specs") -> Any:
     return tu.tree_map_with_path(fix, params, full)
 
 
-def to_partition_spec(spec: Spec, axis: str = DP_AXIS) -> Any:
+def to_partition_spec(spec: Spec, axis: str = DP_AXIS) -> PartitionSpec:
     """The ``jax.sharding.PartitionSpec`` of a spec over mesh axis ``axis``."""
     from jax.sharding import PartitionSpec
 
     return PartitionSpec(axis) if isinstance(spec, Shard) else PartitionSpec()
 
 
-def from_partition_spec(pspec: Any, axis: str = DP_AXIS) -> Spec:
+def from_partition_spec(pspec: PartitionSpec, axis: str = DP_AXIS) -> Spec:
     """The spec of a ``jax.sharding.PartitionSpec`` over mesh axis ``axis``."""
     entries = tuple(pspec)
     if not entries or all(e is None for e in entries):
@@ -165,7 +173,7 @@ def _blocked(shape: Sequence[int], split: Split) -> list[int]:
     return shape
 
 
-def take_split(x: Any, split: Split, rank: int, size: int) -> Any:
+def take_split(x: _Leaf, split: Split, rank: int, size: int) -> _Leaf:
     """Model rank ``rank``'s slice of the whole leaf ``x`` (numpy, JAX or torch;
     a view where the array type allows one)."""
     d, k = split

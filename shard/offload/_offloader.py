@@ -8,7 +8,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -23,9 +23,9 @@ if TYPE_CHECKING:
 
     from ops import Device, FusedOptimizer
     from ops._types import Array
-    from ops.comm._base import Pending
     from shard.core._layout import Layout
     from shard.core._state import Packing, TrainState
+    from shard.offload._overlap import Reducing
 
     # one unit's host buffers: masters, first and second moments, compute-dtype copy
     _Bufs = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
@@ -33,15 +33,6 @@ if TYPE_CHECKING:
 __all__ = ["Offloader", "check_offload", "check_offload_device"]
 
 log = logging.getLogger(__name__)
-
-
-class _Reducing(Protocol):
-    """What the overlapped update reads of the step's gradient reducer."""
-
-    @property
-    def shards(self) -> list[Array]: ...
-
-    on_final: Callable[[int, list[tuple[Array | None, Pending]]], None] | None
 
 
 def check_offload(name: str, stage: int, offload: object, clip_norm: float | None) -> None:
@@ -258,7 +249,7 @@ class Offloader:
                              moments=(tuple(maps["exp_avg"]), tuple(maps["exp_avg_sq"])))
 
     # -- overlap (see [Note: overlapped offload]) -----------------------------------
-    def start_overlap(self, state: TrainState, reducer: _Reducing,
+    def start_overlap(self, state: TrainState, reducer: Reducing,
                       grad_scale: float) -> OverlappedUpdate | None:
         """The step's :class:`OverlappedUpdate` (handed each unit's reduction by
         ``reducer``), or None where the policy does not overlap."""

@@ -35,7 +35,7 @@ import queue
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -47,9 +47,19 @@ if TYPE_CHECKING:
     from ops.comm._base import Pending
     from shard.core._state import TrainState
 
-__all__ = ["HostStaging", "OverlappedUpdate", "Spare"]
+__all__ = ["HostStaging", "OverlappedUpdate", "Reducing", "Spare"]
 
 _STOP = object()
+
+
+class Reducing(Protocol):
+    """What the overlapped update reads of the step's gradient reducer: its
+    device gradient shards, and where it hands each unit's reductions."""
+
+    @property
+    def shards(self) -> list[Array]: ...
+
+    on_final: Callable[[int, list[tuple[Array | None, Pending]]], None] | None
 
 
 @dataclass
