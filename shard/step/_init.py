@@ -5,7 +5,8 @@ torch module built on the meta device (materialised one unit at a time, see
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -19,6 +20,11 @@ from shard.step import _checks
 from shard.step._config import StepConfig
 from shard.step._plan import Plan, make_plan, moment_buffers, new_state
 
+if TYPE_CHECKING:
+    import jax
+
+    from ops._types import Array
+
 __all__ = ["from_function", "from_params", "rows_of", "split_over_devices", "with_optax_state"]
 
 log = logging.getLogger("shard.step")
@@ -26,7 +32,8 @@ log = logging.getLogger("shard.step")
 Made = tuple[TrainState, Plan, Offloader | None]
 
 
-def from_params(c: StepConfig, params: Any, device: Device | None, current: Device) -> Made:
+def from_params(c: StepConfig, params: object, device: Device | None,
+                current: Device) -> Made:
     """``step.init(params)``: arrays (on ``current``'s device unless they say
     otherwise), or shapes a loss object can materialise."""
     fn = f"{c.name}.init"
@@ -66,7 +73,7 @@ def from_params(c: StepConfig, params: Any, device: Device | None, current: Devi
     return by_units(c, plan, lambda u, i: materialize([paths[j] for j in i]))
 
 
-def split_over_devices(x: Any) -> bool:
+def split_over_devices(x: object) -> bool:
     """A JAX array laid out over several CPU devices, not whole on each (a
     ``NamedSharding`` over a mesh axis)."""
     sharding = getattr(x, "sharding", None)
@@ -77,7 +84,7 @@ def split_over_devices(x: Any) -> bool:
         d.platform == "cpu" for d in devices)
 
 
-def rows_of(x: Any, lo: int, hi: int) -> np.ndarray | None:
+def rows_of(x: jax.Array, lo: int, hi: int) -> np.ndarray | None:
     """Rows ``[lo, hi)`` of a JAX array split along its first axis only, copied
     from the device shards that hold them; None where it is split otherwise."""
     out, have = np.empty((hi - lo, *x.shape[1:]), x.dtype), np.zeros(hi - lo, bool)
@@ -94,7 +101,7 @@ def rows_of(x: Any, lo: int, hi: int) -> np.ndarray | None:
     return out if have.all() else None
 
 
-def _from_split_arrays(c: StepConfig, params: Any, current: Device) -> Made | None:
+def _from_split_arrays(c: StepConfig, params: object, current: Device) -> Made | None:
     """Stage 3's state from JAX arrays split over several devices (a
     ``NamedSharding`` pytree, ``interop.jax.global_params``'): each rank copies
     the rows it keeps from the device shards that hold them, never the whole
@@ -114,7 +121,7 @@ def _from_split_arrays(c: StepConfig, params: Any, current: Device) -> Made | No
     leaves = plan.layout.treedef.flatten_up_to(params)
     rank = c.comm.rank
 
-    def values(u: int, idx: list[int]) -> list[Any]:
+    def values(u: int, idx: list[int]) -> list[np.ndarray]:
         out = []
         for j in idx:
             leaf, x = plan.layout.leaves[j], leaves[j]
@@ -133,7 +140,8 @@ def _from_split_arrays(c: StepConfig, params: Any, current: Device) -> Made | No
     return by_units(c, plan, values, check=False)
 
 
-def from_function(c: StepConfig, init_fn: Any, args: tuple, device: Device | None) -> Made:
+def from_function(c: StepConfig, init_fn: Callable[..., object], args: tuple,
+                  device: Device | None) -> Made:
     """``step.init_from(init_fn, *args)``: one ``jax.jit`` per unit, keeping only
     that unit's outputs."""
     import jax
@@ -144,7 +152,7 @@ def from_function(c: StepConfig, init_fn: Any, args: tuple, device: Device | Non
     tu = ops._types.tree_util()
     plan = make_plan(c, jax.eval_shape(init_fn, *args), device=device)
 
-    def unit(u: int, idx: list[int]) -> list[Any]:
+    def unit(u: int, idx: list[int]) -> list[jax.Array | np.ndarray]:
         part = jax.jit(lambda *a: [tu.tree_leaves(init_fn(*a))[j] for j in idx])
         out = part(*args)
         on_cpu = [all(d.platform == "cpu" for d in x.devices()) for x in out]
@@ -158,7 +166,9 @@ def from_function(c: StepConfig, init_fn: Any, args: tuple, device: Device | Non
                     "to init_from")
 
 
-def by_units(c: StepConfig, plan: Plan, values: Any, *, check: bool = True,
+# values: its leaves' values (numpy, jax or device arrays, or a loss's materialised ones)
+def by_units(c: StepConfig, plan: Plan, values: Callable[[int, list[int]], list[Any]], *,
+             check: bool = True,
              remedy: str | None = None) -> Made:
     """The state over ``plan``, unit by unit: ``values(u, leaf_indices)`` gives
     unit ``u``'s whole leaves, of which this rank keeps its part; with
@@ -166,10 +176,10 @@ def by_units(c: StepConfig, plan: Plan, values: Any, *, check: bool = True,
     layout, device = plan.layout, plan.device
     fn = f"{c.name}.init"
     rank = c.comm.rank if c.stage > 0 else 0
-    whole: list[Any] = [None] * len(layout.leaves)  # stages 0-2 keep the params whole
+    whole: list[Array | None] = [None] * len(layout.leaves)  # stages 0-2 keep the params whole
     checksum = 1
 
-    def unit_values(u: int) -> list[Any]:
+    def unit_values(u: int) -> list[Array]:
         nonlocal checksum
         idx = list(layout.units[u].leaves)
         got = values(u, idx)
@@ -213,7 +223,7 @@ def by_units(c: StepConfig, plan: Plan, values: Any, *, check: bool = True,
 _OPTAX_FIELDS = {"exp_avg": "mu", "exp_avg_sq": "nu"}  # a fused moment: optax's field
 
 
-def _has(x: Any, field: str) -> bool:
+def _has(x: object, field: str) -> bool:
     """Whether ``x`` is a named tuple with ``field`` (optax's states are)."""
     return field in getattr(type(x), "_fields", ())
 

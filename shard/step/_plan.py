@@ -15,8 +15,9 @@ import itertools
 import logging
 import os
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -39,6 +40,11 @@ from shard.step._frozen import (
     trainable_runs,
 )
 from shard.step._reduce import CopyPlans
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from ops._types import Array
 
 __all__ = ["Plan", "make_plan", "moment_buffers", "new_state", "plan_of"]
 
@@ -154,7 +160,7 @@ class Plan:
             return self.copy_plans
         return CopyPlans(self.grad_layout, self.full_layout)
 
-    def packed_masters(self, master: Any) -> list:
+    def packed_masters(self, master: Sequence[Array]) -> list:
         """Master unit buffers in the params' layout as this plan keeps them:
         the trainable runs alone where frozen leaves keep no masters."""
         packing = self.master_packing
@@ -181,7 +187,7 @@ class Plan:
                       fn=self.config.name)  # raises: optax runs on host state
         return dataclasses.replace(self, device=device)
 
-    def packed_moments(self, moments: Any) -> list:
+    def packed_moments(self, moments: Sequence[Sequence[Array]]) -> list:
         """Moment unit buffers in the masters' layout (a checkpoint's) as this
         plan keeps them: packed where leaves are frozen."""
         packing = self.moment_packing
@@ -203,7 +209,7 @@ class Plan:
                          packing=self.packing)
 
 
-def make_plan(config: StepConfig, params: Any, *, device: Device | None = None) -> Plan:
+def make_plan(config: StepConfig, params: object, *, device: Device | None = None) -> Plan:
     """The plan for ``params`` (arrays or shapes), after checking that every rank
     made the same one (a collective). Arrays decide the device; for shapes,
     ``device`` does (default: the host)."""
@@ -290,11 +296,13 @@ def moment_buffers(plan: Plan) -> list[list[Any]]:
             for _ in plan.optimizer.moments]
 
 
+# master, moments, full_leaves: Any: arrays of the plan's device (the first two kept in
+# a TrainState, which types its buffers np.ndarray; a checkpoint's leaves may be None)
 def new_state(plan: Plan, master: list[Any], moments: list[list[Any]], *,
               full_leaves: list[Any], opt_rest: tuple = (), step: int = 0,
               loss_scale: float | None = None, good_steps: int = 0, hysteresis: int | None = None,
-              skips: Any = None, batches: int = 0,
-              copies: list[Any] | None = None) -> TrainState:
+              skips: npt.ArrayLike | None = None, batches: int = 0,
+              copies: Sequence[Array] | None = None) -> TrainState:
     """A TrainState over the given master and moment buffers (``plan``'s layout;
     one list of unit buffers per ``plan.optimizer.moments``), and an optax
     state's other leaves ``opt_rest``.
