@@ -226,7 +226,7 @@ class Pipeline(LossProvider):
         self.world.barrier()
         return path
 
-    def load(self, path: str | os.PathLike, step: ZeroStep) -> tuple[TrainState, Any]:
+    def load(self, path: str | os.PathLike, step: ZeroStep) -> tuple[TrainState, object]:
         """This stage's state from a checkpoint of the whole model, plain or
         pipelined (a collective over the stage's data ranks)."""
         from shard.checkpoint._load import load
