@@ -35,8 +35,8 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from ops import Communicator
 from shard.checkpoint._files import CheckpointError
@@ -55,7 +55,7 @@ class AsyncSave:
     """A checkpoint being written in the background (see [Note: asynchronous
     saves]); :meth:`wait` for it before relying on it."""
 
-    def __init__(self, path: Path, work: Any | None) -> None:
+    def __init__(self, path: Path, work: Callable[[], None] | None) -> None:
         self.path = path
         self._error: BaseException | None = None
         self._reported = False
@@ -65,7 +65,7 @@ class AsyncSave:
                                             name=f"zeroshard-save:{path.name}")
             self._thread.start()
 
-    def _run(self, work: Any) -> None:
+    def _run(self, work: Callable[[], None]) -> None:
         try:
             work()
         except BaseException as e:  # kept for wait(), which raises it on the caller
@@ -103,7 +103,7 @@ def wait_pending(path: Path, comm: Communicator) -> bool:
 
 
 def async_save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
-               extra: Any = None, timeout: float = 1800.0) -> AsyncSave:
+               extra: object = None, timeout: float = 1800.0) -> AsyncSave:
     """Start writing a checkpoint of ``state`` and return while it is written (a
     collective: every rank calls it at the same point, as :func:`shard.save`).
 

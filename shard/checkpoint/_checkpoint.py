@@ -37,6 +37,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +53,7 @@ from shard.checkpoint._module import _write_module_file as write_module_file
 from shard.checkpoint._module import read_module_file
 from shard.checkpoint._validate import REST_DTYPES
 from shard.core._layout import Layout
+from shard.core._specs import Split
 from shard.core._state import TrainState, full_masters, full_moments
 from shard.step._plan import Plan, plan_of
 
@@ -147,7 +149,7 @@ def write_tensors(tensors: dict[str, np.ndarray], path: Path) -> tuple[str, int]
     return _sha256(path), path.stat().st_size
 
 
-def manifest(state: TrainState, files: list[dict], extra: Any,
+def manifest(state: TrainState, files: list[dict], extra: object,
              module: dict | None = None, model_state: dict | None = None) -> dict:
     m = state.meta
     names = leaf_names(m.layout)
@@ -174,7 +176,7 @@ def manifest(state: TrainState, files: list[dict], extra: Any,
 
 
 @contextlib.contextmanager
-def every_rank(fn: str, comm: Communicator) -> Any:
+def every_rank(fn: str, comm: Communicator) -> Iterator[None]:
     """A failed collective inside save or load says what the likely cause is."""
     try:
         yield
@@ -184,7 +186,7 @@ def every_rank(fn: str, comm: Communicator) -> Any:
 
 
 def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
-         extra: Any = None) -> Path:
+         extra: object = None) -> Path:
     """Write a checkpoint of ``state`` (a collective: every rank calls it).
 
     Args:
@@ -237,7 +239,7 @@ def save(state: TrainState, path: str | os.PathLike, *, comm: Communicator,
     return written
 
 
-def check_savable(state: Any, extra: Any, fn: str) -> None:
+def check_savable(state: object, extra: object, fn: str) -> None:
     """A TypeError naming what of ``state`` or ``extra`` a checkpoint cannot keep."""
     if not isinstance(state, TrainState):
         raise TypeError(f"{fn}: state must be a TrainState ({fn}(state, path, comm=comm)); got "
@@ -256,7 +258,7 @@ def check_savable(state: Any, extra: Any, fn: str) -> None:
                             ".tolist()") from None
 
 
-def _save(state: TrainState, path: Path, comm: Communicator, extra: Any,
+def _save(state: TrainState, path: Path, comm: Communicator, extra: object,
           plan: Plan | None) -> Path:
     tmp = path.with_name(path.name + ".tmp")
     if comm.rank == 0:
@@ -280,8 +282,8 @@ def _save(state: TrainState, path: Path, comm: Communicator, extra: Any,
     return path
 
 
-def _save_model_parts(state: TrainState, path: Path, comm: Communicator, extra: Any,
-                      tp: Any, plan: Plan | None) -> Path:
+def _save_model_parts(state: TrainState, path: Path, comm: Communicator, extra: object,
+                      tp: Any, plan: Plan | None) -> Path:  # Any: a TensorParallel (layer above)
     """[Note: tensor-parallel checkpoints]
     With tensor parallelism each model rank's state is a checkpoint of its own,
     written by its data ranks as :func:`save` writes one, in
@@ -325,7 +327,7 @@ def _save_model_parts(state: TrainState, path: Path, comm: Communicator, extra: 
     return path
 
 
-def _recorded(split: Any) -> int | list[int] | None:
+def _recorded(split: Split | None) -> int | list[int] | None:
     """A leaf's split in ``tensor_parallel.json``: null, its dimension, or
     ``[dimension, packed blocks]``."""
     if split is None or split.blocks == 1:

@@ -7,7 +7,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
@@ -18,11 +18,14 @@ from shard.checkpoint._files import CheckpointError
 from shard.checkpoint._module import _load_module, read_model_state
 from shard.checkpoint._sources import Joined, Sliced, source_of, verify_files
 from shard.checkpoint._validate import check_manifest, check_part_names, optimizer_of
-from shard.core._layout import LeafLayout, alloc_units
+from shard.core._layout import Layout, LeafLayout, alloc_units
 from shard.core._paths import shapes_from_manifest
 from shard.core._specs import Split
 from shard.core._state import TrainState
 from shard.step._plan import make_plan, new_state
+
+if TYPE_CHECKING:
+    from shard.step._step import ZeroStep
 
 __all__ = ["load", "read_any_manifest", "read_manifest"]
 
@@ -153,8 +156,8 @@ def _split_of(saved: Any, shape: list[int]) -> Split | Literal[False] | None:
     return Split(dim, blocks)
 
 
-def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
-         like: Any = None, device: str | Device | None = None) -> tuple[TrainState, Any]:
+def load(path: str | os.PathLike, step: ZeroStep, *, comm: Communicator,
+         like: Any = None, device: str | Device | None = None) -> tuple[TrainState, object]:
     """Load a checkpoint into ``step``'s stage and world size (a collective).
 
     Args:
@@ -184,8 +187,9 @@ def load(path: str | os.PathLike, step: Any, *, comm: Communicator,
         return _load(path, manifest, step, comm, like, device)
 
 
+# step: Any, as its plan (None before init) is read where a branch above made it
 def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
-          device: Any) -> tuple[TrainState, Any]:
+          device: str | Device | None) -> tuple[TrainState, object]:
     from safetensors import safe_open
 
     config, plan = step.config, step.plan  # the plan of the step's init, if any
@@ -303,7 +307,7 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
     return state, manifest.get("extra")
 
 
-def _model_dims(layout: Any, tp: Any) -> list[Split | None]:
+def _model_dims(layout: Layout, tp: Any) -> list[Split | None]:  # Any: a TensorParallel
     """Each leaf's split over the loading step's model ranks."""
     if tp is None:
         return [None] * len(layout.leaves)

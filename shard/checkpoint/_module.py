@@ -7,13 +7,16 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shard.checkpoint._files import CheckpointError, _sha256
 from shard.core._state import TrainState
 from shard.step._plan import Plan
+
+if TYPE_CHECKING:
+    from shard.step._step import ZeroStep
 
 __all__ = ["read_model_state", "read_module_file"]
 
@@ -51,7 +54,7 @@ def read_module_file(path: Path, manifest: dict) -> tuple[dict[str, np.ndarray],
     return load_file(str(f)), dict(entry["aliases"])
 
 
-def _load_module(path: Path, manifest: dict, step: Any) -> None:
+def _load_module(path: Path, manifest: dict, step: ZeroStep) -> None:
     """The checkpoint's buffers into the step's torch module, if both have them."""
     buffers, _ = read_module_file(path, manifest)
     target = step.loss_fn.load_buffers

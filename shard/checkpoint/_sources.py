@@ -96,7 +96,7 @@ class Joined:
 class Sliced:
     """One model rank's slice (its :class:`Split`) of a leaf read whole."""
 
-    def __init__(self, src: Any, split: Split, rank: int, size: int) -> None:
+    def __init__(self, src: Source | Joined, split: Split, rank: int, size: int) -> None:
         self.src, self.split, self.rank, self.size = src, split, rank, size
         shape = list(src.shape)
         shape[split.dim] //= size

@@ -9,7 +9,6 @@ import math
 import re
 import struct
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -52,7 +51,7 @@ _HEX64 = re.compile(r"[0-9a-f]{64}")
 _MAX_HEADER = 100 << 20  # safetensors' own limit on a header
 
 
-def plain_file(name: Any, where: str) -> str:
+def plain_file(name: object, where: str) -> str:
     """``name`` if it is a plain file name (inside the checkpoint directory)."""
     if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
             or "\\" in name or "\x00" in name or Path(name).is_absolute()):
@@ -61,7 +60,7 @@ def plain_file(name: Any, where: str) -> str:
     return name
 
 
-def check_part_names(index: Path, info: Any) -> list[str]:
+def check_part_names(index: Path, info: object) -> list[str]:
     """A pipeline checkpoint's ``pipeline.json``: its stage directories' names."""
     if not isinstance(info, dict) or not isinstance(info.get("parts"), list) or not info["parts"]:
         raise CheckpointError(f"{index}: parts must be a non-empty list of directory names")
