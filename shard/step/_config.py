@@ -191,7 +191,7 @@ def option_docs() -> dict[str, str]:
     return out
 
 
-def protocol_of(loss_fn: Any) -> tuple[str, LossProvider]:
+def protocol_of(loss_fn: object) -> tuple[str, LossProvider]:
     """The loss's kind (see ``classify``) and what the step reads of it (see
     [Note: the loss protocol]): a loss object's own answers, a JAX function's
     for a function."""
@@ -201,7 +201,7 @@ def protocol_of(loss_fn: Any) -> tuple[str, LossProvider]:
     return kind, reads
 
 
-def resolve_topology(name: str, stage: int, loss_fn: Any, *, mesh: Mesh | None,
+def resolve_topology(name: str, stage: int, loss_fn: object, *, mesh: Mesh | None,
                      comm: Communicator | None, tensor_parallel: Any,
                      reshard_after_forward: bool | int) -> tuple[Topology, Any]:
     """The step's ranks from ``mesh=`` or ``comm=`` and the loss (a pipeline's
@@ -219,8 +219,8 @@ def resolve_topology(name: str, stage: int, loss_fn: Any, *, mesh: Mesh | None,
     return topology.with_secondary(name, stage, reshard_after_forward), tp
 
 
-def check_invariant(name: str, o: ZeroOptions, topology: Topology, optimizer: Any,
-                    tensor_parallel: Any) -> None:
+def check_invariant(name: str, o: ZeroOptions, topology: Topology, optimizer: object,
+                    tensor_parallel: object) -> None:
     """A ValueError (or NotImplementedError) naming what ``invariant_shards=``
     cannot keep invariant (see [Note: the same bits at any world size])."""
     v = o.invariant_shards
@@ -278,8 +278,8 @@ class StepConfig(ZeroOptions):
         object.__setattr__(self, "ranks", t.ranks)
 
     @classmethod
-    def make(cls, loss_fn: Any, *, stage: int, optimizer: Any, topology: Topology,
-             options: ZeroOptions | None = None, tensor_parallel: Any = None) -> StepConfig:
+    def make(cls, loss_fn: Any, *, stage: int, optimizer: object, topology: Topology,
+             options: ZeroOptions | None = None, tensor_parallel: object = None) -> StepConfig:
         """The configuration of ``zero{stage}(loss_fn, ...)``; a TypeError or
         ValueError naming the argument for anything it cannot train with."""
         name = f"zero{stage}"
