@@ -27,6 +27,19 @@ def rng() -> np.random.Generator:
 
 
 @pytest.fixture(scope="session")
+def gloo_shared(tmp_path_factory):
+    """``gloo_shared(scenario, world)``: each rank's report of a scenario of
+    ``tests/gloo_worker.py``, from one launch per world size that the test
+    session's workers share (see ``tests.multiproc.shared_run``)."""
+    from tests.multiproc import shared_run
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' basetemps share a parent
+        base = base.parent
+    return lambda scenario, world: shared_run(scenario, world, base)
+
+
+@pytest.fixture(scope="session")
 def emulated_cuda():
     """The CUDA driver with numpy arrays and kernels emulated on the CPU."""
     from ops.kernels._cuda import CudaDriver

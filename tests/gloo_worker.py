@@ -1,7 +1,9 @@
-"""A rank of the multi-process gloo tests: run by tests/test_comm_gloo.py.
+"""A rank of the multi-process gloo tests (``tests/multiproc.py`` starts them).
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (as torchrun sets them),
-ZS_SCENARIO (what to run) and ZS_OUT (where to write this rank's JSON report).
+ZS_SCENARIO (what to run: a scenario, or several joined by ``+``, run in turn in the
+one process group, each reporting under ``parts``) and ZS_OUT (where to write this
+rank's JSON report).
 """
 
 from __future__ import annotations
@@ -158,6 +160,106 @@ def check_lora(comm) -> list[str]:
     return failures
 
 
+def run_scenario(scenario: str, comm, part: dict) -> None:
+    """One scenario on this rank; what it finds goes into ``part``."""
+    if scenario == "collectives":
+        part["failures"] = check_all(comm)
+    elif scenario == "zero":
+        part["failures"] = check_zero(comm)
+    elif scenario == "torch":
+        part["failures"] = check_torch(comm)
+    elif scenario == "kill":
+        comm.barrier()
+        if comm.rank == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        ops.all_gather(comm, np.ones(4_000_000, np.float32))
+    elif scenario == "save0":  # only rank 0 saves; the others train on
+        import jax.numpy as jnp
+
+        import shard
+
+        step = shard.zero2(lambda p, b: jnp.sum(p["w"] ** 2), optimizer=ops.adamw(1e-2),
+                           comm=comm)
+        state, _ = step(step.init({"w": np.ones(1000, np.float32)}), None)
+        if comm.rank == 0:
+            shard.save(state, os.environ["ZS_OUT"] + ".ck", comm=comm)
+        for _ in range(3):
+            state, _ = step(state, None)
+    elif scenario == "p2p":  # 4 ranks: a ring, a mismatch caught, and a 2 x 2 mesh
+        w, r = comm.world_size, comm.rank
+        if r % 2 == 0:
+            comm.send(np.full(1000, r, np.float32), (r + 1) % w, tag=3)
+            got = comm.recv_(np.empty(1000, np.float32), (r - 1) % w, tag=3)
+        else:
+            got = comm.recv_(np.empty(1000, np.float32), (r - 1) % w, tag=3)
+            comm.send(np.full(1000, r, np.float32), (r + 1) % w, tag=3)
+        part["ring"] = float(got[0])
+        data, pipe = comm.split(r // 2), comm.split(r % 2)  # data: {0,1},{2,3}
+        part["data"] = ops.all_gather(data, np.array([r])).tolist()
+        part["pipe"] = ops.all_gather(pipe, np.array([r])).tolist()
+        import shard
+
+        mesh = shard.Mesh(comm, {"pipe": 2, "data": 2})  # the same groups, by name
+        part["mesh"] = [ops.all_gather(mesh[a], np.array([r])).tolist()
+                          for a in ("data", "pipe")]
+        if pipe.rank == 0:  # pipeline neighbours on their own group
+            pipe.send(np.arange(5, dtype=np.float64), 1)
+        else:
+            part["pipe_recv"] = pipe.recv_(np.empty(5, np.float64), 0).tolist()
+        if r == 3:  # a receive posted before its message is sent
+            posted = comm._prepost_recv(np.empty(6, np.float64), 2, 11)
+            comm.send(np.ones(1, np.float32), 2, tag=12)
+            part["preposted"] = posted.wait().tolist()
+        elif r == 2:
+            comm.recv_(np.empty(1, np.float32), 3, tag=12)
+            comm.send(np.arange(6, dtype=np.float64), 3, tag=11)
+        if r == 0:
+            comm.send(np.zeros(7, np.float32), 1, tag=9)
+        elif r == 1:
+            try:
+                comm.recv_(np.empty(8, np.float32), 0, tag=9)
+            except ops.CollectiveError as e:
+                part["mismatch"] = str(e)
+    elif scenario == "pipeline":  # 2 stages x 2 data ranks, 1F1B, ZeRO-2
+        from tests import pipeline_models as PM
+
+        results = [PM.run(comm, stages=2, microbatches=2)]
+        part["worst"] = PM.worst_difference(results, PM.reference())
+    elif scenario == "torch_pipeline":  # 2 stages x 2 data ranks of torch modules, ZeRO-3
+        import shard
+        from tests import pipeline_models as PM
+
+        layers, _ = PM.torch_run(comm, stages=2, microbatches=2, zero=shard.zero3)
+        want = PM.torch_reference()
+        part["worst"] = max(float(np.abs(np.asarray(got[k]) - want[i][k]).max())
+                              for i, got in layers.items() for k in got)
+    elif scenario == "tensor_parallel":  # 2 data x 2 model ranks, ZeRO-3, sequence-parallel
+        import jax
+
+        import shard
+        from tests import tp_models as gpt
+
+        want, want_losses, want_norms = gpt.reference(5)
+        _, whole, _, losses, norms = gpt.train(comm, 2, 2, shard.zero3, 5,
+                                               sequence_parallel=True)
+        # the worst |got - want| in units of (1e-5 + 1e-5 |want|): assert_allclose's test
+        part["worst"] = max(float((np.abs(g - w) / (1e-5 + 1e-5 * np.abs(w))).max())
+                              for g, w in zip(jax.tree.leaves(whole), jax.tree.leaves(want),
+                                              strict=True))
+        part["loss_diff"] = float(np.abs(np.subtract(losses, want_losses)).max())
+        part["norm_diff"] = float(np.abs(np.subtract(norms, want_norms)).max())
+        from tests import test_invariance as inv  # 4 processes, one thread rank's bits
+
+        got = inv.jax_run(comm, stage=3, steps=4)
+        bits = ops.spawn(lambda c: inv.jax_run(c, stage=3, steps=4), 1)[0]
+        part["invariant"] = got[1:] == bits[1:] and all(
+            np.array_equal(a, b) for a, b in zip(got[0], bits[0], strict=True))
+    elif scenario == "mismatch":
+        ops.all_gather(comm, np.ones(100_000 + comm.rank, np.float32))
+    else:
+        raise ValueError(f"unknown scenario {scenario!r}")
+
+
 def main() -> None:
     scenario, report = os.environ["ZS_SCENARIO"], {"ok": False}
     timeout = float(os.environ.get("ZS_TIMEOUT", "60"))
@@ -175,100 +277,12 @@ def main() -> None:
 
         jax.config.update("jax_default_device", jax.devices("cpu")[0])
         jax.config.update("jax_default_matmul_precision", "highest")
-        if scenario == "collectives":
-            report["failures"] = check_all(comm)
-        elif scenario == "zero":
-            report["failures"] = check_zero(comm)
-        elif scenario == "torch":
-            report["failures"] = check_torch(comm)
-        elif scenario == "kill":
-            comm.barrier()
-            if comm.rank == 1:
-                os.kill(os.getpid(), signal.SIGKILL)
-            ops.all_gather(comm, np.ones(4_000_000, np.float32))
-        elif scenario == "save0":  # only rank 0 saves; the others train on
-            import jax.numpy as jnp
-
-            import shard
-
-            step = shard.zero2(lambda p, b: jnp.sum(p["w"] ** 2), optimizer=ops.adamw(1e-2),
-                               comm=comm)
-            state, _ = step(step.init({"w": np.ones(1000, np.float32)}), None)
-            if comm.rank == 0:
-                shard.save(state, os.environ["ZS_OUT"] + ".ck", comm=comm)
-            for _ in range(3):
-                state, _ = step(state, None)
-        elif scenario == "p2p":  # 4 ranks: a ring, a mismatch caught, and a 2 x 2 mesh
-            w, r = comm.world_size, comm.rank
-            if r % 2 == 0:
-                comm.send(np.full(1000, r, np.float32), (r + 1) % w, tag=3)
-                got = comm.recv_(np.empty(1000, np.float32), (r - 1) % w, tag=3)
-            else:
-                got = comm.recv_(np.empty(1000, np.float32), (r - 1) % w, tag=3)
-                comm.send(np.full(1000, r, np.float32), (r + 1) % w, tag=3)
-            report["ring"] = float(got[0])
-            data, pipe = comm.split(r // 2), comm.split(r % 2)  # data: {0,1},{2,3}
-            report["data"] = ops.all_gather(data, np.array([r])).tolist()
-            report["pipe"] = ops.all_gather(pipe, np.array([r])).tolist()
-            import shard
-
-            mesh = shard.Mesh(comm, {"pipe": 2, "data": 2})  # the same groups, by name
-            report["mesh"] = [ops.all_gather(mesh[a], np.array([r])).tolist()
-                              for a in ("data", "pipe")]
-            if pipe.rank == 0:  # pipeline neighbours on their own group
-                pipe.send(np.arange(5, dtype=np.float64), 1)
-            else:
-                report["pipe_recv"] = pipe.recv_(np.empty(5, np.float64), 0).tolist()
-            if r == 3:  # a receive posted before its message is sent
-                posted = comm._prepost_recv(np.empty(6, np.float64), 2, 11)
-                comm.send(np.ones(1, np.float32), 2, tag=12)
-                report["preposted"] = posted.wait().tolist()
-            elif r == 2:
-                comm.recv_(np.empty(1, np.float32), 3, tag=12)
-                comm.send(np.arange(6, dtype=np.float64), 3, tag=11)
-            if r == 0:
-                comm.send(np.zeros(7, np.float32), 1, tag=9)
-            elif r == 1:
-                try:
-                    comm.recv_(np.empty(8, np.float32), 0, tag=9)
-                except ops.CollectiveError as e:
-                    report["mismatch"] = str(e)
-        elif scenario == "pipeline":  # 2 stages x 2 data ranks, 1F1B, ZeRO-2
-            from tests import pipeline_models as PM
-
-            results = [PM.run(comm, stages=2, microbatches=2)]
-            report["worst"] = PM.worst_difference(results, PM.reference())
-        elif scenario == "torch_pipeline":  # 2 stages x 2 data ranks of torch modules, ZeRO-3
-            import shard
-            from tests import pipeline_models as PM
-
-            layers, _ = PM.torch_run(comm, stages=2, microbatches=2, zero=shard.zero3)
-            want = PM.torch_reference()
-            report["worst"] = max(float(np.abs(np.asarray(got[k]) - want[i][k]).max())
-                                  for i, got in layers.items() for k in got)
-        elif scenario == "tensor_parallel":  # 2 data x 2 model ranks, ZeRO-3, sequence-parallel
-            import jax
-
-            import shard
-            from tests import tp_models as gpt
-
-            want, want_losses, want_norms = gpt.reference(5)
-            _, whole, _, losses, norms = gpt.train(comm, 2, 2, shard.zero3, 5,
-                                                   sequence_parallel=True)
-            # the worst |got - want| in units of (1e-5 + 1e-5 |want|): assert_allclose's test
-            report["worst"] = max(float((np.abs(g - w) / (1e-5 + 1e-5 * np.abs(w))).max())
-                                  for g, w in zip(jax.tree.leaves(whole), jax.tree.leaves(want),
-                                                  strict=True))
-            report["loss_diff"] = float(np.abs(np.subtract(losses, want_losses)).max())
-            report["norm_diff"] = float(np.abs(np.subtract(norms, want_norms)).max())
-            from tests import test_invariance as inv  # 4 processes, one thread rank's bits
-
-            got = inv.jax_run(comm, stage=3, steps=4)
-            bits = ops.spawn(lambda c: inv.jax_run(c, stage=3, steps=4), 1)[0]
-            report["invariant"] = got[1:] == bits[1:] and all(
-                np.array_equal(a, b) for a, b in zip(got[0], bits[0], strict=True))
-        elif scenario == "mismatch":
-            ops.all_gather(comm, np.ones(100_000 + comm.rank, np.float32))
+        scenarios = scenario.split("+")  # several in turn, in this one process group
+        for name in scenarios:
+            part = report if len(scenarios) == 1 else \
+                report.setdefault("parts", {}).setdefault(name, {})
+            run_scenario(name, comm, part)
+            part["ok"] = True
         report["ok"] = True
         report["seconds"] = time.monotonic() - t0
     except Exception as e:

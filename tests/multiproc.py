@@ -40,3 +40,40 @@ def run_ranks(script: str, world: int, tmp: Path, env: dict[str, str], *,
                        {"missing": True, "returncode": procs[rank].returncode,
                         "log": logs[rank][-3000:]})
     return reports
+
+
+# The scenarios of tests/gloo_worker.py that end well, run in turn in one launch of
+# each world size (many configurations per launched process group).
+SHARED = {2: ("collectives", "zero", "torch"),
+          4: ("pipeline", "torch_pipeline", "tensor_parallel")}
+
+
+def shared_run(scenario: str, world: int, base: Path) -> list[dict]:
+    """Each rank's report of ``scenario``, run with the other scenarios of
+    ``SHARED[world]`` in one launch of ``world`` gloo processes, once per test
+    session: the first test to ask runs it (under a file lock in ``base``, which
+    pytest-xdist's workers share), the others read its reports. A scenario that
+    did not finish reports ``ok`` False with its rank's error."""
+    from filelock import FileLock
+
+    names = SHARED[world]
+    if scenario not in names:
+        raise ValueError(f"{scenario!r} is not among the shared scenarios {names}")
+    where = base / f"gloo-shared-{world}"
+    with FileLock(f"{where}.lock"):
+        done = where / "reports.json"
+        if not done.exists():
+            where.mkdir(parents=True, exist_ok=True)
+            reports = run_ranks("tests/gloo_worker.py", world, where,
+                                {"ZS_SCENARIO": "+".join(names), "ZS_TIMEOUT": "120"},
+                                timeout=600)
+            done.write_text(json.dumps(reports))
+        reports = json.loads(done.read_text())
+    parts = []
+    for rep in reports:
+        part = dict(rep.get("parts", {}).get(scenario, {}))
+        if not part.get("ok"):
+            part.update({k: rep[k] for k in ("error", "message", "traceback", "missing", "log")
+                         if k in rep}, ok=False)
+        parts.append(part)
+    return parts

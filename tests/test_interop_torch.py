@@ -278,10 +278,8 @@ def test_load_state_and_functional_share_memory():
 
 
 @pytest.mark.multiprocess
-def test_two_gloo_processes_train_torch_modules(tmp_path):
-    from tests.multiproc import run_ranks
-
-    reports = run_ranks("tests/gloo_worker.py", 2, tmp_path, {"ZS_SCENARIO": "torch"})
+def test_two_gloo_processes_train_torch_modules(gloo_shared):
+    reports = gloo_shared("torch", 2)
     for r, rep in enumerate(reports):
         assert rep.get("ok"), (r, rep)
         assert rep["failures"] == [], (r, rep["failures"])

@@ -75,11 +75,12 @@ def test_bad_pipeline_arguments_are_refused():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("routed", [False, True])
-def test_two_by_two_gloo_processes(tmp_path, routed):
+def test_two_by_two_gloo_processes(tmp_path, gloo_shared, routed):
     """routed: behind the communicator init_from_env makes on a GPU machine (host
     buffers to gloo), as there."""
-    env = {"ZS_SCENARIO": "pipeline", "ZS_TIMEOUT": "60"} | ({"ZS_ROUTED": "1"} if routed else {})
-    reports = run_ranks("tests/gloo_worker.py", 4, tmp_path, env)
+    reports = run_ranks("tests/gloo_worker.py", 4, tmp_path, {
+        "ZS_SCENARIO": "pipeline", "ZS_TIMEOUT": "60", "ZS_ROUTED": "1"}) if routed else \
+        gloo_shared("pipeline", 4)
     for rep in reports:
         assert rep.get("ok"), rep
         assert rep["worst"] < 1e-5, rep

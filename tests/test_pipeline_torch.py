@@ -13,7 +13,6 @@ import interop.torch as it
 import ops
 import shard
 from tests import pipeline_models as PM
-from tests.multiproc import run_ranks
 
 ZERO = {1: shard.zero1, 2: shard.zero2, 3: shard.zero3}
 
@@ -191,9 +190,8 @@ def test_torch_stage_errors_are_named():
 
 
 @pytest.mark.multiprocess
-def test_two_by_two_gloo_processes_train_torch_stages(tmp_path):
-    reports = run_ranks("tests/gloo_worker.py", 4, tmp_path,
-                        {"ZS_SCENARIO": "torch_pipeline", "ZS_TIMEOUT": "60"})
+def test_two_by_two_gloo_processes_train_torch_stages(gloo_shared):
+    reports = gloo_shared("torch_pipeline", 4)
     for rep in reports:
         assert rep.get("ok"), rep
         assert rep["worst"] < 1e-5, rep

@@ -373,11 +373,8 @@ def test_a_plain_checkpoint_loads_into_a_tensor_parallel_step(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_four_gloo_processes_train_a_sequence_parallel_gpt_as_one_process(tmp_path):
-    from tests.multiproc import run_ranks
-
-    reports = run_ranks("tests/gloo_worker.py", 4, tmp_path,
-                        {"ZS_SCENARIO": "tensor_parallel", "ZS_TIMEOUT": "120"})
+def test_four_gloo_processes_train_a_sequence_parallel_gpt_as_one_process(gloo_shared):
+    reports = gloo_shared("tensor_parallel", 4)
     for rep in reports:
         assert rep.get("ok"), rep
         assert rep["worst"] <= 1 and rep["loss_diff"] < 1e-5 and rep["norm_diff"] < 1e-5, rep

@@ -1,7 +1,8 @@
 """The tiers hold: every test that starts Python processes or network
 namespaces carries its marker, so that ``make test-fast`` (which leaves them
 out) never starts one. Read from the test files' syntax: a test reaches a
-launch through ``tests.multiproc``, ``sys.executable`` or ``torchrun``, or a
+launch through ``tests.multiproc``, ``sys.executable``, ``torchrun`` or the
+``gloo_shared`` fixture, or a
 namespace through ``tests.netns``, in its own body or in a helper or fixture
 of its module it calls."""
 
@@ -47,7 +48,9 @@ def _markers(fn: ast.FunctionDef, module: set[str]) -> set[str]:
 def needed(path: Path) -> dict[str, tuple[set[str], set[str]]]:
     """Per test of ``path``: (the markers its launches need, the markers it has)."""
     tree = ast.parse(path.read_text())
-    base = {"executable": "multiprocess", "torchrun": "multiprocess", **_imported(tree.body)}
+    base = {"executable": "multiprocess", "torchrun": "multiprocess",
+            "gloo_shared": "multiprocess",  # conftest's fixture: shared gloo launches
+            **_imported(tree.body)}
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     module = set()
     for n in tree.body:  # pytestmark = pytest.mark.X

@@ -117,10 +117,8 @@ def test_clipping_uses_the_global_norm_across_shards(stage):
 
 
 @pytest.mark.multiprocess
-def test_two_gloo_processes_match_the_reference(tmp_path):
-    from tests.multiproc import run_ranks
-
-    reports = run_ranks("tests/gloo_worker.py", 2, tmp_path, {"ZS_SCENARIO": "zero"})
+def test_two_gloo_processes_match_the_reference(gloo_shared):
+    reports = gloo_shared("zero", 2)
     for r, rep in enumerate(reports):
         assert rep.get("ok"), (r, rep)
         assert rep["failures"] == [], (r, rep["failures"])
