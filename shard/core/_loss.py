@@ -437,7 +437,7 @@ def _threading_state(fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any
     return loss
 
 
-def _checked(pair: tuple[Any, Any], has_aux: bool) -> Any:
+def _checked(pair: tuple[Any, Any], has_aux: bool) -> object:
     check_scalar(pair[0])
     return pair if has_aux else pair[0]
 

@@ -298,7 +298,7 @@ def _make(tx: optax.GradientTransformation, layout: Layout, sharded: bool, what:
                         f"{type(e).__name__}: {e}") from None
     local = [leaf.local_shape for leaf in layout.leaves]
 
-    def params_like(x: Any) -> bool:
+    def params_like(x: object) -> bool:
         if tu.tree_structure(x) != td:
             return False
         leaves = tu.tree_leaves(x)

@@ -126,11 +126,11 @@ class LossProvider:
     # -- running -----------------------------------------------------------------
     #: ``(units, reducer, batch, scale) -> loss``: a step unit by unit, each
     #: unit gathered where it is used and its gradient handed to the reducer.
-    run_units: Callable[..., Any] | None = None
+    run_units: Callable[..., object] | None = None
     #: ``(units, batch) -> loss``: the same forward without gradients.
-    loss_units: Callable[..., Any] | None = None
+    loss_units: Callable[..., object] | None = None
     #: ``(params, batch) -> loss``: the loss alone, without gradients.
-    loss_value: Callable[..., Any] | None = None
+    loss_value: Callable[..., object] | None = None
 
     # -- FLOPs (see [Note: model FLOPs]) -------------------------------------------
     #: How the step counts the loss's FLOPs: ``"xla"`` (``program_flops``),

@@ -133,7 +133,7 @@ def resolve_specs(params: Any, specs: Any = None, *, fn: str = "specs") -> Any:
             raise TypeError(f"{fn}: {tu.keystr(bad[0])} is not a spec: Shard(0), Replicate() or "
                             "a jax.sharding.PartitionSpec (shard.from_partition_spec)")
 
-    def fix(path: KeyPath, leaf: object, spec: Any) -> Spec:
+    def fix(path: KeyPath, leaf: object, spec: object) -> Spec:
         spec = _spec_of(tu.keystr(path), spec, fn)
         shape: tuple[int, ...] = getattr(leaf, "shape", ())
         return Replicate() if len(shape) == 0 or shape[0] == 0 else spec
