@@ -264,8 +264,7 @@ def grad_multiplier(sumsq: float | Array | None, grad_scale: float,
     return grad_scale
 
 
-def _adam_float64(p: Any, g: Any, m: Any, v: Any, scalars: tuple) -> None:
-    # Any: arithmetic on the device's arrays (numpy, CuPy or the stand-in's)
+def _adam_float64(p: Array, g: Array, m: Array, v: Array, scalars: tuple) -> None:
     """The kernel's arithmetic in float64 with numpy, for float64 params (exact
     references and tight tests; the CUDA/CPU kernels are float32)."""
     (sumsq, beta1, beta2, omb1, omb2, step_size, bc2_sqrt, eps, decay, l2, grad_scale,

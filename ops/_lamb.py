@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import numpy as np
 
@@ -121,7 +120,7 @@ def fused_lamb(params: Sequence[Array], grads: Sequence[Array], exp_avgs: Sequen
     return list(params), list(exp_avgs), list(exp_avg_sqs)
 
 
-def _reduced(reduce: Reduce, sums: Array) -> Any:  # Any: the float64 path computes on it
+def _reduced(reduce: Reduce, sums: Array) -> Array:
     out = reduce(sums)
     out = sums if out is None else out
     if tuple(out.shape) != tuple(sums.shape) or out.dtype != np.float64:
@@ -130,7 +129,7 @@ def _reduced(reduce: Reduce, sums: Array) -> Any:  # Any: the float64 path compu
     return out
 
 
-def _lamb_float64(tensors: list[tuple], scalars: tuple, sums: np.ndarray,
+def _lamb_float64(tensors: list[tuple], scalars: tuple, sums: Array,
                   reduce: Reduce | None) -> None:
     """The kernels' arithmetic in float64 with numpy, for float64 params."""
     (sumsq, b1, b2, omb1, omb2, inv_bc1, inv_bc2, eps, eps_root, wd, lr, lo, hi, grad_scale,
@@ -154,7 +153,7 @@ def _lamb_float64(tensors: list[tuple], scalars: tuple, sums: np.ndarray,
         p += -lr * (direction(p, m, v) * _ratio(sums[k], lo, hi))
 
 
-def _ratio(sums: np.ndarray, lo: float, hi: float) -> float:
+def _ratio(sums: Array, lo: float, hi: float) -> float:
     un, pn = math.sqrt(sums[0]), math.sqrt(sums[1])
     if pn == 0.0 or un == 0.0:
         return 1.0

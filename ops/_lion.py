@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
@@ -87,8 +86,7 @@ def fused_lion(params: Sequence[Array], grads: Sequence[Array], exp_avgs: Sequen
     return list(params), list(exp_avgs)
 
 
-def _lion_float64(p: Any, g: Any, m: Any, scalars: tuple) -> None:
-    # Any: arithmetic on the device's arrays (numpy, CuPy or the stand-in's)
+def _lion_float64(p: Array, g: Array, m: Array, scalars: tuple) -> None:
     """The kernel's arithmetic in float64 with numpy, for float64 params."""
     sumsq, b1, b2, omb1, omb2, lr, _, _, wd, _, grad_scale, max_norm = scalars
     mul = grad_multiplier(sumsq, grad_scale, max_norm)

@@ -130,15 +130,14 @@ class Device:
         else:
             dst[...] = self.from_host(src)
 
-    def empty(self, n: int, dtype: DTypeLike) -> Any:
-        """An uninitialised flat buffer (64-byte aligned on the host): the device's
-        own array, annotated Any as callers compute on it (numpy's, or CuPy's and
-        the stand-in's, which have no annotations)."""
+    def empty(self, n: int, dtype: DTypeLike) -> Array:
+        """An uninitialised flat buffer of the device's own arrays (64-byte
+        aligned on the host)."""
         if self.host:
             return aligned_empty(n, dtype)
         return self.xp.empty(n, dtype=np.dtype(dtype))
 
-    def zeros(self, n: int, dtype: DTypeLike) -> Any:
+    def zeros(self, n: int, dtype: DTypeLike) -> Array:
         buf = self.empty(n, dtype)
         buf[...] = 0
         return buf

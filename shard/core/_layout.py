@@ -113,7 +113,7 @@ class Layout:
         return sum(u.local_size for u in self.units)
 
     # -- per-rank buffers <-> leaves ----------------------------------------------
-    def local_views(self, buffers: Sequence[np.ndarray]) -> list[np.ndarray]:
+    def local_views(self, buffers: Sequence[Array]) -> list[Array]:
         """Each leaf's local shard, as a view into its unit's buffer."""
         out = []
         for leaf in self.leaves:
@@ -134,8 +134,7 @@ class Layout:
         flat[:hi - lo] = rows[lo:hi]
         flat[hi - lo:] = 0
 
-    def gathered_leaf(self, leaf: LeafLayout, gathered: np.ndarray,
-                      local: np.ndarray) -> np.ndarray:
+    def gathered_leaf(self, leaf: LeafLayout, gathered: Array, local: Array) -> Array:
         """The full leaf from a unit's all-gathered (W * S) sharded sections.
 
         Replicated leaves come from ``local`` (this rank's unit buffer).
@@ -193,7 +192,7 @@ class Layout:
                 tensor += [j, -1]
         return Runs(src, dst, lengths, tensor=tensor)
 
-    def pack_grad(self, leaf: LeafLayout, g: Any, sharded: Array, replicated: Array,
+    def pack_grad(self, leaf: LeafLayout, g: Array | None, sharded: Array, replicated: Array,
                   *, add: bool = False) -> None:
         """Copy (or with ``add``, add) a full gradient into a unit's reduce layout
         (see [Note: unit buffers]); the padding rows are left at zero. ``g`` is an
@@ -288,7 +287,7 @@ def master_dtype_of(layout: Layout) -> np.dtype:
     return np.dtype(np.float32)
 
 
-def alloc_units(layout: Layout, dtype: DTypeLike, device: Device = HOST) -> list[Any]:
+def alloc_units(layout: Layout, dtype: DTypeLike, device: Device = HOST) -> list[Array]:
     """Zeroed local buffers on ``device``, one per unit (64-byte aligned on the host)."""
     return [device.zeros(unit.local_size, dtype) for unit in layout.units]
 

@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +52,7 @@ import numpy as np
 
 from ops import FusedOptimizer
 from ops._adam import grad_multiplier
-from ops._types import tree_util
+from ops._types import Array, tree_util
 from shard.core._layout import Layout
 from shard.core._parts import PER_LEAF, Part, Segments, check_parts, clip_first, describe, parts_of
 
@@ -141,11 +141,11 @@ class ShardOptimizer:
         return bool(self._parts) or (self.fused is not None and self.fused.per_tensor)
 
     # -- state ------------------------------------------------------------------
-    def init(self, layout: Layout, master: list[np.ndarray]
+    def init(self, layout: Layout, master: Sequence[Array]
              ) -> tuple[list[list[np.ndarray]], tuple[np.ndarray, ...]]:
         """An optax transformation's fresh moment buffers (one list of unit
         buffers per moment, host arrays) and rest leaves for ``master``'s
-        params."""
+        params (host arrays: optax runs on host state)."""
         tu = tree_util()
         state = self.tx.init(layout.treedef.unflatten(layout.local_views(master)))
         tops = self._treedef.flatten_up_to(state)
@@ -154,7 +154,7 @@ class ShardOptimizer:
             if not moment:
                 rest.append(np.array(top))
                 continue
-            bufs = [np.zeros_like(b) for b in master]
+            bufs = [np.zeros(b.shape, b.dtype) for b in master]
             for dst, x in zip(layout.local_views(bufs), tu.tree_leaves(top), strict=True):
                 dst[...] = np.asarray(x)
             moments.append(bufs)

@@ -92,7 +92,7 @@ def whole_params(plan: Plan, units: Units) -> Any:
     return layout.treedef.unflatten(leaves)
 
 
-def on_device(plan: Plan, x: object, what: str) -> Any:  # Any: callers compute on it
+def on_device(plan: Plan, x: object, what: str) -> Array:
     """A loss (a number, or a torch, jax or device scalar) as a device array."""
     if isinstance(x, (int, float)):
         x = np.asarray(x, np.float64)

@@ -5,7 +5,7 @@ torch module built on the meta device (materialised one unit at a time, see
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -198,6 +198,7 @@ def by_units(c: StepConfig, plan: Plan, values: Callable[[int, list[int]], list[
 
     offloader = plan.offloader()
     rest: tuple = ()
+    master: Sequence[Array]
     if offloader is not None:  # masters and moments in host memory or on disk
         master, *moments, copies = offloader.init_buffers(unit_values, rank)
     else:

@@ -429,7 +429,7 @@ class OneBitReducer(GradReducer):
                 shard[s:] = m
         return self.shards
 
-    def _fold(self, g: Any, m: Any, coef: Array | None) -> Any:  # Any: arithmetic on arrays
+    def _fold(self, g: Array, m: Array | None, coef: Array | None) -> Array:
         """``g`` (a rank's gradient sums) scaled, clipped and folded into the
         momentum ``m`` in place, ``m = b1 m + (1 - b1) g``; with no momentum
         (0/1 Adam's compressed gradients) ``g`` itself, scaled."""

@@ -281,8 +281,7 @@ def _count_groups(plan: Plan, state: TrainState, skip: frozenset[int]) -> list |
             for t, members in sorted(groups.items())]
 
 
-# shards: Any: device arrays, multiplied in place
-def weigh_by_rows(shards: list[Any], totals: Array, parts: int) -> None:
+def weigh_by_rows(shards: list[Array], totals: Array, parts: int) -> None:
     """``weight_by_rows``'s correction (see [Note: rows across ranks]): each
     micro-batch's loss was scaled by its rows, so the summed gradients become
     the mean over all rows under the step's usual ``1 / parts`` scale once
