@@ -88,9 +88,8 @@ def step_plan(state: TrainState, fn: str) -> Plan | None:
                                      m.model_size > 1)) if yes]
     if plan is None and needs:
         raise RuntimeError(f"{fn}: the step that made this state is gone (collected, or in "
-                           f"another process), and the checkpoint needs {' and '.join(needs)}; "
-                           "keep that step alive while saving, or shard.load the state into "
-                           "a step first")
+                           f"another process), and the checkpoint needs {' and '.join(needs)} "
+                           "from it; save while that step lives")
     return plan
 
 

@@ -3,8 +3,9 @@ device), and the :class:`~shard.TrainState` over a plan's buffers.
 
 ``step.init(params)`` and ``shard.load(path, step, ...)`` make a plan from the
 step's :class:`~shard.step._config.StepConfig` and the params (or their
-shapes); every state made with it carries its key (``state.meta.origin``), and
-a step takes its plan from the states it made, or from ``plan_of`` their key.
+shapes) and hand it to the step, which holds it; every state made with it
+carries its key (``state.meta.origin``), by which the step knows its own states
+and a checkpoint finds the step's plan (``plan_of``).
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import dataclasses
 import functools
 import itertools
 import logging
-import os
+import secrets
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,7 +60,9 @@ _PLANS: weakref.WeakValueDictionary[tuple[int, int], Plan] = weakref.WeakValueDi
 
 
 def _new_key() -> tuple[int, int]:
-    return os.getpid(), next(_KEYS)
+    """Unique in this process (a count) and, for states that travel, across
+    processes and machines (64 random bits)."""
+    return next(_KEYS), secrets.randbits(64)
 
 
 def plan_of(state: TrainState) -> Plan | None:
