@@ -79,7 +79,8 @@ def step_plan(state: TrainState, fn: str) -> Plan | None:
     """The plan of the step that made ``state``, where a checkpoint needs it:
     a torch module's buffers, HSDP's replicas, the tensor-parallel ranks. A
     state whose step is gone (collected, or in another process) and that
-    needs one is refused by name; None for one that needs none."""
+    needs it is refused by name; for one that needs nothing of it, None
+    where the step is gone."""
     plan = plan_of(state)
     m = state.meta
     needs = [what for what, yes in (("its torch module's buffers", m.module_buffers),

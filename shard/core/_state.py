@@ -58,7 +58,7 @@ A = TypeVar("A", bound=Array)
 @dataclass(frozen=True)
 class Packing:
     """Where each trainable run of a unit's local buffer lives in the unit's
-    packed buffer.
+    packed buffer (see [Note: frozen leaves] in ``shard/step/_frozen.py``).
 
     Attributes:
       runs: per unit, its trainable runs: ``(start, stop)`` ranges of its
