@@ -133,6 +133,30 @@ def test_a_state_pickles_compares_and_prints_without_its_step_module_or_communic
         shard.save(got, "unused", comm=comm)
 
 
+def test_a_state_from_elsewhere_is_checked_against_the_steps_own_plan():
+    """A state whose plan no step here holds (unpickled from another process: its key
+    names no live plan) steps on where it fits the step's plan, bit for bit, and is
+    refused by name where its frozen leaves or its params differ."""
+    comm = one_comm()
+    _, step, params = _torch_step(comm, trainable="head")
+    state, _ = step(step.init(params), torch.randn(4, 5))
+    stranger = pickle.loads(pickle.dumps(state))
+    stranger = stranger.replace(meta=dataclasses.replace(stranger.meta, origin=(0, 1)))
+    assert plan_of(stranger) is None and stranger.meta == state.meta
+    got, _ = step(stranger, torch.ones(4, 5))
+    want, _ = step(state, torch.ones(4, 5))
+    for a, b in zip(got.master, want.master, strict=True):
+        np.testing.assert_array_equal(a, b)
+    _, all_trainable, params = _torch_step(comm)
+    all_trainable.init(params)
+    with pytest.raises(ValueError, match="made with other leaves frozen"):
+        all_trainable(pickle.loads(pickle.dumps(got)), torch.ones(4, 5))
+    other = shard.zero2(M.loss, optimizer=ops.adamw(M.LR), comm=comm)
+    other.init(M.init_params())
+    with pytest.raises(ValueError, match="does not fit the params"):
+        other(pickle.loads(pickle.dumps(got)), M.batches(1)[0])
+
+
 def test_a_state_of_another_step_must_fit_this_steps_plan():
     comm = one_comm()
     zero3 = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm)
