@@ -279,6 +279,7 @@ def main() -> None:
         jax.config.update("jax_default_matmul_precision", "highest")
         scenarios = scenario.split("+")  # several in turn, in this one process group
         for name in scenarios:
+            report["running"] = name  # where an error, if any, was raised
             part = report if len(scenarios) == 1 else \
                 report.setdefault("parts", {}).setdefault(name, {})
             run_scenario(name, comm, part)

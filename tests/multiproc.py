@@ -53,7 +53,8 @@ def shared_run(scenario: str, world: int, base: Path) -> list[dict]:
     ``SHARED[world]`` in one launch of ``world`` gloo processes, once per test
     session: the first test to ask runs it (under a file lock in ``base``, which
     pytest-xdist's workers share), the others read its reports. A scenario that
-    did not finish reports ``ok`` False with its rank's error."""
+    did not finish reports ``ok`` False with its rank's error and the scenario
+    that raised it (``running``)."""
     from filelock import FileLock
 
     names = SHARED[world]
@@ -73,7 +74,7 @@ def shared_run(scenario: str, world: int, base: Path) -> list[dict]:
     for rep in reports:
         part = dict(rep.get("parts", {}).get(scenario, {}))
         if not part.get("ok"):
-            part.update({k: rep[k] for k in ("error", "message", "traceback", "missing", "log")
-                         if k in rep}, ok=False)
+            part.update({k: rep[k] for k in ("running", "error", "message", "traceback",
+                                             "missing", "log") if k in rep}, ok=False)
         parts.append(part)
     return parts
