@@ -80,13 +80,13 @@ import dataclasses
 import json
 import logging
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ops import FusedOptimizer, adam, adamw, lamb, lion, onebit_adam, zero_one_adam
+from ops import FusedOptimizer
 from ops._optim import ZeroOne
-from shard._deepspeed_lr import schedule
+from shard._deepspeed_optim import offload_of, optimizer_of
 from shard._deepspeed_precision import allreduce_op, precision_of
 from shard.core._policy import LossScale, Precision
 from shard.monitor._loggers import CSVLogger, TensorBoardLogger
@@ -261,7 +261,7 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
         if on and section:
             bad.append(f"zero_optimization.{key} with its legacy cpu_offload key")
         sections[key] = section or ({"device": "cpu"} if on else {})
-    offload = _offload(sections["offload_optimizer"], sections["offload_param"], stage, bad)
+    offload = offload_of(sections["offload_optimizer"], sections["offload_param"], stage, bad)
     if zero.pop("load_from_fp32_weights", True) is not True:
         bad.append("zero_optimization.load_from_fp32_weights=false (checkpoints here restore "
                    "the fp32 masters)")
@@ -292,7 +292,7 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
     accumulation = int(cfg.pop("gradient_accumulation_steps", 1))
     micro = cfg.pop("train_micro_batch_size_per_gpu", None)
     total = cfg.pop("train_batch_size", None)
-    optimizer = _optimizer(cfg, bad)
+    optimizer = optimizer_of(cfg, bad)
     if optimizer is not None and optimizer.onebit is not None and stage == 0:
         stage = 1  # DeepSpeed runs the 1-bit family without ZeRO only; ZeRO-1: the same updates
         log.info("from_deepspeed_config: %s at zero_optimization.stage 0 runs under zero1 here "
@@ -349,65 +349,6 @@ def _resolve(cfg: dict, args: dict) -> tuple[dict, list[str]]:
     return cfg, tuning
 
 
-def _optimizer(cfg: dict, bad: list[str]) -> FusedOptimizer | None:
-    if not cfg.get("optimizer"):
-        cfg.pop("optimizer", None)
-        if cfg.get("scheduler"):
-            bad.append("scheduler without an optimizer block (give the optimizer's lr here, "
-                       "or schedule the optimizer you pass)")
-            cfg.pop("scheduler")
-        return None
-    opt_cfg = dict(cfg.pop("optimizer", {}) or {})
-    raw = opt_cfg.pop("type", "AdamW")
-    kind = str(raw).lower()
-    params = dict(opt_cfg.pop("params", {}) or {})
-    bad += [f"optimizer.{k}" for k in opt_cfg]
-    lr = params.pop("lr", 1e-4 if kind == "lion" else 1e-3)
-    b1, b2 = params.pop("betas", (0.9, 0.99) if kind == "lion" else (0.9, 0.999))
-    wd = params.pop("weight_decay", 0.0)
-    if kind != "lion":
-        eps = params.pop("eps", 1e-8)
-    if kind == "onebitadam":  # DeepSpeed's OnebitAdam defaults; the transport is the comm's
-        freeze = params.pop("freeze_step", 100000)
-        for key in ("cuda_aware", "comm_backend_name", "bias_correction"):
-            params.pop(key, None)  # (OnebitAdam reads no bias_correction either)
-    elif kind == "zerooneadam":  # DeepSpeed's ZeroOneAdam defaults
-        schedule01 = {key: params.pop(key, default) for key, default in (
-            ("var_freeze_step", 100000), ("var_update_scaler", 16),
-            ("local_step_scaler", 32678), ("local_step_clipper", 16))}
-        for key in ("cuda_aware", "comm_backend_name", "bias_correction", "eps_inside_sqrt"):
-            params.pop(key, None)  # (ZeroOneAdam reads neither of the last two)
-        for key in ("amsgrad", "max_grad_norm"):  # refused or unread by ZeroOneAdam
-            if not params.get(key):
-                params.pop(key, None)
-    elif kind == "lamb":  # DeepSpeed's FusedLamb defaults
-        trust = (params.pop("min_coeff", 0.01), params.pop("max_coeff", 10.0))
-        bias_correction = params.pop("bias_correction", True)
-        if params.get("max_grad_norm", 0.0) in (0, 0.0):
-            params.pop("max_grad_norm", None)
-    elif kind != "lion":
-        decoupled = params.pop("adam_w_mode", True)
-        params.pop("torch_adam", None)  # which implementation: the fused kernel either way
-    bad += [f"optimizer.params.{k}" + (" (use gradient_clipping)" if k == "max_grad_norm" else "")
-            for k in params]
-    if kind not in ("adam", "adamw", "lion", "lamb", "onebitadam", "zerooneadam"):
-        bad.append(f"optimizer.type={raw!r} (Adam, AdamW, Lion, Lamb, OneBitAdam and "
-                   "ZeroOneAdam are supported)")
-    sched = dict(cfg.pop("scheduler", {}) or {})
-    rate = schedule(sched, lr, bad) if sched else lr
-    if kind == "lion":
-        return lion(rate, b1, b2, wd)
-    if kind == "onebitadam":
-        return onebit_adam(rate, freeze, b1, b2, eps, wd)
-    if kind == "zerooneadam":
-        return zero_one_adam(rate, b1=b1, b2=b2, eps=eps, weight_decay=wd, **schedule01)
-    if kind == "lamb":
-        return lamb(rate, b1, b2, eps, weight_decay=wd, trust_clip=trust,
-                    bias_correction=bool(bias_correction))
-    make = adamw if (kind == "adamw" or decoupled) else adam
-    return make(rate, b1, b2, eps, wd)
-
-
 def _loggers(cfg: dict, bad: list[str]) -> tuple:
     """``tensorboard`` and ``csv_monitor`` as ``shard.TensorBoardLogger`` and
     ``shard.CSVLogger`` (under ``output_path/job_name``)."""
@@ -421,34 +362,3 @@ def _loggers(cfg: dict, bad: list[str]) -> tuple:
         bad += [f"{key}.{k}" for k in section]
         out.append(make(where if make is TensorBoardLogger else where / "metrics.csv"))
     return tuple(out)
-
-
-def _offload(optimizer: dict, params: dict, stage: int, bad: list[str]) -> Offload | None:
-    """``zero_optimization.offload_optimizer`` and ``offload_param`` as a
-    :class:`shard.Offload`."""
-    device = optimizer.pop("device", "none")
-    path = optimizer.pop("nvme_path", None)
-    bad += [f"zero_optimization.offload_optimizer.{k}" for k in optimizer]
-    on_host = params.pop("device", "none") not in ("none", None)
-    bad += [f"zero_optimization.offload_param.{k}" for k in params]
-    if on_host and stage != 3:
-        bad.append("zero_optimization.offload_param below stage 3 (stages 1-2 keep whole "
-                   "params on the device)")
-        on_host = False
-    if device in ("none", None):
-        if on_host:
-            bad.append("zero_optimization.offload_param without offload_optimizer (offload "
-                       "the optimizer too)")
-        return None
-    if stage == 0:
-        bad.append("zero_optimization.offload_optimizer at stage 0 (stages 1-3 offload)")
-        return None
-    if device == "cpu":
-        off = Offload("host")
-    elif device == "nvme" and path:
-        off = Offload("disk", path=path)
-    else:
-        bad.append(f"zero_optimization.offload_optimizer.device={device!r} (cpu, or nvme with "
-                   "nvme_path)")
-        return None
-    return replace(off, params="host") if on_host else off
