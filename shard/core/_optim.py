@@ -42,6 +42,7 @@ Adam's.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -160,9 +161,10 @@ class ShardOptimizer:
             moments.append(bufs)
         return moments, tuple(rest)
 
-    @property
+    @functools.cached_property
     def opt_tree(self) -> OptimizerTree:
-        """How this optimizer's state is made of a state's buffers."""
+        """How this optimizer's state is made of a state's buffers (made once:
+        the optax path reads it every step)."""
         return OptimizerTree(self.fused.state if self.fused is not None else None,
                              self._treedef, self._is_moment)
 

@@ -129,7 +129,7 @@ class Plan:
     frozen: frozenset[int] = frozenset()
     runs: tuple | None = None
     packing: Packing | None = None
-    key: tuple[int, int] = dataclasses.field(init=False, default_factory=lambda: _new_key())
+    key: tuple[int, int] = dataclasses.field(init=False, default_factory=_new_key)
 
     def __post_init__(self) -> None:
         _PLANS[self.key] = self
