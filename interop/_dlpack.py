@@ -135,7 +135,7 @@ def to_jax(x: Any, *, copy: bool = False) -> jax.Array:
     return jnp.from_dlpack(a)
 
 
-def to_cupy(x: Any) -> Any:  # pragma: no cover - needs a GPU
+def to_cupy(x: object) -> Any:  # pragma: no cover - needs a GPU
     """A cupy array over a GPU tensor's memory (bfloat16 included)."""
     native, _ = to_native(x)
     if device_of(native).name != "cupy":

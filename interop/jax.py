@@ -51,7 +51,7 @@ def mesh(n: int | None = None, axis: str = DP_AXIS, *, backend: str | None = Non
     return Mesh(np.array(devices[:n]), (axis,))
 
 
-def shardings(params: Any, specs: Any, mesh: Mesh, axis: str = DP_AXIS) -> Any:
+def shardings(params: object, specs: object, mesh: Mesh, axis: str = DP_AXIS) -> Any:
     """A ``NamedSharding`` per leaf of ``params`` from zeroshard specs."""
     from jax.sharding import NamedSharding
 
@@ -74,7 +74,7 @@ def shardings(params: Any, specs: Any, mesh: Mesh, axis: str = DP_AXIS) -> Any:
     return out
 
 
-def global_params(full_params: Any, mesh: Mesh, specs: Any = None,
+def global_params(full_params: object, mesh: Mesh, specs: object = None,
                   axis: str = DP_AXIS) -> Any:
     """Whole params (e.g. ``shard.gather``'s) as jax arrays sharded over ``mesh``,
     ready for ``jax.jit`` code."""

@@ -31,7 +31,7 @@ def _cast_leaf(x: Array, dtype: np.dtype, out: Array | None) -> Array:
     return out
 
 
-def cast(tree: Any, dtype: DTypeLike, *, out: Any = None) -> Any:
+def cast(tree: object, dtype: DTypeLike, *, out: object = None) -> Any:
     """Cast every leaf of a pytree between float32 and bfloat16/float16.
 
     Rounds to nearest even (NaN stays NaN, overflow goes to inf), with the same

@@ -15,7 +15,7 @@ from ops.kernels._table import EXACT_SLOTS
 __all__ = ["exact_square_parts", "exact_square_total", "global_norm", "sum_of_squares"]
 
 
-def sum_of_squares(x: Any, *, out: Array | None = None) -> Any:
+def sum_of_squares(x: object, *, out: Array | None = None) -> Any:
     """The sum of squares of ``x``, accumulated in float64, as a one-element array.
 
     The result stays on ``x``'s device (no host synchronisation on a GPU) and is
@@ -66,7 +66,7 @@ def sum_of_squares(x: Any, *, out: Array | None = None) -> Any:
     return out
 
 
-def global_norm(tree: Any) -> float:
+def global_norm(tree: object) -> float:
     """The L2 norm of all leaves of a pytree together (as ``optax.global_norm``).
 
     Examples:

@@ -52,7 +52,7 @@ The compressed all-reduce is then all a step sends.
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import numpy as np
 
@@ -206,9 +206,9 @@ def onebit_adam(learning_rate: float | Schedule, freeze_step: int = 100000, b1: 
     if isinstance(freeze_step, bool) or not isinstance(freeze_step, int) or freeze_step < 1:
         raise ValueError(f"{fn}: freeze_step must be an int >= 1; got {freeze_step!r}")
 
-    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: float | None,
-            grad_sumsq: Array | None, max_norm: float | None, copies: Any,
-            finite: bool | None = None, momentum: bool = False) -> tuple[Any, AdamState]:
+    def run(grads: object, state: AdamState, params: object, donate: bool, grad_scale: float | None,
+            grad_sumsq: Array | None, max_norm: float | None, copies: object,
+            finite: bool | None = None, momentum: bool = False) -> tuple[object, AdamState]:
         count = int(state.count)
         frozen = count >= freeze_step
         if momentum and not frozen:
@@ -230,10 +230,10 @@ def onebit_adam(learning_rate: float | Schedule, freeze_step: int = 100000, b1: 
 
     update = _optax_update(fn, "for weight decay", run)
 
-    def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
+    def apply(grads: object, state: AdamState, params: object, *, grad_scale: float | None = None,
               grad_sumsq: Array | None = None, max_norm: float | None = None,
-              param_copies: Any = None, finite: bool | None = None, read_from: Any = None,
-              momentum: bool = False) -> tuple[Any, AdamState]:
+              param_copies: object = None, finite: bool | None = None, read_from: object = None,
+              momentum: bool = False) -> tuple[object, AdamState]:
         """Update params and moments in place (both donated), as ``ops.adamw``'s
         ``apply``. ``momentum=True``: after ``freeze_step``, ``grads`` are the
         momentum the ranks agreed on (the ZeRO step's compressed phase)."""

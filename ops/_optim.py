@@ -136,19 +136,19 @@ def _rate(fn: str, learning_rate: float | Schedule) -> Callable[[int], float]:
     return lr_at
 
 
-def _zeros(params: Any) -> Any:
+def _zeros(params: object) -> object:
     """A float32 (float64 for float64 params) zero moment shaped like ``params``."""
     return tree_util().tree_map(lambda p: xp_of(p).zeros(
         p.shape, dtype=np.float64 if p.dtype == np.float64 else np.float32), params)
 
 
-def _adam_init(params: Any) -> AdamState:
+def _adam_init(params: object) -> AdamState:
     """Adam's (and LAMB's) fresh state: count 0, zero moments like ``params``."""
     zeros = _zeros(params)
     return AdamState(np.zeros((), np.int64), zeros, tree_util().tree_map(lambda z: z.copy(), zeros))
 
 
-def _flat_update(grads: Any, state: AdamState, params: Any, copies: Any,
+def _flat_update(grads: object, state: AdamState, params: object, copies: object,
                  grad_sumsq: Array | None,
                  finite: bool | None) -> tuple | None:
     """An Adam-shaped update's leaves, ``(leaves, treedef, grads, mu, nu,
@@ -165,7 +165,7 @@ def _flat_update(grads: Any, state: AdamState, params: Any, copies: Any,
 
 
 def _adam_out(treedef: PyTreeDef, out: tuple[list[Array], list[Array], list[Array]],
-              count: int) -> tuple[Any, AdamState]:
+              count: int) -> tuple[object, AdamState]:
     """An Adam-shaped update's new params and state from ``fused_adam_multi``'s
     flat ``(params, exp_avgs, exp_avg_sqs)``."""
     new_p, new_m, new_v = (treedef.unflatten(x) for x in out)
@@ -173,14 +173,14 @@ def _adam_out(treedef: PyTreeDef, out: tuple[list[Array], list[Array], list[Arra
 
 
 def _optax_update(name: str, needs: str,
-                  run: Callable[..., tuple[Any, AdamState | LionState]]
-                  ) -> Callable[..., tuple[Any, AdamState | LionState]]:
+                  run: Callable[..., tuple[object, AdamState | LionState]]
+                  ) -> Callable[..., tuple[object, AdamState | LionState]]:
     """optax's ``update(grads, state, params) -> (updates, state)``, out of place,
     from a fused optimizer's ``run(grads, state, params, donate, grad_scale,
     grad_sumsq, max_norm, copies)``; ``needs``: what it reads params for."""
 
-    def update(grads: Any, state: AdamState | LionState,
-               params: Any = None) -> tuple[Any, AdamState | LionState]:
+    def update(grads: object, state: AdamState | LionState,
+               params: object = None) -> tuple[object, AdamState | LionState]:
         if params is None:
             raise ValueError(f"{name}.update needs params ({needs} and the fused update): "
                              "update(grads, state, params)")
@@ -196,9 +196,9 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
     lr_at = _rate(fn, learning_rate)
     b1, b2, eps, weight_decay = _adam_hyper(fn, b1, b2, eps, weight_decay)
 
-    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: float | None,
-            grad_sumsq: Array | None, max_norm: float | None, copies: Any,
-            finite: bool | None = None, read_from: Any = None) -> tuple[Any, AdamState]:
+    def run(grads: object, state: AdamState, params: object, donate: bool, grad_scale: float | None,
+            grad_sumsq: Array | None, max_norm: float | None, copies: object,
+            finite: bool | None = None, read_from: Any = None) -> tuple[object, AdamState]:
         count = int(state.count)
         flat = _flat_update(grads, state, params, copies, grad_sumsq, finite)
         if flat is None:
@@ -221,10 +221,10 @@ def _make(learning_rate: float | Schedule, b1: float, b2: float, eps: float,
 
     update = _optax_update(fn, "for weight decay", run)
 
-    def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
+    def apply(grads: object, state: AdamState, params: object, *, grad_scale: float | None = None,
               grad_sumsq: Array | None = None, max_norm: float | None = None,
-              param_copies: Any = None, finite: bool | None = None,
-              read_from: Any = None) -> tuple[Any, AdamState]:
+              param_copies: object = None, finite: bool | None = None,
+              read_from: object = None) -> tuple[object, AdamState]:
         """Update params and moments in place (both donated); see fused_adam_step.
 
         With ``grad_sumsq``, a non-finite value skips the update (the count does
@@ -303,13 +303,13 @@ def lion(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.99,
     b2 = _number(fn, "b2", b2, 0.0, 1.0)
     weight_decay = _number(fn, "weight_decay", weight_decay, 0.0, math.inf, hi_open=True)
 
-    def init(params: Any) -> LionState:
+    def init(params: object) -> LionState:
         return LionState(np.zeros((), np.int64), _zeros(params))
 
-    def run(grads: Any, state: LionState, params: Any, donate: bool, grad_scale: float | None,
-            grad_sumsq: Array | None, max_norm: float | None, copies: Any,
+    def run(grads: object, state: LionState, params: object, donate: bool, grad_scale: float | None,
+            grad_sumsq: Array | None, max_norm: float | None, copies: object,
             finite: bool | None = None,
-            read_from: Any = None) -> tuple[Any, LionState]:
+            read_from: object = None) -> tuple[object, LionState]:
         if read_from is not None:
             raise NotImplementedError("lion: read_from (the host tier's out-of-place "
                                       "update) is Adam's only")
@@ -330,10 +330,10 @@ def lion(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.99,
 
     update = _optax_update("lion", "for weight decay", run)
 
-    def apply(grads: Any, state: LionState, params: Any, *, grad_scale: float | None = None,
+    def apply(grads: object, state: LionState, params: object, *, grad_scale: float | None = None,
               grad_sumsq: Array | None = None, max_norm: float | None = None,
-              param_copies: Any = None, finite: bool | None = None,
-              read_from: Any = None) -> tuple[Any, LionState]:
+              param_copies: object = None, finite: bool | None = None,
+              read_from: object = None) -> tuple[object, LionState]:
         """Update params and the moment in place (donated), as Adam's ``apply``."""
         return run(grads, state, params, True, grad_scale, grad_sumsq, max_norm, param_copies,
                    finite, read_from)
@@ -379,10 +379,10 @@ def lamb(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, ep
         trust_clip = (lo, _number(fn, "trust_clip's max", trust_clip[1], lo, math.inf,
                                   lo_open=lo == 0.0, hi_open=True))
 
-    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: float | None,
-            grad_sumsq: Array | None, max_norm: float | None, copies: Any,
+    def run(grads: object, state: AdamState, params: object, donate: bool, grad_scale: float | None,
+            grad_sumsq: Array | None, max_norm: float | None, copies: object,
             finite: bool | None = None,
-            read_from: Any = None, reduce: Reduce | None = None) -> tuple[Any, AdamState]:
+            read_from: object = None, reduce: Reduce | None = None) -> tuple[object, AdamState]:
         if read_from is not None:
             raise NotImplementedError("lamb: read_from (the host tier's out-of-place update) "
                                       "is Adam's only")
@@ -405,10 +405,10 @@ def lamb(learning_rate: float | Schedule, b1: float = 0.9, b2: float = 0.999, ep
 
     update = _optax_update("lamb", "for the trust ratio", run)
 
-    def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
+    def apply(grads: object, state: AdamState, params: object, *, grad_scale: float | None = None,
               grad_sumsq: Array | None = None, max_norm: float | None = None,
-              param_copies: Any = None, finite: bool | None = None, read_from: Any = None,
-              reduce: Reduce | None = None) -> tuple[Any, AdamState]:
+              param_copies: object = None, finite: bool | None = None, read_from: object = None,
+              reduce: Reduce | None = None) -> tuple[object, AdamState]:
         """Update params and moments in place (donated), as Adam's ``apply``; each
         leaf is one tensor for the trust ratio, ``reduce`` as
         :func:`ops.fused_lamb`'s."""

@@ -7,9 +7,12 @@ methods the three share, so numpy's arrays satisfy it for the type checker and
 CuPy's (which ship no annotations) and the stand-in's at run time, arithmetic
 included (each operator an array of the same device).
 
-A pytree (params, gradients, a batch, an optax state) is annotated ``Any``: any
-nesting of containers and leaves, as JAX's own signatures take it. ``tree_util``
-is ``jax.tree_util``, imported when first needed.
+A pytree (params, gradients, a batch, an optax state) that a function only hands
+on (to JAX's tree functions, a loss, an optimizer) is annotated ``object``, so the
+type checker refuses any other use of it inside; one that a function reads into
+(``batch["x"]``, a leaf's ``.shape``), and a pytree the public API returns to the
+caller, is ``Any``, as JAX's own signatures take it. ``tree_util`` is
+``jax.tree_util``, imported when first needed.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ class Array(Protocol):
 
     def copy(self, *args: Any, **kwargs: Any) -> Array: ...
 
-    def fill(self, value: Any, /) -> None: ...
+    def fill(self, value: object, /) -> None: ...
 
     def sum(self, *args: Any, **kwargs: Any) -> Array: ...
 
@@ -115,9 +118,9 @@ def tree_util() -> types.ModuleType:
     return tu
 
 
-def tree_map(fn: Callable[..., object], tree: Any, *rest: Any) -> Any:
+def tree_map(fn: Callable[..., object], tree: object, *rest: object) -> Any:
     return tree_util().tree_map(fn, tree, *rest)
 
 
-def tree_leaves(tree: Any) -> list[Any]:
+def tree_leaves(tree: object) -> list[Any]:
     return tree_util().tree_leaves(tree)

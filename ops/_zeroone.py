@@ -163,9 +163,9 @@ def zero_one_adam(learning_rate: float | Schedule, var_freeze_step: int = 100000
                    _positive_int(fn, "local_step_clipper", local_step_clipper), b1, eps,
                    weight_decay)
 
-    def run(grads: Any, state: AdamState, params: Any, donate: bool, grad_scale: float | None,
-            grad_sumsq: Array | None, max_norm: float | None, copies: Any,
-            finite: bool | None = None) -> tuple[Any, AdamState]:
+    def run(grads: object, state: AdamState, params: object, donate: bool, grad_scale: float | None,
+            grad_sumsq: Array | None, max_norm: float | None, copies: object,
+            finite: bool | None = None) -> tuple[object, AdamState]:
         count = int(state.count)
         flat = _flat_update(grads, state, params, copies, grad_sumsq, finite)
         if flat is None:
@@ -180,10 +180,10 @@ def zero_one_adam(learning_rate: float | Schedule, var_freeze_step: int = 100000
 
     update = _optax_update(fn, "for weight decay", run)
 
-    def apply(grads: Any, state: AdamState, params: Any, *, grad_scale: float | None = None,
+    def apply(grads: object, state: AdamState, params: object, *, grad_scale: float | None = None,
               grad_sumsq: Array | None = None, max_norm: float | None = None,
-              param_copies: Any = None, finite: bool | None = None,
-              read_from: Any = None) -> tuple[Any, AdamState]:
+              param_copies: object = None, finite: bool | None = None,
+              read_from: object = None) -> tuple[object, AdamState]:
         """Update params and moments in place (both donated), as ``ops.adamw``'s
         ``apply``."""
         if read_from is not None:

@@ -92,7 +92,7 @@ def _unwrap(value: object, what: str) -> Any:  # Any: numpy data, or a Python or
     raise TypeError(f"{what}: unsupported operand {type(value).__qualname__}")
 
 
-def _key(key: Any) -> Any:
+def _key(key: object) -> Any:
     if isinstance(key, tuple):
         return tuple(_key(k) for k in key)
     if isinstance(key, StandInArray):
@@ -167,7 +167,7 @@ class StandInArray:
         return bool(self._a)
 
     # -- DLPack (host memory, so torch and JAX see CPU tensors) -----------------------
-    def __dlpack__(self, **kwargs: Any) -> Any:
+    def __dlpack__(self, **kwargs: Any) -> object:
         DEVICE_OPS.add("dlpack")
         return self._a.__dlpack__(**kwargs)
 
@@ -182,7 +182,7 @@ class StandInArray:
             out = self._a[(*key, Ellipsis) if isinstance(key, tuple) else (key, Ellipsis)]
         return StandInArray(out)
 
-    def __setitem__(self, key: Any, value: object) -> None:
+    def __setitem__(self, key: object, value: object) -> None:
         DEVICE_OPS.add("copy")  # a copy, or a fill kernel
         self._a[_key(key)] = _unwrap(value, "setitem")
 
@@ -274,9 +274,9 @@ def _install_operators() -> None:
 _install_operators()
 
 
-def _wrap_result(fn: Any) -> Any:
+def _wrap_result(fn: Any) -> object:
     @functools.wraps(fn)
-    def call(*args: Any, out: Any = None, **kwargs: Any) -> Any:
+    def call(*args: object, out: object = None, **kwargs: object) -> object:
         raw = [_unwrap(a, fn.__name__) if isinstance(a, (StandInArray, np.ndarray)) else a
                for a in args]
         DEVICE_OPS.add("kernel")
@@ -408,7 +408,7 @@ STANDIN = Device("standin", xp, False, driver=_driver, to_host=_asnumpy, from_ho
 register_device(StandInArray, STANDIN)
 
 
-def to_device(tree: Any, device: Device = STANDIN) -> Any:
+def to_device(tree: object, device: Device = STANDIN) -> Any:
     """Every array leaf of a pytree copied to ``device`` (explicitly)."""
     from ops._types import tree_map
 

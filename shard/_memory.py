@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -19,11 +19,11 @@ if TYPE_CHECKING:
 __all__ = ["estimate_memory"]
 
 
-def estimate_memory(params: Any, *, stage: int, world_size: int,
-                    policy: Precision | None = None, specs: Any = None,
+def estimate_memory(params: object, *, stage: int, world_size: int,
+                    policy: Precision | None = None, specs: object = None,
                     units: Units = None, offload: Offload | None = None,
                     optimizer: object = None, tensor_parallel: TensorParallel | None = None,
-                    trainable: Any = None) -> dict[str, int]:
+                    trainable: object = None) -> dict[str, int]:
     """Bytes per rank, by kind, that a ZeRO stage keeps for ``params``.
 
     The ZeRO paper's accounting, with this library's padding (each Shard(0)

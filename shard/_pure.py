@@ -98,8 +98,8 @@ class PureStep:
     own batch."""
 
     def __init__(self, loss_fn: Callable[..., object], *, optimizer: optax.GradientTransformation,
-                 comm: Communicator, specs: Any = None, units: Units = None,
-                 has_aux: bool = False, key: jax.Array | None = None, trainable: Any = None,
+                 comm: Communicator, specs: object = None, units: Units = None,
+                 has_aux: bool = False, key: jax.Array | None = None, trainable: object = None,
                  axis_name: str | None = None) -> None:
         if not callable(loss_fn):
             raise TypeError(f"pure_zero3: loss_fn must be a function (params, batch) -> loss; "
@@ -126,7 +126,7 @@ class PureStep:
         self.program: Program | None = None
 
     # -- state ------------------------------------------------------------------
-    def init(self, params: Any, *, model_state: Any = None) -> PureState:
+    def init(self, params: object, *, model_state: object = None) -> PureState:
         """This rank's state for ``params`` (the whole params, the same on every
         rank: a collective compares their layouts). A JAX array split over
         several devices (a ``NamedSharding``) gives this rank's rows from the
@@ -188,7 +188,7 @@ class PureStep:
         return jnp.asarray(self.comm.rank, jnp.int32)
 
     # -- the step ---------------------------------------------------------------
-    def whole(self, params: Any) -> Any:
+    def whole(self, params: object) -> Any:
         """The whole params from this rank's shards ``params`` (a collective:
         every rank calls it), differentiable: the gradient of a split leaf is
         reduce-scattered, a replicated one's all-reduced (summed). One
@@ -196,7 +196,7 @@ class PureStep:
         buffer, as do its replicated leaves."""
         return self._program("whole").run("whole", (params, self._rank()))
 
-    def evaluate(self, state: PureState, batch: Any, *,
+    def evaluate(self, state: PureState, batch: object, *,
                  loss_fn: Callable[..., object] | None = None) -> jax.Array | tuple[jax.Array, Any]:
         """The loss at ``state``'s params on this rank's ``batch``, averaged over
         the ranks (a collective), with no update: ``(loss, aux)`` with
@@ -205,15 +205,15 @@ class PureStep:
         return self._program("evaluate").run("evaluate", (state, batch, self._rank(), self.key),
                                              fn=loss_fn or self.loss_fn)
 
-    def __call__(self, state: PureState, batch: Any) -> tuple[PureState, dict[str, Any]]:
+    def __call__(self, state: PureState, batch: object) -> tuple[PureState, dict[str, object]]:
         return self._program("step").run("step", (state, batch, self._rank(), self.key))
 
     step = __call__
 
 
 def pure_zero3(loss_fn: Callable[..., object], *, optimizer: optax.GradientTransformation,
-               comm: Communicator, specs: Any = None, units: Units = None,
-               has_aux: bool = False, key: jax.Array | None = None, trainable: Any = None,
+               comm: Communicator, specs: object = None, units: Units = None,
+               has_aux: bool = False, key: jax.Array | None = None, trainable: object = None,
                axis_name: str | None = None) -> PureStep:
     """ZeRO-3 as a pure JAX function of a :class:`PureState`, for the user's
     ``jax.jit`` and ``jax.lax.scan`` over steps (see [Note: pure steps]).

@@ -76,7 +76,7 @@ def ensure(comm: Communicator, gid: int) -> None:
         register(comm)
 
 
-def program_for(gid: int, world: int, loss_fn: Callable[..., Any],
+def program_for(gid: int, world: int, loss_fn: Callable[..., object],
                 optimizer: optax.GradientTransformation, layout: Layout, has_aux: bool,
                 max_norm: float | None, frozen: frozenset[int] = frozenset(),
                 axis_name: str | None = None) -> Program:
@@ -105,7 +105,7 @@ def _host(gid: int, name: str) -> Callable[[np.ndarray | jax.Array, np.ndarray |
 class Program:
     """The step's JAX functions for one group (see the Note)."""
 
-    def __init__(self, gid: int, world: int, loss_fn: Callable[..., Any],
+    def __init__(self, gid: int, world: int, loss_fn: Callable[..., object],
                  optimizer: optax.GradientTransformation, layout: Layout, has_aux: bool,
                  max_norm: float | None, frozen: frozenset[int] = frozenset(),
                  axis_name: str | None = None) -> None:
@@ -170,7 +170,7 @@ class Program:
         return self._call("all_reduce", x.reshape(-1), x.size, rank).reshape(x.shape)
 
     # -- the functions ----------------------------------------------------------
-    def _whole(self, params: Any, rank: jax.Array) -> Any:
+    def _whole(self, params: object, rank: jax.Array) -> object:
         import jax
         import jax.numpy as jnp
 
@@ -197,8 +197,8 @@ class Program:
                 at += leaf.local_size
         return layout.treedef.unflatten(out)
 
-    def _loss(self, fn: Callable[..., Any], params: Any, state: PureState, batch: Any,
-              rank: jax.Array, key: jax.Array | None) -> tuple[jax.Array, Any, Any]:
+    def _loss(self, fn: Callable[..., object], params: object, state: PureState, batch: object,
+              rank: jax.Array, key: jax.Array | None) -> tuple[jax.Array, object, object]:
         """``fn`` on the whole ``params``: ``(loss, new model state, aux)``, with
         the model state and the key it takes."""
         import jax
@@ -236,7 +236,7 @@ class Program:
         check_scalar(value)
         return value, new, aux
 
-    def _mean(self, tree: Any, rank: jax.Array) -> Any:
+    def _mean(self, tree: object, rank: jax.Array) -> Any:
         """Every numeric leaf of ``tree`` averaged over the ranks, in float32."""
         import jax
         import jax.numpy as jnp
@@ -252,7 +252,7 @@ class Program:
             at += x.size
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    def _same_everywhere(self, tree: Any, rank: jax.Array) -> Any:
+    def _same_everywhere(self, tree: object, rank: jax.Array) -> object:
         """``tree`` made the same on every rank: floating-point leaves averaged,
         the others rank 0's (two collectives, as for ``zero3``'s model state)."""
         import jax
@@ -280,8 +280,8 @@ class Program:
                 at += n
         return jax.tree_util.tree_unflatten(treedef, out)
 
-    def _evaluate(self, state: PureState, batch: Any, rank: jax.Array, key: jax.Array | None,
-                  fn: Callable[..., Any]) -> jax.Array | tuple[jax.Array, Any]:
+    def _evaluate(self, state: PureState, batch: object, rank: jax.Array, key: jax.Array | None,
+                  fn: Callable[..., object]) -> jax.Array | tuple[jax.Array, object]:
         import jax.numpy as jnp
 
         value, _, aux = self._loss(fn, state.params, state, batch, rank, key)
@@ -289,7 +289,7 @@ class Program:
         mean = self.all_reduce(value, rank) / self.w if self.w > 1 else value
         return (mean, self._mean(aux, rank)) if self.has_aux else mean
 
-    def _step(self, state: PureState, batch: Any, rank: jax.Array, key: jax.Array | None
+    def _step(self, state: PureState, batch: object, rank: jax.Array, key: jax.Array | None
               ) -> tuple[PureState, dict[str, Any]]:
         import jax
         import jax.numpy as jnp
@@ -299,7 +299,7 @@ class Program:
 
         layout, w = self.layout, self.w
 
-        def loss(shards: Any) -> tuple[jax.Array, tuple[Any, Any]]:
+        def loss(shards: object) -> tuple[jax.Array, tuple[object, object]]:
             value, new, aux = self._loss(self.loss_fn, shards, state, batch, rank, key)
             return value, (new, aux)
 
@@ -330,7 +330,7 @@ class Program:
         return PureState(params, opt_state, state.step + 1, model_state), metrics
 
     # -- running it -------------------------------------------------------------
-    def run(self, name: str, args: tuple, fn: Callable[..., Any] | None = None) -> Any:
+    def run(self, name: str, args: tuple, fn: Callable[..., object] | None = None) -> Any:
         """``step``, ``whole`` or ``evaluate`` (with its loss ``fn``) on ``args``:
         inside a trace (the user's ``jit`` or ``scan``) the jitted function, else
         the group's executable for these shapes, compiled once. Never the jitted

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ops import Communicator
 from shard.core._mesh import Mesh, Topology
@@ -26,7 +26,7 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
     # loss_fn: a JAX function, a Layered or an object with value_and_grad, told apart by
     # classify; optimizer: a fused one or an optax transformation, checked by the step
     def transform(loss_fn: object, /, *, optimizer: object, mesh: Mesh | None = None,
-                  comm: Communicator | None = None, specs: Any = None, trainable: Any = None,
+                  comm: Communicator | None = None, specs: object = None, trainable: object = None,
                   precision: Precision | None = None, offload: Offload | None = None,
                   clip_norm: float | None = None, has_aux: bool = False,
                   options: ZeroOptions | None = None) -> ZeroStep:
@@ -53,7 +53,7 @@ def _make(stage: int) -> Callable[..., ZeroStep]:
 
 
 def _bound_to_ranks(fn: object, axis_name: object, topology: Topology,
-                    tp: TensorParallel | None, where: str) -> Callable[..., Any]:
+                    tp: TensorParallel | None, where: str) -> Callable[..., object]:
     """``fn`` with ``axis_name`` bound to this rank's data ranks: its
     ``jax.lax.psum`` over the name is an all-reduce over the data ranks (the
     all-reduce of the cotangent its derivative), its ``axis_index`` the rank.

@@ -126,7 +126,7 @@ class TorchLoss(LossProvider):
     has_aux = False  # True inside a call of a step built with has_aux=True
     reports_missing = True  # see [Note: missing gradients]
 
-    def __init__(self, module: torch.nn.Module, loss: Callable[[torch.nn.Module, Any], object],
+    def __init__(self, module: torch.nn.Module, loss: Callable[[torch.nn.Module, object], object],
                  named: dict[str, torch.nn.Parameter], unit_of: dict[str, str],
                  unit_modules: list[tuple[str, torch.nn.Module]], *,
                  activation_checkpointing: bool = False, broadcast_buffers: bool = True,
@@ -247,7 +247,7 @@ class TorchLoss(LossProvider):
 
     # -- stages 0-2 (and anything with whole params) ------------------------------
     def value_and_grad(
-        self, params: dict[str, Array], batch: Any, loss_scale: float = 1.0
+        self, params: dict[str, Array], batch: object, loss_scale: float = 1.0
     ) -> tuple[torch.Tensor | tuple[torch.Tensor, Any], dict[str, torch.Tensor]]:
         """Loss and gradients (of ``loss_scale * loss``) at ``params``, by autograd:
         a scalar tensor and ``{name: tensor}``, on the module's device."""
@@ -280,7 +280,7 @@ class TorchLoss(LossProvider):
         return ((out.detach(), aux) if self.has_aux else out.detach()), grads
 
     def loss_value(self, params: dict[str, Array],
-                   batch: Any) -> torch.Tensor | tuple[torch.Tensor, Any]:
+                   batch: object) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """The loss (with ``has_aux``, ``(loss, aux)``) at ``params`` in eval mode
         under ``torch.no_grad``, with rank 0's buffers (for ``ZeroStep.evaluate``,
         a collective); the module's parameters and mode are restored."""
@@ -304,7 +304,7 @@ class TorchLoss(LossProvider):
                 p.data = before[name]
 
     # -- stage 3 --------------------------------------------------------------------
-    def run_units(self, units: Any, reducer: GradReducer, batch: Any,
+    def run_units(self, units: Any, reducer: GradReducer, batch: object,
                   loss_scale: float) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """One micro-batch, unit by unit (:meth:`UnitHooks.run`)."""
         self._buffers.sync()
@@ -320,7 +320,7 @@ class TorchLoss(LossProvider):
             self.missing = self._hooks.missing
         return (out.detach(), aux) if self.has_aux else out.detach()
 
-    def _call_loss(self, batch: Any, *, training: bool = True) -> tuple[torch.Tensor, Any]:
+    def _call_loss(self, batch: object, *, training: bool = True) -> tuple[torch.Tensor, object]:
         """The user's loss on the module: ``(loss, aux)`` (aux None without
         ``has_aux``, which a step built with ``has_aux=True`` sets)."""
         import torch

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from interop.torch._adapter import TorchLoss
 from interop.torch._blocks import default_units, name_of
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["functional"]
 
 
-def functional(module: torch.nn.Module, *, loss: Callable[[torch.nn.Module, Any], object],
+def functional(module: torch.nn.Module, *, loss: Callable[[torch.nn.Module, object], object],
                units: Sequence[torch.nn.Module] | None = None,
                activation_checkpointing: bool = False,
                broadcast_buffers: bool = True,

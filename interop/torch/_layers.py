@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from interop.torch._stage import TorchStage
 from interop.torch._units import check_owner, rank_dependent
@@ -57,7 +57,8 @@ __all__ = ["TorchLayered", "layered"]
 
 def layered(
     layers: Sequence[torch.nn.Module] | torch.nn.Sequential | torch.nn.ModuleList, *,
-    loss: Callable[[Any, Any], torch.Tensor], inputs: Callable[[Any], object] | None = None,
+    loss: Callable[[object, object], torch.Tensor],
+    inputs: Callable[[object], object] | None = None,
 ) -> tuple[list[dict[str, Array]], TorchLayered]:
     """A chain of torch modules as per-module params and a loss object (see
     [Note: torch layers]).
@@ -156,8 +157,9 @@ class TorchLayered(LossProvider):
     transforms and a ``make_stage`` for ``shard.pipeline`` (see [Note: the loss
     protocol])."""
 
-    def __init__(self, layers: list[torch.nn.Module], loss: Callable[[Any, Any], torch.Tensor],
-                 inputs: Callable[[Any], object] | None,
+    def __init__(self, layers: list[torch.nn.Module],
+                 loss: Callable[[object, object], torch.Tensor],
+                 inputs: Callable[[object], object] | None,
                  named: list[dict[str, torch.nn.Parameter]]) -> None:
         self.layers, self.loss, self.named = layers, loss, named
         self.inputs = inputs or _first_input
@@ -193,7 +195,7 @@ class TorchLayered(LossProvider):
         ``units`` is layer ``layers[u]``) for one step."""
         return TorchStage(self, units, list(layers), checkpointing)
 
-    def run_units(self, units: Units, reducer: GradReducer, batch: Any,
+    def run_units(self, units: Units, reducer: GradReducer, batch: object,
                   scale: float) -> torch.Tensor:
         """One micro-batch through every layer (the ZeRO step's unit protocol)."""
         stage = self.make_stage(units, range(len(self.layers)))
@@ -203,7 +205,7 @@ class TorchLayered(LossProvider):
         return loss
 
     def value_and_grad(
-        self, params: list[dict[str, Array]], batch: Any, loss_scale: float = 1.0
+        self, params: list[dict[str, Array]], batch: object, loss_scale: float = 1.0
     ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
         """Loss and gradients (of ``loss_scale * loss``) at whole ``params``."""
         import torch
@@ -223,7 +225,7 @@ class TorchLayered(LossProvider):
                 p.grad = None
         return out.detach(), grads
 
-    def loss_units(self, units: Units, batch: Any) -> torch.Tensor:
+    def loss_units(self, units: Units, batch: object) -> torch.Tensor:
         """The loss in eval mode, forward only, unit by unit (``step.evaluate``)."""
         with self.evaluating():
             stage = self.make_stage(units, range(len(self.layers)), checkpointing=True)
@@ -241,7 +243,7 @@ class TorchLayered(LossProvider):
             for m, mode in zip(self.layers, modes, strict=True):
                 m.train(mode)
 
-    def layer_times(self, batch: Any, repeats: int = 3) -> list[float]:
+    def layer_times(self, batch: object, repeats: int = 3) -> list[float]:
         """Each module's forward and backward time in seconds on ``batch`` (the
         fastest of ``repeats`` after a warm-up run), for
         ``shard.balance_by_time``; the modules' gradients are left cleared."""
@@ -270,7 +272,7 @@ class TorchLayered(LossProvider):
             x = m(x)
         return x
 
-    def _input(self, batch: Any, dtype: torch.dtype | None = None) -> torch.Tensor:
+    def _input(self, batch: object, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The first layer's input as a tensor on the params' device, floating
         inputs cast to ``dtype`` (the compute dtype) when casting is on."""
         import torch

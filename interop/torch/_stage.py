@@ -44,7 +44,7 @@ class TorchStage:
                 self._bind(u, units.get(u))
 
     # -- the schedule's calls -------------------------------------------------------
-    def forward(self, k: int, x: Any, batch: Any) -> torch.Tensor:
+    def forward(self, k: int, x: Any, batch: object) -> torch.Tensor:
         """Micro-batch ``k``'s forward from ``x`` (a received array; None on the
         first stage): the output to send on, or the loss on the last stage."""
         import torch
@@ -123,7 +123,7 @@ class TorchStage:
     def _module(self, u: int) -> torch.nn.Module:
         return self.owner.layers[self.layers[u]]
 
-    def _input_of(self, batch: Any) -> torch.Tensor:
+    def _input_of(self, batch: object) -> torch.Tensor:
         return self.owner._input(batch, self.dtype)
 
     def _tensor(self, x: Array) -> torch.Tensor:

@@ -47,7 +47,7 @@ def _dtype_of(module: torch.nn.Module, name: str, now: torch.dtype) -> torch.dty
     return _DTYPES.get(module, {}).get(name, now)
 
 
-def load_state(module: torch.nn.Module, state_or_params: TrainState | Mapping[str, Any], *,
+def load_state(module: torch.nn.Module, state_or_params: TrainState | Mapping[str, object], *,
                comm: Communicator | None = None) -> torch.nn.Module:
     """Write whole parameters back into ``module`` (for evaluation or export).
 
@@ -85,7 +85,7 @@ def load_state(module: torch.nn.Module, state_or_params: TrainState | Mapping[st
     return module
 
 
-def state_dict(module: torch.nn.Module, state_or_params: TrainState | Mapping[str, Any], *,
+def state_dict(module: torch.nn.Module, state_or_params: TrainState | Mapping[str, object], *,
                comm: Communicator | None = None) -> dict[str, torch.Tensor]:
     """The module's whole ``state_dict`` from a ZeRO state, for ``torch.save`` or
     ``load_state_dict(..., strict=True)``.

@@ -85,7 +85,7 @@ class UnitHooks:
         return self._current
 
     def run(self, units: Units, reducer: GradReducer,
-            loss: Callable[[], tuple[torch.Tensor, Any]], loss_scale: float, *,
+            loss: Callable[[], tuple[torch.Tensor, object]], loss_scale: float, *,
             other_dtype: bool) -> tuple[torch.Tensor, Any]:
         """One micro-batch, unit by unit (see [Note: torch ZeRO-3]): ``loss()``'s
         ``(loss, aux)``. Where the state's own buffers are the whole params
@@ -148,7 +148,7 @@ class UnitHooks:
             forward = m.forward
 
             def wrapped(*args: object, _key: str = key,
-                        _forward: Callable[..., Any] = forward, **kw: Any) -> object:
+                        _forward: Callable[..., object] = forward, **kw: Any) -> object:
                 if self.active is None or not self.active.gathering:
                     return _forward(*args, **kw)
                 if self.activation_checkpointing:
@@ -186,7 +186,7 @@ class UnitHooks:
         upcoming = a.order[pos + 1:] if a.phase == "forward" else a.order[:pos][::-1]
         self._bind(u, a.units.flat(u, upcoming))
 
-    def _run_unit(self, key: str, forward: Callable[..., Any], *args: object,
+    def _run_unit(self, key: str, forward: Callable[..., object], *args: object,
                   **kw: object) -> object:
         """A unit's forward with its gathered params saved for the backward as
         references, not tensors (see the Note)."""
@@ -249,7 +249,7 @@ class UnitHooks:
         with timed("library"):
             a.units.prefetch_after(a.order[:pos][::-1])
 
-    def _run_recomputed(self, key: str, forward: Callable[..., Any], *args: object,
+    def _run_recomputed(self, key: str, forward: Callable[..., object], *args: object,
                         **kw: object) -> object:
         """A unit's forward under activation checkpointing: the backward recomputes
         it, gathering the unit again."""

@@ -31,7 +31,7 @@ def _flat(name: str, x: Array) -> Array:
     return x.reshape(-1)
 
 
-def all_gather(comm: Communicator, x: Any, *, out: Any = None) -> Any:
+def all_gather(comm: Communicator, x: object, *, out: object = None) -> Any:
     """Every rank's ``x``, concatenated in rank order along the first axis.
 
     Args:
@@ -72,8 +72,8 @@ def all_gather_host(comm: Communicator, x: np.ndarray) -> np.ndarray:
     return from_comm(comm, all_gather(comm, to_comm(comm, x)))
 
 
-def reduce_scatter(comm: Communicator, x: Any, *, op: str = "sum", dtype: DTypeLike | None = None,
-                   out: Any = None) -> Any:
+def reduce_scatter(comm: Communicator, x: object, *, op: str = "sum",
+                   dtype: DTypeLike | None = None, out: object = None) -> Any:
     """This rank's slice of the elementwise sum (or mean) of every rank's ``x``.
 
     ``x`` is split along its first axis into ``world_size`` equal chunks; rank r
@@ -104,7 +104,7 @@ def reduce_scatter(comm: Communicator, x: Any, *, op: str = "sum", dtype: DTypeL
     return back(buf.reshape(shape)) if out is None else out
 
 
-def all_to_all(comm: Communicator, x: Any) -> Any:
+def all_to_all(comm: Communicator, x: object) -> Any:
     """Each rank's ``x`` split along its first axis into ``world_size`` equal
     chunks, chunk r sent to rank r: the result's chunk s is rank s's chunk
     for this rank (``torch.distributed.all_to_all_single``'s equal split).
@@ -128,7 +128,7 @@ def all_to_all(comm: Communicator, x: Any) -> Any:
     return back(buf.reshape(native.shape))
 
 
-def all_reduce(comm: Communicator, x: Any, *, op: str = "sum") -> Any:
+def all_reduce(comm: Communicator, x: object, *, op: str = "sum") -> Any:
     """The elementwise sum (or mean) of every rank's ``x``, as a new array."""
     native, back = to_native(x)
     buf = comm.allocate(native.size, native.dtype, device=device_of(native))
@@ -137,7 +137,7 @@ def all_reduce(comm: Communicator, x: Any, *, op: str = "sum") -> Any:
     return back(buf.reshape(native.shape))
 
 
-def broadcast(comm: Communicator, x: Any, *, src: int = 0) -> Any:
+def broadcast(comm: Communicator, x: object, *, src: int = 0) -> Any:
     """Rank ``src``'s ``x`` on every rank, as a new array."""
     native, back = to_native(x)
     buf = comm.allocate(native.size, native.dtype, device=device_of(native))

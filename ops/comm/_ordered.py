@@ -56,7 +56,7 @@ class TreeSum:
         self._release = release
         self.count = 0
 
-    def add(self, x: Any) -> None:
+    def add(self, x: object) -> None:
         level = 0
         while self._stack and self._stack[-1][0] == level:
             _, left = self._stack.pop()

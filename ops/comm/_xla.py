@@ -84,7 +84,7 @@ KEEP = 64  # compiled programs kept, the most recently used
 _LOCK = threading.Lock()
 _FAMILIES: weakref.WeakKeyDictionary[ThreadGroup | Communicator, int] = \
     weakref.WeakKeyDictionary()
-_MEMBERS: dict[tuple[int, ...], dict[int, weakref.WeakSet[Any]]] = {}
+_MEMBERS: dict[tuple[int, ...], dict[int, weakref.WeakSet[object]]] = {}
 _NEXT = itertools.count(1)
 _CALLBACKS: dict[tuple[Any, ...], Callable[..., object]] = {}  # by (family, fn, arg[, who])
 
@@ -152,7 +152,7 @@ def host_call(place: Member, fn: Callable[..., object], arg: Hashable
     program on its first call and run it while later callers of an equal
     program wait, and the ranks' collectives must not wait on each other so.
     ``fn`` lives as long as the process; ``arg`` is hashable."""
-    key: tuple[Any, ...] = (place.family, fn, arg)
+    key: tuple[object, ...] = (place.family, fn, arg)
     if _SCOPE.get() is None:
         key = (*key, place.who)
     with _LOCK:
@@ -348,18 +348,18 @@ class SharedJit:
     finds or compiles the program, and keeps this object's ranks for it.
     """
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., object]) -> None:
         self.fn = fn
         self._local: dict[object, tuple[jax.stages.Compiled, jax.Array, bool, int]] = {}
         self._lock = threading.Lock()
 
-    def _ranked(self, ranks: jax.Array, *args: Any) -> Any:
+    def _ranked(self, ranks: jax.Array, *args: object) -> object:
         with rank_scope(ranks) as scope:
             out = self.fn(*args)
         self._values = scope.values
         return out
 
-    def trace(self, *args: Any) -> tuple[jax.stages.Traced, np.ndarray]:
+    def trace(self, *args: object) -> tuple[jax.stages.Traced, np.ndarray]:
         """The ``jax.stages.Traced`` of ``fn`` at ``args``, the ranks operand its
         first input, with this object's values of it."""
         import jax
@@ -369,7 +369,7 @@ class SharedJit:
             traced = jax.jit(self._ranked).trace(ranks, *args)
             return traced, self._values
 
-    def prepare(self, *args: Any) -> tuple[jax.stages.Compiled, jax.Array, bool, int]:
+    def prepare(self, *args: object) -> tuple[jax.stages.Compiled, jax.Array, bool, int]:
         """The executable for ``args``'s signature, this object's ranks,
         whether the program has effects (callbacks: collectives) and the
         thread it was made for; traced and compiled on first use (nothing
@@ -395,7 +395,7 @@ class SharedJit:
                 self._local[(sig, thread)] = hit
         return hit
 
-    def __call__(self, *args: Any) -> Any:
+    def __call__(self, *args: object) -> Any:
         executable, ranks, effects, _ = self.prepare(*args)
         if effects:
             ready(args)

@@ -218,7 +218,7 @@ def cupy_device() -> Device:
 
         return cuda_driver()
 
-    def view(x: Any) -> Any:  # a torch tensor or jax array in, a CuPy array out
+    def view(x: Any) -> object:  # a torch tensor or jax array in, a CuPy array out
         if type(x).__module__.split(".")[0] in ("jax", "jaxlib") and hasattr(
                 x, "__cuda_array_interface__"):
             # JAX's DLPack export from thread ranks is not reliable on GPUs; its

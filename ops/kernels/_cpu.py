@@ -21,7 +21,7 @@ _CTYPES = {"ptr": ctypes.c_void_p, "f4": ctypes.c_float, "f8": ctypes.c_double,
            "i8": ctypes.c_int64}
 
 
-def _arg(value: Any, kind: str) -> Any:
+def _arg(value: Any, kind: str) -> object:
     if kind == "ptr":
         return None if value is None else value.ctypes.data
     return float(value) if kind in ("f4", "f8") else int(value)
@@ -33,7 +33,7 @@ class CpuDriver:
     kind = "numpy"
 
     def __init__(self) -> None:
-        self._functions: dict[str, Any] = {}
+        self._functions: dict[str, object] = {}
 
     def _function(self, family: str, cname: str | None, signature: tuple) -> Any:
         if cname is None:

@@ -49,11 +49,11 @@ class CudaDriver:
     kind = "cupy"
 
     def __init__(self, xp: types.ModuleType | types.SimpleNamespace,
-                 module_factory: Callable[..., Any], sm_count: int) -> None:
+                 module_factory: Callable[..., object], sm_count: int) -> None:
         self.xp = xp
         self._factory = module_factory
         self.sm_count = sm_count
-        self._modules: dict[str, Any] = {}
+        self._modules: dict[str, object] = {}
         self._tables: dict[tuple, tuple[Array, Array]] = {}
         self._chunks: dict[tuple, tuple[Array, int]] = {}
 

@@ -48,7 +48,7 @@ def _family_of(code: str) -> str:
 _LAUNCH = threading.Lock()
 
 
-def _is_array(value: Any) -> bool:
+def _is_array(value: object) -> bool:
     return isinstance(value, np.ndarray) or hasattr(getattr(value, "data", None), "ptr")
 
 
@@ -64,7 +64,7 @@ def _c_arg(value: Any) -> ctypes._SimpleCData:
 _KIND_DTYPES = {"f4": np.float32, "f8": np.float64, "i8": np.int64}
 
 
-def _check_kind(kernel: str, name: str, kind: str, value: Any) -> None:
+def _check_kind(kernel: str, name: str, kind: str, value: object) -> None:
     """The C ABI check a GPU cannot do for us: each argument's size and meaning."""
     if kind == "ptr":
         ok = _is_array(value) or (isinstance(value, np.uint64) and value == 0)

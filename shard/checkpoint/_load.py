@@ -157,7 +157,7 @@ def _split_of(saved: Any, shape: list[int]) -> Split | Literal[False] | None:
 
 
 def load(path: str | os.PathLike, step: ZeroStep, *, comm: Communicator,
-         like: Any = None, device: str | Device | None = None) -> tuple[TrainState, object]:
+         like: object = None, device: str | Device | None = None) -> tuple[TrainState, object]:
     """Load a checkpoint into ``step``'s stage and world size (a collective).
 
     Args:
@@ -188,7 +188,7 @@ def load(path: str | os.PathLike, step: ZeroStep, *, comm: Communicator,
 
 
 # step: Any, as its plan (None before init) is read where a branch above made it
-def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: Any,
+def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: object,
           device: str | Device | None) -> tuple[TrainState, object]:
     from safetensors import safe_open
 

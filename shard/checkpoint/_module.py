@@ -92,7 +92,7 @@ def _write_model_state_file(state: TrainState, directory: Path) -> dict | None:
             "leaves": [jax.tree_util.keystr(p) for p, _ in leaves]}
 
 
-def read_model_state(path: Path, manifest: dict, like: Any, *, attributes: bool = False) -> Any:
+def read_model_state(path: Path, manifest: dict, like: object, *, attributes: bool = False) -> Any:
     """A checkpoint's model state (None without one): in the structure of
     ``like`` (the model state the step's ``init`` was given) where there is
     one, else as the nested dicts and lists its paths name (with

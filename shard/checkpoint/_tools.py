@@ -92,7 +92,7 @@ def to_orbax(path: str | os.PathLike, out: str | os.PathLike, *,
     if out.exists():
         raise CheckpointError(f"to_orbax: {out} exists; give a new directory")
     where = f"to_orbax: {path / 'manifest.json'}"
-    tree: dict[str, Any] = {
+    tree: dict[str, object] = {
         "params": tree_from_manifest(manifest, lambda e: tensors[e["name"]], where,
                                      attributes=True),
         "step": np.asarray(manifest["step"], np.int64)}

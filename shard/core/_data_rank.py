@@ -129,7 +129,7 @@ def _fold(key: jax.Array | np.ndarray, values: np.ndarray) -> jax.Array:
 _FOLD: Callable[[jax.Array | np.ndarray, np.ndarray], jax.Array] | None = None
 
 
-def keyed(fn: Callable[..., Any], impl: str | None) -> Callable[..., Any]:
+def keyed(fn: Callable[..., object], impl: str | None) -> Callable[..., Any]:
     """``fn(params, batch, *rest, key=key)`` as a loss of ``(batch, raw key
     data)`` (and ``*rest``: a model state), the key rewrapped as typed where
     ``impl`` names one. One wrapper per ``(fn, impl)``, so the compiled
@@ -144,8 +144,8 @@ def keyed(fn: Callable[..., Any], impl: str | None) -> Callable[..., Any]:
         return by_impl[impl]
 
 
-def _wrap(fn: Callable[..., Any], impl: str | None) -> Callable[..., Any]:
-    def loss(params: Any, batch_and_key: tuple[Any, jax.Array], *rest: Any) -> Any:
+def _wrap(fn: Callable[..., object], impl: str | None) -> Callable[..., object]:
+    def loss(params: object, batch_and_key: tuple[object, jax.Array], *rest: object) -> object:
 
         batch, data = batch_and_key
         key = data if impl is None else _wrap_key(data, impl)
@@ -154,7 +154,7 @@ def _wrap(fn: Callable[..., Any], impl: str | None) -> Callable[..., Any]:
     return loss
 
 
-_KEYED: weakref.WeakKeyDictionary[Any, dict[str | None, Callable[..., Any]]] = \
+_KEYED: weakref.WeakKeyDictionary[object, dict[str | None, Callable[..., object]]] = \
     weakref.WeakKeyDictionary()
 _LOCK = threading.Lock()
 
@@ -198,7 +198,7 @@ def evaluate(jaxpr: Jaxpr, consts: list[ArrayLike], args: list[ArrayLike],
     return [read(v) for v in jaxpr.outvars]
 
 
-def _names(params: dict[str, Any]) -> set[Hashable]:
+def _names(params: dict[str, object]) -> set[Hashable]:
     """The axis names an equation's parameters mention."""
     out: set[Hashable] = set()
     for key in ("axes", "axis_name"):
@@ -207,7 +207,7 @@ def _names(params: dict[str, Any]) -> set[Hashable]:
     return out
 
 
-def _jaxprs(params: dict[str, Any]) -> list[Any]:
+def _jaxprs(params: dict[str, object]) -> list[Any]:
     """The jaxprs inside an equation's parameters (bodies, branches)."""
     out = []
     for v in params.values():
@@ -230,7 +230,7 @@ def _uses(jaxpr: Jaxpr, name: str) -> JaxprEqn | None:
     return None
 
 
-def bind_axis(fn: Callable[..., Any], name: str, size: int, *, psum: Callable[[Any], Any],
+def bind_axis(fn: Callable[..., object], name: str, size: int, *, psum: Callable[[Any], Any],
               index: Callable[[], jax.Array], where: str) -> Callable[..., Any]:
     """``fn`` with ``name`` bound as an axis of ``size`` ranks (see the Note):
     its ``psum`` over the axis is ``psum(x)``, its ``axis_index`` is
@@ -260,10 +260,10 @@ def bind_axis(fn: Callable[..., Any], name: str, size: int, *, psum: Callable[[A
         raise NotImplementedError(f"{where}: the loss calls {prim} over axis {name!r}{detail}; "
                                   f"the data ranks take psum, pmean and axis_index")
 
-    def bound(*args: Any, **kw: Any) -> Any:
+    def bound(*args: object, **kw: object) -> object:
         flat, tree = jax.tree_util.tree_flatten((args, kw))
 
-        def flat_fn(*xs: jax.Array) -> Any:
+        def flat_fn(*xs: jax.Array) -> object:
             a, k = jax.tree_util.tree_unflatten(tree, list(xs))
             return fn(*a, **k)
 

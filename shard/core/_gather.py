@@ -44,7 +44,7 @@ class MicroBatches(tuple):
 
     __slots__ = ()
 
-    def __new__(cls, batches: Any) -> MicroBatches:
+    def __new__(cls, batches: object) -> MicroBatches:
         if isinstance(batches, (dict, str, bytes)) or not hasattr(batches, "__iter__"):
             raise TypeError(f"MicroBatches takes an iterable of batches; got "
                             f"{type(batches).__name__}")
@@ -58,7 +58,7 @@ class MicroBatches(tuple):
         return f"MicroBatches({len(self)} micro-batches)"
 
 
-def gather(x: Any, comm: Communicator, *, specs: Any = None, like: Any = None) -> Any:
+def gather(x: object, comm: Communicator, *, specs: object = None, like: object = None) -> Any:
     """The full parameters on every rank (a collective: every rank must call it).
 
     Args:
@@ -115,7 +115,7 @@ def gather(x: Any, comm: Communicator, *, specs: Any = None, like: Any = None) -
     return layout.treedef.unflatten(out)
 
 
-def split_batch(batch: Any, *, rank: int, world_size: int) -> Any:
+def split_batch(batch: object, *, rank: int, world_size: int) -> Any:
     """Rank ``rank``'s part of a global batch: each leaf's rows, split evenly.
 
     Leaves keep their kind (numpy, CuPy, torch or jax arrays are sliced as they
@@ -124,7 +124,7 @@ def split_batch(batch: Any, *, rank: int, world_size: int) -> Any:
     """
     tu = tree_util()
 
-    def cut(path: KeyPath, x: Any) -> Any:
+    def cut(path: KeyPath, x: Any) -> object:
         if not hasattr(x, "shape"):
             x = np.asarray(x)  # numbers and lists: host data
         if x.ndim == 0 or x.shape[0] % world_size:

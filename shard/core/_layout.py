@@ -244,7 +244,7 @@ def _unit_keys(paths: list[tuple], units: Units) -> list[Hashable]:
                     f"{type(units).__name__}")
 
 
-def make_layout(params: Any, specs: Any = None, *, world_size: int, units: Units = None,
+def make_layout(params: object, specs: object = None, *, world_size: int, units: Units = None,
                 fn: str = "layout") -> Layout:
     """The layout of ``params`` (arrays or ``jax.ShapeDtypeStruct``-like) on W ranks."""
     tu = tree_util()
@@ -305,7 +305,7 @@ def native_leaves(leaves: Sequence[object], fn: str) -> tuple[Device | None, lis
     from ops.device._dlpack import to_native
 
     found: tuple[Device, int] | None = None
-    out: list[Any] = []
+    out: list[object] = []
     for i, x in enumerate(leaves):
         if getattr(x, "is_meta", False) is True:  # a torch tensor on the meta device
             out.append(meta_shape(x))
@@ -326,7 +326,7 @@ def native_leaves(leaves: Sequence[object], fn: str) -> tuple[Device | None, lis
     return (None if found is None else found[0]), out
 
 
-def partition(tree: Any, specs: Any = None, *, rank: int, world_size: int,
+def partition(tree: object, specs: object = None, *, rank: int, world_size: int,
               units: Units = None, dtype: DTypeLike | None = None) -> Any:
     """This rank's shards of a full pytree (see [Note: unit buffers]).
 
@@ -364,7 +364,7 @@ def partition(tree: Any, specs: Any = None, *, rank: int, world_size: int,
     return layout.treedef.unflatten(views)
 
 
-def unpartition(shards: Sequence[Any], like: Any, specs: Any = None) -> Any:
+def unpartition(shards: Sequence[object], like: object, specs: object = None) -> Any:
     """The full pytree from every rank's shards (the inverse of :func:`partition`).
 
     Args:

@@ -69,7 +69,7 @@ class Layered(LossProvider):
       ...     lambda p, h, b: jnp.mean((h @ p["w"] - b["y"]) ** 2)])
     """
 
-    def __init__(self, layers: Sequence[Callable[..., Any]], *,
+    def __init__(self, layers: Sequence[Callable[..., object]], *,
                  activation_checkpointing: bool = False) -> None:
         if not layers:
             raise ValueError("Layered needs at least one layer")
@@ -87,8 +87,8 @@ class Layered(LossProvider):
             if not self._fwd:
                 import jax
 
-                def make_bwd(f: Callable[..., Any]) -> Callable[..., Any]:
-                    def bwd(p: Any, c: Any, b: Any, ct: Any) -> Any:
+                def make_bwd(f: Callable[..., object]) -> Callable[..., object]:
+                    def bwd(p: object, c: object, b: object, ct: object) -> object:
                         return jax.vjp(lambda p, c: f(p, c, b), p, c)[1](ct)
                     return bwd
 
@@ -118,7 +118,7 @@ class Layered(LossProvider):
             found = self._for_layout[id(layout)] = (layout, made)  # (kept: its id stays its)
         return found[1]
 
-    def run_units(self, units: UnitSource, reducer: GradSink, batch: Any,
+    def run_units(self, units: UnitSource, reducer: GradSink, batch: object,
                   scale: float) -> jax.Array:
         """One micro-batch unit by unit (see [Note: ZeRO-3 schedule]): ``units.flat``
         gives each unit's whole params as one buffer (one DLPack exchange, sliced
@@ -169,7 +169,7 @@ class Layered(LossProvider):
             reducer.add(u, units.leaf_views(u, units.device.from_jax(grad)))
         return loss
 
-    def loss_units(self, units: UnitSource, batch: Any) -> Any:
+    def loss_units(self, units: UnitSource, batch: object) -> Any:
         """The loss, forward only, unit by unit (for ``ZeroStep.evaluate``)."""
         import jax
 
@@ -184,7 +184,7 @@ class Layered(LossProvider):
         return carry
 
 
-def _placed(batch: Any) -> Any:
+def _placed(batch: object) -> object:
     """The batch with its numpy arrays made jax arrays once for every layer of the
     step (a jitted call would convert them at each)."""
     import jax
@@ -219,7 +219,8 @@ class _UnitLayer:
         self._lock = threading.Lock()
         self.apply = SharedJit(lambda flat, c, b: f(self.params(flat), c, b))
 
-        def recompute(flat: jax.Array, c: Any, b: Any, ct: Any) -> tuple[jax.Array, Any]:
+        def recompute(flat: jax.Array, c: object, b: object,
+                      ct: object) -> tuple[jax.Array, object]:
             g, dc = jax.vjp(lambda ls, c: f(self.treedef.unflatten(ls), c, b),
                             self.leaves(flat), c)[1](ct)
             return self.flat_grad(g, flat.dtype), dc
@@ -229,7 +230,7 @@ class _UnitLayer:
     def leaves(self, flat: jax.Array) -> list[jax.Array]:
         return [flat[o:o + n].reshape(shape) for o, n, shape in self.pieces]
 
-    def params(self, flat: jax.Array) -> Any:
+    def params(self, flat: jax.Array) -> object:
         return self.treedef.unflatten(self.leaves(flat))
 
     def flat_grad(self, grads: list[jax.Array], dtype: np.dtype) -> jax.Array:
@@ -246,7 +247,7 @@ class _UnitLayer:
             parts.append(jnp.zeros(self.size - at, dtype))
         return jnp.concatenate(parts) if parts else jnp.zeros(0, dtype)
 
-    def forward(self, flat: jax.Array, c: Any, b: Any) -> tuple[Any, _Saved]:
+    def forward(self, flat: jax.Array, c: object, b: object) -> tuple[object, _Saved]:
         """``(output, saved)``: the layer's output and what :meth:`backward` needs."""
         import jax
 
@@ -269,7 +270,7 @@ class _UnitLayer:
         sources: list[int | None] = []
         meta: list[PyTreeDef] = []  # the residuals' structure, set while tracing
 
-        def fwd(flat: jax.Array, c: Any, b: Any) -> tuple[Any, list[jax.Array]]:
+        def fwd(flat: jax.Array, c: object, b: object) -> tuple[object, list[jax.Array]]:
             ls = self.leaves(flat)
             out, vjp = jax.vjp(lambda ls, c: self.f(self.treedef.unflatten(ls), c, b), ls, c)
             res, structure = jax.tree_util.tree_flatten(vjp)
@@ -278,8 +279,8 @@ class _UnitLayer:
             meta[:] = [structure]
             return out, [r for r, s in zip(res, sources, strict=True) if s is None]
 
-        def bwd(kept: list[jax.Array], flat: jax.Array, c: Any, b: Any,
-                ct: Any) -> tuple[jax.Array, Any]:
+        def bwd(kept: list[jax.Array], flat: jax.Array, c: object, b: object,
+                ct: object) -> tuple[jax.Array, object]:
             ins = jax.tree_util.tree_leaves((self.leaves(flat), c, b))
             rest = iter(kept)
             res = [next(rest) if s is None else ins[s] for s in sources]
@@ -288,8 +289,8 @@ class _UnitLayer:
 
         return SharedJit(fwd), SharedJit(bwd)
 
-    def backward(self, saved: _Saved, flat: jax.Array, c: Any, b: Any,
-                 ct: Any) -> tuple[jax.Array, Any]:
+    def backward(self, saved: _Saved, flat: jax.Array, c: object, b: object,
+                 ct: object) -> tuple[jax.Array, Any]:
         """``(d params, d carry)`` of the cotangent ``ct``, from the saved residuals
         and the layer's inputs (params gathered again); d params is one buffer
         laid out as ``flat``."""
@@ -305,7 +306,7 @@ class JaxLoss(LossProvider):
     thread ranks and later steps share its compiled programs."""
 
     @classmethod
-    def shared(cls, fn: Callable[..., Any], has_aux: bool = False) -> JaxLoss:
+    def shared(cls, fn: Callable[..., object], has_aux: bool = False) -> JaxLoss:
         """The one ``JaxLoss`` of ``fn`` (made on first use; a function that
         cannot be weakly referenced gets its own)."""
         with _SHARED_LOCK:
@@ -318,7 +319,7 @@ class JaxLoss(LossProvider):
             return by_aux[has_aux]
 
     @classmethod
-    def with_state(cls, fn: Callable[..., Any], has_aux: bool = False) -> JaxLoss:
+    def with_state(cls, fn: Callable[..., object], has_aux: bool = False) -> JaxLoss:
         """The one ``JaxLoss`` of a loss with a model state (see [Note: model
         state]): ``fn(params, batch, model_state)`` seen as a loss of
         ``(batch, model_state)`` whose aux is ``(new_model_state, aux)``."""
@@ -332,12 +333,12 @@ class JaxLoss(LossProvider):
                 by_kind[key] = cls(_threading_state(fn, has_aux), True)
             return by_kind[key]
 
-    def __init__(self, fn: Callable[..., Any], has_aux: bool = False) -> None:
+    def __init__(self, fn: Callable[..., object], has_aux: bool = False) -> None:
         import jax
 
         self.fn, self.has_aux = fn, has_aux
 
-        def scaled(p: Any, b: Any, s: jax.Array) -> Any:
+        def scaled(p: object, b: object, s: jax.Array) -> object:
             loss, aux = split_aux(fn(p, b), has_aux)
             check_scalar(loss)
             return (loss * s, aux) if has_aux else loss * s
@@ -352,7 +353,7 @@ class JaxLoss(LossProvider):
 
     counts_flops = "xla"
 
-    def program_flops(self, params: Any, batch: Any) -> float:
+    def program_flops(self, params: object, batch: object) -> float:
         """The FLOPs of the jitted value and gradient (see [Note: model FLOPs])."""
         import jax
 
@@ -360,7 +361,8 @@ class JaxLoss(LossProvider):
 
         return xla_flops(jax.jit(self._vg_fn), params, batch, 1.0)
 
-    def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> tuple[Any, Any]:
+    def value_and_grad(self, params: object, batch: object,
+                       loss_scale: float = 1.0) -> tuple[Any, Any]:
         try:  # no cost on the step's path unless it raises
             out, grads = self._vg(params, batch, loss_scale)
         except NameError as e:
@@ -386,12 +388,12 @@ def split_aux(out: Any, has_aux: bool) -> tuple[Any, Any]:
     return (out[0], out[1]) if has_aux else (out, None)
 
 
-_SHARED: weakref.WeakKeyDictionary[Callable[..., Any], dict[bool | tuple[str, bool], JaxLoss]] = \
-    weakref.WeakKeyDictionary()
+_SHARED: weakref.WeakKeyDictionary[
+    Callable[..., object], dict[bool | tuple[str, bool], JaxLoss]] = weakref.WeakKeyDictionary()
 _SHARED_LOCK = threading.Lock()
 
 
-def _threading_state(fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any]:
+def _threading_state(fn: Callable[..., object], has_aux: bool) -> Callable[..., object]:
     """[Note: model state]
     A model's non-trainable state (batch-norm statistics) lives in the train
     state (``step.init(params, model_state=...)``, ``state.model_state``).
@@ -414,7 +416,7 @@ def _threading_state(fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any
     in the loss] in ``shard/core/_data_rank.py``). It is checkpointed beside
     the params."""
 
-    def loss(params: Any, batch_and_state: Any) -> Any:
+    def loss(params: object, batch_and_state: Any) -> object:
         import jax
 
         batch, model_state = batch_and_state
@@ -437,7 +439,7 @@ def _threading_state(fn: Callable[..., Any], has_aux: bool) -> Callable[..., Any
     return loss
 
 
-def _checked(pair: tuple[Any, Any], has_aux: bool) -> object:
+def _checked(pair: tuple[object, object], has_aux: bool) -> object:
     check_scalar(pair[0])
     return pair if has_aux else pair[0]
 

@@ -336,7 +336,7 @@ def _name(path: tuple) -> str:
 def _jit_update(tx: optax.GradientTransformation) -> Callable[..., tuple]:
     import jax
 
-    def update(g: Any, state: Any, p: Any, factor: jax.Array) -> tuple:
+    def update(g: object, state: object, p: object, factor: jax.Array) -> tuple:
         tu = tree_util()
         g = tu.tree_map(lambda x: x.astype(np.float32) * factor, g)
         updates, state = tx.update(g, state, p)

@@ -85,13 +85,13 @@ def _flatten(init: Callable[..., object], update: Callable[..., object],
     return [Part(outer_name(update), init, update, path)]
 
 
-def _get(state: Any, path: tuple[int, ...]) -> Any:
+def _get(state: Any, path: tuple[int, ...]) -> object:
     for i in path:
         state = state[i]
     return state
 
 
-def _put(state: Any, path: tuple[int, ...], value: Any) -> Any:
+def _put(state: Any, path: tuple[int, ...], value: object) -> object:
     if not path:
         return value
     items = list(state)
@@ -129,8 +129,8 @@ class Segments:
         self.hyper = {i: {v: free_var(p.update, v) for v in PER_LEAF[p.name]}
                       for i, p in enumerate(parts) if p.name in PER_LEAF}
 
-    def __call__(self, grads: Any, state: Any, params: Any,
-                 reduce: Callable[[np.ndarray], np.ndarray]) -> tuple[list[np.ndarray], Any]:
+    def __call__(self, grads: object, state: object, params: object,
+                 reduce: Callable[[np.ndarray], np.ndarray]) -> tuple[list[np.ndarray], object]:
         tu = tree_util()
         states = [_get(state, p.path) for p in self.parts]
         u = grads
@@ -156,7 +156,7 @@ class Segments:
                           for x, n in zip(leaves, valid, strict=True)])
         return reduce(np.where(sharded, local, 0.0)) + np.where(sharded, 0.0, local)
 
-    def _per_leaf(self, i: int, u: Any, params: Any, reduce: Callable) -> Any:
+    def _per_leaf(self, i: int, u: object, params: object, reduce: Callable) -> object:
         tu = tree_util()
         name, h = self.parts[i].name, self.hyper[i]
         us = [np.array(x, np.float32) for x in tu.tree_leaves(u)]
@@ -188,7 +188,7 @@ def _safe(norm: float, floor: SupportsFloat) -> float:
 
 
 def _run_fn(parts: list[Part]) -> Callable:
-    def run(u: Any, states: list, params: Any) -> tuple[Any, list]:
+    def run(u: object, states: list, params: object) -> tuple[object, list]:
         new = []
         for part, s in zip(parts, states, strict=True):
             u, s = part.update(u, s, params)
@@ -241,8 +241,8 @@ def check_parts(tx: optax.GradientTransformation, parts: list[Part], layout: Lay
 
 
 class _Tx(NamedTuple):
-    init: Callable[..., Any]  # params -> state (an optax state: any pytree)
-    update: Callable[..., tuple[Any, Any]]  # (grads, state, params) -> (updates, state)
+    init: Callable[..., object]  # params -> state (an optax state: any pytree)
+    update: Callable[..., tuple[object, object]]  # (grads, state, params) -> (updates, state)
 
 
 def _factors_a_split_leaf(part: Part, layout: Layout) -> bool:
@@ -304,7 +304,7 @@ def probe(tx: _Tx, layout: Layout, what: str, fn: str,
 
 
 def _probe_step(tx: _Tx, td: PyTreeDef) -> Callable[..., tuple]:
-    def step(g: Any, state: Any, p: Any) -> tuple:
+    def step(g: object, state: object, p: object) -> tuple:
         tu = tree_util()
         updates, state = tx.update(g, state, p)
         return updates, state, tu.tree_map(lambda a, u: a + u.astype(a.dtype), p, updates)

@@ -137,7 +137,7 @@ class LossProvider:
     #: ``"torch"`` (torch's FlopCounterMode around its run), or None (not counted).
     counts_flops: str | None = None
 
-    def program_flops(self, params: Any, batch: Any) -> float:
+    def program_flops(self, params: object, batch: object) -> float:
         """The FLOPs of the loss's value and gradient at ``params`` (arrays or
         ``jax.ShapeDtypeStruct``) and ``batch``, from its compiled program."""
         raise NotImplementedError(f"{type(self).__name__} has no compiled program to count")
@@ -149,7 +149,7 @@ class LossProvider:
     #: ``(batch, repeats) -> seconds per layer``: measured by the loss itself.
     layer_times: Callable[..., list[float]] | None = None
 
-    def value_and_grad(self, params: Any, batch: Any, loss_scale: float = 1.0) -> Any:
+    def value_and_grad(self, params: Any, batch: object, loss_scale: float = 1.0) -> Any:
         """``(loss, grads)`` of ``loss_scale * loss`` at the whole ``params``."""
         raise NotImplementedError(f"{type(self).__name__} runs unit by unit (run_units); it "
                                   "has no gradients of whole params in one call")
@@ -189,7 +189,7 @@ class Provided(LossProvider):
     def __init__(self, obj: Any) -> None:
         self.obj = obj
 
-    def value_and_grad(self, params: Any, batch: Any, loss_scale: float | None = None) -> Any:
+    def value_and_grad(self, params: object, batch: object, loss_scale: float | None = None) -> Any:
         """The object's own, given ``loss_scale`` where the step gives one."""
         if loss_scale is None:
             return self.obj.value_and_grad(params, batch)

@@ -110,7 +110,7 @@ def _spec_of(path: str, spec: Any, fn: str) -> Spec:
     return spec
 
 
-def resolve_specs(params: Any, specs: Any = None, *, fn: str = "specs") -> Any:
+def resolve_specs(params: object, specs: object = None, *, fn: str = "specs") -> Any:
     """A spec for every leaf of ``params``, from a full tree, a prefix or one spec.
 
     Scalars and empty leaves are replicated whatever the spec says (there is

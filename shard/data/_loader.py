@@ -81,10 +81,11 @@ class DataLoader:
       [[4, 5, 6, 7], [12, 13, 14, 15]]
     """
 
-    def __init__(self, data: Any, batch_size: int, *, mesh: Mesh | None = None,
+    def __init__(self, data: object, batch_size: int, *, mesh: Mesh | None = None,
                  comm: Communicator | None = None, gradient_accumulation_steps: int = 1,
-                 shuffle: bool = True, seed: int = 0, collate: Callable[[list], Any] | None = None,
-                 prefetch: int = 2, progress: bool = False) -> None:
+                 shuffle: bool = True, seed: int = 0,
+                 collate: Callable[[list], object] | None = None, prefetch: int = 2,
+                 progress: bool = False) -> None:
         where = "DataLoader"
         if mesh is not None and comm is not None:
             raise TypeError(f"{where}: give the data ranks as mesh= or comm=, not both")
@@ -165,7 +166,7 @@ class DataLoader:
         parts = [self._fetch(idx) for idx in self.rows(position)]
         return parts[0] if self.micro == 1 else MicroBatches(parts)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[object]:
         """The batches from the current position to the end of its epoch; the
         position advances as each is handed out (the next ``iter`` goes on with
         the next epoch)."""
@@ -183,7 +184,7 @@ class DataLoader:
             if bar is not None:
                 bar.close()
 
-    def _made(self, start: int, end: int) -> Generator[tuple[int, Any], None, None]:
+    def _made(self, start: int, end: int) -> Generator[tuple[int, object], None, None]:
         """``(position, batch)`` from ``start`` to ``end``, made ``prefetch``
         ahead on a thread."""
         if not self.prefetch:
@@ -266,7 +267,7 @@ def _is_arrays(data: object) -> bool:
         hasattr(data, "shape") or isinstance(data, (dict, tuple, list)))
 
 
-def _fetcher(data: Any, collate: Any, where: str) -> Callable[[np.ndarray], Any]:
+def _fetcher(data: Any, collate: object, where: str) -> Callable[[np.ndarray], object]:
     """Rows ``idx`` of ``data`` as one batch."""
     if _is_arrays(data):
         if collate is not None:
@@ -285,7 +286,7 @@ def _fetcher(data: Any, collate: Any, where: str) -> Callable[[np.ndarray], Any]
                         f"{type(collate).__name__}")
     join = collate or _collate
 
-    def fetch(idx: np.ndarray) -> Any:
+    def fetch(idx: np.ndarray) -> object:
         many = getattr(data, "__getitems__", None)  # torch's batched fetch, where defined
         samples = many([int(i) for i in idx]) if many is not None else [data[int(i)]
                                                                           for i in idx]
@@ -294,7 +295,7 @@ def _fetcher(data: Any, collate: Any, where: str) -> Callable[[np.ndarray], Any]
     return fetch
 
 
-def _collate(samples: list) -> Any:
+def _collate(samples: list) -> object:
     """torch's ``default_collate`` for samples holding torch tensors; else each
     leaf stacked with numpy."""
     tu = tree_util()

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ops._types import tree_util
 
@@ -29,14 +29,14 @@ if TYPE_CHECKING:
 __all__ = ["FlopCount", "signature"]
 
 
-def signature(tree: Any) -> tuple:
+def signature(tree: object) -> tuple:
     """A batch's structure, shapes and dtypes: what its FLOPs depend on."""
     leaves, treedef = tree_util().tree_flatten(tree)
     return (str(treedef), tuple((tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
                                 for x in leaves))
 
 
-def xla_flops(jitted: jax.stages.Wrapped, *args: Any) -> float:
+def xla_flops(jitted: jax.stages.Wrapped, *args: object) -> float:
     """The FLOPs XLA's cost analysis gives for ``jitted`` at ``args`` (arrays or
     ``jax.ShapeDtypeStruct``), compiled for nothing but the count."""
     cost = jitted.lower(*args).cost_analysis()
@@ -53,7 +53,7 @@ class FlopCount:
         self.step = 0.0  # the FLOPs of the micro-batches counted since the last reset
 
     @contextlib.contextmanager
-    def micro_batch(self, how: str | None, loss: object, batch: Any,
+    def micro_batch(self, how: str | None, loss: object, batch: object,
                     program: Callable[[], float]) -> Iterator[None]:
         """Count one micro-batch of ``loss`` on ``batch``: ``how`` is ``"xla"``
         (``program()`` gives the count) or ``"torch"`` (counted around the run

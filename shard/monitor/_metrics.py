@@ -25,17 +25,17 @@ class StepMetrics(Mapping):
     """
 
     def __init__(self, known: dict[str, Any], pending: Array | None = None,
-                 finish: Callable[[np.ndarray], dict[str, Any]] | None = None,
+                 finish: Callable[[np.ndarray], dict[str, object]] | None = None,
                  to_host: Callable[[Array], np.ndarray] | None = None) -> None:
         self._known = dict(known)
-        self._pending: tuple[Array, Callable[[np.ndarray], dict[str, Any]],
+        self._pending: tuple[Array, Callable[[np.ndarray], dict[str, object]],
                              Callable[[Array], np.ndarray]] | None = None
         if pending is not None:
             if finish is None or to_host is None:
                 raise TypeError("StepMetrics: a pending device array needs finish= and to_host=")
             self._pending = (pending, finish, to_host)
 
-    def add(self, **values: Any) -> None:
+    def add(self, **values: object) -> None:
         """Values the host knows, added after the step (its times)."""
         self._known.update(values)
 

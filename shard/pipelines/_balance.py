@@ -14,7 +14,7 @@ __all__ = ["balance_by_time"]
 
 
 # loss: Any, a Layered or a loss with layer_times (mypy cannot tie which to the branch below)
-def balance_by_time(loss: Any, params: list[Any], batch: Any, stages: int, *,
+def balance_by_time(loss: Any, params: list[object], batch: object, stages: int, *,
                     repeats: int = 3) -> list[int]:
     """Layers per stage for ``pipeline(balance=...)``, from each layer's measured
     forward and backward time on ``batch`` (one process, the whole params; the
@@ -33,7 +33,8 @@ def balance_by_time(loss: Any, params: list[Any], batch: Any, stages: int, *,
     return _balanced([max(1, round(1e6 * t)) for t in times], stages)
 
 
-def _jax_layer_times(loss: Layered, params: list[Any], batch: Any, repeats: int) -> list[float]:
+def _jax_layer_times(loss: Layered, params: list[object], batch: object,
+                     repeats: int) -> list[float]:
     import time
 
     import jax
@@ -54,7 +55,7 @@ def _jax_layer_times(loss: Layered, params: list[Any], batch: Any, repeats: int)
     return times
 
 
-def _size(tree: Any) -> int:
+def _size(tree: object) -> int:
     import jax
 
     return sum(math.prod(x.shape) if hasattr(x, "shape") else int(np.size(x))

@@ -38,13 +38,13 @@ class JaxStage:
         # gathers a unit each time it computes (its memory bound)
         self.whole = [self._view(u) for u in range(n)] if units.stage < 3 else None
 
-    def _view(self, u: int) -> Any:
+    def _view(self, u: int) -> object:
         return self.subtrees[u].unflatten([jax_view(x) for x in self.units.get(u)])
 
-    def _tree(self, u: int) -> Any:
+    def _tree(self, u: int) -> object:
         return self.whole[u] if self.whole is not None else self._view(u)
 
-    def _run(self, carry: Any, batch: Any, upto: int) -> tuple[Any, list[Any]]:
+    def _run(self, carry: object, batch: object, upto: int) -> tuple[Any, list[Any]]:
         import jax
 
         saved = []
@@ -55,7 +55,7 @@ class JaxStage:
             self.forward_passes += 1
         return carry, saved
 
-    def forward(self, k: int, x: np.ndarray | None, batch: Any) -> jax.Array:
+    def forward(self, k: int, x: np.ndarray | None, batch: object) -> jax.Array:
         import jax.numpy as jnp
 
         out, saved = self._run(None if x is None else jnp.asarray(x), batch, len(self.fwd))

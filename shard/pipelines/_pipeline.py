@@ -188,7 +188,7 @@ class Pipeline(LossProvider):
         self.tensor_parallel = self.loss.tensor_parallel
 
     # -- layout ---------------------------------------------------------------
-    def layers_of(self, params: list[Any]) -> range:
+    def layers_of(self, params: list[object]) -> range:
         """The layers (indices) of this stage."""
         if len(params) != len(self.loss.layers):
             raise ValueError(f"pipeline: {len(self.loss.layers)} layers but {len(params)} "
@@ -197,7 +197,7 @@ class Pipeline(LossProvider):
         start = sum(counts[:self.stage])
         return range(start, start + counts[self.stage])
 
-    def params(self, params: list[Any]) -> dict[int, Any]:
+    def params(self, params: list[object]) -> dict[int, Any]:
         """This stage's part of the full params (a list with one entry per layer),
         keyed by layer index: checkpoints and ``shard.gather`` name the layers
         as the whole model does, so one stage's state is never mistaken for
@@ -261,7 +261,7 @@ class Pipeline(LossProvider):
         return self.data
 
     # -- the step -------------------------------------------------------------
-    def run_units(self, units: Units, reducer: GradSink, batch: Any, scale: float) -> float:
+    def run_units(self, units: Units, reducer: GradSink, batch: object, scale: float) -> float:
         """One step's schedule over every micro-batch (see the Note); returns this
         stage's share of the loss (the mean over micro-batches on the last stage,
         0 elsewhere)."""
@@ -293,7 +293,7 @@ class Pipeline(LossProvider):
         self.forward_passes += runner.forward_passes
         return sum(float(x) for x in losses) / m if last else 0.0
 
-    def loss_units(self, units: Units, batch: Any) -> float:
+    def loss_units(self, units: Units, batch: object) -> float:
         """Every micro-batch's forward through the stages, no gradients (for
         ``step.evaluate``); the mean loss on the last stage, 0 elsewhere."""
         m, first, last = self.microbatches, self.stage == 0, self.stage == self.stages - 1
@@ -422,7 +422,7 @@ def _order(schedule: str, p: int, s: int, m: int) -> list[tuple[str, int]]:
     return out + [("B", k) for k in range(m - warm, m)]
 
 
-def _split(batch: Any, m: int) -> tuple[list[Any], int]:
+def _split(batch: object, m: int) -> tuple[list[object], int]:
     """The batch cut into ``m`` micro-batches by rows, and their rows."""
     import jax
 

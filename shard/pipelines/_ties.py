@@ -64,7 +64,7 @@ def check_ties(tied: Any, layers: int) -> list[list[tuple[int, str]]]:
     return groups
 
 
-def resolve_ties(groups: list[list[tuple[int, str]]], params: list[Any],
+def resolve_ties(groups: list[list[tuple[int, str]]], params: list[object],
                  layers: range) -> list[Tie]:
     """Where each group's members sit in this stage's units, checking that the
     tied arrays exist, agree in shape and dtype, and start equal."""
@@ -113,7 +113,7 @@ class TiedReducer:
         self.ties, self.pipe = ties, pipe
         self.added: list[tuple[int, list[Any]]] = []
 
-    def add(self, u: int, grads: list[Any]) -> None:
+    def add(self, u: int, grads: list[object]) -> None:
         self.added.append((u, list(grads)))
 
     def flush(self, reducer: GradSink) -> None:

@@ -158,7 +158,7 @@ def learning_rate(config: StepConfig, count: int) -> float | None:
     return lr
 
 
-def cast_inputs(plan: Plan, batch: Any) -> Any:
+def cast_inputs(plan: Plan, batch: object) -> Any:
     """A JAX loss's batch with its floating arrays in the compute dtype (see
     ``Precision.cast_forward_inputs``; a torch module casts in its forward)."""
     p, c = plan.precision, plan.config
@@ -277,7 +277,7 @@ def refuse_keys(params: object, fn: str) -> None:
                             "params, rest = nnx.split(model, nnx.Param, ...))")
 
 
-def model_state(c: StepConfig, tree: Any) -> Any:
+def model_state(c: StepConfig, tree: object) -> Any:
     """``init``'s ``model_state``: for a JAX loss; arrays (numpy, as every rank
     holds its own copy), no PRNG keys, the same on every rank (a checksum is
     compared: a collective)."""

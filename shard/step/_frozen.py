@@ -61,7 +61,7 @@ the trainable ranges of each unit or chunk, reading the packed gradients
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
@@ -114,11 +114,11 @@ def frozen_leaves(trainable: object, names: frozenset[str] | None, params: objec
     return frozenset(out)
 
 
-def _broadcast(mask: object, params: object, fn: str) -> Any:
+def _broadcast(mask: object, params: object, fn: str) -> object:
     """``mask`` with each bool at a prefix node repeated over that subtree."""
     tu = tree_util()
 
-    def spread(path: tuple, m: object, sub: object) -> Any:
+    def spread(path: tuple, m: object, sub: object) -> object:
         if not isinstance(m, (bool, np.bool_)):
             raise TypeError(f"{fn}: trainable{tu.keystr(path)} must be True or False; got "
                             f"{type(m).__name__}")

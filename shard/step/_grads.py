@@ -138,7 +138,7 @@ def step_loss(plan: Plan, with_state: bool,
     return JaxLoss.with_state(fn, c.has_aux) if with_state else JaxLoss.shared(fn, c.has_aux)
 
 
-def keyed_batch(plan: Plan, batch: Any, step: int, micro_batch: int) -> Any:
+def keyed_batch(plan: Plan, batch: object, step: int, micro_batch: int) -> Any:
     """``(batch, key)`` with this data rank's key for ``micro_batch`` of step
     ``step`` where the step was given ``key=`` (see [Note: per-rank keys]);
     ``batch`` otherwise."""
@@ -199,7 +199,7 @@ def loss_and_grads(plan: Plan, units: Units, reducer: GradReducer, batch: object
     return loss
 
 
-def mean_aux(plan: Plan, auxes: list[Any]) -> Any:
+def mean_aux(plan: Plan, auxes: list[object]) -> Any:
     """The micro-batches' aux (``has_aux``), numeric leaves averaged over the
     micro-batches and the ranks (one host all-gather); other leaves are this
     rank's last."""
@@ -246,7 +246,7 @@ def _host(plan: Plan, x: Any) -> np.ndarray:  # Any: a number or any library's a
     return np.asarray(x, np.float64)
 
 
-def same_model_state(plan: Plan, old: Any, new: Any) -> Any:
+def same_model_state(plan: Plan, old: object, new: object) -> Any:
     """The loss's new model state, checked against the old one's structure,
     shapes and dtypes (a TypeError naming the leaf), as numpy arrays."""
     c = plan.config
@@ -266,7 +266,7 @@ def same_model_state(plan: Plan, old: Any, new: Any) -> Any:
     return tu.tree_unflatten(tree, out)
 
 
-def mean_model_state(plan: Plan, model_state: Any) -> Any:
+def mean_model_state(plan: Plan, model_state: object) -> Any:
     """Every rank's model state made the same (see [Note: model state]): its
     floating-point leaves averaged over the data ranks, its others rank 0's
     (one host all-gather each)."""

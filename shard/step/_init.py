@@ -229,7 +229,7 @@ def _has(x: object, field: str) -> bool:
     return field in getattr(type(x), "_fields", ())
 
 
-def with_optax_state(c: StepConfig, plan: Plan, state: TrainState, opt_state: Any) -> TrainState:
+def with_optax_state(c: StepConfig, plan: Plan, state: TrainState, opt_state: object) -> TrainState:
     """``init(params, opt_state=...)``: ``state`` continuing an optax optimizer's
     state for the whole params (``tx.init(params)``'s structure, after any
     number of updates): this rank's part of its moments, and its count as the

@@ -116,7 +116,7 @@ def reducer(plan: Plan, buffers: GradBuffers,
                        int(c.quantized_gradients), hierarchy=plan.secondary)
 
 
-def virtual_shards(plan: Plan, state: TrainState, micro: list[Any]) -> list[Any]:
+def virtual_shards(plan: Plan, state: TrainState, micro: list[object]) -> list[Any]:
     """Each micro-batch's virtual shards on this rank, in order (see [Note: the
     same bits at any world size]); a refusal for what would change the bits."""
     c = plan.config

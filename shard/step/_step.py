@@ -305,7 +305,7 @@ class ZeroStep:
             if self._offloader is not None:  # the overlapped offload's threads, if started
                 self._offloader.end_overlap()
 
-    def _run(self, plan: Plan, state: TrainState, micro: list[Any], lr: float | None,
+    def _run(self, plan: Plan, state: TrainState, micro: list[object], lr: float | None,
              weights: list[float] | None, rows: int) -> tuple[TrainState, StepMetrics]:
         """The step after its checks. Nothing of ``state`` changes until the
         gradients are reduced and their norm is known; an exception before that

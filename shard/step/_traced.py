@@ -301,7 +301,7 @@ class _Program:
     # -- running ---------------------------------------------------------------
 
     def _finish(self, loss: ArrayLike,
-                aux: list[ArrayLike]) -> ArrayLike | tuple[ArrayLike, Any]:
+                aux: list[ArrayLike]) -> ArrayLike | tuple[ArrayLike, object]:
         import jax
 
         if not self.has_aux:
@@ -309,7 +309,7 @@ class _Program:
         return loss, jax.tree_util.tree_unflatten(self.aux_tree, aux)
 
     def run(self, units: Units, reducer: GradReducer, batch: tuple[object, jax.Array],
-            scale: float) -> ArrayLike | tuple[ArrayLike, Any]:
+            scale: float) -> ArrayLike | tuple[ArrayLike, object]:
         import jax
         import jax.numpy as jnp
 
@@ -347,7 +347,7 @@ class _Program:
         return self._finish(loss, list(aux))
 
     def _without_params(self, units: Units, reducer: GradReducer,
-                        b: tuple[ArrayLike, ...]) -> ArrayLike | tuple[ArrayLike, Any]:
+                        b: tuple[ArrayLike, ...]) -> ArrayLike | tuple[ArrayLike, object]:
         outs = _evaluate([], self.constvars, self.consts, self.batch_vars, b, self._eqns,
                          self._outvars)
         for u in self.unused:
@@ -355,7 +355,7 @@ class _Program:
         return self._finish(outs[0], outs[1:])
 
     def forward_only(self, units: Units,
-                     batch: tuple[object, jax.Array]) -> ArrayLike | tuple[ArrayLike, Any]:
+                     batch: tuple[object, jax.Array]) -> ArrayLike | tuple[ArrayLike, object]:
         import jax
 
         b = tuple(jax.tree_util.tree_leaves(batch))

@@ -111,7 +111,7 @@ class TensorParallel:
       ((4, 4), 32.0)
     """
 
-    def __init__(self, mesh: Mesh | Communicator | int, specs: Any = None, *,
+    def __init__(self, mesh: Mesh | Communicator | int, specs: object = None, *,
                  axis: str = "model") -> None:
         if isinstance(mesh, (int, np.integer)) and not isinstance(mesh, bool):
             if mesh < 1:
@@ -141,14 +141,14 @@ class TensorParallel:
         return f"TensorParallel({self.axis}={self.size}; rank {self.rank})"
 
     # -- specs --------------------------------------------------------------------
-    def dims(self, params: Any, *, whole: bool = True) -> list[int | None]:
+    def dims(self, params: object, *, whole: bool = True) -> list[int | None]:
         """The split dimension of each leaf of ``params`` (its flattened order),
         or None for a whole leaf; a ValueError naming the leaf whose spec does
         not fit it, or (``whole``: the params are the whole leaves) whose split
         does not divide over the model ranks."""
         return [None if s is None else s.dim for s in self.splits(params, whole=whole)]
 
-    def splits(self, params: Any, *, whole: bool = True) -> list[Split | None]:
+    def splits(self, params: object, *, whole: bool = True) -> list[Split | None]:
         """:meth:`dims` with each split's packed blocks: a :class:`Split` per
         leaf, or None for a whole leaf."""
         tu = tree_util()
@@ -206,7 +206,7 @@ class TensorParallel:
                              "model ranks (pad it, as Megatron pads the vocabulary)")
         return Split(d, blocks)
 
-    def shard(self, params: Any) -> Any:
+    def shard(self, params: object) -> Any:
         """This model rank's slice of each leaf of the whole ``params`` (numpy,
         JAX or torch leaves: each keeps its type; a ``jax.ShapeDtypeStruct``
         becomes its slice's)."""
@@ -227,7 +227,7 @@ class TensorParallel:
                 out.append(take_split(leaf, split, self.rank, self.size))
         return tu.tree_unflatten(treedef, out)
 
-    def unshard(self, params: Any) -> Any:
+    def unshard(self, params: object) -> Any:
         """The whole leaves from every model rank's slices (a collective over
         the model ranks; host numpy arrays, device arrays copied to the host):
         :meth:`shard`'s inverse."""

@@ -85,7 +85,7 @@ class Autotuned:
 
 # comm: Any, a Communicator or None (the check below that one of mesh and comm is given
 # does not narrow it for mypy)
-def autotune(loss_fn: object, params: Any, data: Any, *, optimizer: object, batch_size: int,
+def autotune(loss_fn: object, params: object, data: object, *, optimizer: object, batch_size: int,
              budget: int, mesh: Mesh | None = None, comm: Any = None,
              stages: Sequence[int] = (1, 2, 3), micro_batches: Sequence[int] = (1, 2, 4),
              offload: Sequence[str | None] = (None, "host"), prefetch: Sequence[int] = (1, 2),
@@ -169,7 +169,7 @@ def autotune(loss_fn: object, params: Any, data: Any, *, optimizer: object, batc
     return result
 
 
-def _trial(loss_fn: object, params: Any, data: Any, optimizer: object, stage: int, k: int,
+def _trial(loss_fn: object, params: object, data: object, optimizer: object, stage: int, k: int,
            offload: Offload | None, prefetch: int, units: Units, batch_size: int,
            where: dict[str, Any], group: Communicator, steps: int, warmup: int,
            seed: int) -> tuple[float, int]:
@@ -193,7 +193,7 @@ def _trial(loss_fn: object, params: Any, data: Any, optimizer: object, stage: in
     return float(every[:, 0].max()), int(every[:, 1].max())
 
 
-def _largest(params: Any, units: Units) -> int:
+def _largest(params: object, units: Units) -> int:
     """The bytes of the largest unit gathered whole."""
     whole = make_layout(params, None, world_size=1, units=units)
     return max(sum(whole.leaves[i].size * np.dtype(whole.leaves[i].dtype).itemsize
@@ -205,6 +205,6 @@ def _name(units: Units) -> str:
     return "-" if units is None else str(getattr(units, "__name__", units))
 
 
-def _forever(loader: DataLoader) -> Iterator[Any]:
+def _forever(loader: DataLoader) -> Iterator[object]:
     while True:
         yield from loader

@@ -22,7 +22,7 @@ import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -75,8 +75,8 @@ class LRRangeTest:
         return ax
 
 
-def lr_range_test(make_step: Callable[[Callable[[int], float]], ZeroStep], params: Any,
-                  batches: Iterable[Any], *, min_lr: float = 1e-7, max_lr: float = 10.0,
+def lr_range_test(make_step: Callable[[Callable[[int], float]], ZeroStep], params: object,
+                  batches: Iterable[object], *, min_lr: float = 1e-7, max_lr: float = 10.0,
                   steps: int = 100, schedule: Callable[[int], float] | None = None,
                   diverge: float = 4.0, beta: float = 0.98) -> LRRangeTest:
     """Run the learning-rate range test (see [Note: the learning-rate range
@@ -164,7 +164,7 @@ def _suggest(lrs: list[float], smoothed: list[float]) -> float:
     return float(10 ** x[int(np.argmin(slope))])
 
 
-def _cycle(batches: Iterable[Any]) -> Iterator[Any]:
+def _cycle(batches: Iterable[object]) -> Iterator[object]:
     """The batches over and over (each pass a fresh ``iter``: a DataLoader's
     next epoch)."""
     for _ in itertools.count():
