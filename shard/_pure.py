@@ -205,7 +205,7 @@ class PureStep:
         return self._program("evaluate").run("evaluate", (state, batch, self._rank(), self.key),
                                              fn=loss_fn or self.loss_fn)
 
-    def __call__(self, state: PureState, batch: object) -> tuple[PureState, dict[str, object]]:
+    def __call__(self, state: PureState, batch: object) -> tuple[PureState, dict[str, Any]]:
         return self._program("step").run("step", (state, batch, self._rank(), self.key))
 
     step = __call__

@@ -166,7 +166,7 @@ class DataLoader:
         parts = [self._fetch(idx) for idx in self.rows(position)]
         return parts[0] if self.micro == 1 else MicroBatches(parts)
 
-    def __iter__(self) -> Iterator[object]:
+    def __iter__(self) -> Iterator[Any]:
         """The batches from the current position to the end of its epoch; the
         position advances as each is handed out (the next ``iter`` goes on with
         the next epoch)."""
