@@ -234,18 +234,24 @@ class _UnitLayer:
         return self.treedef.unflatten(self.leaves(flat))
 
     def flat_grad(self, grads: list[jax.Array], dtype: np.dtype) -> jax.Array:
-        """The leaves' gradients as one buffer laid out as the params'."""
+        """The leaves' gradients as one buffer laid out as the params'.
+
+        [Note: joining leaves in XLA]
+        Each leaf's gradient is written into a zero buffer at its offset
+        (``dynamic_update_slice``), not joined with ``jnp.concatenate``: XLA's
+        CPU backend was several times slower with the concatenate. The
+        segment of the MNIST CNN's linear layer (3136 x 256) took 11-13 ms a
+        backward call at 2 thread ranks with it and 2.7 ms without; the CNN's
+        ZeRO-3 step went from 44 to 31 ms (``python benchmarks/jax_models.py``).
+        The values are the same.
+        """
+        import jax
         import jax.numpy as jnp
 
-        parts, at = [], 0
-        for (o, n, _), g in sorted(zip(self.pieces, grads, strict=True), key=lambda p: p[0][0]):
-            if o > at:
-                parts.append(jnp.zeros(o - at, dtype))
-            parts.append(jnp.ravel(g).astype(dtype))
-            at = o + n
-        if at < self.size:
-            parts.append(jnp.zeros(self.size - at, dtype))
-        return jnp.concatenate(parts) if parts else jnp.zeros(0, dtype)
+        out = jnp.zeros(self.size, dtype)
+        for (o, _, _), g in zip(self.pieces, grads, strict=True):
+            out = jax.lax.dynamic_update_slice(out, jnp.ravel(g).astype(dtype), (o,))
+        return out
 
     def forward(self, flat: jax.Array, c: object, b: object) -> tuple[object, _Saved]:
         """``(output, saved)``: the layer's output and what :meth:`backward` needs."""
