@@ -253,3 +253,26 @@ def test_a_collective_is_complete_once_the_last_rank_has_issued_it():
         assert done
         assert gathered == np.repeat(np.arange(world, dtype=np.float32), 4).tolist()
         assert threads == []
+
+
+@pytest.mark.multiprocess
+def test_thread_ranks_share_the_kernels_openmp_threads():
+    """Each of W thread ranks runs its host kernels on 1/W of the OpenMP default
+    (at least one thread), and the rest of the process keeps the default (see
+    [Note: kernel threads of thread ranks]): read in a process whose default is 4."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    code = ("import json, numpy as np, ops\n"
+            "from ops.kernels._build import load_cpu\n"
+            "from ops.kernels._cpu import host_threads\n"
+            "def rank(comm):\n"
+            "    ops.cast(np.ones(100_000, np.float32), np.float16)\n"  # a host kernel's launch
+            "    return load_cpu('copy').omp_get_max_threads()\n"
+            "print(json.dumps([ops.spawn(rank, w) for w in (1, 2, 3, 8)] + [host_threads()]))\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "4"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert json.loads(out.splitlines()[-1]) == [[4], [2, 2], [1, 1, 1], [1] * 8, 4]

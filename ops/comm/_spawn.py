@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ops.comm._threads import DEFAULT_TIMEOUT, ThreadGroup
+from ops.kernels._cpu import share_cores
 
 __all__ = ["spawn"]
 
@@ -33,6 +34,7 @@ def spawn(fn: Callable[..., _T], world_size: int, *args: object,
     errors: dict[int, BaseException] = {}
 
     def run(rank: int) -> None:
+        share_cores(world_size)  # see [Note: kernel threads of thread ranks]
         try:
             results[rank] = fn(comms[rank], *args)
             comms[rank].close()
