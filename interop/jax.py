@@ -17,6 +17,7 @@ import numpy as np
 
 from interop._dlpack import to_jax
 from ops._types import tree_util
+from ops.device._dlpack import jax_view
 from shard import Replicate, Shard, TrainState, to_partition_spec
 from shard.core._specs import DP_AXIS, resolve_specs
 
@@ -103,6 +104,7 @@ def named_params(states: list[TrainState], mesh: Mesh, axis: str = DP_AXIS) -> A
       where ``run`` returns each rank's state, then ``jax.jit(loss)(named, batch)``.
     """
     import jax
+    import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec
 
     if not states or not all(isinstance(s, TrainState) for s in states):
@@ -122,7 +124,7 @@ def named_params(states: list[TrainState], mesh: Mesh, axis: str = DP_AXIS) -> A
     per_rank = [layout.treedef.flatten_up_to(p) for p in ranks]
     uneven, out = [], []
     for i, leaf in enumerate(layout.leaves):
-        parts = [np.asarray(p[i]) for p in per_rank]
+        parts = [_on_jax(p[i]) for p in per_rank]
         if leaf.sharded and leaf.rows % world == 0:
             sharding = NamedSharding(mesh, PartitionSpec(axis))
             out.append(jax.make_array_from_single_device_arrays(
@@ -131,7 +133,7 @@ def named_params(states: list[TrainState], mesh: Mesh, axis: str = DP_AXIS) -> A
             continue
         if leaf.sharded:  # the ranks' rows, padding dropped, whole on every device
             uneven.append(f"{leaf.path}{list(leaf.shape)}")
-            whole = np.concatenate(parts)[:leaf.rows].reshape(leaf.shape)
+            whole = jnp.concatenate(parts)[:leaf.rows].reshape(leaf.shape)
         else:
             whole = parts[0]
         out.append(jax.device_put(whole, NamedSharding(mesh, PartitionSpec())))
@@ -140,3 +142,8 @@ def named_params(states: list[TrainState], mesh: Mesh, axis: str = DP_AXIS) -> A
                     "replicated: %s", len(uneven), world, ", ".join(uneven[:8]))
     return layout.treedef.unflatten(out)
 
+
+def _on_jax(x: Any) -> Any:
+    """A rank's leaf for JAX: numpy as it is, a device array (CuPy) as a JAX
+    array over its memory (DLPack), never an implicit copy to the host."""
+    return x if isinstance(x, np.ndarray) else jax_view(x)

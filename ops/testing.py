@@ -346,11 +346,17 @@ def _concatenate(xs: Iterable[object], axis: int = 0) -> StandInArray:
     return StandInArray(np.concatenate([_unwrap(x, "concatenate") for x in xs], axis=axis))
 
 
+def _stack(xs: Iterable[object], axis: int = 0) -> StandInArray:
+    DEVICE_OPS.add("alloc")
+    DEVICE_OPS.add("copy")
+    return StandInArray(np.stack([_unwrap(x, "stack") for x in xs], axis=axis))
+
+
 xp = types.SimpleNamespace(
     __name__="ops.testing.xp", ndarray=StandInArray, float16=np.float16, float32=np.float32,
     float64=np.float64, int64=np.int64,
     empty=_empty, zeros=_zeros, asarray=_asarray, asnumpy=_asnumpy, from_dlpack=_from_dlpack,
-    copy=_copy, copyto=_copyto, concatenate=_concatenate,
+    copy=_copy, copyto=_copyto, concatenate=_concatenate, stack=_stack,
     empty_like=lambda x, dtype=None: _empty(x.shape, dtype or x.dtype),
     zeros_like=lambda x, dtype=None: _zeros(x.shape, dtype or x.dtype),
     **{name: _wrap_result(getattr(np, name)) for name in (

@@ -93,3 +93,24 @@ def test_a_budget_nothing_fits_is_refused_with_the_table():
                            batch_size=24, budget=0, comm=comm)
 
     ops.spawn(run, 1)
+
+
+def test_autotune_runs_over_an_nccl_communicator_on_device_state():
+    """On a GPU machine ``ops.init_from_env()`` gives an NCCL communicator: the
+    trials' times and bytes go between the ranks through the device (the NCCL
+    stand-in over the device stand-in here), as every other host value does."""
+    from ops.testing import STANDIN, to_device
+    from tests.nccl_standin import run_ranks
+
+    nccl = pytest.importorskip("cupy.cuda.nccl")
+
+    def run(comm):
+        return shard.autotune(M.loss, to_device(M.init_params(), STANDIN), DATA,
+                              optimizer=ops.adamw(M.LR), batch_size=24, budget=1 << 30,
+                              comm=comm, stages=(1, 3), micro_batches=(1,), offload=(None,),
+                              steps=1, warmup=0)
+
+    (first, second), _ = run_ranks(2, run, nccl)
+    assert first == second and first.stage in (1, 3)
+    assert [t["status"] for t in first.trials].count("chosen") == 1
+    assert all(t["ms"] > 0 and t["measured"] > 0 for t in first.trials)

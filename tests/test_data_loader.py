@@ -163,6 +163,27 @@ def test_samples_without_torch_tensors_are_stacked_and_a_collate_is_used_as_give
     assert joined == [0, 1, 2, 3]
 
 
+def test_samples_on_a_device_are_stacked_there():
+    """A dataset whose samples are CuPy arrays (the stand-in here) gives batches
+    stacked on the device, never copied to the host implicitly."""
+    from ops.testing import STANDIN, StandInArray
+
+    rows = STANDIN.asarray(np.arange(16, dtype=np.float32).reshape(8, 2))
+
+    class OnDevice:
+        def __len__(self):
+            return 8
+
+        def __getitem__(self, i):
+            return {"x": rows[i], "id": i}
+
+    batch = next(iter(shard.DataLoader(OnDevice(), 4, shuffle=False)))
+    assert isinstance(batch["x"], StandInArray) and batch["x"].shape == (4, 2)
+    np.testing.assert_array_equal(STANDIN.to_host(batch["x"]),
+                                  np.arange(8, dtype=np.float32).reshape(4, 2))
+    np.testing.assert_array_equal(batch["id"], [0, 1, 2, 3])
+
+
 def test_a_hugging_face_dataset_gives_its_columns_as_arrays_or_in_its_format():
     datasets = pytest.importorskip("datasets")
     table = datasets.Dataset.from_dict({"x": np.arange(40.0).reshape(20, 2).tolist(),

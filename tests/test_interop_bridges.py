@@ -116,8 +116,13 @@ def test_a_named_sharding_pytree_goes_into_a_state_shard_by_shard(world, monkeyp
     assert whole == [(3, 8)] * (2 * world)  # "cols" alone, once per rank and init
 
 
-def test_named_params_are_built_shard_by_shard_from_the_ranks_states(caplog):
+@pytest.mark.parametrize("on", ["host", "device"])
+def test_named_params_are_built_shard_by_shard_from_the_ranks_states(caplog, on):
+    from ops.testing import STANDIN, to_device
+
     mesh = ij.mesh(4, backend="cpu")
+    place = (lambda t: to_device(t, STANDIN)) if on == "device" else (lambda t: t)
+    host = STANDIN.to_host if on == "device" else np.asarray
     params = {"wide": np.arange(8 * 3, dtype=np.float32).reshape(8, 3),
               "odd": np.arange(5 * 2, dtype=np.float32).reshape(5, 2),
               "scale": np.float32(2.0)}
@@ -127,19 +132,19 @@ def test_named_params_are_built_shard_by_shard_from_the_ranks_states(caplog):
 
     def run(comm):
         step = shard.zero3(loss, optimizer=ops.adamw(1e-3), comm=comm)
-        return step.init(params), shard.gather(step.init(params), comm)
+        return step.init(place(params)), shard.gather(step.init(place(params)), comm)
 
     out = ops.spawn(run, 4)
     states = [s for s, _ in out]
     with caplog.at_level("WARNING", logger="interop.jax"):
-        named = ij.named_params(states, mesh)
+        named = ij.named_params(states, mesh)  # a device state's shards through DLPack
     assert "['odd'][5, 2]" in caplog.text and "wide" not in caplog.text
     assert named["wide"].sharding.spec == jax.sharding.PartitionSpec("dp")
     for piece in named["wide"].addressable_shards:  # device r holds rank r's rows
         r = list(mesh.devices.flat).index(piece.device)
-        np.testing.assert_array_equal(np.asarray(piece.data), states[r].params["wide"])
+        np.testing.assert_array_equal(np.asarray(piece.data), host(states[r].params["wide"]))
     for k in params:
-        np.testing.assert_array_equal(np.asarray(named[k]), np.asarray(out[0][1][k]))
+        np.testing.assert_array_equal(np.asarray(named[k]), host(out[0][1][k]))
     b = {"x": np.ones((5, 2), np.float32)}
     np.testing.assert_allclose(float(jax.jit(loss)(named, b)), float(loss(params, b)))
     with pytest.raises(ValueError, match="give every rank's state"):

@@ -31,6 +31,7 @@ import numpy as np
 
 from ops import Communicator
 from ops._types import tree_util
+from ops.device._device import device_of_or_none
 from shard.core._gather import MicroBatches
 from shard.core._mesh import Mesh
 
@@ -297,11 +298,19 @@ def _fetcher(data: Any, collate: object, where: str) -> Callable[[np.ndarray], o
 
 def _collate(samples: list) -> object:
     """torch's ``default_collate`` for samples holding torch tensors; else each
-    leaf stacked with numpy."""
+    leaf stacked on its own device (numpy for host values, CuPy's ``stack``
+    for CuPy arrays: no implicit copy to the host)."""
     tu = tree_util()
     leaves = tu.tree_leaves(samples[0])
     if any(type(x).__module__.startswith("torch") for x in leaves):
         from torch.utils.data import default_collate
 
         return default_collate(samples)
-    return tu.tree_map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *samples)
+    return tu.tree_map(_stack, *samples)
+
+
+def _stack(*xs: object) -> object:
+    device = device_of_or_none(xs[0])
+    if device is not None and not device.host:
+        return device.xp.stack(xs)
+    return np.stack([np.asarray(x) for x in xs])
