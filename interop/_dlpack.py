@@ -84,6 +84,10 @@ def to_numpy(x: Any, *, copy: bool = False) -> np.ndarray:
             raise ValueError("to_numpy: the tensor is not contiguous; pass copy=True")
         return HOST.from_torch(x)
     if kind == "jax":
+        platforms = {d.platform for d in x.devices()}
+        if platforms != {"cpu"}:  # np.asarray would copy it to the host without a word
+            raise ValueError(f"to_numpy: the jax array is on {', '.join(sorted(platforms))}; "
+                             "use to_cupy for GPU memory, or jax.device_get to copy it")
         return np.asarray(x)  # zero-copy on the CPU; read-only, as jax arrays are immutable
     raise TypeError("to_numpy: a cupy array lives on the GPU; use cupy.asnumpy to copy it")
 

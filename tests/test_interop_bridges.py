@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,6 +46,15 @@ def test_bridges_refuse_what_cannot_be_shared():
         interop.to_numpy([1, 2])
     with pytest.raises(ValueError, match="not contiguous"):
         interop.to_numpy(torch.ones(4, 4).T)
+
+    class OnGpu:  # what to_numpy reads of a jax array on a GPU
+        __module__ = "jaxlib.xla_extension"
+
+        def devices(self):
+            return [types.SimpleNamespace(platform="gpu")]
+
+    with pytest.raises(ValueError, match="the jax array is on gpu; use to_cupy"):
+        interop.to_numpy(OnGpu())  # as the torch branch refuses a CUDA tensor: no silent copy
     with pytest.raises(TypeError, match="narrow int64 to 32 bits"):
         interop.to_jax(np.ones(4, np.int64))
     assert interop.to_jax(np.ones(4, np.int64), copy=True).dtype == jnp.int32
