@@ -13,9 +13,9 @@ their programs too. Each rank thread therefore takes ``1/W`` of the default
 keeps the team size per calling thread, so the ranks' settings are their own
 and the rest of the process keeps its default. Processes launched one a rank
 (``torchrun``) get ``OMP_NUM_THREADS=1`` from the launcher already. Measured
-with the BERT of ``benchmarks/jax_models.py`` at 2 thread ranks on 2 cores:
-a unit's copy-out ran at 2.5 GB/s with two-thread teams and at 4.6-6.2 GB/s
-with one thread a rank.
+with the encoder of ``benchmarks/jax_models.py`` at 2 thread ranks on 2
+cores: a unit's copy-out ran at 1.7-2.5 GB/s with two-thread teams and at
+3.9-6.2 GB/s with one thread a rank.
 """
 
 from __future__ import annotations
