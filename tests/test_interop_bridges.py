@@ -60,6 +60,23 @@ def test_bridges_refuse_what_cannot_be_shared():
     assert interop.to_jax(np.ones(4, np.int64), copy=True).dtype == jnp.int32
 
 
+def test_local_params_of_a_device_state_are_jax_arrays_over_its_shards():
+    """On CuPy state (the stand-in here) local_params hands JAX each shard
+    through DLPack, as on the host: no implicit copy to the host."""
+    from ops.testing import STANDIN, to_device
+
+    def run(comm):
+        step = shard.zero3(M.loss, optimizer=ops.adamw(M.LR), comm=comm)
+        state = step.init(to_device(M.init_params(), STANDIN))
+        local = ij.local_params(state)
+        for got, mine in zip(jax.tree.leaves(local), jax.tree.leaves(state.params), strict=True):
+            assert isinstance(got, jax.Array)
+            np.testing.assert_array_equal(np.asarray(got), STANDIN.to_host(mine))
+        return len(jax.tree.leaves(local))
+
+    assert ops.spawn(run, 2) == [len(jax.tree.leaves(M.init_params()))] * 2
+
+
 def test_a_gathered_state_runs_in_jit_on_a_mesh():
     mesh = ij.mesh(4, backend="cpu")
     specs = [{"w": shard.Shard(0), "b": shard.Shard(0)},
