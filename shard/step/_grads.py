@@ -14,7 +14,6 @@ import numpy as np
 import ops
 import ops._types
 from ops.comm._collectives import all_gather_host
-from ops.device._device import device_of_or_none
 from ops.device._dlpack import host_copy, jax_view
 from shard.core._data_rank import derived_key, keyed
 from shard.core._loss import JaxLoss
@@ -211,7 +210,7 @@ def mean_aux(plan: Plan, auxes: list[object]) -> Any:
         raise ValueError(f"{c.name}: the micro-batches' aux differ in structure: "
                          f"{[str(t) for _, t in flat]}")
     numeric = [i for i, x in enumerate(flat[-1][0]) if _number_like(x)]
-    values = [np.mean([_host(plan, leaves[i]) for leaves, _ in flat], axis=0) for i in numeric]
+    values = [np.mean([_host(leaves[i]) for leaves, _ in flat], axis=0) for i in numeric]
     shapes = [v.shape for v in values]
     if values:
         vec = np.concatenate([v.reshape(-1) for v in values]).astype(np.float64)
@@ -237,13 +236,9 @@ def _number_like(x: object) -> bool:
     return any(k in name for k in ("float", "int", "bool"))
 
 
-def _host(plan: Plan, x: Any) -> np.ndarray:  # Any: a number or any library's array
+def _host(x: Any) -> np.ndarray:  # Any: a number or any library's array
     """An aux value on the host, as float64 (an explicit copy from a device)."""
-    if hasattr(x, "detach"):  # torch
-        x = x.detach().cpu().float().numpy()
-    elif (device := device_of_or_none(x)) is not None and not device.host:
-        x = device.to_host(x)
-    return np.asarray(x, np.float64)
+    return np.asarray(host_copy(x.detach() if hasattr(x, "detach") else x), np.float64)
 
 
 def same_model_state(plan: Plan, old: object, new: object) -> Any:
