@@ -334,6 +334,12 @@ def test_collectives_on_device_arrays(device, world):
 def test_jnp_results_are_viewed_not_copied_on_the_host():
     x = jnp.arange(4.0, dtype=jnp.float32)
     assert HOST.asarray(x).ctypes.data == x.unsafe_buffer_pointer()
+    for dtype in (jnp.float32, jnp.bfloat16):  # a unit's gradient out of its segment
+        g = jnp.arange(1000, dtype=dtype) / 8
+        view = HOST.from_jax(g)
+        assert view.ctypes.data == g.unsafe_buffer_pointer()
+        assert view.dtype == (ops.BF16 if dtype == jnp.bfloat16 else np.float32)
+        np.testing.assert_array_equal(view.astype(np.float32), np.asarray(g.astype(jnp.float32)))
 
 
 @pytest.mark.parametrize("stage", [1, 3])

@@ -184,10 +184,10 @@ class Device:
 
         from ops.device._arrays import BF16
 
-        if x.dtype == jnp.bfloat16:
-            return self.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.int16)).view(BF16)
         if self.host:
-            return np.asarray(x)  # zero-copy on the CPU (read-only)
+            return np.asarray(x)  # zero-copy on the CPU (read-only), bfloat16 included
+        if x.dtype == jnp.bfloat16:  # DLPack's bfloat16, through a bit cast (a copy)
+            return self.from_dlpack(jax.lax.bitcast_convert_type(x, jnp.int16)).view(BF16)
         return self.from_dlpack(x)
 
 
