@@ -15,7 +15,7 @@ and the rest of the process keeps its default. Processes launched one a rank
 (``torchrun``) get ``OMP_NUM_THREADS=1`` from the launcher already. Measured
 with the encoder of ``benchmarks/jax_models.py`` at 2 thread ranks on 2
 cores: a unit's copy-out ran at 1.7-2.5 GB/s with two-thread teams and at
-3.9-6.2 GB/s with one thread a rank.
+3.7-6.2 GB/s with one thread a rank.
 """
 
 from __future__ import annotations
