@@ -18,7 +18,8 @@ interleaved pass by pass; the table gives medians:
             over a "data" axis), the batch on its rows: what a JAX user has
   zero3x2   shard.zero3 on the same loss and 2 thread ranks, ops.adamw, each
             rank half the batch (the loss traced once and cut into one segment
-            per unit: see [Note: traced units] in shard/step/_traced.py)
+            per unit: see [Note: traced units] in shard/step/_traced.py), units
+            under 100,000 params joined to their neighbours (min_num_params)
   pure3x2   shard.pure_zero3 on the same loss and 2 thread ranks, one
             optax.adamw for both, each step one call of the step (the ranks'
             one compiled program; its collectives are ordered host callbacks:
@@ -49,6 +50,7 @@ ROOT = Path(__file__).resolve().parent.parent
 MODELS = ("cnn", "bert", "gpt")
 MODES = ("jax_fsdp", "zero3x2", "pure3x2")
 LR, WD = 1e-3, 0.01
+MIN_NUM_PARAMS = 100_000  # DeepSpeed's stage3_param_persistence_threshold
 
 
 def cnn() -> tuple[Any, Any, Any, Any]:
@@ -190,7 +192,8 @@ def run_zero3(model: str, steps: int) -> dict[str, Any]:
 
     def run(comm: Any) -> dict[str, Any]:
         step = shard.zero3(loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
-                           options=shard.ZeroOptions(units=units))
+                           options=shard.ZeroOptions(units=units,
+                                                     min_num_params=MIN_NUM_PARAMS))
         state = step.init(params)
         times = []
         for i in range(steps + 1):

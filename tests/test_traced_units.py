@@ -30,12 +30,14 @@ def optax_reference(params, loss, batches, has_aux=False):
     return params, losses
 
 
-def train(loss, params, batches, world, *, has_aux=False, units=None, check=None):
+def train(loss, params, batches, world, *, has_aux=False, units=None, check=None,
+          min_num_params=0):
     """Each rank's shards, metrics and peak of full params after the batches."""
 
     def run(comm):
         step = shard.zero3(loss, optimizer=ops.adamw(LR, weight_decay=WD), comm=comm,
-                           has_aux=has_aux, options=shard.ZeroOptions(units=units))
+                           has_aux=has_aux, options=shard.ZeroOptions(
+                               units=units, min_num_params=min_num_params))
         state, metrics = run_steps(step, params, batches, comm)
         out = check(step, state, comm) if check else None
         return state, metrics, step.tracker, out
@@ -117,6 +119,47 @@ def test_segments_follow_first_use_and_carry_what_later_ones_read():
     order = [[jax.tree_util.keystr(names[i]) for i in leaves] for leaves in seen["order"]]
     assert order == [["['embed']['w']"], ["['block']['b']", "['block']['w']"], ["['mix']['w']"]]
     assert seen["unused"] == [3] and seen["same"]
+
+
+# in the leaves' order, block 110, embed 70, mix 100 and unused 5 elements: at
+# 100 block stands alone, embed joins mix and unused (a short tail) joins them
+# (the tied embedding's unit carried to its second use); 1000 makes one unit
+@pytest.mark.parametrize("min_num_params,names", [
+    (100, ["['block']", "['embed'] + ['mix'] + ['unused']"]),
+    (1000, ["['block'] + ['embed'] + ['mix'] + ['unused']"])])
+def test_small_units_join_until_each_holds_min_num_params(min_num_params, names):
+    params, batches = plain_params(), plain_batches()
+    want, losses = optax_reference(params, plain_loss, batches, has_aux=True)
+    got = train(plain_loss, params, batches, 3, has_aux=True, min_num_params=min_num_params,
+                check=lambda step, state, comm: [u.name for u in step.plan.full_layout.units])
+    assert_shards_equal([s for s, *_ in got], want, 3)
+    for _, metrics, tracker, found in got:
+        assert found == names
+        np.testing.assert_allclose([m["loss"] for m in metrics], losses, rtol=1e-5)
+        assert tracker.live == 0
+        split = metrics[-1]["time_ms"]
+        if len(names) == 1:  # one segment: its value and gradient in one compiled call
+            assert split["compute"] > 0 and split["forward"] == split["backward"] == 0, split
+        else:
+            assert split["forward"] > 0 and split["backward"] > 0, split
+
+
+def test_min_num_params_keeps_dtypes_apart_and_is_checked():
+    from shard.core._layout import make_layout
+
+    params = {"a": np.zeros(3, np.float32), "b": np.zeros(4, jnp.bfloat16),
+              "c": np.zeros(5, jnp.bfloat16), "d": np.zeros(100, np.float32)}
+    layout = make_layout(params, world_size=2, min_num_params=50)
+    assert [u.name for u in layout.units] == ["['a']", "['b'] + ['c']", "['d']"]
+    assert [layout.leaves[i].unit for i in range(4)] == [0, 1, 1, 2]
+    comm = ops.spawn(lambda c: c, 1)[0]
+    with pytest.raises(ValueError, match="min_num_params must be an int >= 0"):
+        shard.zero3(plain_loss, optimizer=ops.adamw(LR), comm=comm,
+                    options=shard.ZeroOptions(min_num_params=-1))
+    layered = shard.Layered([lambda p, x, b: x, lambda p, x, b: jnp.sum(x)])
+    with pytest.raises(NotImplementedError, match="min_num_params joins the units of a JAX"):
+        shard.zero3(layered, optimizer=ops.adamw(LR), comm=comm,
+                    options=shard.ZeroOptions(min_num_params=10))
 
 
 def test_the_loss_is_traced_once_for_all_thread_ranks_and_steps():

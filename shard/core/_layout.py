@@ -244,9 +244,41 @@ def _unit_keys(paths: list[tuple], units: Units) -> list[Hashable]:
                     f"{type(units).__name__}")
 
 
+def _merge_small(order: list[Hashable], unit_of: list[int], sizes: list[int],
+                 dtypes: list[str], min_num_params: int) -> tuple[list[str], list[int]]:
+    """Consecutive units of one dtype joined until each holds ``min_num_params``
+    elements, a short tail joining the group before it (FSDP's size-based
+    wrapping): the groups' names and each leaf's group."""
+    per_unit = [0] * len(order)
+    kinds: list[set[str]] = [set() for _ in order]
+    for i, u in enumerate(unit_of):
+        per_unit[u] += sizes[i]
+        kinds[u].add(dtypes[i])
+    groups: list[list[int]] = []
+    for u in range(len(order)):
+        last = groups[-1] if groups else None
+        if last is not None and kinds[last[0]] == kinds[u] and \
+                sum(per_unit[v] for v in last) < min_num_params:
+            last.append(u)
+        else:
+            groups.append([u])
+    if len(groups) > 1 and sum(per_unit[v] for v in groups[-1]) < min_num_params and \
+            kinds[groups[-2][0]] == kinds[groups[-1][0]]:
+        tail = groups.pop()
+        groups[-1] += tail
+    merged = [0] * len(order)
+    for g, members in enumerate(groups):
+        for u in members:
+            merged[u] = g
+    return ([" + ".join(str(order[u]) for u in members) for members in groups],
+            [merged[u] for u in unit_of])
+
+
 def make_layout(params: object, specs: object = None, *, world_size: int, units: Units = None,
-                fn: str = "layout") -> Layout:
-    """The layout of ``params`` (arrays or ``jax.ShapeDtypeStruct``-like) on W ranks."""
+                min_num_params: int = 0, fn: str = "layout") -> Layout:
+    """The layout of ``params`` (arrays or ``jax.ShapeDtypeStruct``-like) on W
+    ranks; with ``min_num_params``, consecutive units of fewer elements are
+    joined (see :func:`_merge_small`)."""
     tu = tree_util()
     if world_size < 1:
         raise ValueError(f"{fn}: world_size must be >= 1; got {world_size}")
@@ -256,10 +288,17 @@ def make_layout(params: object, specs: object = None, *, world_size: int, units:
     paths = [p for p, _ in with_paths]
     keys = _unit_keys(paths, units)
     order = list(dict.fromkeys(keys))
-    unit_of = [order.index(k) for k in keys]
+    index = {k: u for u, k in enumerate(order)}
+    unit_of = [index[k] for k in keys]
+    names = [str(k) for k in order]
+    if min_num_params > 0 and len(order) > 1:
+        sizes = [math.prod(int(d) for d in getattr(x, "shape", ())) for _, x in with_paths]
+        names, unit_of = _merge_small(order, unit_of, sizes,
+                                      [str(np.dtype(x.dtype)) for _, x in with_paths],
+                                      min_num_params)
     leaves: list[LeafLayout | None] = [None] * len(paths)
     unit_layouts = []
-    for u, key in enumerate(order):
+    for u, name in enumerate(names):
         members = [i for i, uu in enumerate(unit_of) if uu == u]
         offset, sharded_members = 0, [i for i in members if isinstance(spec_leaves[i], Shard)]
         for section in (sharded_members, [i for i in members if i not in sharded_members]):
@@ -274,7 +313,7 @@ def make_layout(params: object, specs: object = None, *, world_size: int, units:
                 offset += leaf.local_size
             if section is sharded_members:
                 sharded_size = offset
-        unit_layouts.append(UnitLayout(str(key), tuple(members), sharded_size,
+        unit_layouts.append(UnitLayout(name, tuple(members), sharded_size,
                                        offset - sharded_size))
     placed = cast(list[LeafLayout], leaves)  # every leaf is in one unit's sections
     return Layout(treedef, tuple(placed), tuple(unit_layouts), world_size)

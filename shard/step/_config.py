@@ -63,6 +63,13 @@ class ZeroOptions:
         micro-batches and the ranks (a small host collective each step).
       units: how leaves group into units: None (top-level subtrees), a depth, or
         a function from a leaf's key path to its unit key.
+      min_num_params: join consecutive units (of one dtype) until each holds at
+        least this many elements, a short last one joining the one before it
+        (FSDP's ``size_based_auto_wrap_policy``; DeepSpeed leaves params under
+        ``stage3_param_persistence_threshold``, 100000, ungathered for the same
+        reason): a small unit costs a collective round, and with a JAX loss
+        function a segment, for little memory. Default 0: units as given.
+        A JAX loss function's option (a torch module's units are its modules).
       prefetch: how many units ahead to all-gather at stage 3.
       reshard_after_forward: stage 3 (FSDP2's argument; DeepSpeed's ZeRO++ hpZ,
         ``zero_hpz_partition_size``): True (default) frees each unit's gathered
@@ -149,6 +156,7 @@ class ZeroOptions:
     clip_norm: float | None = None
     has_aux: bool = False
     units: Any = None
+    min_num_params: int = 0
     prefetch: int = 1
     reshard_after_forward: bool | int = True
     loss_scale: LossScale | None = None
@@ -299,6 +307,15 @@ class StepConfig(ZeroOptions):
             raise ValueError(f"{name}: clip_norm must be > 0; got {o.clip_norm!r}")
         if o.prefetch < 0:
             raise ValueError(f"{name}: prefetch must be >= 0; got {o.prefetch}")
+        if isinstance(o.min_num_params, bool) or not isinstance(o.min_num_params, int) or \
+                o.min_num_params < 0:
+            raise ValueError(f"{name}: min_num_params must be an int >= 0 (elements); got "
+                             f"{o.min_num_params!r}")
+        if o.min_num_params and kind != "jax":
+            raise NotImplementedError(f"{name}: min_num_params joins the units of a JAX loss "
+                                      "function's params; this "
+                                      f"{type(loss_fn).__name__} keeps one unit per layer or "
+                                      "module (give units= instead)")
         check_offload(name, stage, o.offload, o.clip_norm)
         if topology.replicate is not None:  # see [Note: replicas]
             if stage == 0:

@@ -221,7 +221,7 @@ def make_plan(config: StepConfig, params: object, *, device: Device | None = Non
     loss_fn.claim(config.comm)  # a loss object that serves one rank binds to it
     found, _ = native_leaves(ops._types.tree_leaves(params), fn)
     layout = make_layout(params, config.specs, world_size=1 if config.stage == 0 else w,
-                         units=config.units, fn=fn)
+                         units=config.units, min_num_params=config.min_num_params, fn=fn)
     if not layout.leaves:
         raise ValueError(f"{fn}: the params tree has no leaves: nothing to train")
     for leaf in layout.leaves:
@@ -254,7 +254,8 @@ def make_plan(config: StepConfig, params: object, *, device: Device | None = Non
         agree_on_layout(tp.comm, layout, fn)
         model_whole = frozenset(i for i, d in enumerate(tp.dims(params, whole=False))
                                 if d is None)
-    full_layout = make_layout(params, config.specs, world_size=1, units=config.units)
+    full_layout = make_layout(params, config.specs, world_size=1, units=config.units,
+                              min_num_params=config.min_num_params)
     if config.stage == 3 and w > 1 and config.comm.rank == 0:
         _warn_if_one_unit_dominates(config.name, full_layout)
     where = found or device or HOST

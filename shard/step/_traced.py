@@ -24,7 +24,11 @@ rank holds its shards plus about two units, whatever the model library (a
 flax, equinox or plain-dict model as its authors wrote it).
 
 What this costs and where it does not reach: each segment is two compiled
-calls (forward and backward), like ``Layered``; a unit's params read again
+calls (forward and backward), like ``Layered``, except a program of one
+segment, which is one call of its value and gradient (nothing to hand on, so
+no residuals leave the compiled program: the MNIST CNN of
+``benchmarks/jax_models.py`` as one unit took 9.4 against 11.4 ms for half
+its batch); a unit's params read again
 later are carried (kept alive) until their last use; an equation that reads
 several units at once (a ``lax.scan`` over stacked layers, a
 ``jax.checkpoint`` or custom-derivative call taking the params of several
@@ -317,6 +321,17 @@ class _Program:
         n = len(self.layers)
         if n == 0:
             return self._without_params(units, reducer, b)
+        ct: tuple[jax.Array, ...] = (jnp.asarray(scale, dtype=self._outvars[0].aval.dtype),)
+        if n == 1:  # the value and the gradient in one call
+            u = self.order[0]
+            flat = jax_view(units.flat(u, ()))
+            with timed("compute"):
+                (loss,), aux, grad = jax.block_until_ready(self.layers[0].whole(flat, b, ct))
+            del flat
+            reducer.add(u, units.leaf_views(u, units.device.from_jax(grad)))
+            for u in self.unused:
+                reducer.add(u, [None] * len(self.layout.units[u].leaves))
+            return self._finish(loss, list(aux))
         carries: list[tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...]]] = [((), ())]
         saved: list[Any] = [None] * n  # Any: each _Saved, None before its forward and after
         order = self.order
@@ -330,7 +345,6 @@ class _Program:
             if k < n - 1:
                 del flat
         (loss,), aux = carries.pop()
-        ct: tuple[jax.Array, ...] = (jnp.asarray(scale, dtype=jnp.result_type(loss)),)
         for k in reversed(range(n)):
             u = order[k]
             if k < n - 1:
@@ -426,6 +440,15 @@ class _Segment(_UnitLayer):
         super().__init__(f, jax.tree_util.tree_structure(list(range(len(pieces)))), pieces,
                          unit.local_size)
         self._kept: tuple[SharedJit, SharedJit] | None = None
+
+        def whole(flat: jax.Array, b: tuple[ArrayLike, ...], ct: tuple[jax.Array, ...]
+                  ) -> tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...], jax.Array]:
+            out_d, vjp, out_nd = jax.vjp(lambda ls: f(ls, ((), ()), b), self.leaves(flat),
+                                         has_aux=True)
+            (g,) = vjp(ct)
+            return out_d, out_nd, self.flat_grad(g, flat.dtype)
+
+        self.whole = SharedJit(whole)  # a program of this one segment
 
     def forward(  # type: ignore[override]  # a segment's carry comes in two parts
             self, flat: jax.Array, cd: tuple[ArrayLike, ...], cnd: tuple[ArrayLike, ...],
