@@ -26,7 +26,8 @@ flax, equinox or plain-dict model as its authors wrote it).
 What this costs and where it does not reach: each segment is two compiled
 calls (forward and backward), like ``Layered``, except a program of one
 segment, which is one call of its value and gradient (nothing to hand on, so
-no residuals leave the compiled program: the MNIST CNN of
+no residuals leave the compiled program, and the leaves' gradients go to the
+reduction as they are, not joined first: the MNIST CNN of
 ``benchmarks/jax_models.py`` as one unit took 9.4 against 11.4 ms for half
 its batch); a unit's params read again
 later are carried (kept alive) until their last use; an equation that reads
@@ -326,9 +327,9 @@ class _Program:
             u = self.order[0]
             flat = jax_view(units.flat(u, ()))
             with timed("compute"):
-                (loss,), aux, grad = jax.block_until_ready(self.layers[0].whole(flat, b, ct))
+                (loss,), aux, grads = jax.block_until_ready(self.layers[0].whole(flat, b, ct))
             del flat
-            reducer.add(u, units.leaf_views(u, units.device.from_jax(grad)))
+            reducer.add(u, [units.device.from_jax(g) for g in grads])  # copied in, leaf by leaf
             for u in self.unused:
                 reducer.add(u, [None] * len(self.layout.units[u].leaves))
             return self._finish(loss, list(aux))
@@ -442,11 +443,11 @@ class _Segment(_UnitLayer):
         self._kept: tuple[SharedJit, SharedJit] | None = None
 
         def whole(flat: jax.Array, b: tuple[ArrayLike, ...], ct: tuple[jax.Array, ...]
-                  ) -> tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...], jax.Array]:
+                  ) -> tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...], list[jax.Array]]:
             out_d, vjp, out_nd = jax.vjp(lambda ls: f(ls, ((), ()), b), self.leaves(flat),
                                          has_aux=True)
             (g,) = vjp(ct)
-            return out_d, out_nd, self.flat_grad(g, flat.dtype)
+            return out_d, out_nd, g
 
         self.whole = SharedJit(whole)  # a program of this one segment
 
