@@ -63,8 +63,9 @@ class ZeroOptions:
         micro-batches and the ranks (a small host collective each step).
       units: how leaves group into units: None (top-level subtrees), a depth, or
         a function from a leaf's key path to its unit key.
-      min_num_params: join consecutive units (of one dtype) until each holds at
-        least this many elements, a short last one joining the one before it
+      min_num_params: join consecutive units (of one dtype, in the params' leaf
+        order: JAX's, a dict's keys sorted) until each holds at least this many
+        elements, a short last one joining the one before it
         (FSDP's ``size_based_auto_wrap_policy``; DeepSpeed leaves params under
         ``stage3_param_persistence_threshold``, 100000, ungathered for the same
         reason): a small unit costs a collective round, and with a JAX loss

@@ -24,12 +24,12 @@ rank holds its shards plus about two units, whatever the model library (a
 flax, equinox or plain-dict model as its authors wrote it).
 
 What this costs and where it does not reach: each segment is two compiled
-calls (forward and backward), like ``Layered``, except a program of one
-segment, which is one call of its value and gradient (nothing to hand on, so
-no residuals leave the compiled program, and the leaves' gradients go to the
-reduction as they are, not joined first: the MNIST CNN of
-``benchmarks/jax_models.py`` as one unit took 9.4 against 11.4 ms for half
-its batch); a unit's params read again
+calls (forward and backward), like ``Layered``, except the last, whose
+backward follows its forward at once: it is one call of its value and
+gradient (no residuals leave the compiled program, and its leaves'
+gradients go to the reduction as they are, not joined first; the MNIST CNN
+of ``benchmarks/jax_models.py`` as one unit took 9.4 against 11.4 ms for
+half its batch); a unit's params read again
 later are carried (kept alive) until their last use; an equation that reads
 several units at once (a ``lax.scan`` over stacked layers, a
 ``jax.checkpoint`` or custom-derivative call taking the params of several
@@ -323,33 +323,28 @@ class _Program:
         if n == 0:
             return self._without_params(units, reducer, b)
         ct: tuple[jax.Array, ...] = (jnp.asarray(scale, dtype=self._outvars[0].aval.dtype),)
-        if n == 1:  # the value and the gradient in one call
-            u = self.order[0]
-            flat = jax_view(units.flat(u, ()))
-            with timed("compute"):
-                (loss,), aux, grads = jax.block_until_ready(self.layers[0].whole(flat, b, ct))
-            del flat
-            reducer.add(u, [units.device.from_jax(g) for g in grads])  # copied in, leaf by leaf
-            for u in self.unused:
-                reducer.add(u, [None] * len(self.layout.units[u].leaves))
-            return self._finish(loss, list(aux))
         carries: list[tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...]]] = [((), ())]
         saved: list[Any] = [None] * n  # Any: each _Saved, None before its forward and after
         order = self.order
-        for k in range(n):
+        for k in range(n - 1):
             u = order[k]
-            flat = jax_view(units.flat(u, order[k + 1:] if k < n - 1 else
-                                       order[n - 2::-1] if n > 1 else ()))
+            flat = jax_view(units.flat(u, order[k + 1:]))
             with timed("forward"):
                 out_d, out_nd, saved[k] = self.layers[k].forward(flat, *carries[-1], b)
                 carries.append(jax.block_until_ready((out_d, out_nd)))
-            if k < n - 1:
-                del flat
-        (loss,), aux = carries.pop()
-        for k in reversed(range(n)):
+            del flat
+        # the last segment's value and gradient in one call (see the Note)
+        u = order[n - 1]
+        flat = jax_view(units.flat(u, order[n - 2::-1] if n > 1 else ()))
+        with timed("compute"):
+            (loss,), aux, grads, ct = jax.block_until_ready(
+                self.layers[n - 1].whole(flat, *carries[n - 1], b, ct))
+        del flat
+        carries[n - 1] = ((), ())
+        reducer.add(u, [units.device.from_jax(g) for g in grads])  # copied in, leaf by leaf
+        for k in reversed(range(n - 1)):
             u = order[k]
-            if k < n - 1:
-                flat = jax_view(units.flat(u, order[k - 1::-1] if k > 0 else ()))
+            flat = jax_view(units.flat(u, order[k - 1::-1] if k > 0 else ()))
             with timed("backward"):
                 grad, ct = self.layers[k].backward(saved[k], flat, *carries[k], b, ct)
                 saved[k] = None
@@ -442,14 +437,16 @@ class _Segment(_UnitLayer):
                          unit.local_size)
         self._kept: tuple[SharedJit, SharedJit] | None = None
 
-        def whole(flat: jax.Array, b: tuple[ArrayLike, ...], ct: tuple[jax.Array, ...]
-                  ) -> tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...], list[jax.Array]]:
-            out_d, vjp, out_nd = jax.vjp(lambda ls: f(ls, ((), ()), b), self.leaves(flat),
-                                         has_aux=True)
-            (g,) = vjp(ct)
-            return out_d, out_nd, g
+        def whole(flat: jax.Array, cd: tuple[ArrayLike, ...], cnd: tuple[ArrayLike, ...],
+                  b: tuple[ArrayLike, ...], ct: tuple[jax.Array, ...]
+                  ) -> tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...], list[jax.Array],
+                             tuple[jax.Array, ...]]:
+            out_d, vjp, out_nd = jax.vjp(lambda ls, cd: f(ls, (cd, cnd), b),
+                                         self.leaves(flat), cd, has_aux=True)
+            g, dcd = vjp(ct)
+            return out_d, out_nd, g, dcd
 
-        self.whole = SharedJit(whole)  # a program of this one segment
+        self.whole = SharedJit(whole)  # the program's last segment
 
     def forward(  # type: ignore[override]  # a segment's carry comes in two parts
             self, flat: jax.Array, cd: tuple[ArrayLike, ...], cnd: tuple[ArrayLike, ...],
