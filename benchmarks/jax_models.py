@@ -20,10 +20,10 @@ interleaved pass by pass; the table gives medians:
             rank half the batch (the loss traced once and cut into one segment
             per unit: see [Note: traced units] in shard/step/_traced.py), units
             under 100,000 params joined to their neighbours (min_num_params)
-  pure3x2   shard.pure_zero3 on the same loss and 2 thread ranks, one
-            optax.adamw for both, each step one call of the step (the ranks'
-            one compiled program; its collectives are ordered host callbacks:
-            see [Note: pure steps] in shard/_pure.py)
+  pure3x2   shard.pure_zero3 on the same loss, units and min_num_params and 2
+            thread ranks, one optax.adamw for both, each step one call of the
+            step (the ranks' one compiled program; its collectives are ordered
+            host callbacks: see [Note: pure steps] in shard/_pure.py)
 
 Columns: the first step's seconds (tracing and compiling included), the median
 step after it, the ratio of each to jax_fsdp's, and for zero3x2 rank 0's peak
@@ -215,11 +215,12 @@ def run_pure(model: str, steps: int) -> dict[str, Any]:
     import ops
     import shard
 
-    params, loss, batch, _ = BUILD[model]()
+    params, loss, batch, units = BUILD[model]()
     tx = optax.adamw(LR, weight_decay=WD)  # one for both ranks: one compiled program
 
     def run(comm: Any) -> dict[str, Any]:
-        step = shard.pure_zero3(loss, optimizer=tx, comm=comm)
+        step = shard.pure_zero3(loss, optimizer=tx, comm=comm, units=units,
+                                min_num_params=MIN_NUM_PARAMS)
         state = step.init(params)
         times = []
         for i in range(steps + 1):

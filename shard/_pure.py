@@ -100,7 +100,7 @@ class PureStep:
     def __init__(self, loss_fn: Callable[..., object], *, optimizer: optax.GradientTransformation,
                  comm: Communicator, specs: object = None, units: Units = None,
                  has_aux: bool = False, key: jax.Array | None = None, trainable: object = None,
-                 axis_name: str | None = None) -> None:
+                 axis_name: str | None = None, min_num_params: int = 0) -> None:
         if not callable(loss_fn):
             raise TypeError(f"pure_zero3: loss_fn must be a function (params, batch) -> loss; "
                             f"got {type(loss_fn).__name__}")
@@ -117,7 +117,11 @@ class PureStep:
         if axis_name is not None and not isinstance(axis_name, str):
             raise TypeError(f"pure_zero3: axis_name must be a string (the name the loss's "
                             f"jax.lax.pmean uses); got {type(axis_name).__name__}")
-        self.axis_name = axis_name
+        if isinstance(min_num_params, bool) or not isinstance(min_num_params, int) or \
+                min_num_params < 0:
+            raise ValueError(f"pure_zero3: min_num_params must be an int >= 0 (elements); got "
+                             f"{min_num_params!r}")
+        self.axis_name, self.min_num_params = axis_name, min_num_params
         self.loss_fn, self.optimizer, self.comm = loss_fn, optimizer, comm
         self.specs, self.units, self.has_aux, self.key = specs, units, has_aux, key
         self.trainable = trainable
@@ -137,7 +141,8 @@ class PureStep:
         import jax.numpy as jnp
 
         fn, w = "pure_zero3.init", self.comm.world_size
-        layout = make_layout(params, self.specs, world_size=w, units=self.units, fn=fn)
+        layout = make_layout(params, self.specs, world_size=w, units=self.units,
+                             min_num_params=self.min_num_params, fn=fn)
         for leaf in layout.leaves:
             if leaf.dtype not in FLOAT_DTYPES:
                 raise TypeError(f"{fn}: params{leaf.path} is {leaf.dtype}; the step trains "
@@ -214,7 +219,7 @@ class PureStep:
 def pure_zero3(loss_fn: Callable[..., object], *, optimizer: optax.GradientTransformation,
                comm: Communicator, specs: object = None, units: Units = None,
                has_aux: bool = False, key: jax.Array | None = None, trainable: object = None,
-               axis_name: str | None = None) -> PureStep:
+               axis_name: str | None = None, min_num_params: int = 0) -> PureStep:
     """ZeRO-3 as a pure JAX function of a :class:`PureState`, for the user's
     ``jax.jit`` and ``jax.lax.scan`` over steps (see [Note: pure steps]).
 
@@ -229,6 +234,8 @@ def pure_zero3(loss_fn: Callable[..., object], *, optimizer: optax.GradientTrans
       units: how leaves group into units, as for ``zero3`` (default: the
         top-level subtrees); a unit's split leaves are gathered by one
         collective, its replicated ones' gradients reduced by another.
+      min_num_params: join consecutive units until each holds this many
+        elements, as for ``zero3`` (``ZeroOptions(min_num_params=)``).
       has_aux: the loss returns ``(loss, aux)``.
       key: a JAX PRNG key: the loss is called with ``key=``, the key folded
         with the step count and the rank (``shard.step_key``'s, so the same
@@ -257,4 +264,5 @@ def pure_zero3(loss_fn: Callable[..., object], *, optimizer: optax.GradientTrans
       [(4, (2, 2)), (4, (2, 2))]
     """
     return PureStep(loss_fn, optimizer=optimizer, comm=comm, specs=specs, units=units,
-                    has_aux=has_aux, key=key, trainable=trainable, axis_name=axis_name)
+                    has_aux=has_aux, key=key, trainable=trainable, axis_name=axis_name,
+                    min_num_params=min_num_params)

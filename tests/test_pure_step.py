@@ -58,17 +58,26 @@ def mine(d, comm):
     return {k: v[:, comm.rank * n:(comm.rank + 1) * n] for k, v in d.items()}
 
 
-@pytest.mark.parametrize("units", ["top-level", "one"])
+# joined: in the leaves' order embed 35 and head 33 elements make one unit of
+# at least 60, mlp's 66 another, which the scalar (a short tail) joins
+JOINED = ["['embed'] + ['head']", "['mlp'] + ['scale']"]
+
+
+@pytest.mark.parametrize("units", ["top-level", "one", "joined"])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_steps_inside_jit_and_scan_match_optax_in_one_process(world, units):
     """Each unit's split leaves go as one gathered buffer, its replicated ones
-    as another: top-level subtrees, or every leaf (the scalar too) in one."""
+    as another: top-level subtrees, every leaf (the scalar too) in one, or
+    small units joined by min_num_params."""
     want, want_losses = reference()
 
     def run(comm):
         step = shard.pure_zero3(loss, optimizer=tx(), comm=comm,
-                                units=(lambda path: 0) if units == "one" else None)
+                                units=(lambda path: 0) if units == "one" else None,
+                                min_num_params=60 if units == "joined" else 0)
         state = step.init(params())
+        if units == "joined":
+            assert [u.name for u in step.program.layout.units] == JOINED
         scan = jax.jit(lambda s, b: jax.lax.scan(step, s, b))
         state, metrics = scan(state, mine(data(), comm))
         return jax.device_get(state), np.asarray(metrics["loss"]), np.asarray(
@@ -139,6 +148,10 @@ def test_refusals_name_the_problem():
 
     with pytest.raises(TypeError, match=r"must return a scalar; it returned shape \(12,\)"):
         ops.spawn(vector, 1)
+
+    with pytest.raises(ValueError, match=r"min_num_params must be an int >= 0"):
+        shard.pure_zero3(loss, optimizer=tx(), comm=ops.spawn(lambda c: c, 1)[0],
+                         min_num_params=-1)
 
     def early(comm):
         shard.pure_zero3(loss, optimizer=tx(), comm=comm)(None, None)
