@@ -8,7 +8,8 @@ step's time:
 - ``forward`` / ``backward``: the loss's own compute (torch or JAX), with the
   library's work inside it (hooks, gathers) taken out;
 - ``compute``: forward and backward together, where they cannot be told apart
-  (a monolithic JAX loss is one jitted function);
+  (a monolithic JAX loss is one jitted function, and so is the last segment
+  of a traced one: see [Note: traced units]);
 - ``all_gather_wait``: time blocked on parameter all-gathers, i.e. the part of
   the communication that compute did not hide;
 - ``reduce_wait``: time blocked on gradient reductions, likewise;
