@@ -255,14 +255,15 @@ def _merge_small(order: list[Hashable], unit_of: list[int], sizes: list[int],
         per_unit[u] += sizes[i]
         kinds[u].add(dtypes[i])
     groups: list[list[int]] = []
+    held: list[int] = []  # each group's elements
     for u in range(len(order)):
-        last = groups[-1] if groups else None
-        if last is not None and kinds[last[0]] == kinds[u] and \
-                sum(per_unit[v] for v in last) < min_num_params:
-            last.append(u)
+        if groups and kinds[groups[-1][0]] == kinds[u] and held[-1] < min_num_params:
+            groups[-1].append(u)
+            held[-1] += per_unit[u]
         else:
             groups.append([u])
-    if len(groups) > 1 and sum(per_unit[v] for v in groups[-1]) < min_num_params and \
+            held.append(per_unit[u])
+    if len(groups) > 1 and held[-1] < min_num_params and \
             kinds[groups[-2][0]] == kinds[groups[-1][0]]:
         tail = groups.pop()
         groups[-1] += tail
