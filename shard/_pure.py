@@ -52,7 +52,7 @@ import numpy as np
 from ops import Communicator, FusedOptimizer
 from shard._pure_program import Program, ensure, program_for, register
 from shard.core._data_rank import check_key
-from shard.core._layout import make_layout
+from shard.core._layout import make_layout, min_num_params_of
 from shard.core._optim import is_transformation
 from shard.core._parts import PER_LEAF, check_parts, clip_first, describe, parts_of
 from shard.step._checks import agree_on_layout
@@ -117,11 +117,8 @@ class PureStep:
         if axis_name is not None and not isinstance(axis_name, str):
             raise TypeError(f"pure_zero3: axis_name must be a string (the name the loss's "
                             f"jax.lax.pmean uses); got {type(axis_name).__name__}")
-        if isinstance(min_num_params, bool) or not isinstance(min_num_params, int) or \
-                min_num_params < 0:
-            raise ValueError(f"pure_zero3: min_num_params must be an int >= 0 (elements); got "
-                             f"{min_num_params!r}")
-        self.axis_name, self.min_num_params = axis_name, min_num_params
+        self.axis_name = axis_name
+        self.min_num_params = min_num_params_of("pure_zero3", min_num_params)
         self.loss_fn, self.optimizer, self.comm = loss_fn, optimizer, comm
         self.specs, self.units, self.has_aux, self.key = specs, units, has_aux, key
         self.trainable = trainable

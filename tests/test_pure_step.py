@@ -149,7 +149,7 @@ def test_refusals_name_the_problem():
     with pytest.raises(TypeError, match=r"must return a scalar; it returned shape \(12,\)"):
         ops.spawn(vector, 1)
 
-    with pytest.raises(ValueError, match=r"min_num_params must be an int >= 0"):
+    with pytest.raises(ValueError, match=r"min_num_params must be a whole number of elements"):
         shard.pure_zero3(loss, optimizer=tx(), comm=ops.spawn(lambda c: c, 1)[0],
                          min_num_params=-1)
 

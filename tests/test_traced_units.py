@@ -153,9 +153,13 @@ def test_min_num_params_keeps_dtypes_apart_and_is_checked():
     assert [u.name for u in layout.units] == ["['a']", "['b'] + ['c']", "['d']"]
     assert [layout.leaves[i].unit for i in range(4)] == [0, 1, 1, 2]
     comm = ops.spawn(lambda c: c, 1)[0]
-    with pytest.raises(ValueError, match="min_num_params must be an int >= 0"):
-        shard.zero3(plain_loss, optimizer=ops.adamw(LR), comm=comm,
-                    options=shard.ZeroOptions(min_num_params=-1))
+    for bad in (-1, 1.5, "100000", True):
+        with pytest.raises(ValueError, match="min_num_params must be a whole number of elem"):
+            shard.zero3(plain_loss, optimizer=ops.adamw(LR), comm=comm,
+                        options=shard.ZeroOptions(min_num_params=bad))
+    step = shard.zero3(plain_loss, optimizer=ops.adamw(LR), comm=comm,
+                       options=shard.ZeroOptions(min_num_params=1e5))  # as FSDP's docs write it
+    assert step.config.min_num_params == 100_000
     layered = shard.Layered([lambda p, x, b: x, lambda p, x, b: jnp.sum(x)])
     with pytest.raises(NotImplementedError, match="min_num_params joins the units of a JAX"):
         shard.zero3(layered, optimizer=ops.adamw(LR), comm=comm,

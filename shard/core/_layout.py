@@ -36,7 +36,8 @@ from ops.device._runs import Runs
 from shard.core._paths import meta_shape
 from shard.core._specs import Shard, resolve_specs
 
-__all__ = ["Layout", "LeafLayout", "UnitLayout", "make_layout", "partition", "unpartition"]
+__all__ = ["Layout", "LeafLayout", "UnitLayout", "make_layout", "min_num_params_of", "partition",
+           "unpartition"]
 
 if TYPE_CHECKING:
     from jax.tree_util import PyTreeDef
@@ -242,6 +243,17 @@ def _unit_keys(paths: list[tuple], units: Units) -> list[Hashable]:
         return [units(p) for p in paths]
     raise TypeError(f"units must be None, a depth (int) or a function path -> unit key; got "
                     f"{type(units).__name__}")
+
+
+def min_num_params_of(fn: str, value: object) -> int:
+    """``min_num_params`` as an int (``1e5`` is 100000); a ValueError naming it
+    for anything else than a whole number >= 0."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{fn}: min_num_params must be a whole number of elements >= 0; got "
+                         f"{value!r}")
+    return value
 
 
 def _merge_small(order: list[Hashable], unit_of: list[int], sizes: list[int],

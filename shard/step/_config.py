@@ -11,6 +11,7 @@ from typing import Any
 
 from ops import Communicator, FusedOptimizer
 from shard.core._data_rank import check_key
+from shard.core._layout import min_num_params_of
 from shard.core._loss import JaxLoss
 from shard.core._mesh import Mesh, Topology
 from shard.core._optim import is_transformation
@@ -308,11 +309,8 @@ class StepConfig(ZeroOptions):
             raise ValueError(f"{name}: clip_norm must be > 0; got {o.clip_norm!r}")
         if o.prefetch < 0:
             raise ValueError(f"{name}: prefetch must be >= 0; got {o.prefetch}")
-        if isinstance(o.min_num_params, bool) or not isinstance(o.min_num_params, int) or \
-                o.min_num_params < 0:
-            raise ValueError(f"{name}: min_num_params must be an int >= 0 (elements); got "
-                             f"{o.min_num_params!r}")
-        if o.min_num_params and kind != "jax":
+        min_num_params = min_num_params_of(name, o.min_num_params)
+        if min_num_params and kind != "jax":
             raise NotImplementedError(f"{name}: min_num_params joins the units of a JAX loss "
                                       "function's params; this "
                                       f"{type(loss_fn).__name__} keeps one unit per layer or "
@@ -417,7 +415,8 @@ class StepConfig(ZeroOptions):
         check_onebit(name, stage, o, topology, optimizer, tensor_parallel)
         loss = JaxLoss.shared(loss_fn, o.has_aux) if kind == "jax" else reads
         fields = {f.name: getattr(o, f.name) for f in dataclasses.fields(ZeroOptions)}
-        fields.update(units=units, key=key, loggers=loggers, precision=o.precision or Precision(),
+        fields.update(units=units, min_num_params=min_num_params, key=key, loggers=loggers,
+                      precision=o.precision or Precision(),
                       gradient_divide_factor=None if f is None else float(f),
                       count_flops=bool(o.count_flops) or peak is not None)
         return cls(name=name, stage=stage, loss_fn=loss, kind=kind, optimizer=optimizer,
