@@ -167,6 +167,25 @@ def test_ranks_with_losses_of_their_own_compile_each_program_once(zero):
     np.testing.assert_allclose(four_losses[0], two_losses[0], rtol=1e-5)
 
 
+def test_thread_ranks_run_one_executable_of_a_program_with_collectives():
+    """Four thread ranks, each with its own program object over its own
+    TensorParallel: the program has effects (its collective's callback) and
+    compiles once, and each rank's callback reaches its own communicator."""
+
+    def run(comm):
+        tp = shard.TensorParallel(comm)
+        f = _xla.SharedJit(lambda v: jnp.tanh(tp.reduce(v * 0.125)))
+        return np.asarray(f(jnp.full(3, float(comm.rank + 1)))).tolist()
+
+    _forget_programs()
+    with _Compiles() as c:
+        got = shard.spawn(run, 4)
+    assert c.loss == 1, c.loss
+    want = np.tanh(np.float32(0.125 * (1 + 2 + 3 + 4)))
+    for row in got:
+        np.testing.assert_allclose(row, [want] * 3, rtol=1e-6)
+
+
 def test_a_rank_s_collectives_outlive_another_object_over_its_group():
     """Two TensorParallel objects over one group: the one made later and
     dropped leaves the first one's collectives running."""

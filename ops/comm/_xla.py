@@ -30,18 +30,24 @@ compiling and running (jax's first call of a shared jitted function runs it
 while later callers wait on its cache entry; a waiting rank would never join
 the running one's collectives).
 
-A program with effects (its collectives' callbacks) is compiled once per
-thread instead: eight thread ranks running one such executable at once
-deadlocked in XLA's CPU runtime, four of them inside their callbacks on
-XLA's worker threads and the other four never started. Its trace is still
-shared (the traced units of stage 3 cut it once), and its inputs are made
-ready before it runs: XLA runs a program whose inputs are still being
-computed on a small pool of its own threads, where ranks waiting in
-collectives could leave no thread for the ranks they wait for. Even so, more
-than four thread ranks blocked in callbacks at once can exhaust that pool
-(eight tensor-parallel thread ranks at stage 3 hung once in five runs with an
-executable each); processes (gloo, NCCL) run one rank each and are not
-exposed to it.
+A program with effects (its collectives' callbacks) is shared too, and its
+inputs are made ready before it runs: XLA runs a program whose inputs are
+still being computed on a pool of its own threads, where ranks waiting in
+collectives could leave no thread for the ranks they wait for. What no
+program of the library's can rule out is XLA's CPU runtime running the
+operations of one program concurrently (most models' programs, unlike a
+chain of small operations) on its intra-op thread pool, one thread a core
+unless the ``NPROC`` environment variable sets the count when JAX starts: a
+rank waiting in a collective's callback holds one of those threads, and when
+more thread ranks wait than the pool has threads, the ranks they wait for
+never start. Eight tensor-parallel thread ranks at stage 3 (data 4, model 2)
+on two cores hung in 2 of 6 runs with an executable of their own per thread
+and in 2 of 6 with one shared executable, and in none of 8 runs with
+``NPROC=16`` (compiling once instead of once a rank took the suite's
+tensor-parallel tests from 224 to 120 s). Thread ranks that call collectives
+inside XLA programs (tensor parallelism, an axis-bound loss, ``pure_zero3``)
+beyond the cores want ``NPROC`` at least their number; processes (gloo,
+NCCL) run one rank each and are not exposed to it.
 
 A program that still differs between ranks (a rank read as a Python number
 outside :func:`ranks_operand`) gets a key of its own, as before: sharing is
@@ -372,8 +378,10 @@ class SharedJit:
     def prepare(self, *args: object) -> tuple[jax.stages.Compiled, jax.Array, bool, int]:
         """The executable for ``args``'s signature, this object's ranks,
         whether the program has effects (callbacks: collectives) and the
-        thread it was made for; traced and compiled on first use (nothing
-        runs). A program with effects is this thread's own (see the Note)."""
+        thread that traced it; traced and compiled on first use (nothing
+        runs). A program with effects is traced again on another thread,
+        whose ranks (an object that thread ranks share, such as a loss
+        defined once) may differ; the executable is the same."""
         import jax
 
         sig = _signature(args)
@@ -386,8 +394,6 @@ class SharedJit:
             effects = bool(traced.jaxpr.effects)
             key, keep = program_key(traced.jaxpr, traced.out_tree)
             key = f"{key} on {placement(jax.tree_util.tree_leaves(args))}"
-            if effects:
-                key = f"{key} thread {thread}"
             hit = (compiled(key, keep, lambda: traced.lower().compile()),
                    jax.block_until_ready(jax.device_put(values)), effects, thread)
             self._local.setdefault(sig, hit)
