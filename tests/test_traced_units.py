@@ -20,13 +20,18 @@ LR, WD = 1e-2, 0.01
 
 def optax_reference(params, loss, batches, has_aux=False):
     tx = optax.adamw(LR, weight_decay=WD)
+
+    @jax.jit  # one program a step (eager, each operation compiles on its own)
+    def update(params, opt, b):
+        value, grads = jax.value_and_grad(loss, has_aux=has_aux)(params, b)
+        updates, opt = tx.update(grads, opt, params)
+        return optax.apply_updates(params, updates), opt, value[0] if has_aux else value
+
     opt = tx.init(params)
     losses = []
     for b in batches:
-        value, grads = jax.value_and_grad(loss, has_aux=has_aux)(params, b)
-        losses.append(float(value[0] if has_aux else value))
-        updates, opt = tx.update(grads, opt, params)
-        params = optax.apply_updates(params, updates)
+        params, opt, value = update(params, opt, b)
+        losses.append(float(value))
     return params, losses
 
 
