@@ -156,6 +156,40 @@ def test_a_rank_that_never_arrives_times_out_with_a_clear_error():
     assert time.perf_counter() - t0 < 5
 
 
+def test_a_timeout_on_a_thread_python_did_not_start_names_xla_s_threads():
+    """A collective waited on from a native thread (as XLA's threads run a JAX
+    program's callbacks) times out with the way out of a starved XLA pool;
+    one on the rank's own thread does not mention it (the test above)."""
+    import ctypes
+    import ctypes.util
+
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+    caught: list[BaseException] = []
+
+    @ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_void_p)
+    def native(_):  # runs on a pthread that Python did not create
+        try:
+            ops.all_reduce(native.comm, np.ones(2))
+        except BaseException as exc:  # handed to the rank below
+            caught.append(exc)
+        return None
+
+    def body(comm):
+        if comm.rank == 1:
+            time.sleep(1.5)
+            return "late"
+        native.comm = comm
+        tid = ctypes.c_ulong()
+        assert libc.pthread_create(ctypes.byref(tid), None, native, None) == 0
+        assert libc.pthread_join(tid, None) == 0
+        raise caught[0]
+
+    with pytest.raises(ops.CollectiveTimeout, match=r"rank\(s\) \[1\] never reached it; this "
+                                                    r"rank waits on a thread that Python did not "
+                                                    r"start .* Set NPROC to at least"):
+        ops.spawn(body, 2, timeout=0.5)
+
+
 @pytest.mark.parametrize("order", ["returns first", "waits first"])
 def test_a_rank_that_returns_early_fails_its_peers_at_once_naming_it(order):
     def body(comm):

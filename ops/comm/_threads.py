@@ -315,9 +315,22 @@ class _RoundWork(Work):
         except cf.TimeoutError:
             err = CollectiveTimeout(
                 f"{self._name} on rank {self._rank} did not complete within {self._timeout:g} "
-                f"s: rank(s) {self._group.behind(self._k) or 'unknown'} never reached it")
+                f"s: rank(s) {self._group.behind(self._k) or 'unknown'} never reached it"
+                + (_NATIVE_THREAD if isinstance(threading.current_thread(),
+                                                threading._DummyThread) else ""))
             self._group.fail(self._rank, err)
             raise err from None
+
+
+# A rank that waits on a thread Python did not start is inside a JAX program,
+# on one of XLA's own threads (see [Note: one program for a group's ranks] in
+# ops/comm/_xla.py).
+_NATIVE_THREAD = (
+    "; this rank waits on a thread that Python did not start (XLA's, running a collective "
+    "inside a JAX program): if every rank does call it, the ranks behind may have found no "
+    "XLA thread to run on, since XLA's CPU runtime has one a core unless the NPROC "
+    "environment variable sets the count before JAX starts. Set NPROC to at least the "
+    "number of thread ranks, or run ranks as processes (torchrun)")
 
 
 class _Slot:

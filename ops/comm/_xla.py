@@ -40,11 +40,14 @@ chain of small operations) on its intra-op thread pool, one thread a core
 unless the ``NPROC`` environment variable sets the count when JAX starts: a
 rank waiting in a collective's callback holds one of those threads, and when
 more thread ranks wait than the pool has threads, the ranks they wait for
-never start. Eight tensor-parallel thread ranks at stage 3 (data 4, model 2)
-on two cores hung in 2 of 6 runs with an executable of their own per thread
-and in 2 of 6 with one shared executable, and in none of 8 runs with
-``NPROC=16`` (compiling once instead of once a rank took the suite's
-tensor-parallel tests from 224 to 120 s). Thread ranks that call collectives
+never start, until the group's timeout (``ops.spawn``'s, 300 s by default)
+fails them with a ``CollectiveTimeout`` that names the ranks behind and, as
+it is raised on one of XLA's threads, ``NPROC``. Eight tensor-parallel
+thread ranks at stage 3 (data 4, model 2) on two cores stalled so in 2 of 6
+runs with an executable of their own per thread and in 2 of 6 with one
+shared executable, and in none of 8 runs with ``NPROC=16`` (compiling once
+instead of once a rank took the suite's tensor-parallel tests from 224 to
+134 s). Thread ranks that call collectives
 inside XLA programs (tensor parallelism, an axis-bound loss, ``pure_zero3``)
 beyond the cores want ``NPROC`` at least their number; processes (gloo,
 NCCL) run one rank each and are not exposed to it.
