@@ -188,7 +188,7 @@ def test_a_timeout_on_a_thread_python_did_not_start_names_xla_s_threads():
 
     with pytest.raises(ops.CollectiveTimeout, match=r"rank\(s\) \[1\] never reached it; this "
                                                     r"rank waits on a thread that Python did not "
-                                                    r"start .* Set NPROC to at least"):
+                                                    r"start, .*: set NPROC to at least"):
         ops.spawn(body, 2, timeout=0.5)
 
 

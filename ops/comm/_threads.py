@@ -322,14 +322,14 @@ class _RoundWork(Work):
             raise err from None
 
 
-# A rank that waits on a thread Python did not start is inside a JAX program,
-# on one of XLA's own threads (see [Note: one program for a group's ranks] in
-# ops/comm/_xla.py).
+# A rank that waits on a thread Python did not start may be inside a JAX
+# program, on one of XLA's own threads (see [Note: one program for a group's
+# ranks] in ops/comm/_xla.py).
 _NATIVE_THREAD = (
-    "; this rank waits on a thread that Python did not start (XLA's, running a collective "
-    "inside a JAX program): if every rank does call it, the ranks behind may have found no "
-    "XLA thread to run on, since XLA's CPU runtime has one a core unless the NPROC "
-    "environment variable sets the count before JAX starts. Set NPROC to at least the "
+    "; this rank waits on a thread that Python did not start, such as one of XLA's running "
+    "a JAX program's collective: if so and every rank does call it, the ranks behind may "
+    "have found no XLA thread to run on (XLA's CPU runtime has one a core unless the NPROC "
+    "environment variable sets the count before JAX starts): set NPROC to at least the "
     "number of thread ranks, or run ranks as processes (torchrun)")
 
 

@@ -47,10 +47,10 @@ thread ranks at stage 3 (data 4, model 2) on two cores stalled so in 2 of 6
 runs with an executable of their own per thread and in 2 of 6 with one
 shared executable, and in none of 8 runs with ``NPROC=16`` (compiling once
 instead of once a rank took the suite's tensor-parallel tests from 224 to
-134 s). Thread ranks that call collectives
-inside XLA programs (tensor parallelism, an axis-bound loss, ``pure_zero3``)
-beyond the cores want ``NPROC`` at least their number; processes (gloo,
-NCCL) run one rank each and are not exposed to it.
+134 s). Thread ranks that call collectives inside XLA programs (tensor
+parallelism, an axis-bound loss, ``pure_zero3``) beyond the cores want
+``NPROC`` at least their number; processes (gloo, NCCL) run one rank each
+and are not exposed to it.
 
 A program that still differs between ranks (a rank read as a Python number
 outside :func:`ranks_operand`) gets a key of its own, as before: sharing is
