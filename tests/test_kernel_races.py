@@ -39,49 +39,90 @@ int main() {
 """
 
 
-def _run(tmp_path, src: str, name: str, driver: str = DRIVER) -> subprocess.CompletedProcess:
-    cpp = tmp_path / f"{name}.cpp"
-    cpp.write_text(src + driver)
-    exe = tmp_path / name
-    build = subprocess.run(["g++", "-std=c++20", "-O1", "-g", "-fsanitize=thread", "-fopenmp",
-                            "-DZS_EMULATE_OS_THREADS",
-                            "-pthread", str(cpp), "-o", str(exe)], capture_output=True, text=True)
-    if build.returncode != 0:
-        pytest.skip(f"g++ -fsanitize=thread is not available here: {build.stderr[-300:]}")
+# Each barrier call becomes ZS_BARRIER(k), k its place in the source; the one
+# that ZS_REMOVED_BARRIER names is skipped, so one build of a kernel family
+# serves the run as written and every run with a barrier taken out.
+PRELUDE = r"""
+#include <cstdlib>
+static const int zs_removed_barrier = [] {
+  const char* k = std::getenv("ZS_REMOVED_BARRIER");
+  return k ? std::atoi(k) : -1;
+}();
+#define ZS_BARRIER(k) do { if ((k) != zs_removed_barrier) __syncthreads(); } while (0)
+"""
+BARRIER = "__syncthreads();"
+
+
+def _numbered(src: str) -> str:
+    parts = src.split(BARRIER)
+    return PRELUDE + parts[0] + "".join(f"ZS_BARRIER({k});{part}"
+                                        for k, part in enumerate(parts[1:]))
+
+
+@pytest.fixture(scope="session")
+def build(tmp_path_factory):
+    """``build(src, name, driver)``: the path of ``src`` with ``driver`` built
+    under ThreadSanitizer, once per test session (the pytest-xdist workers
+    share the builds through a file lock, as ``gloo_shared`` shares launches)."""
+    import os
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' basetemps share a parent
+        base = base.parent
+    where = base / "kernel-races"
+    where.mkdir(exist_ok=True)
+
+    def get(src: str, name: str, driver: str):
+        exe = where / name
+        with FileLock(f"{exe}.lock"):
+            if not exe.exists():
+                cpp = where / f"{name}.cpp"
+                cpp.write_text(_numbered(src) + driver)
+                done = subprocess.run(["g++", "-std=c++20", "-O1", "-g", "-fsanitize=thread",
+                                       "-fopenmp", "-DZS_EMULATE_OS_THREADS", "-pthread",
+                                       str(cpp), "-o", f"{exe}.part"],
+                                      capture_output=True, text=True)
+                if done.returncode != 0:
+                    pytest.skip("g++ -fsanitize=thread is not available here: "
+                                f"{done.stderr[-300:]}")
+                os.replace(f"{exe}.part", exe)
+        return exe
+
+    return get
+
+
+def _run(exe, removed: int = -1) -> subprocess.CompletedProcess:
+    """The built driver run with barrier ``removed`` (-1: none) taken out."""
     return subprocess.run([str(exe)], capture_output=True, text=True, timeout=120,
-                          env={"TSAN_OPTIONS": "halt_on_error=0 exitcode=66"})
+                          env={"TSAN_OPTIONS": "halt_on_error=0 exitcode=66",
+                               "ZS_REMOVED_BARRIER": str(removed)})
 
 
-def _race_run(tmp_path, src: str, name: str, driver: str, removed: int | None,
+def _race_run(build, src: str, name: str, driver: str, removed: int | None,
               start: int = 0) -> subprocess.CompletedProcess:
     """``src`` run under ThreadSanitizer with its ``removed``-th barrier at or after
     ``start`` taken out (None: as written); a run as written must be race-free,
     one with a barrier removed must show a data race (asserted here)."""
-    if removed is not None:
-        at = start - 1
-        for _ in range(removed + 1):
-            at = src.index("__syncthreads();", at + 1)
-        src = src[:at] + src[at + len("__syncthreads();"):]
-    run = _run(tmp_path, src, f"{name}{removed}", driver=driver)
     if removed is None:
+        run = _run(build(src, name, driver))
         assert run.returncode == 0 and "ThreadSanitizer" not in run.stderr, run.stderr[-2000:]
-    else:
-        assert "ThreadSanitizer: data race" in run.stderr
+        return run
+    before = src[:start].count(BARRIER)
+    assert src[start:].count(BARRIER) > removed
+    run = _run(build(src, name, driver), before + removed)
+    assert "ThreadSanitizer: data race" in run.stderr
     return run
 
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
-def test_reduction_kernels_are_race_free_and_a_missing_barrier_is_caught(tmp_path):
+def test_reduction_kernels_are_race_free_and_a_missing_barrier_is_caught(build):
     src = source("reduce", "cpu")
-    clean = _run(tmp_path, src, "clean")
-    assert clean.returncode == 0 and "ThreadSanitizer" not in clean.stderr, clean.stderr[-2000:]
+    clean = _race_run(build, src, "reduce", DRIVER, None)
     got, want = (float(v) for v in clean.stdout.split())
     assert got == want == float(np.sum((np.arange(5000) % 7 - 3) ** 2))
-
-    broken_src = src.replace("__syncthreads();", "", 1)
-    assert broken_src != src
-    broken = _run(tmp_path, broken_src, "broken")
-    assert "ThreadSanitizer: data race" in broken.stderr
+    _race_run(build, src, "reduce", DRIVER, 0)  # the first barrier taken out
 
 
 LAMB_DRIVER = r"""
@@ -119,13 +160,13 @@ int main() {
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
 @pytest.mark.parametrize("removed", [None, 0, 1])
-def test_lamb_stats_kernel_is_race_free_and_each_missing_barrier_is_caught(tmp_path, removed):
+def test_lamb_stats_kernel_is_race_free_and_each_missing_barrier_is_caught(build, removed):
     """LAMB's two-value block reduction runs once per chunk in the same block:
     its first barrier keeps a chunk's writes to shared memory from racing the
     previous chunk's reads, its second orders the writes before the reads."""
     src = source("lamb", "cpu")
     assert src.count("__syncthreads();") == 2
-    run = _race_run(tmp_path, src, "lamb", LAMB_DRIVER, removed)
+    run = _race_run(build, src, "lamb", LAMB_DRIVER, removed)
     if removed is None:
         got, want = (float(x) for x in run.stdout.split())
         assert got == want > 0
@@ -169,7 +210,7 @@ int main() {
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
 @pytest.mark.parametrize("removed", [None, 0, 1, 2, 3])
-def test_quantize_kernel_is_race_free_and_each_missing_barrier_is_caught(tmp_path, removed):
+def test_quantize_kernel_is_race_free_and_each_missing_barrier_is_caught(build, removed):
     """The int8 (and int4) quantisation's block maximum and the 1-bit
     compression's block sum run once per group in the same block: each first
     barrier orders the warps' values before warp 0 reads them, each second
@@ -177,7 +218,7 @@ def test_quantize_kernel_is_race_free_and_each_missing_barrier_is_caught(tmp_pat
     before the next group's writes)."""
     src = source("quant", "cpu")
     assert src.count("__syncthreads();") == 4
-    run = _race_run(tmp_path, src, "quant", QUANT_DRIVER, removed)
+    run = _race_run(build, src, "quant", QUANT_DRIVER, removed)
     if removed is None:
         assert run.stdout.strip() == "1"  # the emulated kernel equals the host build
 
@@ -207,13 +248,13 @@ int main() {
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ on this machine")
 @pytest.mark.parametrize("removed", [None, 0, 1])
-def test_exact_sum_of_squares_kernel_is_race_free_and_each_missing_barrier_is_caught(tmp_path,
+def test_exact_sum_of_squares_kernel_is_race_free_and_each_missing_barrier_is_caught(build,
                                                                                       removed):
     """The exact kernel's shared slots: the first barrier orders their zeroing
     before any thread adds to them, the second the adds before the slots are
     written out."""
     src = source("reduce", "cpu")
     start = src.index("zs_exact_block(")  # the exact kernel's own barriers
-    run = _race_run(tmp_path, src, "exact", EXACT_DRIVER, removed, start)
+    run = _race_run(build, src, "exact", EXACT_DRIVER, removed, start)
     if removed is None:
         assert run.stdout.strip() == "1"  # the emulated kernel equals the host build
