@@ -6,8 +6,9 @@
 
 The model is L square layers (tanh) and a mean-squared-error loss, split into P
 stages of L/P layers, one gloo process per stage (torchrun), one compute thread
-each; ours in JAX (a ``shard.Layered`` loss), torch's and DeepSpeed's in torch
-(DeepSpeed's row is left out when it is not installed; ``make bench`` installs it). For each
+each; one launch per (P, M) runs every framework in turn. Ours is in JAX (a
+``shard.Layered`` loss), torch's and DeepSpeed's in torch (DeepSpeed's row is
+left out when it is not installed; ``make bench`` installs it). For each
 framework the same model also runs on one process (P = 1) in the same run, so
 a pipeline's efficiency is judged against its own framework:
 ``bubble (est.) = 1 - (T1 / P) / T_P``. Ours also measures its bubble directly:
@@ -128,7 +129,8 @@ def torch_pipelining(args: argparse.Namespace) -> dict:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    if not dist.is_initialized():  # DeepSpeed, run before it in this launch, did
+        dist.init_process_group("gloo")
     r, w = dist.get_rank(), dist.get_world_size()
     layers, x, y, loss_fn = torch_model(args)
     per = len(layers) // w
@@ -207,9 +209,14 @@ WORKERS = {"ours": ours, "ours_torch": ours_torch, "torch": torch_pipelining,
            "deepspeed": deepspeed_pipe}
 
 
-def run(framework: str, p: int, m: int, args: argparse.Namespace) -> dict:
+def run(frameworks: tuple[str, ...], p: int, m: int, args: argparse.Namespace) -> dict:
+    """``{framework: result}`` of one launch of ``p`` processes that runs each of
+    ``frameworks`` in turn, each warmed up before it is timed. The peers run
+    first: whatever an earlier framework leaves behind in the processes can only
+    slow ours."""
+    order = sorted(frameworks, key=lambda f: f.startswith("ours"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(p),
-           __file__, "--worker", framework, "--microbatches", str(m), "--layers",
+           __file__, "--worker", ",".join(order), "--microbatches", str(m), "--layers",
            str(args.layers),
            "--width", str(args.width), "--batch", str(args.batch), "--steps", str(args.steps),
            "--model", args.model, "--seq", str(args.seq),
@@ -217,10 +224,11 @@ def run(framework: str, p: int, m: int, args: argparse.Namespace) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
                XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
     out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    if out.returncode or not line:
-        raise RuntimeError(f"{framework} P={p} M={m} failed:\n{out.stderr[-3000:]}")
-    return json.loads(line[0][len("RESULT "):])
+    got = dict(json.loads(x[len("RESULT "):]) for x in out.stdout.splitlines()
+               if x.startswith("RESULT "))
+    if out.returncode or set(got) != set(frameworks):
+        raise RuntimeError(f"{','.join(frameworks)} P={p} M={m} failed:\n{out.stderr[-3000:]}")
+    return got
 
 
 def main() -> None:
@@ -241,9 +249,10 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        result = WORKERS[args.worker](args)
-        if int(os.environ.get("RANK", "0")) == 0:
-            print("RESULT " + json.dumps(result), flush=True)
+        for framework in args.worker.split(","):
+            result = WORKERS[framework](args)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print("RESULT " + json.dumps([framework, result]), flush=True)
         sys.stdout.flush()
         os._exit(0)  # every rank is done (the results were all-gathered); skip the
         #              process group's teardown, which can abort on peers already gone
@@ -264,11 +273,10 @@ def main() -> None:
     if args.model == "gpt":  # a torch model: no JAX row
         frameworks = frameworks[1:]
     rows = []
-    base = {(f, m): run(f, 1, m, args)["step_ms"] for f in frameworks for m in micro}
+    base = {(f, m): r["step_ms"] for m in micro for f, r in run(frameworks, 1, m, args).items()}
     for p in stages:
         for m in micro:
-            for f in frameworks:
-                r = run(f, p, m, args)
+            for f, r in run(frameworks, p, m, args).items():
                 rows.append((p, m, f, r))
                 print(f"  P={p} M={m} {f}: {r['step_ms']:.1f} ms", flush=True)
     for m in micro:
