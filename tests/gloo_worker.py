@@ -225,6 +225,10 @@ def run_scenario(scenario: str, comm, part: dict) -> None:
 
         results = [PM.run(comm, stages=2, microbatches=2)]
         part["worst"] = PM.worst_difference(results, PM.reference())
+    elif scenario == "pipeline_routed":  # the same behind the communicator that
+        from ops.comm._world import RoutedCommunicator  # init_from_env makes on a GPU
+
+        run_scenario("pipeline", RoutedCommunicator(comm, lambda: comm), part)
     elif scenario == "torch_pipeline":  # 2 stages x 2 data ranks of torch modules, ZeRO-3
         import shard
         from tests import pipeline_models as PM
@@ -266,10 +270,6 @@ def main() -> None:
     t0 = time.monotonic()
     try:
         comm = ops.init_from_env(timeout=timeout)
-        if os.environ.get("ZS_ROUTED"):  # as init_from_env routes on a GPU machine
-            from ops.comm._world import RoutedCommunicator
-
-            comm = RoutedCommunicator(comm, lambda: comm)
         report["rank"] = comm.rank
         # As in conftest: the scenarios and their references mean the CPU, also
         # where JAX sees a GPU (its matmuls there default to TF32).

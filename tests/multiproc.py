@@ -45,7 +45,7 @@ def run_ranks(script: str, world: int, tmp: Path, env: dict[str, str], *,
 # The scenarios of tests/gloo_worker.py that end well, run in turn in one launch of
 # each world size (many configurations per launched process group).
 SHARED = {2: ("collectives", "zero", "torch"),
-          4: ("pipeline", "torch_pipeline", "tensor_parallel")}
+          4: ("pipeline", "pipeline_routed", "torch_pipeline", "tensor_parallel")}
 
 
 def shared_run(scenario: str, world: int, base: Path) -> list[dict]:

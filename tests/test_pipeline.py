@@ -10,7 +10,6 @@ import pytest
 import ops
 import shard
 from tests import pipeline_models as PM
-from tests.multiproc import run_ranks
 
 ZERO = {1: shard.zero1, 2: shard.zero2, 3: shard.zero3}
 
@@ -75,12 +74,10 @@ def test_bad_pipeline_arguments_are_refused():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("routed", [False, True])
-def test_two_by_two_gloo_processes(tmp_path, gloo_shared, routed):
+def test_two_by_two_gloo_processes(gloo_shared, routed):
     """routed: behind the communicator init_from_env makes on a GPU machine (host
     buffers to gloo), as there."""
-    reports = run_ranks("tests/gloo_worker.py", 4, tmp_path, {
-        "ZS_SCENARIO": "pipeline", "ZS_TIMEOUT": "60", "ZS_ROUTED": "1"}) if routed else \
-        gloo_shared("pipeline", 4)
+    reports = gloo_shared("pipeline_routed" if routed else "pipeline", 4)
     for rep in reports:
         assert rep.get("ok"), rep
         assert rep["worst"] < 1e-5, rep
