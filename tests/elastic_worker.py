@@ -63,6 +63,8 @@ def main() -> None:
         ran.append(i)
         if (i + 1) % every == 0 and asynchronous:
             pending = shard.async_save(state, ckpt, comm=comm, extra={"next_batch": i + 1})
+            if not slow:  # the first checkpoint is written before the disk turns slow
+                pending.wait()
             slow = True
         elif (i + 1) % every == 0:
             shard.save(state, ckpt, comm=comm, extra={"next_batch": i + 1})
