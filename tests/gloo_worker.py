@@ -282,8 +282,9 @@ def main() -> None:
             report["running"] = name  # where an error, if any, was raised
             part = report if len(scenarios) == 1 else \
                 report.setdefault("parts", {}).setdefault(name, {})
+            began = time.monotonic()
             run_scenario(name, comm, part)
-            part["ok"] = True
+            part["ok"], part["seconds"] = True, time.monotonic() - began
         report["ok"] = True
         report["seconds"] = time.monotonic() - t0
     except Exception as e:

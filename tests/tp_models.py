@@ -6,6 +6,8 @@ between the blocks."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -132,20 +134,33 @@ def layered(tp=None, sequence_parallel=False):
 def reference(steps):
     """optax.adamw with clipping on the whole batch in one process: (params,
     losses, norms)."""
+    opt, step = _reference_step()
+    params = init_params()
+    state, losses, norms = opt.init(params), [], []
+    for b in batches(steps):
+        params, state, loss, norm = step(params, state, b)
+        losses.append(float(loss))
+        norms.append(float(norm))
+    return jax.tree.map(np.asarray, params), losses, norms
+
+
+@functools.cache
+def _reference_step():
+    """The optimizer and one step of the reference as one program, compiled once
+    per process (run eagerly, each of the optimizer's operations would be a
+    program of its own)."""
     import optax
 
-    params = init_params()
     opt = optax.chain(optax.clip_by_global_norm(CLIP),
                       optax.adamw(LR, eps=EPS, weight_decay=WD))
-    state, losses, norms = opt.init(params), [], []
-    vg = jax.jit(jax.value_and_grad(gpt_loss))
-    for b in batches(steps):
-        loss, grads = vg(params, b)
-        norms.append(float(optax.tree.norm(grads)))
+
+    @jax.jit
+    def step(params, state, batch):
+        loss, grads = jax.value_and_grad(gpt_loss)(params, batch)
         updates, state = opt.update(grads, state, params)
-        params = optax.apply_updates(params, updates)
-        losses.append(float(loss))
-    return jax.tree.map(np.asarray, params), losses, norms
+        return optax.apply_updates(params, updates), state, loss, optax.tree.norm(grads)
+
+    return opt, step
 
 
 def train(comm, data, model, zero, steps, sequence_parallel=False, device=None):
