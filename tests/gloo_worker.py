@@ -243,15 +243,11 @@ def run_scenario(scenario: str, comm, part: dict) -> None:
         import shard
         from tests import tp_models as gpt
 
-        want, want_losses, want_norms = gpt.reference(5)
         _, whole, _, losses, norms = gpt.train(comm, 2, 2, shard.zero3, 5,
                                                sequence_parallel=True)
-        # the worst |got - want| in units of (1e-5 + 1e-5 |want|): assert_allclose's test
-        part["worst"] = max(float((np.abs(g - w) / (1e-5 + 1e-5 * np.abs(w))).max())
-                              for g, w in zip(jax.tree.leaves(whole), jax.tree.leaves(want),
-                                              strict=True))
-        part["loss_diff"] = float(np.abs(np.subtract(losses, want_losses)).max())
-        part["norm_diff"] = float(np.abs(np.subtract(norms, want_norms)).max())
+        # the test holds the one-process reference (computed once, not in each process)
+        part["whole"] = [np.asarray(x).tolist() for x in jax.tree.leaves(whole)]
+        part["losses"], part["norms"] = [float(x) for x in losses], [float(x) for x in norms]
         from tests import test_invariance as inv  # 4 processes, one thread rank's bits
 
         got = inv.jax_run(comm, stage=3, steps=4)
