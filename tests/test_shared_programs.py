@@ -186,6 +186,32 @@ def test_thread_ranks_run_one_executable_of_a_program_with_collectives():
         np.testing.assert_allclose(row, [want] * 3, rtol=1e-6)
 
 
+def test_thread_ranks_compile_each_unit_of_an_init_function_once():
+    """``step.init_from`` at three thread ranks compiles what it compiles at
+    one rank: a program per unit for the group, not one a rank; each rank
+    keeps its own rows of the same draws."""
+
+    def init(key):
+        k1, k2 = jax.random.split(key)
+        return {"a": jax.random.normal(k1, (13, 3)), "b": jax.random.normal(k2, (17,))}
+
+    def run(comm):
+        step = shard.zero3(lambda p, b: jnp.sum(p["a"]) + jnp.sum(p["b"]),
+                           optimizer=ops.adamw(1e-2), comm=comm)
+        return shard.gather(step.init_from(init, jax.random.key(5)), comm)
+
+    counts, want = [], init(jax.random.key(5))
+    for world in (1, 3):
+        _forget_programs()
+        with _Compiles() as c:
+            got = shard.spawn(run, world)
+        counts.append((c.n, c.loss))
+        for whole in got:
+            for k in want:
+                np.testing.assert_array_equal(whole[k], np.asarray(want[k]))
+    assert counts[1] == counts[0] and counts[0][1] == 2, counts  # units "a" and "b"
+
+
 def test_a_rank_s_collectives_outlive_another_object_over_its_group():
     """Two TensorParallel objects over one group: the one made later and
     dropped leaves the first one's collectives running."""

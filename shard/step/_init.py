@@ -12,6 +12,7 @@ import numpy as np
 
 import ops._types
 from ops import Device
+from ops.comm._xla import SharedJit
 from shard.core._layout import alloc_units, native_leaves
 from shard.core._paths import is_shape
 from shard.core._state import TrainState
@@ -142,8 +143,10 @@ def _from_split_arrays(c: StepConfig, params: object, current: Device) -> Made |
 
 def from_function(c: StepConfig, init_fn: Callable[..., object], args: tuple,
                   device: Device | None) -> Made:
-    """``step.init_from(init_fn, *args)``: one ``jax.jit`` per unit, keeping only
-    that unit's outputs."""
+    """``step.init_from(init_fn, *args)``: one program per unit, keeping only
+    that unit's outputs, compiled once for a group's thread ranks (and for a
+    later call with the same program: see [Note: one program for a group's
+    ranks])."""
     import jax
 
     if c.tensor_parallel is not None:
@@ -153,7 +156,7 @@ def from_function(c: StepConfig, init_fn: Callable[..., object], args: tuple,
     plan = make_plan(c, jax.eval_shape(init_fn, *args), device=device)
 
     def unit(u: int, idx: list[int]) -> list[jax.Array | np.ndarray]:
-        part = jax.jit(lambda *a: [tu.tree_leaves(init_fn(*a))[j] for j in idx])
+        part = SharedJit(lambda *a: [tu.tree_leaves(init_fn(*a))[j] for j in idx])
         out = part(*args)
         on_cpu = [all(d.platform == "cpu" for d in x.devices()) for x in out]
         if plan.device.host:  # JAX on a GPU and the state on the CPU: an explicit copy
