@@ -225,8 +225,8 @@ def run_scenario(scenario: str, comm, part: dict) -> None:
 
         results = [PM.run(comm, stages=2, microbatches=2)]
         part["worst"] = PM.worst_difference(results, PM.reference())
-    elif scenario == "pipeline_routed":  # the same behind the communicator that
-        from ops.comm._world import RoutedCommunicator  # init_from_env makes on a GPU
+    elif scenario == "pipeline_routed":  # the same, behind init_from_env's GPU communicator
+        from ops.comm._world import RoutedCommunicator
 
         run_scenario("pipeline", RoutedCommunicator(comm, lambda: comm), part)
     elif scenario == "torch_pipeline":  # 2 stages x 2 data ranks of torch modules, ZeRO-3
