@@ -212,9 +212,10 @@ WORKERS = {"ours": ours, "ours_torch": ours_torch, "torch": torch_pipelining,
 def run(frameworks: tuple[str, ...], p: int, m: int, args: argparse.Namespace) -> dict:
     """``{framework: result}`` of one launch of ``p`` processes that runs each of
     ``frameworks`` in turn, each warmed up before it is timed. The peers run
-    first: whatever an earlier framework leaves behind in the processes can only
-    slow ours."""
-    order = sorted(frameworks, key=lambda f: f.startswith("ours"))
+    first, so whatever an earlier framework leaves behind in the processes can
+    only slow ours; DeepSpeed first of all, as its own launches start it (its
+    process group is the one the others then find)."""
+    order = sorted(frameworks, key=lambda f: (f.startswith("ours"), f != "deepspeed"))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(p),
            __file__, "--worker", ",".join(order), "--microbatches", str(m), "--layers",
            str(args.layers),
