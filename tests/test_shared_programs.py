@@ -187,9 +187,11 @@ def test_thread_ranks_run_one_executable_of_a_program_with_collectives():
 
 
 def test_thread_ranks_compile_each_unit_of_an_init_function_once():
-    """``step.init_from`` at three thread ranks compiles what it compiles at
-    one rank: a program per unit for the group, not one a rank; each rank
-    keeps its own rows of the same draws."""
+    """``step.init_from`` at three thread ranks compiles its units' programs
+    as one rank does: one per unit for the group, not one a rank (the eager
+    operations around them are left out of the count: thread ranks that miss
+    JAX's cache at once may each compile one); each rank keeps its own rows of
+    the same draws."""
 
     def init(key):
         k1, k2 = jax.random.split(key)
@@ -205,11 +207,11 @@ def test_thread_ranks_compile_each_unit_of_an_init_function_once():
         _forget_programs()
         with _Compiles() as c:
             got = shard.spawn(run, world)
-        counts.append((c.n, c.loss))
+        counts.append(c.loss)
         for whole in got:
             for k in want:
                 np.testing.assert_array_equal(whole[k], np.asarray(want[k]))
-    assert counts[1] == counts[0] and counts[0][1] == 2, counts  # units "a" and "b"
+    assert counts == [2, 2], counts  # units "a" and "b", at one rank and at three
 
 
 def test_a_rank_s_collectives_outlive_another_object_over_its_group():
