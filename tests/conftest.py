@@ -27,16 +27,23 @@ def rng() -> np.random.Generator:
 
 
 @pytest.fixture(scope="session")
-def gloo_shared(tmp_path_factory):
+def shared_tmp(tmp_path_factory):
+    """A directory that the test session's pytest-xdist workers share (for
+    work done once per session under a file lock)."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' basetemps share a parent
+        base = base.parent
+    return base
+
+
+@pytest.fixture(scope="session")
+def gloo_shared(shared_tmp):
     """``gloo_shared(scenario, world)``: each rank's report of a scenario of
     ``tests/gloo_worker.py``, from one launch per world size that the test
     session's workers share (see ``tests.multiproc.shared_run``)."""
     from tests.multiproc import shared_run
 
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' basetemps share a parent
-        base = base.parent
-    return lambda scenario, world: shared_run(scenario, world, base)
+    return lambda scenario, world: shared_run(scenario, world, shared_tmp)
 
 
 @pytest.fixture(scope="session")

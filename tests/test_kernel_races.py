@@ -60,7 +60,7 @@ def _numbered(src: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def build(tmp_path_factory):
+def build(shared_tmp):
     """``build(src, name, driver)``: the path of ``src`` with ``driver`` built
     under ThreadSanitizer, once per test session (the pytest-xdist workers
     share the builds through a file lock, as ``gloo_shared`` shares launches)."""
@@ -68,10 +68,7 @@ def build(tmp_path_factory):
 
     from filelock import FileLock
 
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):  # the workers' basetemps share a parent
-        base = base.parent
-    where = base / "kernel-races"
+    where = shared_tmp / "kernel-races"
     where.mkdir(exist_ok=True)
 
     def get(src: str, name: str, driver: str):
