@@ -121,10 +121,16 @@ def notebook_page(path: Path, execute: bool) -> str:
         warnings.simplefilter("ignore")
         nb = nbformat.read(path, as_version=4)
     if execute:
-        from nbclient import NotebookClient
+        import tempfile
 
-        NotebookClient(nb, timeout=600, kernel_name="python3",
-                       resources={"metadata": {"path": str(path.parent)}}).execute()
+        from nbclient import NotebookClient
+        from traitlets.config import Config
+
+        with tempfile.TemporaryDirectory() as tmp:  # no TCP port to lose to another process
+            sockets = Config({"KernelManager": {"transport": "ipc",
+                                                "connection_file": str(Path(tmp) / "kernel.json")}})
+            NotebookClient(nb, timeout=600, kernel_name="python3", config=sockets,
+                           resources={"metadata": {"path": str(path.parent)}}).execute()
     cells = list(nb.cells)
     title = (cells.pop(0).source if cells and cells[0].cell_type == "markdown"
              and cells[0].source.startswith("# ") else f"# {path.stem}")

@@ -7,6 +7,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from nbclient import NotebookClient
+from traitlets.config import Config
 
 pytestmark = pytest.mark.notebook
 
@@ -26,12 +27,16 @@ CHECKED = {"01_quickstart.ipynb": "largest difference from torch.optim.AdamW",
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path, monkeypatch):
+def test_notebook_runs(path, monkeypatch, tmp_path):
     monkeypatch.delenv("JAX_DISABLE_MOST_OPTIMIZATIONS", raising=False)  # as users run them
     nb = nbformat.read(path, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
         "commit notebooks with their outputs cleared"
-    NotebookClient(nb, timeout=300, kernel_name="python3",
+    # the kernel's sockets are files in tmp_path: TCP ports, picked free and then bound, can be
+    # taken in between by another kernel or process group that the suite starts
+    sockets = Config({"KernelManager": {"transport": "ipc",
+                                        "connection_file": str(tmp_path / "kernel.json")}})
+    NotebookClient(nb, timeout=300, kernel_name="python3", config=sockets,
                    resources={"metadata": {"path": str(path.parent)}}).execute()
     outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
                       for o in c.outputs)
