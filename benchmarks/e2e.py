@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -230,10 +229,9 @@ def worker(args: argparse.Namespace) -> None:
         return
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    mp.spawn(rank_main, args=(args, port), nprocs=2, join=True)
+    from tests.multiproc import free_port
+
+    mp.spawn(rank_main, args=(args, free_port()), nprocs=2, join=True)
 
 
 # -- the driver ------------------------------------------------------------------------

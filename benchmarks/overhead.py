@@ -55,7 +55,6 @@ import cProfile
 import json
 import os
 import pstats
-import socket
 import statistics
 import subprocess
 import sys
@@ -87,10 +86,9 @@ def model_and_data(args: argparse.Namespace, n: int) -> tuple[Any, list]:
 
 
 def init_gloo() -> None:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0",
+    from tests.multiproc import free_port
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
                       LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
 
 
