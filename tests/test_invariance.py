@@ -166,7 +166,9 @@ def assert_same_bits(got, want, what):
 
 @pytest.mark.parametrize("loss_fn", [M.loss, M.LAYERED], ids=["jax", "layered"])
 def test_a_jax_model_trains_to_the_same_bits_at_worlds_1_to_8_and_zero_0_to_3(loss_fn):
-    want = ops.spawn(lambda c: jax_run(c, stage=0, loss_fn=M.loss), 1)[0]
+    # each loss against itself at one rank: a Layered model's programs are its layers', so
+    # XLA's code (and its roundings) for it may differ from the whole loss's
+    want = ops.spawn(lambda c: jax_run(c, stage=0, loss_fn=loss_fn), 1)[0]
     for stage in (0, 1, 2, 3):
         for world in (1, 2, 4, 8):
             got = ops.spawn(lambda c, s=stage: jax_run(c, stage=s, loss_fn=loss_fn), world)

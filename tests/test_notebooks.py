@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import nbformat
@@ -28,7 +29,10 @@ CHECKED = {"01_quickstart.ipynb": "largest difference from torch.optim.AdamW",
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, monkeypatch, tmp_path):
-    monkeypatch.delenv("JAX_DISABLE_MOST_OPTIMIZATIONS", raising=False)  # as users run them
+    # as users run them: XLA's optimisations and its default emitters (see conftest)
+    monkeypatch.delenv("JAX_DISABLE_MOST_OPTIMIZATIONS", raising=False)
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "").replace(
+        "--xla_cpu_use_fusion_emitters=false", "").strip())
     nb = nbformat.read(path, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
         "commit notebooks with their outputs cleared"
