@@ -1,9 +1,10 @@
 """One rank of the meta-device init memory test: a ZeRO-3 init of 8 units of 16 MiB
-each, and this process's peak resident memory during it.
+each, and how far this process's resident memory rose during it.
 
 ZS_SCENARIO: ``meta`` (a torch module built on the meta device), ``eager`` (the
-same module built whole first) or ``jax`` (``init_from`` a JAX init function).
-ZS_OUT: where to write this rank's JSON report.
+same module built whole first) or ``jax`` (``init_from`` a JAX init function),
+or several of them joined by ``+``, run in turn in this process.
+ZS_OUT: where to write this rank's JSON report (one per scenario, by name).
 """
 
 from __future__ import annotations
@@ -24,7 +25,24 @@ def peak_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def main() -> None:
+def resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmRSS in /proc/self/status")
+
+
+def reset_peak() -> int:
+    """Lower the high-water mark to the resident size now (Linux's
+    ``clear_refs``) and return it."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return peak_bytes()
+
+
+def init(scenario: str, comm) -> dict:
+    """One scenario's init: the memory it took (``grew``) and its state's size."""
     import numpy as np
     import torch
 
@@ -32,8 +50,6 @@ def main() -> None:
     import ops
     import shard
 
-    scenario = os.environ["ZS_SCENARIO"]
-    comm = ops.init_from_env()
     unit_bytes = WIDTH * WIDTH * 4
     if scenario == "jax":
         import jax
@@ -48,8 +64,7 @@ def main() -> None:
             return (x ** 2).mean()
 
         step = shard.zero3(loss, optimizer=ops.adam(1e-3), comm=comm)
-        jax.jit(lambda k: jax.random.normal(k, (4, 4)))(jax.random.key(1))  # runtime up
-        before = peak_bytes()
+        before = reset_peak()
         state = step.init_from(init_fn, jax.random.key(0))
     else:
         def build() -> torch.nn.Module:
@@ -61,7 +76,7 @@ def main() -> None:
                 model = build()
         else:
             torch.manual_seed(0)
-        before = peak_bytes()
+        before = reset_peak()
         if scenario == "eager":
             model = build()
         params, fn = it.functional(model, loss=lambda m, x: m(x).pow(2).mean())
@@ -69,11 +84,33 @@ def main() -> None:
         state = step.init(params)
     state_bytes = sum(int(b.nbytes) for b in (*state.master, *state.exp_avg,
                                                *state.exp_avg_sq))
-    report = {"rank": comm.rank, "grew": peak_bytes() - before, "state_bytes": state_bytes,
-              "unit_bytes": unit_bytes, "model_bytes": UNITS * unit_bytes,
-              "digest": float(np.sum([float(np.abs(m).sum()) for m in state.master]))}
+    return {"rank": comm.rank, "grew": peak_bytes() - before, "state_bytes": state_bytes,
+            "unit_bytes": unit_bytes, "model_bytes": UNITS * unit_bytes,
+            "digest": float(np.sum([float(np.abs(m).sum()) for m in state.master]))}
+
+
+def main() -> None:
+    """The scenarios of ZS_SCENARIO (``+`` between them) in turn. Each one's
+    ``grew`` is counted from the resident size it starts at; ``held_before`` is
+    what the scenarios before it left resident (about 10 MiB after a meta
+    init), which it may have grown into unseen. So ``grew`` is at most what
+    the scenario took, and ``grew + held_before`` at least (both exact for the
+    first, as in a process of its own)."""
+    import gc
+
+    import jax
+
+    import ops
+
+    comm = ops.init_from_env()
+    jax.jit(lambda k: jax.random.normal(k, (4, 4)))(jax.random.key(1))  # runtime up
+    reports, base = {}, resident_bytes()
+    for scenario in os.environ["ZS_SCENARIO"].split("+"):
+        gc.collect()
+        held = max(resident_bytes() - base, 0)
+        reports[scenario] = dict(init(scenario, comm), held_before=held)
     with open(f"{os.environ['ZS_OUT']}.{comm.rank}", "w") as f:
-        json.dump(report, f)
+        json.dump(reports, f)
 
 
 if __name__ == "__main__":
