@@ -13,8 +13,16 @@ import time
 from pathlib import Path
 
 
-def train_one(comm, env: dict[str, str]) -> dict | None:
-    """One run as ``env`` says; rank 0's report (None on the other ranks)."""
+def config(env: dict[str, str]):
+    from examples import gpt
+
+    return gpt.GPTConfig(seq=16, d=int(env.get("ZS_D", "32")),
+                         layers=int(env.get("ZS_LAYERS", "2")), heads=2)
+
+
+def train_one(comm, env: dict[str, str], model=None) -> dict | None:
+    """One run as ``env`` says (of a copy of ``model``, else of the GPT built
+    here); rank 0's report (None on the other ranks)."""
     import numpy as np
 
     import shard
@@ -35,10 +43,8 @@ def train_one(comm, env: dict[str, str]) -> dict | None:
 
     if warmup == 0:
         on_step(0)
-    cfg = gpt.GPTConfig(seq=16, d=int(env.get("ZS_D", "32")),
-                        layers=int(env.get("ZS_LAYERS", "2")), heads=2)
     out = gpt.train(comm, stage=int(env.get("ZS_STAGE", "3")),
-                    steps=int(env.get("ZS_STEPS", "4")), batch=8, cfg=cfg,
+                    steps=int(env.get("ZS_STEPS", "4")), batch=8, cfg=config(env), model=model,
                     progress=False, replicas=int(env.get("ZS_REPLICAS", "1")),
                     reshard_after_forward=int(env.get("ZS_RESHARD", "0")) or True,
                     quantized_weights=env.get("ZS_QWZ") == "1",

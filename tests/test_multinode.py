@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from tests import netns
+from tests.elastic_worker import uninterrupted
 from tests.multiproc import ROOT, free_port
 
 WHY = netns.unavailable()
@@ -67,19 +68,23 @@ def on_hosts(n: int, per_host: int, out: Path, **more: str) -> list[int]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The same training on one host (4 processes), on two hosts, and on two hosts
-    with hierarchical ZeRO (ZeRO-3 inside each host, replicas across)."""
+    """The same training on one host (4 thread ranks: the same bits as 4
+    processes), on two hosts, and on two hosts with hierarchical ZeRO (ZeRO-3
+    inside each host, replicas across)."""
+    import ops
+    from examples import gpt
+    from tests import netns_worker
+
     tmp = tmp_path_factory.mktemp("multinode")
-    one = tmp / "one-host.json"
-    finish([subprocess.Popen(torchrun(["--standalone", "--nproc-per-node", "4"]),
-                             env=environ(one), cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)])
+    env = {"ZS_STEPS": str(STEPS)}
+    model = gpt.build(netns_worker.config(env))
+    one = ops.spawn(lambda comm: netns_worker.train_one(comm, env, model), 4)[0]
     # the three two-host runs in one launch, one after another in its process group;
     # each rank reads its host's link around each run
     modes = {"two-hosts": {}, "hsdp": {"ZS_REPLICAS": "2"}, "hpz": {"ZS_RESHARD": "2"}}
     two_hosts(tmp / "two-hosts.json", ZS_MODES=json.dumps(modes))
     reports = json.loads((tmp / "two-hosts.json").read_text())
-    reports["one-host"] = json.loads(one.read_text())
+    reports["one-host"] = one
     sent = {"flat" if k == "two-hosts" else k: reports[k]["sent"] for k in modes}
     return reports, sent
 
@@ -87,7 +92,7 @@ def runs(tmp_path_factory):
 @pytest.mark.multiprocess
 @pytest.mark.netns
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
-def test_two_hosts_of_two_processes_train_as_four_processes_on_one_host(runs):
+def test_two_hosts_of_two_processes_train_as_four_ranks_on_one_host(runs):
     reports, sent = runs
     want, got = reports["one-host"], reports["two-hosts"]
     assert got["world"] == want["world"] == 4
@@ -127,7 +132,7 @@ def test_hierarchical_zero_sends_only_gradient_shards_between_hosts(runs):
 @pytest.mark.multiprocess
 @pytest.mark.netns
 @pytest.mark.skipif(WHY is not None, reason=WHY or "")
-def test_four_hosts_through_a_switch_train_as_four_processes_on_one_host(runs, tmp_path):
+def test_four_hosts_through_a_switch_train_as_four_ranks_on_one_host(runs, tmp_path):
     """Four namespaces of one process each, linked through a bridge: every gather
     and reduce-scatter crosses a link, and the run is the one-host run."""
     reports, _ = runs
@@ -218,11 +223,7 @@ def test_a_killed_host_rejoins_and_the_run_ends_bit_identical(tmp_path):
     on disk, every process of host 1 (its agent and workers) is SIGKILLed; host
     0's agent restarts its workers and waits at the rendezvous, a new agent on
     host 1 joins, and both resume from the checkpoint to params bit-identical
-    to an uninterrupted run of 4 processes."""
-    straight = tmp_path / "straight.json"
-    finish([subprocess.Popen(elastic_run(["--standalone", "--nproc-per-node", "4"]),
-                             env=elastic(straight, tmp_path / "straight-ckpt"), cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)])
+    to an uninterrupted run of 4 ranks (thread ranks: the same bits)."""
     out, ckpt, pause = tmp_path / "killed.json", tmp_path / "ckpt", tmp_path / "pause"
     pause.touch()  # a step takes a second meanwhile: time to kill a host mid-run
     with netns.two_hosts() as hosts:
@@ -252,7 +253,7 @@ def test_a_killed_host_rejoins_and_the_run_ends_bit_identical(tmp_path):
         assert first[1].returncode == -9 and len(pids) >= 3  # an agent and two workers
         pause.unlink()
         finish([first[0], agent(1)])
-    got, want = json.loads(out.read_text()), json.loads(straight.read_text())
+    got = json.loads(out.read_text())
     assert got["attempt"] == 1  # host 0's workers, restarted by their agent
     assert got["first"] == 3 and got["ran"] == list(range(3, 9)), got["ran"]
-    assert got["params"] == want["params"]  # bit for bit
+    assert got["params"] == uninterrupted(4, 9)  # bit for bit
