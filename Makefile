@@ -14,10 +14,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 	@echo "== $(VENV) is ready"
 
+# mypy on two processes: a fresh clone's first check (no cache) 22.8 s against 28.3 s.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
-	$(VENV)/bin/mypy
+	MYPY_NUM_WORKERS=2 $(VENV)/bin/mypy
 
 # Two workers, one per core: torch's OpenMP pool takes one thread in each worker,
 # notebook kernel and launched rank (its default, a thread per core in every
