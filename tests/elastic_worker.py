@@ -6,9 +6,10 @@ first attempt, rank ZS_KILL_RANK SIGKILLs itself before step ZS_KILL_STEP
 trained params' checksums and the steps it ran to ZS_OUT. With ZS_ASYNC=1 the
 checkpoints are ``shard.async_save``'s, and on the first attempt each rank
 file after the first checkpoint's takes ZS_SLOW_DISK more seconds to write (a
-slow disk). While the file ZS_PAUSE names exists, each step takes a second
-longer (the multi-node test kills a host meanwhile). :func:`uninterrupted` is
-the run never interrupted, on thread ranks: the tests' reference."""
+slow disk). While the file ZS_PAUSE names exists, each step after the first
+checkpoint takes a second longer (the multi-node test kills a host meanwhile).
+:func:`uninterrupted` is the run never interrupted, on thread ranks: the
+tests' reference."""
 
 from __future__ import annotations
 
@@ -97,7 +98,7 @@ def main() -> None:
     for i in range(first, steps):
         if attempt == 0 and comm.rank == kill_rank and i == kill_step:
             os.kill(os.getpid(), signal.SIGKILL)
-        if os.environ.get("ZS_PAUSE") and Path(os.environ["ZS_PAUSE"]).exists():
+        if i >= every and os.environ.get("ZS_PAUSE") and Path(os.environ["ZS_PAUSE"]).exists():
             time.sleep(1.0)
         state, _ = step(state, batch_at(i))
         ran.append(i)

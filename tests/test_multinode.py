@@ -225,7 +225,7 @@ def test_a_killed_host_rejoins_and_the_run_ends_bit_identical(tmp_path):
     host 1 joins, and both resume from the checkpoint to params bit-identical
     to an uninterrupted run of 4 ranks (thread ranks: the same bits)."""
     out, ckpt, pause = tmp_path / "killed.json", tmp_path / "ckpt", tmp_path / "pause"
-    pause.touch()  # a step takes a second meanwhile: time to kill a host mid-run
+    pause.touch()  # a step after the checkpoint takes a second: time to kill a host mid-run
     with netns.two_hosts() as hosts:
         port = free_port()
 
@@ -233,7 +233,10 @@ def test_a_killed_host_rejoins_and_the_run_ends_bit_identical(tmp_path):
             h = hosts[i]
             args = ["--nnodes", "2", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
                     "--rdzv-endpoint", f"{hosts[0].addr}:{port}", "--rdzv-id", "zs-killed-host",
-                    "--rdzv-conf", f"is_host={int(i == 0)},join_timeout=120",
+                    # the killed agent leaves the rendezvous once its keep-alive has gone
+                    # unanswered keep_alive_max_attempt times (5 s x 3 by default): 1 s x 3
+                    "--rdzv-conf", f"is_host={int(i == 0)},join_timeout=120,"
+                    "keep_alive_interval=1,keep_alive_max_attempt=3",
                     "--local-addr", h.addr]
             return subprocess.Popen(h.command(elastic_run(args)), cwd=ROOT, text=True,
                                     env=elastic(out, ckpt, ZS_PAUSE=str(pause),
