@@ -248,12 +248,13 @@ def run_scenario(scenario: str, comm, part: dict) -> None:
         # the test holds the one-process reference (computed once, not in each process)
         part["whole"] = [np.asarray(x).tolist() for x in jax.tree.leaves(whole)]
         part["losses"], part["norms"] = [float(x) for x in losses], [float(x) for x in norms]
-        from tests import test_invariance as inv  # 4 processes, one thread rank's bits
+        from tests import test_invariance as inv  # the test compares one thread rank's bits
 
-        got = inv.jax_run(comm, stage=3, steps=4)
-        bits = ops.spawn(lambda c: inv.jax_run(c, stage=3, steps=4), 1)[0]
-        part["invariant"] = got[1:] == bits[1:] and all(
-            np.array_equal(a, b) for a, b in zip(got[0], bits[0], strict=True))
+        params, losses, norms = inv.jax_run(comm, stage=3, steps=4)
+        part["invariant"] = {"params": [np.asarray(x).tolist() for x in params],
+                             "dtypes": [str(np.asarray(x).dtype) for x in params],
+                             "losses": [float(x) for x in losses],
+                             "norms": [float(x) for x in norms]}
     elif scenario == "mismatch":
         ops.all_gather(comm, np.ones(100_000 + comm.rank, np.float32))
     else:

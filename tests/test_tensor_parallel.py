@@ -374,16 +374,23 @@ def test_a_plain_checkpoint_loads_into_a_tensor_parallel_step(tmp_path):
 
 @pytest.mark.multiprocess
 def test_four_gloo_processes_train_a_sequence_parallel_gpt_as_one_process(gloo_shared):
+    import ops
+    from tests import test_invariance as inv
+
     reports = gloo_shared("tensor_parallel", 4)
     want, want_losses, want_norms = gpt.reference(5)
-    for rep in reports:
+    bits = ops.spawn(lambda c: inv.jax_run(c, stage=3, steps=4), 1)[0]
+    for rank, rep in enumerate(reports):
         assert rep.get("ok"), rep
         got = [np.asarray(x, np.float32) for x in rep["whole"]]
         jax.tree.map(_close, jax.tree.unflatten(jax.tree.structure(want), got), want)
         np.testing.assert_allclose(rep["losses"], want_losses, rtol=0, atol=1e-5)
         np.testing.assert_allclose(rep["norms"], want_norms, rtol=0, atol=1e-5)
         # invariant_shards=8 at 4 processes: one thread rank's bits
-        assert rep["invariant"], {k: v for k, v in rep.items() if k != "whole"}
+        inv.assert_same_bits(([np.asarray(x, d) for x, d in zip(
+            rep["invariant"]["params"], rep["invariant"]["dtypes"], strict=True)],
+            rep["invariant"]["losses"], rep["invariant"]["norms"]), bits,
+            f"rank {rank} of 4 gloo processes")
 
 
 def test_what_tensor_parallelism_does_not_compose_with_is_refused_by_name(tmp_path):
