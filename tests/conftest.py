@@ -23,9 +23,9 @@ def _version(dist: str) -> tuple[int, ...]:
 # times as long to compile the tensor-parallel GPT's value and gradient (0.67
 # against 0.25 s), and the fast tier 179 s against 127 s (330 against 229 CPU
 # seconds). The launched ranks inherit the flags; the notebooks run with XLA's
-# defaults, as users run them. An XLA that no longer knows the flag stops at
-# start naming it; the jaxlib releases before the one it was measured on do
-# without it. Must precede the first jax import.
+# defaults, as users run them; an XLA_FLAGS of your own replaces these. An XLA
+# that no longer knows the flag stops at start naming it; a jaxlib older than
+# 0.10 (measured on 0.10.2) runs without it. Must precede the first jax import.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 "
                                    "--xla_gpu_deterministic_ops=true" +
                       (" --xla_cpu_use_fusion_emitters=false" if _version("jaxlib") >= (0, 10)
@@ -37,7 +37,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 "
 # notebooks run optimised, as users run them (JAX_DISABLE_MOST_OPTIMIZATIONS=0
 # runs every test so).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
-
 
 
 @pytest.fixture

@@ -15,22 +15,15 @@ import os
 WIDTH, UNITS = 2048, 8
 
 
-def peak_bytes() -> int:
-    """This process's resident high-water mark (``VmHWM``: unlike ``ru_maxrss``,
-    not inherited from the parent through fork and exec)."""
+def status_bytes(field: str) -> int:
+    """A size from ``/proc/self/status``: ``VmRSS`` (resident now) or ``VmHWM``
+    (the resident high-water mark: unlike ``ru_maxrss``, not inherited from the
+    parent through fork and exec)."""
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("VmHWM:"):
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmHWM in /proc/self/status")
-
-
-def resident_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def reset_peak() -> int:
@@ -38,7 +31,7 @@ def reset_peak() -> int:
     ``clear_refs``) and return it."""
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    return peak_bytes()
+    return status_bytes("VmHWM")
 
 
 def init(scenario: str, comm) -> dict:
@@ -84,7 +77,8 @@ def init(scenario: str, comm) -> dict:
         state = step.init(params)
     state_bytes = sum(int(b.nbytes) for b in (*state.master, *state.exp_avg,
                                                *state.exp_avg_sq))
-    return {"rank": comm.rank, "grew": peak_bytes() - before, "state_bytes": state_bytes,
+    return {"rank": comm.rank, "grew": status_bytes("VmHWM") - before,
+            "state_bytes": state_bytes,
             "unit_bytes": unit_bytes, "model_bytes": UNITS * unit_bytes,
             "digest": float(np.sum([float(np.abs(m).sum()) for m in state.master]))}
 
@@ -104,10 +98,10 @@ def main() -> None:
 
     comm = ops.init_from_env()
     jax.jit(lambda k: jax.random.normal(k, (4, 4)))(jax.random.key(1))  # runtime up
-    reports, base = {}, resident_bytes()
+    reports, base = {}, status_bytes("VmRSS")
     for scenario in os.environ["ZS_SCENARIO"].split("+"):
         gc.collect()
-        held = max(resident_bytes() - base, 0)
+        held = max(status_bytes("VmRSS") - base, 0)
         reports[scenario] = dict(init(scenario, comm), held_before=held)
     with open(f"{os.environ['ZS_OUT']}.{comm.rank}", "w") as f:
         json.dump(reports, f)
