@@ -204,9 +204,13 @@ def test_multinode_benchmark_prints_its_table():
     assert "diverged" not in out.stdout, out.stdout
 
 
+ELASTIC_STEPS, ELASTIC_EVERY = 9, 3
+
+
 def elastic(out: Path, ckpt: Path, **more: str) -> dict[str, str]:
     """The environment of ``tests/elastic_worker.py``: 9 steps, a checkpoint every 3."""
-    return environ(out, ZS_CKPT=str(ckpt), ZS_STEPS="9", ZS_EVERY="3", ZS_KILL_RANK="0",
+    return environ(out, ZS_CKPT=str(ckpt), ZS_STEPS=str(ELASTIC_STEPS),
+                   ZS_EVERY=str(ELASTIC_EVERY), ZS_KILL_RANK="0",
                    ZS_KILL_STEP="-1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1", **more)
 
 
@@ -258,5 +262,7 @@ def test_a_killed_host_rejoins_and_the_run_ends_bit_identical(tmp_path):
         finish([first[0], agent(1)])
     got = json.loads(out.read_text())
     assert got["attempt"] == 1  # host 0's workers, restarted by their agent
-    assert got["first"] == 3 and got["ran"] == list(range(3, 9)), got["ran"]
-    assert got["params"] == uninterrupted(4, 9)  # bit for bit
+    resumed = ELASTIC_EVERY  # the first checkpoint's step
+    assert got["first"] == resumed and got["ran"] == list(range(resumed, ELASTIC_STEPS)), \
+        got["ran"]
+    assert got["params"] == uninterrupted(4, ELASTIC_STEPS)  # bit for bit
