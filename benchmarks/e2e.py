@@ -4,7 +4,7 @@ The model is the peers' harness GPT (pre-LN blocks, causal SDPA attention, 4x
 GELU MLP, learned positions, untied head), micro-batch 8 x 128 tokens per
 rank, AdamW (lr 1e-4, weight decay 0.01), random tokens. Every mode runs in a
 fresh process group of 2 gloo processes with 1 compute thread each (the
-threads row: 2 thread ranks in one process), as a subprocess of this script,
+threads row: 2 thread ranks in one process), subprocesses of this script,
 and the modes are interleaved pass by pass so the machine's noise hits all of
 them alike. Step time is rank 0's wall clock per step (forward, backward,
 optimizer, and reading the loss); the table gives medians over all passes.
@@ -37,6 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/gpu.py: the model
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))  # tests.multiproc: the ranks' port
 SIZES = {"23m": dict(layers=6, d=512, heads=8), "91m": dict(layers=12, d=768, heads=12),
          "tiny": dict(layers=2, d=32, heads=2)}  # tiny: the benchmark's own check
 VOCAB, SEQ, BATCH, LR, WD = 4096, 128, 8, 1e-4, 0.01
@@ -171,9 +173,8 @@ def peer_step(mode: str, model, args: argparse.Namespace):
     return step
 
 
-def rank_main(rank: int, args: argparse.Namespace, port: int) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+def rank_main(rank: int, args: argparse.Namespace) -> None:
+    """A rank of a 2-process mode, in torchrun's environment (``tests.multiproc.launch``)."""
     import torch
     import torch.distributed as dist
 
@@ -226,32 +227,31 @@ def threads_main(args: argparse.Namespace) -> None:
 def worker(args: argparse.Namespace) -> None:
     if args.worker == "zero3-threads":
         threads_main(args)
-        return
-    import torch.multiprocessing as mp
-
-    from tests.multiproc import free_port
-
-    mp.spawn(rank_main, args=(args, free_port()), nprocs=2, join=True)
+    else:
+        rank_main(int(os.environ["RANK"]), args)
 
 
 # -- the driver ------------------------------------------------------------------------
 def run_one(mode: str, size: str, args: argparse.Namespace) -> dict | None:
+    """One mode's run: its 2 ranks started here as processes (the threads row: one
+    process), rank 0 writing the result."""
+    from tests.multiproc import launch
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--worker", mode, "--size", size, "--out", str(out),
                "--steps", str(args.steps), "--warmup", str(args.warmup),
                "--peer-adam", args.peer_adam] + (["--profile"] if args.profile else [])
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-                   TORCH_EXTENSIONS_DIR=os.environ.get(
-                       "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/zeroshard/torch_ext")))
+        env = dict(OMP_NUM_THREADS="1", TORCH_EXTENSIONS_DIR=os.environ.get(
+            "TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache/zeroshard/torch_ext")))
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                  timeout=args.timeout)
+            codes, logs = launch(cmd, 1 if mode == "zero3-threads" else 2, env,
+                                 timeout=args.timeout)
         except subprocess.TimeoutExpired:
             print(f"  {size} {mode}: timed out after {args.timeout} s", file=sys.stderr)
             return None
-        if proc.returncode != 0 or not out.exists():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["?"]
+        if any(codes) or not out.exists():
+            tail = [line for log in logs for line in log.strip().splitlines()[-1:]] or ["?"]
             print(f"  {size} {mode}: failed ({tail[0][:160]})", file=sys.stderr)
             return None
         return json.loads(out.read_text())

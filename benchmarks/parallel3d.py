@@ -8,7 +8,7 @@ The model is a Hugging Face ``LlamaForCausalLM`` (untied head), split the same w
 by both: q/k/v and gate/up column-parallel, o/down row-parallel, the embedding
 vocabulary-parallel and the head column-parallel with its output gathered
 (Hugging Face's own ``_tp_plan``). A layout ``DxT`` is D data ranks by T model
-ranks, one process each (torchrun, one compute thread): at D = 1 ours runs
+ranks, one process each (one compute thread): at D = 1 ours runs
 ``zero1`` on a ``data`` x ``model`` mesh against ``parallelize_module`` and
 ``torch.optim.AdamW``; at D > 1 ours runs ``zero3`` on the data axis against FSDP2
 (``fully_shard`` per decoder layer and the root) on the ``data`` dimension of a
@@ -34,7 +34,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -182,16 +181,19 @@ WORKERS = {"ours": ours, "torch": torch_tp}
 
 
 def run(framework: str, data: int, model: int, args: argparse.Namespace) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node",
-           str(data * model), __file__, "--worker", framework, "--model", str(model)]
+    from tests.multiproc import launch
+
+    cmd = [sys.executable, __file__, "--worker", framework, "--model", str(model)]
     for k in ("layers", "hidden", "ffn", "heads", "vocab", "seq", "batch", "steps"):
         cmd += [f"--{k}", str(getattr(args, k))]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    if out.returncode or not line:
-        raise RuntimeError(f"{framework} {data}x{model} failed:\n{out.stderr[-3000:]}")
+    codes, logs = launch(cmd, data * model, dict(
+        OMP_NUM_THREADS="1",
+        XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"),
+        timeout=3600)
+    line = [x for x in logs[0].splitlines() if x.startswith("RESULT ")]
+    if any(codes) or not line:
+        raise RuntimeError(f"{framework} {data}x{model} failed:\n"
+                           + "\n".join(log[-3000:] for log in logs))
     return json.loads(line[0][len("RESULT "):])
 
 

@@ -5,7 +5,7 @@
     python benchmarks/pipeline.py [--stages 2,4] [--micro 4,8] [--steps 6] [--model mlp|gpt]
 
 The model is L square layers (tanh) and a mean-squared-error loss, split into P
-stages of L/P layers, one gloo process per stage (torchrun), one compute thread
+stages of L/P layers, one gloo process per stage, one compute thread
 each; one launch per (P, M) runs every framework in turn. Ours is in JAX (a
 ``shard.Layered`` loss), torch's and DeepSpeed's in torch (DeepSpeed's row is
 left out when it is not installed; ``make bench`` installs it). For each
@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -215,20 +214,23 @@ def run(frameworks: tuple[str, ...], p: int, m: int, args: argparse.Namespace) -
     first, so whatever an earlier framework leaves behind in the processes can
     only slow ours; DeepSpeed first of all, as its own launches start it (its
     process group is the one the others then find)."""
+    from tests.multiproc import launch
+
     order = sorted(frameworks, key=lambda f: (f.startswith("ours"), f != "deepspeed"))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(p),
-           __file__, "--worker", ",".join(order), "--microbatches", str(m), "--layers",
-           str(args.layers),
+    cmd = [sys.executable, __file__, "--worker", ",".join(order), "--microbatches", str(m),
+           "--layers", str(args.layers),
            "--width", str(args.width), "--batch", str(args.batch), "--steps", str(args.steps),
            "--model", args.model, "--seq", str(args.seq),
            "--schedule", args.schedule]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-               XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1")
-    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    got = dict(json.loads(x[len("RESULT "):]) for x in out.stdout.splitlines()
+    codes, logs = launch(cmd, p, dict(
+        OMP_NUM_THREADS="1",
+        XLA_FLAGS="--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"),
+        timeout=3600)
+    got = dict(json.loads(x[len("RESULT "):]) for x in logs[0].splitlines()
                if x.startswith("RESULT "))
-    if out.returncode or set(got) != set(frameworks):
-        raise RuntimeError(f"{','.join(frameworks)} P={p} M={m} failed:\n{out.stderr[-3000:]}")
+    if any(codes) or set(got) != set(frameworks):
+        raise RuntimeError(f"{','.join(frameworks)} P={p} M={m} failed:\n"
+                           + "\n".join(log[-3000:] for log in logs))
     return got
 
 

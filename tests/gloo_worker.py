@@ -2,8 +2,10 @@
 
 Environment: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (as torchrun sets them),
 ZS_SCENARIO (what to run: a scenario, or several joined by ``+``, run in turn in the
-one process group, each reporting under ``parts``) and ZS_OUT (where to write this
-rank's JSON report).
+one process group, each reporting under ``parts``; ``name@seconds`` runs one on a group
+of its own whose collectives time out after that long), ZS_TIMEOUT (the process
+group's) and ZS_OUT (where to write this rank's JSON report: before each scenario and at
+the end, so that a rank killed inside one leaves the parts before it and its name).
 """
 
 from __future__ import annotations
@@ -261,10 +263,30 @@ def run_scenario(scenario: str, comm, part: dict) -> None:
         raise ValueError(f"unknown scenario {scenario!r}")
 
 
+def timing_out(comm, seconds: float):
+    """The ranks of ``comm`` on a gloo group of their own whose collectives time out
+    after ``seconds`` (gloo enforces a group's timeout from its creation)."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from ops.comm._gloo import GlooCommunicator
+
+    group = dist.new_group(list(range(comm.world_size)),
+                           timeout=datetime.timedelta(seconds=seconds))
+    return GlooCommunicator(group, timeout=seconds)
+
+
+def write(report: dict) -> None:
+    with open(f"{os.environ['ZS_OUT']}.{report.get('rank', os.environ['RANK'])}", "w") as f:
+        json.dump(report, f)
+
+
 def main() -> None:
     scenario, report = os.environ["ZS_SCENARIO"], {"ok": False}
     timeout = float(os.environ.get("ZS_TIMEOUT", "60"))
-    t0 = time.monotonic()
+    t0 = began = time.monotonic()
+    part: dict = report
     try:
         comm = ops.init_from_env(timeout=timeout)
         report["rank"] = comm.rank
@@ -275,20 +297,23 @@ def main() -> None:
         jax.config.update("jax_default_device", jax.devices("cpu")[0])
         jax.config.update("jax_default_matmul_precision", "highest")
         scenarios = scenario.split("+")  # several in turn, in this one process group
-        for name in scenarios:
+        for spec in scenarios:
+            name, _, seconds = spec.partition("@")
             report["running"] = name  # where an error, if any, was raised
             part = report if len(scenarios) == 1 else \
                 report.setdefault("parts", {}).setdefault(name, {})
+            write(report)
             began = time.monotonic()
-            run_scenario(name, comm, part)
+            run_scenario(name, timing_out(comm, float(seconds)) if seconds else comm, part)
             part["ok"], part["seconds"] = True, time.monotonic() - began
         report["ok"] = True
         report["seconds"] = time.monotonic() - t0
     except Exception as e:
         report.update(error=type(e).__name__, message=str(e), seconds=time.monotonic() - t0,
                       traceback=traceback.format_exc())
-    with open(f"{os.environ['ZS_OUT']}.{report.get('rank', os.environ['RANK'])}", "w") as f:
-        json.dump(report, f)
+        if part is not report:  # the failed scenario's own time
+            part["seconds"] = time.monotonic() - began
+    write(report)
     sys.stdout.flush()
     os._exit(0)  # skip process-group teardown, which waits for dead peers
 

@@ -1,4 +1,5 @@
-"""The gloo backend with real processes (2 and 3 ranks), and its failure modes."""
+"""The gloo backend with real processes (2, 3 and 4 ranks), and its failure modes (each
+world size's launch ends with one of them: see ``tests.multiproc.LAST``)."""
 
 from __future__ import annotations
 
@@ -10,21 +11,19 @@ from tests.multiproc import run_ranks
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_collective_matches_numpy(tmp_path, gloo_shared, world):
-    reports = gloo_shared("collectives", 2) if world == 2 else \
-        run_ranks("tests/gloo_worker.py", world, tmp_path, {"ZS_SCENARIO": "collectives"})
+    reports = gloo_shared("collectives", world)
     for r, rep in enumerate(reports):
         assert rep.get("ok"), (r, rep)
         assert rep["failures"] == [], (r, rep["failures"])
 
 
 @pytest.mark.multiprocess
-def test_a_killed_process_fails_the_others_within_the_timeout(tmp_path):
-    reports = run_ranks("tests/gloo_worker.py", 3, tmp_path,
-                        {"ZS_SCENARIO": "kill", "ZS_TIMEOUT": "20"})
+def test_a_killed_process_fails_the_others_within_the_timeout(gloo_shared):
+    reports = gloo_shared("kill", 3)  # after the collectives, on a group timing out at 20 s
     assert reports[1].get("missing"), "rank 1 was meant to die by SIGKILL"
     for r in (0, 2):
         rep = reports[r]
-        assert not rep["ok"], rep
+        assert not rep["ok"] and rep["running"] == "kill", rep
         assert rep["error"] in ("PeerFailed", "CollectiveTimeout", "CollectiveError"), rep
         assert f"all_gather on rank {r}" in rep["message"]
         assert rep["seconds"] < 25
@@ -44,9 +43,8 @@ def test_a_save_only_rank_0_calls_fails_every_rank_with_the_cause(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_point_to_point_and_split_across_four_processes(tmp_path):
-    reports = run_ranks("tests/gloo_worker.py", 4, tmp_path,
-                        {"ZS_SCENARIO": "p2p", "ZS_TIMEOUT": "20"})
+def test_point_to_point_and_split_across_four_processes(gloo_shared):
+    reports = gloo_shared("p2p", 4)  # the four-process launch's last scenario
     for r, rep in enumerate(reports):
         assert rep.get("ok") or r == 0, rep
         assert rep["ring"] == (r - 1) % 4
@@ -58,13 +56,12 @@ def test_point_to_point_and_split_across_four_processes(tmp_path):
     assert "rank 0 sent 7 elements of float32 with tag 9" in reports[1]["mismatch"]
     # the refused payload is never taken: its sender fails (here when rank 1 exits)
     assert reports[0]["error"] in ("PeerFailed", "CollectiveTimeout"), reports[0]
-    assert "send to rank 1" in reports[0]["message"]
+    assert reports[0]["running"] == "p2p" and "send to rank 1" in reports[0]["message"]
 
 
 @pytest.mark.multiprocess
-def test_mismatched_sizes_across_processes_raise(tmp_path):
-    reports = run_ranks("tests/gloo_worker.py", 2, tmp_path,
-                        {"ZS_SCENARIO": "mismatch", "ZS_TIMEOUT": "20"})
+def test_mismatched_sizes_across_processes_raise(gloo_shared):
+    reports = gloo_shared("mismatch", 2)  # the two-process launch's last scenario
     for rep in reports:
-        assert not rep.get("ok"), rep
+        assert not rep.get("ok") and rep["running"] == "mismatch", rep
         assert "all_gather" in rep["message"], rep
