@@ -38,15 +38,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # tests.multiproc: the launches
 MODELS = ("cnn", "bert", "gpt")
 MODES = ("jax_fsdp", "zero3x2", "pure3x2")
 LR, WD = 1e-3, 0.01
@@ -243,13 +243,14 @@ def worker(model: str, mode: str, steps: int) -> None:
 
 
 def launch(model: str, mode: str, steps: int) -> dict[str, Any]:
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
-               PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, __file__, "--worker", model, mode, str(steps)],
-                          env=env, capture_output=True, text=True, check=False)
-    lines = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
-    if done.returncode or not lines:
-        raise RuntimeError(f"{model} {mode} failed:\n{done.stderr[-3000:]}")
+    from tests.multiproc import launch as start
+
+    (code,), (log,) = start([sys.executable, __file__, "--worker", model, mode, str(steps)], 1,
+                            {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+                            timeout=3600)
+    lines = [x for x in log.splitlines() if x.startswith("RESULT ")]
+    if code or not lines:
+        raise RuntimeError(f"{model} {mode} failed:\n{log[-3000:]}")
     return json.loads(lines[-1][len("RESULT "):])
 
 

@@ -56,7 +56,6 @@ import json
 import os
 import pstats
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -486,18 +485,19 @@ def worker(args: argparse.Namespace) -> None:
 def run_mode(mode: str, args: argparse.Namespace, counts: bool) -> dict | None:
     import tempfile
 
+    from tests.multiproc import launch
+
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
         cmd = [sys.executable, __file__, "--worker", mode, "--out", str(out),
                *(["--counts"] if counts else []), *args.forward]
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env = {"OMP_NUM_THREADS": "1"}
         if mode == "jax_fsdp":
-            env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+            env["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                                 " --xla_force_host_platform_device_count=2").strip()
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        if proc.returncode != 0 or not out.exists():
-            print(f"{mode}: failed (exit {proc.returncode})\n{proc.stderr[-3000:]}",
-                  file=sys.stderr)
+        (code,), (log,) = launch(cmd, 1, env, timeout=900)  # one process, a fresh one
+        if code != 0 or not out.exists():
+            print(f"{mode}: failed (exit {code})\n{log[-3000:]}", file=sys.stderr)
             return None
         return json.loads(out.read_text())
 

@@ -37,6 +37,10 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=4 "
 # notebooks run optimised, as users run them (JAX_DISABLE_MOST_OPTIMIZATIONS=0
 # runs every test so).
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+# Launched ranks fork from a server that has imported torch, JAX and the library
+# (see [Note: forked launches] in tests/multiproc.py); ZS_FORK_LAUNCH= (empty)
+# starts each as a fresh process.
+os.environ.setdefault("ZS_FORK_LAUNCH", "1")
 
 
 @pytest.fixture
