@@ -57,7 +57,7 @@ from shard.core._optim import is_transformation
 from shard.core._parts import PER_LEAF, check_parts, clip_first, describe, parts_of
 from shard.step._checks import agree_on_layout
 from shard.step._frozen import frozen_leaves
-from shard.step._init import rows_of, split_over_devices
+from shard.step._init import host_copy, rows_of, split_over_devices
 from shard.step._plan import FLOAT_DTYPES
 
 if TYPE_CHECKING:
@@ -167,7 +167,7 @@ class PureStep:
                 out[:len(mine)] = mine
                 x = out
             elif leaf.sharded:
-                x = np.asarray(x)
+                x = host_copy(x)
                 out = np.zeros(leaf.local_shape, x.dtype)
                 layout.scatter_leaf(leaf, x, rank, out)
                 x = out

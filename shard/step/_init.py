@@ -5,6 +5,7 @@ torch module built on the meta device (materialised one unit at a time, see
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +27,8 @@ if TYPE_CHECKING:
 
     from ops._types import Array
 
-__all__ = ["from_function", "from_params", "rows_of", "split_over_devices", "with_optax_state"]
+__all__ = ["from_function", "from_params", "host_copy", "rows_of", "split_over_devices",
+           "with_optax_state"]
 
 log = logging.getLogger("shard.step")
 
@@ -85,9 +87,29 @@ def split_over_devices(x: object) -> bool:
         d.platform == "cpu" for d in devices)
 
 
+# A JAX array split over devices is one object that every thread rank reads (the
+# user's params), and jaxlib reads its device shards without a lock of its own: four
+# thread ranks reading one such leaf at once failed once in the suite with an
+# IndexError inside jax (ArrayImpl._value). Host reads of them go one at a time.
+_SPLIT_READS = threading.Lock()
+
+
+def host_copy(x: object) -> np.ndarray:
+    """``np.asarray(x)``, one thread at a time where ``x`` is split over devices."""
+    if not split_over_devices(x):
+        return np.asarray(x)
+    with _SPLIT_READS:
+        return np.asarray(x)
+
+
 def rows_of(x: jax.Array, lo: int, hi: int) -> np.ndarray | None:
     """Rows ``[lo, hi)`` of a JAX array split along its first axis only, copied
     from the device shards that hold them; None where it is split otherwise."""
+    with _SPLIT_READS:
+        return _rows_of(x, lo, hi)
+
+
+def _rows_of(x: jax.Array, lo: int, hi: int) -> np.ndarray | None:
     out, have = np.empty((hi - lo, *x.shape[1:]), x.dtype), np.zeros(hi - lo, bool)
     for piece in x.addressable_shards:
         first, *rest = piece.index
@@ -130,7 +152,7 @@ def _from_split_arrays(c: StepConfig, params: object, current: Device) -> Made |
             hi = min(lo + leaf.rows_per_rank, leaf.rows)
             mine = rows_of(x, lo, hi) if leaf.sharded and split_over_devices(x) else None
             if mine is None:
-                out.append(np.asarray(x))
+                out.append(host_copy(x))
                 continue
             whole = np.zeros(leaf.shape, mine.dtype)  # pages outside the rows stay untouched
             whole[lo:hi] = mine
