@@ -1,8 +1,9 @@
 """Start N real processes with torchrun's environment, for the gloo tests.
 
 [Note: forked launches]
-A launched rank spends its first two to three CPU seconds importing torch, JAX
-and the library, and the suite launches over a hundred of them. Where
+A launched rank spends its first two or so CPU seconds importing torch, JAX and
+the library (2.2 s for ``import torch, shard``), and the suite's slow tier started
+129 Python processes, most of them ranks. Where
 ``ZS_FORK_LAUNCH`` is set (``tests/conftest.py`` sets it for the suite),
 :func:`launch` starts a script's ranks from a fork server that has imported
 :data:`PRELOAD` once (``multiprocessing``'s ``forkserver``, started on first use
