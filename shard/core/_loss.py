@@ -25,6 +25,7 @@ None for zero), and the loss is a number or a scalar array.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -189,8 +190,20 @@ def _placed(batch: object) -> object:
     step (a jitted call would convert them at each)."""
     import jax
 
-    return jax.tree_util.tree_map(
-        lambda x: jax.device_put(x) if isinstance(x, np.ndarray) else x, batch)
+    leaves, tree = jax.tree_util.tree_flatten(batch)
+    at = [i for i, x in enumerate(leaves) if isinstance(x, np.ndarray)]
+    if not at:
+        return batch
+    for i, x in zip(at, _to_device()(*(leaves[i] for i in at)), strict=True):
+        leaves[i] = x
+    return jax.tree_util.tree_unflatten(tree, leaves)
+
+
+@functools.cache
+def _to_device() -> Callable[..., tuple[jax.Array, ...]]:
+    import jax
+
+    return jax.jit(lambda *xs: xs)
 
 
 class _UnitLayer:

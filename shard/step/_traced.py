@@ -316,13 +316,12 @@ class _Program:
     def run(self, units: Units, reducer: GradReducer, batch: tuple[object, jax.Array],
             scale: float) -> ArrayLike | tuple[ArrayLike, object]:
         import jax
-        import jax.numpy as jnp
 
         b = tuple(jax.tree_util.tree_leaves(batch))
         n = len(self.layers)
         if n == 0:
             return self._without_params(units, reducer, b)
-        ct: tuple[jax.Array, ...] = (jnp.asarray(scale, dtype=self._outvars[0].aval.dtype),)
+        ct: tuple[ArrayLike, ...] = (np.asarray(scale, dtype=self._outvars[0].aval.dtype),)
         carries: list[tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...]]] = [((), ())]
         saved: list[Any] = [None] * n  # Any: each _Saved, None before its forward and after
         order = self.order
