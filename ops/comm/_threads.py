@@ -145,7 +145,8 @@ class ThreadGroup:
         metas = [slot.meta for slot in slots]
         err: BaseException | None = None
         if any(m != metas[0] for m in metas):
-            detail = "; ".join(f"rank {r}: {m[0]}" + ("" if m[1] is None else f"{m[1:]}")
+            detail = "; ".join(f"rank {r}: {m[0]}" + ("" if m[1] is None else
+                                                       f"{(m[1], str(m[2]), *m[3:])}")
                                for r, m in enumerate(metas))
             err = CollectiveError(f"{slots[rank].name}: ranks called collectives that do not "
                                   "match (collective (size, dtype, argument, device)): "
@@ -224,7 +225,8 @@ class ThreadCommunicator(Communicator):
     def _meta(self, name: str, x: Array | None, arg: object = None) -> tuple:
         if x is None:
             return (name, None, None, arg, None)
-        return (name, x.size, str(x.dtype), arg, device_of(x).name)
+        # the dtype itself, not its name: str(dtype) shows in a step's profile
+        return (name, x.size, x.dtype, arg, device_of(x).name)
 
     # The blocking primitives enter the round and wait for it; the async calls
     # (Communicator._submit) enter it and return the handle.
