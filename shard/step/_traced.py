@@ -321,7 +321,7 @@ class _Program:
         n = len(self.layers)
         if n == 0:
             return self._without_params(units, reducer, b)
-        ct: tuple[ArrayLike, ...] = (np.asarray(scale, dtype=self._outvars[0].aval.dtype),)
+        seed = (np.asarray(scale, dtype=self._outvars[0].aval.dtype),)  # the loss's cotangent
         carries: list[tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...]]] = [((), ())]
         saved: list[Any] = [None] * n  # Any: each _Saved, None before its forward and after
         order = self.order
@@ -337,7 +337,7 @@ class _Program:
         flat = jax_view(units.flat(u, order[n - 2::-1] if n > 1 else ()))
         with timed("compute"):
             (loss,), aux, grads, ct = jax.block_until_ready(
-                self.layers[n - 1].whole(flat, *carries[n - 1], b, ct))
+                self.layers[n - 1].whole(flat, *carries[n - 1], b, seed))
         del flat
         carries[n - 1] = ((), ())
         reducer.add(u, [units.device.from_jax(g) for g in grads])  # copied in, leaf by leaf
@@ -437,7 +437,7 @@ class _Segment(_UnitLayer):
         self._kept: tuple[SharedJit, SharedJit] | None = None
 
         def whole(flat: jax.Array, cd: tuple[ArrayLike, ...], cnd: tuple[ArrayLike, ...],
-                  b: tuple[ArrayLike, ...], ct: tuple[jax.Array, ...]
+                  b: tuple[ArrayLike, ...], ct: tuple[ArrayLike, ...]
                   ) -> tuple[tuple[ArrayLike, ...], tuple[ArrayLike, ...], list[jax.Array],
                              tuple[jax.Array, ...]]:
             out_d, vjp, out_nd = jax.vjp(lambda ls, cd: f(ls, (cd, cnd), b),
