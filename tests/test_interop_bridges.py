@@ -32,6 +32,49 @@ def test_round_trips_share_memory(dtype):
         assert t.dtype == torch.bfloat16 and j.dtype == jnp.bfloat16 and back.dtype == ops.BF16
 
 
+@pytest.mark.parametrize("dtype", [np.float32, ops.BF16, np.float16, np.int32, np.uint8, np.bool_,
+                                   np.complex64, np.float64, np.int64])
+def test_jax_view_of_host_memory_is_what_from_dlpack_gives(dtype):
+    from ops.device._dlpack import jax_view
+
+    a = ops.aligned_empty(24, dtype).reshape(2, 3, 4)
+    a[...] = (np.arange(24) % 2).reshape(2, 3, 4).astype(dtype)
+    want = jnp.from_dlpack(a.view(np.uint16)) if dtype == ops.BF16 else jnp.from_dlpack(a)
+    got = jax_view(a)
+    assert got.shape == (2, 3, 4) and got.dtype == (jnp.bfloat16 if dtype == ops.BF16 else
+                                                    want.dtype)
+    assert got.sharding == want.sharding and got.committed == want.committed
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint16) if dtype == ops.BF16 else
+                                  np.asarray(got), a.view(np.uint16) if dtype == ops.BF16 else a)
+    if dtype not in (ops.BF16, np.float64, np.int64):  # views, not converted copies
+        assert interop.shares_memory(a, got)
+    unaligned = ops.aligned_empty(17, np.float32)[1:]
+    unaligned[...] = np.arange(16)
+    np.testing.assert_array_equal(np.asarray(jax_view(unaligned)), np.arange(16))
+
+
+@pytest.mark.parametrize("private", ["missing", "failing"])
+def test_jax_view_takes_from_dlpack_where_jax_has_no_import_of_its_own(monkeypatch, private):
+    from jax._src.lib import _jax
+
+    from ops.device import _dlpack
+
+    def other_signature(capsule, device):
+        raise TypeError("dlpack_managed_tensor_to_buffer(): incompatible function arguments")
+
+    if private == "missing":
+        monkeypatch.delattr(_jax, "dlpack_managed_tensor_to_buffer")
+    else:
+        monkeypatch.setattr(_jax, "dlpack_managed_tensor_to_buffer", other_signature)
+    _dlpack._host_import.cache_clear()
+    try:
+        assert _dlpack._host_import() is jnp.from_dlpack
+    finally:
+        monkeypatch.undo()
+        _dlpack._host_import.cache_clear()
+    np.testing.assert_array_equal(np.asarray(_dlpack.jax_view(np.ones(3, np.float32))), 1)
+
+
 def test_bridges_refuse_what_cannot_be_shared():
     with pytest.raises(ValueError, match="not C-contiguous"):
         interop.to_torch(np.ones((4, 4), np.float32)[:, ::2])
