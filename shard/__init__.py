@@ -16,11 +16,11 @@ from shard.checkpoint._load import load
 from shard.core._data_rank import step_key
 from shard.core._gather import MicroBatches, gather, split_batch
 from shard.core._layout import Layout, make_layout, partition, unpartition
-from shard.core._loss import Layered
 from shard.core._mesh import Mesh
 from shard.core._policy import LossScale, Precision
 from shard.core._specs import Replicate, Shard, from_partition_spec, to_partition_spec
 from shard.core._state import DonatedStateError, TrainState
+from shard.core.losses._layered import Layered
 from shard.data._loader import DataLoader
 from shard.monitor._loggers import CSVLogger, TensorBoardLogger
 from shard.monitor._profile import Breakdown, profile

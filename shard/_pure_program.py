@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from ops.comm._xla import placement
 from shard.core._data_rank import bind_axis
-from shard.core._loss import check_scalar, split_aux
+from shard.core.losses._jax import check_scalar, split_aux
 
 if TYPE_CHECKING:
     import jax

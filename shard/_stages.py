@@ -63,7 +63,7 @@ def _bound_to_ranks(fn: object, axis_name: object, topology: Topology,
     import jax.numpy as jnp
 
     from shard.core._data_rank import bind_axis
-    from shard.core._protocol import classify
+    from shard.core.losses._jax import classify
     from shard.tensor_parallel._megatron import Collectives
 
     if not isinstance(axis_name, str):

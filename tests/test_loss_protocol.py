@@ -92,4 +92,4 @@ def test_the_step_reads_a_loss_through_the_protocol_alone():
     """No capability probing of a loss object in ``shard/`` but at the door:
     ``classify`` decides what kind of loss it is."""
     probes = [p for path in sorted((ROOT / "shard").rglob("*.py")) for p in _probes(path)]
-    assert probes == ["shard/core/_protocol.py: getattr(loss_fn, 'value_and_grad', None)"]
+    assert probes == ["shard/core/losses/_jax.py: getattr(loss_fn, 'value_and_grad', None)"]

@@ -1,5 +1,5 @@
 """A JAX model's non-trainable state (see [Note: model state] in
-shard/core/_loss.py): flax nnx BatchNorm statistics live in the train state,
+shard/core/losses/_jax.py): flax nnx BatchNorm statistics live in the train state,
 thread through micro-batches, are averaged over the data ranks after each
 step, and match a per-rank reference of the same algorithm with optax; with
 the data ranks bound to BatchNorm's axis_name, they are the global batch's,

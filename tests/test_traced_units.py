@@ -104,7 +104,7 @@ def test_a_plain_loss_at_stage_3_matches_single_process_optax(world):
 
 
 def test_segments_follow_first_use_and_carry_what_later_ones_read():
-    from shard.core._loss import JaxLoss
+    from shard.core.losses._jax import JaxLoss
 
     params, batches = plain_params(), plain_batches()
     seen = {}

@@ -20,7 +20,7 @@ def loss_and_aux(out: object, has_aux: bool, *,
     what the loss returned."""
     import torch
 
-    from shard.core._loss import split_aux
+    from shard.core.losses._jax import split_aux
 
     if isinstance(out, Mapping):
         if out.get("loss") is None:

@@ -1,6 +1,6 @@
 """A torch module's buffers and tied names in a checkpoint (see [Note: torch
 buffers] in ``interop/torch/_buffers.py`` and [Note: checkpoint format]), and a
-JAX model's state (see [Note: model state] in ``shard/core/_loss.py``)."""
+JAX model's state (see [Note: model state] in ``shard/core/losses/_jax.py``)."""
 
 from __future__ import annotations
 

@@ -15,8 +15,8 @@
   per axis ([Note: named mesh]);
 - ``_policy.py``: :class:`~shard.Precision` and :class:`~shard.LossScale`;
 - ``_protocol.py``: what a step reads from a loss, ``LossProvider`` ([Note: the
-  loss protocol]); ``_loss.py``: the losses the transforms accept and
-  :class:`~shard.Layered`;
+  loss protocol]); ``losses/``: the losses the transforms accept (a JAX
+  function, :class:`~shard.Layered`);
   ``_data_rank.py``: what a JAX loss knows of its data rank, a random key per
   data rank, step and micro-batch ([Note: per-rank keys]) and the data ranks as
   a named axis for ``jax.lax.pmean`` ([Note: the data axis in the loss]);

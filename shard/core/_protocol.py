@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from ops._types import Array
     from shard.core._layout import Layout
 
-__all__ = ["GradSink", "LossProvider", "Provided", "UnitSource", "classify"]
+__all__ = ["GradSink", "LossProvider", "Provided", "UnitSource"]
 
 
 class UnitSource(Protocol):
@@ -194,17 +194,3 @@ class Provided(LossProvider):
         if loss_scale is None:
             return self.obj.value_and_grad(params, batch)
         return self.obj.value_and_grad(params, batch, loss_scale=loss_scale)
-
-
-def classify(loss_fn: object) -> str:
-    """'layered', 'provider' or 'jax'; a TypeError for anything else."""
-    from shard.core._loss import Layered
-
-    if isinstance(loss_fn, Layered):
-        return "layered"
-    if isinstance(loss_fn, LossProvider) or callable(getattr(loss_fn, "value_and_grad", None)):
-        return "provider"
-    if callable(loss_fn):
-        return "jax"
-    raise TypeError(f"loss_fn must be a JAX function (params, batch) -> loss, a shard.Layered, or "
-                    f"an object with value_and_grad(params, batch); got {type(loss_fn).__name__}")

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from shard.core._loss import Layered
+from shard.core.losses._layered import Layered
 
 __all__ = ["balance_by_time"]
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ops.device._dlpack import jax_view
-from shard.core._loss import Layered
+from shard.core.losses._layered import Layered
 from shard.monitor._profile import timed
 
 if TYPE_CHECKING:

@@ -53,9 +53,9 @@ from ops import Communicator
 from ops.comm._collectives import from_comm, to_comm
 from ops.device._device import device_of
 from ops.device._dlpack import to_native
-from shard.core._loss import Layered
 from shard.core._mesh import Mesh
 from shard.core._protocol import LossProvider
+from shard.core.losses._layered import Layered
 from shard.monitor._profile import timed
 from shard.pipelines._balance import _balanced, _size, balance_by_time
 from shard.pipelines._jax_stage import JaxStage

@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from collections.abc import Sequence
 
     from ops._types import Array
-    from shard.core._loss import JaxLoss
     from shard.core._mesh import Topology
+    from shard.core.losses._jax import JaxLoss
     from shard.step._config import StepConfig, ZeroOptions
     from shard.step._plan import Plan
 
@@ -250,8 +250,7 @@ def layout_difference(have: Layout, want: Layout, limit: int = 5) -> str:
 def eval_loss(c: StepConfig, loss_fn: object) -> JaxLoss:
     """``ZeroStep.evaluate``'s ``loss_fn``: a JAX function of the step's params,
     for a step on a JAX loss."""
-    from shard.core._loss import JaxLoss
-    from shard.core._protocol import classify
+    from shard.core.losses._jax import JaxLoss, classify
 
     if c.kind != "jax":
         raise TypeError(f"{c.name}.evaluate: loss_fn= is for a step on a JAX loss function; "

@@ -12,11 +12,11 @@ from typing import Any
 from ops import Communicator, FusedOptimizer
 from shard.core._data_rank import check_key
 from shard.core._layout import min_num_params_of
-from shard.core._loss import JaxLoss
 from shard.core._mesh import Mesh, Topology
 from shard.core._optim import is_transformation
 from shard.core._policy import LossScale, Precision
-from shard.core._protocol import LossProvider, Provided, classify
+from shard.core._protocol import LossProvider, Provided
+from shard.core.losses._jax import JaxLoss, classify
 from shard.offload._offload import Offload
 from shard.offload._offloader import check_offload
 from shard.step._checks import check_onebit

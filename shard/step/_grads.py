@@ -16,8 +16,8 @@ import ops._types
 from ops.comm._collectives import all_gather_host
 from ops.device._dlpack import host_copy, jax_view
 from shard.core._data_rank import derived_key, keyed
-from shard.core._loss import JaxLoss
 from shard.core._state import TrainState
+from shard.core.losses._jax import JaxLoss
 from shard.monitor._flops import FlopCount
 from shard.monitor._profile import timed
 from shard.step import _traced

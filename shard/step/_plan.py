@@ -26,10 +26,10 @@ import ops
 import ops._types
 from ops import HOST, Communicator, Device
 from shard.core._layout import Layout, alloc_units, make_layout, master_dtype_of, native_leaves
-from shard.core._loss import Layered
 from shard.core._optim import ShardOptimizer, on_shards
 from shard.core._policy import Precision
 from shard.core._state import StateMeta, TrainState
+from shard.core.losses._layered import Layered
 from shard.offload._offloader import Offloader
 from shard.step._checks import agree_on_layout
 from shard.step._config import StepConfig

@@ -14,7 +14,7 @@ of an earlier unit that it reads again, such as a tied embedding) is
 carried between them; the batch and the program's constants reach every
 segment directly.
 
-Each segment then runs as a :class:`~shard.core._loss.Layered` layer does
+Each segment then runs as a :class:`~shard.core.losses._layered.Layered` layer does
 (see [Note: ZeRO-3 schedule] in ``shard/step/_runtime.py``): its unit is
 gathered just before it runs with the next unit's gather in flight, its
 forward keeps its VJP residuals less its own inputs, and the backward
@@ -49,7 +49,8 @@ import numpy as np
 from ops.comm._xla import SLOTS, SharedJit, program_key, rank_scope, ready
 from ops.device._dlpack import jax_view
 from shard.core._data_rank import evaluate, named_axes_refused
-from shard.core._loss import _placed, _UnitLayer, check_scalar, split_aux
+from shard.core.losses._jax import check_scalar, split_aux
+from shard.core.losses._layered import _UnitLayer, placed
 from shard.monitor._profile import timed
 
 if TYPE_CHECKING:
@@ -61,7 +62,7 @@ if TYPE_CHECKING:
     from jax.typing import ArrayLike
 
     from shard.core._layout import Layout
-    from shard.core._loss import JaxLoss
+    from shard.core.losses._jax import JaxLoss
     from shard.step._reduce import GradReducer
     from shard.step._runtime import Units
 
@@ -143,13 +144,13 @@ class TracedUnits:
         """One micro-batch segment by segment: returns the loss (and aux, with
         ``has_aux``); each unit's gradient of ``scale * loss`` goes to
         ``reducer``."""
-        batch = _placed(batch)
+        batch = placed(batch)
         program, ranks = self.program(units, batch)
         return program.run(units, reducer, (batch, ranks), scale)
 
     def loss_units(self, units: Units, batch: object) -> ArrayLike | tuple[ArrayLike, Any]:
         """The loss (and aux), forward only, segment by segment."""
-        batch = _placed(batch)
+        batch = placed(batch)
         program, ranks = self.program(units, batch)
         return program.forward_only(units, (batch, ranks))
 
@@ -412,7 +413,7 @@ def _evaluate(pairs: list[tuple[Var, ArrayLike]], constvars: list[Var],
 
 class _Segment(_UnitLayer):
     """One segment over its unit's flat params buffer, compiled as a
-    :class:`~shard.core._loss.Layered` layer is: ``apply`` (forward only),
+    :class:`~shard.core.losses._layered.Layered` layer is: ``apply`` (forward only),
     ``forward`` keeping its VJP residuals less its own inputs, ``backward``."""
 
     def __init__(self, program: _Program, cut: _Cut, layout: Layout) -> None:
