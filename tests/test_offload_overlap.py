@@ -17,7 +17,7 @@ import shard
 from ops.device._device import HOST
 from ops.testing import STANDIN
 from shard.offload._offloader import Offloader, check_offload_device
-from shard.step._reduce import GradReducer
+from shard.step.reduction._reduce import GradReducer
 from tests import zero_models as M
 from tests.test_offload import assert_same, gpu_refuses, trajectory
 

@@ -12,7 +12,7 @@ import pytest
 import ops
 import shard
 from ops._onebit import compressed_all_reduce, sign_add, sign_compress
-from shard.step._reduce import GradReducer
+from shard.step.reduction._reduce import GradReducer
 
 GROUP = 256
 SIZES = [1, 7, 8, 255, 256, 257, 70_001]

@@ -10,7 +10,7 @@ import pytest
 import ops
 import shard
 from ops._quant import reduce_scatter_quantized
-from shard.step import _reduce
+from shard.step.reduction import _reduce
 from tests import zero_models as M
 from tests.test_offload import assert_same, trajectory
 from tests.test_offload_overlap import OVERLAP

@@ -97,7 +97,7 @@ if TYPE_CHECKING:
     from ops import Communicator, Device
     from ops._types import Array
     from shard import TensorParallel
-    from shard.step._reduce import GradReducer
+    from shard.step.reduction._reduce import GradReducer
 
 __all__ = ["TorchLoss"]
 

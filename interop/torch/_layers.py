@@ -49,8 +49,8 @@ if TYPE_CHECKING:
 
     from ops import Communicator
     from ops._types import Array
-    from shard.step._reduce import GradReducer
     from shard.step._runtime import Units
+    from shard.step.reduction._reduce import GradReducer
 
 __all__ = ["TorchLayered", "layered"]
 

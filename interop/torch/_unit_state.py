@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from interop.torch._units import UnitHooks
     from ops._types import Array
     from shard.core._layout import Layout
-    from shard.step._reduce import GradReducer
     from shard.step._runtime import Units
+    from shard.step.reduction._reduce import GradReducer
 
 __all__ = ["_ParamRef", "_Persistent", "_Plan", "_Step"]
 

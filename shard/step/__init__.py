@@ -12,11 +12,12 @@
 - ``_grads.py``: the gradient phase, each micro-batch's loss and gradients,
   and the loss alone at a state's params (``evaluate``);
 - ``_runtime.py``: units' full params gathered and their gradients reduced
-  ([Note: ZeRO-3 schedule]); ``_reduce.py``: the gradients' reduction into
-  the shards the optimizer reads; ``_ordered.py``: the same reduction, the
-  norm and the loss in an order fixed by the data (``invariant_shards=``,
-  [Note: the same bits at any world size]); ``_traced.py``: a JAX loss cut into one
-  segment per unit, so stage 3 runs it unit by unit ([Note: traced units]);
+  ([Note: ZeRO-3 schedule]); ``reduction/``: the gradients' reduction into
+  the shards the optimizer reads (the 1-bit family's too); ``_ordered.py``:
+  the same reduction, the norm and the loss in an order fixed by the data
+  (``invariant_shards=``, [Note: the same bits at any world size]);
+  ``_traced.py``: a JAX loss cut into one segment per unit, so stage 3 runs
+  it unit by unit ([Note: traced units]);
 - ``_update.py``: the gradients' norm, the fused optimizer and the new
   compute params ([Note: missing gradients]);
 - ``_frozen.py``: which leaves train, their runs and their packed moments

@@ -21,8 +21,8 @@ from shard.core.losses._jax import JaxLoss
 from shard.monitor._flops import FlopCount
 from shard.monitor._profile import timed
 from shard.step import _traced
-from shard.step._reduce import GradBuffers, GradReducer
 from shard.step._runtime import LiveBytes, Units
+from shard.step.reduction._reduce import GradBuffers, GradReducer
 
 if TYPE_CHECKING:
     import jax

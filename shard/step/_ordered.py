@@ -22,14 +22,8 @@ from shard.core._state import TrainState
 from shard.monitor._profile import timed
 from shard.step import _checks
 from shard.step._grads import reduce_dtype
-from shard.step._reduce import (
-    Compressed,
-    CopyPlans,
-    GradBuffers,
-    GradReducer,
-    LocalReducer,
-    OneBitReducer,
-)
+from shard.step.reduction._compressed import Compressed, LocalReducer, OneBitReducer
+from shard.step.reduction._reduce import CopyPlans, GradBuffers, GradReducer
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -39,7 +33,7 @@ if TYPE_CHECKING:
     from ops._types import Array
     from shard.core._layout import UnitLayout
     from shard.step._plan import Plan
-    from shard.step._reduce import Grad
+    from shard.step.reduction._reduce import Grad
 
 __all__ = ["OrderedReducer", "exact_norm_and_loss", "reducer", "virtual_shards"]
 
@@ -92,7 +86,7 @@ def reducer(plan: Plan, buffers: GradBuffers,
             compressed: Compressed | None = None) -> GradReducer:
     """The step's gradient reduction: ordered where ``invariant_shards=`` asks
     (see [Note: the same bits at any world size]); the 1-bit family's in its
-    compressed phases (see :class:`~shard.step._reduce.Compressed`)."""
+    compressed phases (see :class:`~shard.step.reduction._reduce.Compressed`)."""
     c = plan.config
     if compressed is not None:
         if compressed.kind == "local":  # (float32 whatever the reductions' dtype)

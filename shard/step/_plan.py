@@ -40,7 +40,7 @@ from shard.step._frozen import (
     masters_in_compute,
     trainable_runs,
 )
-from shard.step._reduce import CopyPlans
+from shard.step.reduction._reduce import CopyPlans
 
 if TYPE_CHECKING:
     import numpy.typing as npt

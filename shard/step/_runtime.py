@@ -17,7 +17,7 @@ each unit in reverse order (the last unit stays gathered from its forward,
 as FSDP2's root does), hands the layer's VJP its params again (so no residual
 pins a unit's params; with ``activation_checkpointing=True`` it recomputes
 the layer's forward from its input instead), and hands the unit's gradient
-(one flat buffer) to :class:`~shard.step._reduce.GradReducer`, whose
+(one flat buffer) to :class:`~shard.step.reduction._reduce.GradReducer`, whose
 reduce-scatter runs asynchronously while the next unit computes. A JAX loss
 function runs the same way, its traced program cut into one segment per
 unit (see [Note: traced units] in ``shard/step/_traced.py``); a loss object
@@ -28,7 +28,8 @@ buffers themselves, the same every step, and nothing is gathered, copied or
 sent. Gradients enter a unit's reduce layout the same way, in one launch
 over runs that read each gradient where it lies; where the gradient buffers
 have the whole params' layout (one rank, or stage 0), a torch module's
-autograd sums into them directly (``GradReducer.bucket`` in ``shard/step/_reduce.py``).
+autograd sums into them directly (``GradReducer.bucket`` in
+``shard/step/reduction/_reduce.py``).
 Every buffer here is allocated on the state's device (see [Note: devices]).
 
 [Note: secondary shards]
@@ -79,7 +80,7 @@ from ops._quant import dequantize_blocks, quantize_blocks
 from ops.device._runs import copy_runs, dequantize_runs
 from shard.core._layout import Layout
 from shard.monitor._profile import timed
-from shard.step._reduce import CopyPlans, wait_quietly
+from shard.step.reduction._reduce import CopyPlans, wait_quietly
 
 if TYPE_CHECKING:
     from ops._types import Array

@@ -18,7 +18,7 @@ What each stage shards (the ZeRO paper's P_os, P_os+g, P_os+g+p):
 
 One step, in order (the part that does each in brackets):
 1. for each micro-batch: gradients of the (loss-scaled) loss, unit by unit,
-   handed to the GradReducer (``_grads.py``, ``_reduce.py``; stage 3:
+   handed to the GradReducer (``_grads.py``, ``reduction/``; stage 3:
    [Note: ZeRO-3 schedule] in ``_runtime.py``);
 2. finish the reductions; the global sum of squares of the gradients and the
    mean loss in one all-reduce (``_update.norm_and_loss``);
@@ -92,14 +92,9 @@ from shard.step import _checks, _grads, _init, _ordered, _update
 from shard.step._config import StepConfig, ZeroOptions
 from shard.step._ordered import OrderedReducer
 from shard.step._plan import Plan, plan_of
-from shard.step._reduce import (
-    Compressed,
-    GradBuffers,
-    LocalReducer,
-    OneBitMomentum,
-    ZeroOneLocal,
-)
 from shard.step._runtime import LiveBytes
+from shard.step.reduction._compressed import Compressed, LocalReducer, OneBitMomentum, ZeroOneLocal
+from shard.step.reduction._reduce import GradBuffers
 
 if TYPE_CHECKING:
     from ops._types import Array
@@ -115,7 +110,7 @@ class ZeroStep:
 
     It holds its frozen configuration (``step.config``) and calls the step's
     parts with explicit inputs: the checks (``_checks.py``), the gradient phase
-    (``_grads.py``, ``_reduce.py``, ``_runtime.py``), the update
+    (``_grads.py``, ``reduction/``, ``_runtime.py``), the update
     (``_update.py``, or ``shard/offload/``'s :class:`Offloader`) and
     evaluation (``_grads.py``). What it derives from the params, a
     :class:`~shard.step._plan.Plan`, comes with each state (``init`` and
@@ -463,7 +458,7 @@ class ZeroStep:
                compressed: str | None = None) -> TrainState:
         """The update where the state's masters live; returns the new state.
         ``compressed``: the kind of the 1-bit family's phase the shards are of
-        (see :class:`~shard.step._reduce.Compressed`)."""
+        (see :class:`~shard.step.reduction._reduce.Compressed`)."""
         if state.meta.offload is None:
             return _update.apply(plan, state, shards, grad_scale, grad_sumsq, skip, compressed)
         if skip:

@@ -63,8 +63,8 @@ if TYPE_CHECKING:
 
     from shard.core._layout import Layout
     from shard.core.losses._jax import JaxLoss
-    from shard.step._reduce import GradReducer
     from shard.step._runtime import Units
+    from shard.step.reduction._reduce import GradReducer
 
     # a batch's leaves' dtypes and structure: (the units' compute dtypes, the
     # batch's treedef, each leaf's shape and dtype, or type where it has none)

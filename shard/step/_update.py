@@ -75,7 +75,7 @@ from shard.step._frozen import (
     trainable_runs,
 )
 from shard.step._ordered import exact_norm_and_loss
-from shard.step._reduce import OneBitMomentum, write_sections
+from shard.step.reduction._compressed import OneBitMomentum, write_sections
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
