@@ -17,7 +17,8 @@
   the same reduction, the norm and the loss in an order fixed by the data
   (``invariant_shards=``, [Note: the same bits at any world size]);
   ``_traced.py``: a JAX loss cut into one segment per unit, so stage 3 runs
-  it unit by unit ([Note: traced units]);
+  it unit by unit ([Note: traced units]); ``_cut.py``: its program traced
+  and cut;
 - ``_update.py``: the gradients' norm, the fused optimizer and the new
   compute params ([Note: missing gradients]);
 - ``_frozen.py``: which leaves train, their runs and their packed moments
