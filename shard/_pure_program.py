@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ops.comm._xla import placement
+from ops.comm._programs import placement
 from shard.core._data_rank import bind_axis
 from shard.core.losses._jax import check_scalar, split_aux
 

@@ -12,7 +12,7 @@ import pytest
 
 import ops
 import shard
-from ops.comm import _xla
+from ops.comm import _programs, _xla
 
 
 class _Compiles:
@@ -46,7 +46,7 @@ jax.monitoring.register_event_duration_secs_listener(_on_compile)
 
 def test_equal_programs_of_different_functions_compile_once():
     def make():
-        return _xla.SharedJit(lambda x, y: jnp.sin(x) @ y + 1.25)
+        return _programs.SharedJit(lambda x, y: jnp.sin(x) @ y + 1.25)
 
     x, y = jnp.ones((3, 5)), jnp.full((5, 2), 0.5)
     first, second = make(), make()
@@ -66,7 +66,7 @@ def test_one_program_on_inputs_that_live_elsewhere_is_compiled_for_them():
     cpu0, cpu1 = jax.devices("cpu")[:2]
 
     def make():
-        return _xla.SharedJit(lambda x: jnp.cos(x) * 3.0 - 0.5)
+        return _programs.SharedJit(lambda x: jnp.cos(x) * 3.0 - 0.5)
 
     x = np.arange(6, dtype=np.float32)
     on0, on1 = jax.device_put(x, cpu0), jax.device_put(x, cpu1)
@@ -86,7 +86,7 @@ def test_programs_that_differ_only_where_the_text_does_not_show_never_share():
         return lambda x: np.asarray(x) + np.float32(k)
 
     def calling(fn):
-        return _xla.SharedJit(lambda x: jax.pure_callback(
+        return _programs.SharedJit(lambda x: jax.pure_callback(
             fn, jax.ShapeDtypeStruct(x.shape, x.dtype), x) * 2)
 
     one, two = calling(host_plus(1)), calling(host_plus(2))
@@ -97,7 +97,7 @@ def test_programs_that_differ_only_where_the_text_does_not_show_never_share():
     assert c.n == 2 and got[0].tolist() == [2.0] * 3 and got[1].tolist() == [4.0] * 3
 
     def closing(table):
-        return _xla.SharedJit(lambda i: jnp.take(table, i))
+        return _programs.SharedJit(lambda i: jnp.take(table, i))
 
     t1, t2 = np.arange(6.0, dtype=np.float32), np.arange(6.0, dtype=np.float32) * 10
     i = jnp.int32(4)
@@ -111,8 +111,8 @@ def test_a_rank_read_as_a_number_gets_its_own_program_and_the_operand_shares_one
 
     def run(comm):
         place = _xla.register(comm, comm)
-        as_number = _xla.SharedJit(lambda x: x + comm.rank)
-        as_operand = _xla.SharedJit(lambda x: x + _xla.ranks_operand(place)[0])
+        as_number = _programs.SharedJit(lambda x: x + comm.rank)
+        as_operand = _programs.SharedJit(lambda x: x + _xla.ranks_operand(place)[0])
         return np.asarray(as_number(x)).tolist(), np.asarray(as_operand(x)).tolist()
 
     with _Compiles() as c:
@@ -125,7 +125,7 @@ def test_a_rank_read_as_a_number_gets_its_own_program_and_the_operand_shares_one
 def _forget_programs():
     """Every compiled program dropped, so that a run compiles all of its own."""
     jax.clear_caches()
-    _xla._PROGRAMS.clear()
+    _programs._PROGRAMS.clear()
     shard.step._traced._SHARED.clear()
 
 
@@ -174,7 +174,7 @@ def test_thread_ranks_run_one_executable_of_a_program_with_collectives():
 
     def run(comm):
         tp = shard.TensorParallel(comm)
-        f = _xla.SharedJit(lambda v: jnp.tanh(tp.reduce(v * 0.125)))
+        f = _programs.SharedJit(lambda v: jnp.tanh(tp.reduce(v * 0.125)))
         return np.asarray(f(jnp.full(3, float(comm.rank + 1)))).tolist()
 
     _forget_programs()
@@ -225,7 +225,7 @@ def test_a_rank_s_collectives_outlive_another_object_over_its_group():
         gc.collect()
         x = jnp.full(3, float(comm.rank + 1))
         eager = np.asarray(tp.reduce(x))
-        traced = np.asarray(_xla.SharedJit(lambda v: tp.reduce(v))(x))
+        traced = np.asarray(_programs.SharedJit(lambda v: tp.reduce(v))(x))
         return eager.tolist(), traced.tolist()
 
     for eager, traced in shard.spawn(run, 2):

@@ -14,8 +14,8 @@ processes under torchrun ([Note: gloo algorithms]) and NCCL on GPUs.
 - ``_ordered.py``: sums in a fixed binary tree, the same bits on any number
   of ranks ([Note: ordered sums]);
 - ``_xla.py``: collectives that a JAX program calls with the rank as an
-  operand, and one compile of a program for every rank and object that
-  traces it ([Note: one program for a group's ranks]).
+  operand ([Note: one program for a group's ranks]); ``_programs.py``: one
+  compile of a program for every rank and object that traces it.
 
 It may import :mod:`ops.device` and :mod:`ops.kernels`; the public names are
 :mod:`ops`'s.

@@ -13,7 +13,7 @@ import numpy as np
 
 import ops._types
 from ops import Device
-from ops.comm._xla import SharedJit
+from ops.comm._programs import SharedJit
 from shard.core._layout import alloc_units, native_leaves
 from shard.core._paths import is_shape
 from shard.core._state import TrainState

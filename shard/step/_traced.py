@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ops.comm._xla import SharedJit, program_key, ready
+from ops.comm._programs import SharedJit, program_key, ready
 from ops.device._dlpack import jax_view
 from shard.core.losses._layered import _UnitLayer, placed
 from shard.monitor._profile import timed

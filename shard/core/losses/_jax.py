@@ -10,7 +10,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from ops.comm._xla import SharedJit
+from ops.comm._programs import SharedJit
 from shard.core._data_rank import unbound_axis
 from shard.core._protocol import LossProvider
 from shard.core.losses._layered import Layered

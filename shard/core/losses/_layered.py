@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ops.comm._xla import SharedJit
+from ops.comm._programs import SharedJit
 from ops.device._dlpack import jax_view
 from shard.core._protocol import GradSink, LossProvider, UnitSource
 from shard.monitor._profile import timed
