@@ -171,6 +171,8 @@ class PureStep:
                 out = np.zeros(leaf.local_shape, x.dtype)
                 layout.scatter_leaf(leaf, x, rank, out)
                 x = out
+            elif not isinstance(x, jax.Array):
+                x = host_copy(x)  # a device array (CuPy's) copied explicitly
             shards.append(jnp.asarray(x))
         mine = layout.treedef.unflatten(shards)
         if model_state is not None:

@@ -85,3 +85,29 @@ def test_an_opt_state_that_does_not_fit_is_named():
             step.init(params0(), opt_state=optax.adam(LR).init(params0()))
 
     ops.spawn(run, 2)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_run_continues_from_an_optax_state_on_the_device(stage, device):
+    """Params and optax state on the device (CuPy's, or the stand-in's, which
+    refuses np.asarray as CuPy does) are read explicitly, count included."""
+    from ops.testing import to_device
+
+    tx = optax.adamw(LR, weight_decay=WD)
+    data = batches(5)
+    middle, opt = optax_run(tx, params0(), data[:3])
+    want, _ = optax_run(tx, middle, data[3:], opt)
+
+    def run(comm):
+        step = getattr(shard, f"zero{stage}")(loss, optimizer=ops.adamw(LR, weight_decay=WD),
+                                              comm=comm)
+        state = step.init(to_device(middle, device), opt_state=to_device(opt, device))
+        assert int(state.step) == 3
+        for b in data[3:]:
+            state, _ = step(state, shard.split_batch(b, rank=comm.rank, world_size=2))
+        return jax.tree_util.tree_map(device.to_host, shard.gather(state, comm))
+
+    for got in ops.spawn(run, 2):
+        for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want),
+                        strict=True):
+            np.testing.assert_allclose(g, np.asarray(w), rtol=1e-5, atol=1e-6)

@@ -478,3 +478,19 @@ def test_collectives_over_the_data_axis_that_are_not_built_are_refused_by_name()
     with pytest.raises(TypeError, match=r"axis_name= binds the data ranks in a JAX function"):
         ops.spawn(lambda c: shard.zero3(shard.Layered([pmax]), optimizer=ops.adamw(1e-3), comm=c,
                                         options=shard.ZeroOptions(axis_name="data")), 1)
+
+
+def test_init_takes_params_on_a_device(device):
+    """Params on the device (CuPy's, or the stand-in's, which refuses np.asarray
+    as CuPy does) are copied to the host explicitly: the state is the host
+    params' state."""
+    from ops.testing import to_device
+
+    def run(comm):
+        step = shard.pure_zero3(loss, optimizer=tx(), comm=comm)
+        return step.init(params()), step.init(to_device(params(), device))
+
+    for want, got in ops.spawn(run, 3):  # 3 ranks: rows that do not divide, padding
+        for w, g in zip(jax.tree_util.tree_leaves(want), jax.tree_util.tree_leaves(got),
+                        strict=True):
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))

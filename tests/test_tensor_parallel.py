@@ -164,6 +164,20 @@ def test_specs_that_do_not_fit_are_refused_naming_the_leaf():
         shard.spawn(lambda c: shard.TensorParallel(shard.Mesh(c, {"data": 2})), 2)
 
 
+def test_unshard_takes_the_torch_leaves_that_shard_takes():
+    """Torch parameters (requiring grad) split and joined back, read explicitly."""
+    import torch
+
+    w = torch.arange(24.0).reshape(4, 6).requires_grad_()
+
+    def run(comm):
+        tp = shard.TensorParallel(comm, {"w": P(None, "model")})
+        return tp.unshard(tp.shard({"w": w}))["w"]
+
+    for whole in shard.spawn(run, 2):
+        np.testing.assert_array_equal(whole, w.detach().numpy())
+
+
 def test_a_packed_leaf_splits_each_block_and_joins_back():
     """A fused qkv ``(d, 3 d)`` as ``Packed(P(None, "model"), 3)``: each model
     rank holds its columns of q, of k and of v, and its column-parallel output

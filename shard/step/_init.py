@@ -14,6 +14,8 @@ import numpy as np
 import ops._types
 from ops import Device
 from ops.comm._programs import SharedJit
+from ops.device._device import device_of_or_none
+from ops.device._dlpack import host_copy as explicit_host_copy
 from shard.core._layout import alloc_units, native_leaves
 from shard.core._paths import is_shape
 from shard.core._state import TrainState
@@ -95,11 +97,22 @@ _SPLIT_READS = threading.Lock()
 
 
 def host_copy(x: object) -> np.ndarray:
-    """``np.asarray(x)``, one thread at a time where ``x`` is split over devices."""
+    """``x`` as a host numpy array: a numpy array as it is, an array of a device,
+    torch or JAX copied explicitly from where it lives (a CuPy array refuses
+    ``np.asarray``), one thread at a time where it is split over devices."""
+    if isinstance(x, np.ndarray):
+        return x
     if not split_over_devices(x):
-        return np.asarray(x)
+        return _host(x)
     with _SPLIT_READS:
-        return np.asarray(x)
+        return _host(x)
+
+
+def _host(x: object) -> np.ndarray:
+    module = type(x).__module__.split(".")[0]
+    if device_of_or_none(x) is None and module not in ("torch", "jax", "jaxlib"):
+        return np.asarray(x)  # numbers, lists, numpy scalars
+    return explicit_host_copy(x)
 
 
 def rows_of(x: jax.Array, lo: int, hi: int) -> np.ndarray | None:
@@ -271,7 +284,7 @@ def with_optax_state(c: StepConfig, plan: Plan, state: TrainState, opt_state: ob
     rank = c.comm.rank if c.stage > 0 else 0
     found = [x for x in tu.tree_leaves(opt_state, is_leaf=lambda x: _has(x, "count"))
              if _has(x, "count")]
-    count = int(np.asarray(found[0].count)) if found else None
+    count = int(host_copy(found[0].count)) if found else None
     rest = state.opt_rest
     if opt.fused is None:  # an optax transformation: its own structure
         try:
@@ -280,7 +293,8 @@ def with_optax_state(c: StepConfig, plan: Plan, state: TrainState, opt_state: ob
             raise TypeError(f"{fn}: opt_state does not have the structure of the optimizer's "
                             f"init(params): {e}") from None
         full = [t for t, m in zip(tops, opt._is_moment, strict=True) if m]
-        rest = tuple(np.array(t) for t, m in zip(tops, opt._is_moment, strict=True) if not m)
+        rest = tuple(np.array(host_copy(t)) for t, m in zip(tops, opt._is_moment, strict=True)
+                     if not m)
         for x, (shape, dtype) in zip(rest, opt.rest, strict=True):
             if tuple(x.shape) != tuple(shape) or str(x.dtype) != dtype:
                 raise TypeError(f"{fn}: opt_state has a {x.dtype}{list(x.shape)} leaf where "
@@ -306,7 +320,7 @@ def with_optax_state(c: StepConfig, plan: Plan, state: TrainState, opt_state: ob
             raise TypeError(f"{fn}: opt_state's moments are not shaped like the params: "
                             f"{e}") from None
         for leaf, x, view in zip(layout.leaves, leaves, layout.local_views(bufs), strict=True):
-            x = np.asarray(x)
+            x = host_copy(x)
             if tuple(x.shape) != leaf.shape:
                 raise TypeError(f"{fn}: opt_state's moment of params{leaf.path} has shape "
                                 f"{list(x.shape)}; the leaf has {list(leaf.shape)}")

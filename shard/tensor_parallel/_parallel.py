@@ -29,7 +29,7 @@ import numpy as np
 
 from ops import Communicator
 from ops._types import tree_util
-from ops.device._device import device_of_or_none
+from ops.device._dlpack import host_copy
 from shard.core._mesh import Mesh
 from shard.core._specs import Split, joined_stack, take_split
 from shard.tensor_parallel._megatron import Collectives
@@ -236,9 +236,7 @@ class TensorParallel:
         splits = self.splits(params, whole=False)
         out = []
         for leaf, split in zip(leaves, splits, strict=True):
-            device = device_of_or_none(leaf)
-            x = device.to_host(leaf) if device is not None and not device.host else \
-                np.asarray(leaf)  # an explicit copy from a device
+            x = leaf if isinstance(leaf, np.ndarray) else host_copy(leaf)  # explicit from a device
             out.append(x if split is None or self.size == 1
                        else joined_stack(self.collectives.stacked(x), split))
         return tu.tree_unflatten(treedef, out)
