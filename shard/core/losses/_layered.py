@@ -111,7 +111,6 @@ class Layered(LossProvider):
         with ``activation_checkpointing`` it keeps only its input and recomputes
         the forward in the backward."""
         import jax
-        import jax.numpy as jnp
 
         n = len(self.layers)
         layers = self.unit_layers(units.full_layout)
@@ -135,7 +134,7 @@ class Layered(LossProvider):
             if u < n - 1:
                 del flat
         loss = carries.pop()
-        ct = jnp.asarray(scale, dtype=jnp.result_type(loss))
+        ct = np.asarray(scale, dtype=loss.dtype)  # the seed cotangent: host, no dispatch
         for u in reversed(range(n)):
             if u < n - 1:
                 flat = jax_view(units.flat(u, range(u - 1, -1, -1)))
