@@ -16,6 +16,7 @@ between them as one ``jax.jit`` each.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, SupportsFloat
@@ -223,12 +224,37 @@ def describe(tx: optax.GradientTransformation) -> str:
     return f"optax transformation ({', '.join(names)})" if names else type(tx).__name__
 
 
+_CHECKED: dict[tuple, tuple[object, Exception | None]] = {}  # key -> (tx, its refusal)
+_CHECKED_LOCK = threading.Lock()
+
+
 def check_parts(tx: optax.GradientTransformation, parts: list[Part], layout: Layout, what: str,
                 fn: str) -> None:
     """Refuse ``tx`` unless each of its parts is a per-leaf reduction computed on
     shards (``PER_LEAF``), a ``clip_by_global_norm`` first in it, or acts
     element by element: by the names of the reductions it holds, then by the
-    probe (see [Note: optax on shards])."""
+    probe (see [Note: optax on shards]). Thread ranks passing one ``tx`` for
+    equal layouts share one check: the first runs it, the others wait for its
+    answer."""
+    key = (id(tx.update), layout.treedef, what, fn,
+           tuple((leaf.shape, leaf.local_shape, leaf.sharded) for leaf in layout.leaves))
+    with _CHECKED_LOCK:
+        hit = _CHECKED.get(key)
+        if hit is None or hit[0] is not tx:
+            try:
+                _check_parts(tx, parts, layout, what, fn)
+                refused = None
+            except (TypeError, ValueError) as e:
+                refused = e
+            if len(_CHECKED) >= 64:
+                _CHECKED.clear()
+            hit = _CHECKED[key] = (tx, refused)
+    if hit[1] is not None:
+        raise type(hit[1])(*hit[1].args)
+
+
+def _check_parts(tx: optax.GradientTransformation, parts: list[Part], layout: Layout,
+                 what: str, fn: str) -> None:
     for k, part in enumerate(parts):
         if part.name in PER_LEAF or (k == 0 and clip_first(tx) is not None):
             continue
@@ -281,7 +307,10 @@ def probe(tx: _Tx, layout: Layout, what: str, fn: str,
         out = []
         try:
             state = tx.init(td.unflatten(p))
-            step = _probe_step(tx, td)  # eager: tiny arrays, no compile
+            # eager, op by op: each primitive is compiled once a process for these
+            # tiny shapes and every later probe reuses it (a probe compiled as one
+            # program compiles again for each transformation and layout)
+            step = _probe_step(tx, td)
             for g_all in grads:
                 g = g_all if r is None else part(g_all, r)
                 updates, state, p = step(td.unflatten(g), state, td.unflatten(p))
