@@ -108,8 +108,10 @@ def host_copy(x: object) -> np.ndarray:
         return _host(x)
 
 
-def _host(x: object) -> np.ndarray:
+def _host(x: Any) -> np.ndarray:  # Any: reads a JAX array's devices
     module = type(x).__module__.split(".")[0]
+    if module in ("jax", "jaxlib") and {d.platform for d in x.devices()} == {"cpu"}:
+        return np.asarray(x)  # a view of the host's memory, as before any device
     if device_of_or_none(x) is None and module not in ("torch", "jax", "jaxlib"):
         return np.asarray(x)  # numbers, lists, numpy scalars
     return explicit_host_copy(x)
