@@ -55,7 +55,16 @@ from ops import FusedOptimizer
 from ops._adam import grad_multiplier
 from ops._types import Array, tree_util
 from shard.core._layout import Layout
-from shard.core._parts import PER_LEAF, Part, Segments, check_parts, clip_first, describe, parts_of
+from shard.core._parts import (
+    PER_LEAF,
+    Part,
+    PerTransformation,
+    Segments,
+    check_parts,
+    clip_first,
+    describe,
+    parts_of,
+)
 
 if TYPE_CHECKING:
     import jax
@@ -228,8 +237,8 @@ class ShardOptimizer:
         return tuple(new_rest)
 
 
-_cache: dict = {}  # (update, layout) -> (optimizer, ShardOptimizer): ranks share one probe
-_lock = threading.Lock()
+_SHARDED: PerTransformation[ShardOptimizer] = PerTransformation()  # ranks share one probe
+_lock = threading.Lock()  # what thread ranks build lazily in a ShardOptimizer they share
 
 
 def on_shards(optimizer: FusedOptimizer | optax.GradientTransformation, layout: Layout, *,
@@ -261,15 +270,8 @@ def on_shards(optimizer: FusedOptimizer | optax.GradientTransformation, layout: 
                         f"{master_dtype} masters (use ops.adamw(...) for them)")
     sharded = stage > 0 and any(leaf.sharded and leaf.rows_per_rank < leaf.rows
                                 for leaf in layout.leaves)
-    key = (id(optimizer.update), layout.treedef, sharded,
-           tuple((leaf.shape, leaf.local_shape, leaf.sharded) for leaf in layout.leaves))
-    with _lock:
-        hit = _cache.get(key)
-        if hit is None or hit[0] is not optimizer:
-            if len(_cache) >= 64:
-                _cache.clear()
-            hit = _cache[key] = (optimizer, _make(optimizer, layout, sharded, what, fn))
-    return hit[1]
+    return _SHARDED.get(optimizer, layout, (sharded,),
+                        lambda: _make(optimizer, layout, sharded, what, fn))
 
 
 def moment_names(optimizer: object, layout: Layout) -> tuple[str, ...]:

@@ -19,7 +19,7 @@ import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, SupportsFloat
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, SupportsFloat, TypeVar
 
 import numpy as np
 
@@ -31,8 +31,8 @@ if TYPE_CHECKING:
 
     from shard.core._layout import Layout
 
-__all__ = ["PER_LEAF", "Part", "Segments", "check_parts", "clip_first", "describe", "free_var",
-           "parts_of", "probe"]
+__all__ = ["PER_LEAF", "Part", "PerTransformation", "Segments", "check_parts", "clip_first",
+           "describe", "free_var", "parts_of", "probe"]
 
 # per-leaf reductions computed here: their optax hyper-parameters, by closure name
 PER_LEAF = {"scale_by_trust_ratio": ("min_norm", "trust_coefficient", "eps"),
@@ -224,8 +224,35 @@ def describe(tx: optax.GradientTransformation) -> str:
     return f"optax transformation ({', '.join(names)})" if names else type(tx).__name__
 
 
-_CHECKED: dict[tuple, tuple[object, Exception | None]] = {}  # key -> (tx, its refusal)
-_CHECKED_LOCK = threading.Lock()
+_T = TypeVar("_T")
+
+
+class PerTransformation(Generic[_T]):
+    """Answers about an optax transformation on a layout, kept by the
+    transformation's update function, the layout's geometry and ``extra``, so
+    that thread ranks passing one transformation for equal layouts share one
+    answer: the first computes it, the others wait for it. The transformation
+    is kept beside its answer (an update's id is not reused while it lives);
+    the last 64 keys are kept."""
+
+    def __init__(self) -> None:
+        self._kept: dict[tuple, tuple[object, _T]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, tx: optax.GradientTransformation, layout: Layout, extra: tuple,
+            make: Callable[[], _T]) -> _T:
+        key = (id(tx.update), layout.treedef, extra,
+               tuple((leaf.shape, leaf.local_shape, leaf.sharded) for leaf in layout.leaves))
+        with self._lock:
+            hit = self._kept.get(key)
+            if hit is None or hit[0] is not tx:
+                if len(self._kept) >= 64:
+                    self._kept.clear()
+                hit = self._kept[key] = (tx, make())
+        return hit[1]
+
+
+_CHECKED: PerTransformation[Exception | None] = PerTransformation()  # (the refusal)
 
 
 def check_parts(tx: optax.GradientTransformation, parts: list[Part], layout: Layout, what: str,
@@ -234,23 +261,18 @@ def check_parts(tx: optax.GradientTransformation, parts: list[Part], layout: Lay
     shards (``PER_LEAF``), a ``clip_by_global_norm`` first in it, or acts
     element by element: by the names of the reductions it holds, then by the
     probe (see [Note: optax on shards]). Thread ranks passing one ``tx`` for
-    equal layouts share one check: the first runs it, the others wait for its
-    answer."""
-    key = (id(tx.update), layout.treedef, what, fn,
-           tuple((leaf.shape, leaf.local_shape, leaf.sharded) for leaf in layout.leaves))
-    with _CHECKED_LOCK:
-        hit = _CHECKED.get(key)
-        if hit is None or hit[0] is not tx:
-            try:
-                _check_parts(tx, parts, layout, what, fn)
-                refused = None
-            except (TypeError, ValueError) as e:
-                refused = e
-            if len(_CHECKED) >= 64:
-                _CHECKED.clear()
-            hit = _CHECKED[key] = (tx, refused)
-    if hit[1] is not None:
-        raise type(hit[1])(*hit[1].args)
+    equal layouts share one check (:class:`PerTransformation`)."""
+
+    def refusal() -> Exception | None:
+        try:
+            _check_parts(tx, parts, layout, what, fn)
+        except (TypeError, ValueError) as e:
+            return e
+        return None
+
+    refused = _CHECKED.get(tx, layout, (what, fn), refusal)
+    if refused is not None:
+        raise type(refused)(*refused.args)
 
 
 def _check_parts(tx: optax.GradientTransformation, parts: list[Part], layout: Layout,

@@ -6,8 +6,9 @@ of the step in ``shard/step/_step.py``); and the loss alone, with no gradients
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -20,7 +21,7 @@ from shard.core._state import TrainState
 from shard.core.losses._jax import JaxLoss
 from shard.monitor._flops import FlopCount
 from shard.monitor._profile import timed
-from shard.step import _traced
+from shard.step import _traced, _update
 from shard.step._runtime import LiveBytes, Units
 from shard.step.reduction._reduce import GradBuffers, GradReducer
 
@@ -30,9 +31,12 @@ if TYPE_CHECKING:
 
     from ops._types import Array
     from shard.core._protocol import LossProvider
+    from shard.step._ordered import OrderedReducer
     from shard.step._plan import Plan
 
 __all__ = [
+    "Accumulated",
+    "accumulate",
     "configured",
     "evaluate",
     "grad_buffers",
@@ -41,7 +45,6 @@ __all__ = [
     "mean_model_state",
     "on_device",
     "placement",
-    "reduce_dtype",
     "same_model_state",
     "step_loss",
     "unit_params",
@@ -49,17 +52,12 @@ __all__ = [
 ]
 
 
-def reduce_dtype(plan: Plan) -> np.dtype:
-    p = plan.precision
-    return np.dtype(p.reduce_dtype or p.param_dtype or plan.master_dtype)
-
-
 def grad_buffers(plan: Plan, kept: GradBuffers | None,
                  dtype: DTypeLike | None = None) -> GradBuffers:
     """The gradient shards, kept across steps (see :class:`GradBuffers`):
     ``kept`` where it serves ``plan``, else new ones; in ``dtype`` (default:
     the reductions')."""
-    dtype = reduce_dtype(plan) if dtype is None else np.dtype(dtype)
+    dtype = plan.reduce_dtype if dtype is None else np.dtype(dtype)
     if kept is not None and kept.serves(plan.grad_layout, dtype, plan.device):
         return kept
     return GradBuffers(plan.grad_layout, dtype, plan.device)
@@ -169,6 +167,67 @@ def counted(plan: Plan, flops: FlopCount, called: LossProvider | None,
         return loss.program_flops(plan.full_layout.treedef.unflatten(like), batch)
 
     return flops.micro_batch(loss.counts_flops, loss, batch, program)
+
+
+@dataclasses.dataclass
+class Accumulated:
+    """What a step's micro-batches leave besides their gradients (which went to
+    the reducer) and their weighted losses (summed into the totals)."""
+
+    auxes: list[Any]  # each micro-batch's aux, with has_aux
+    losses: list[Any]  # each micro-batch's loss, for the ordered reduction only
+    model_state: Any  # the model state after the last micro-batch (see [Note: model state])
+    missing: frozenset[int] | None  # leaves no micro-batch gave a gradient
+
+
+def accumulate(plan: Plan, units: Units, reducer: GradReducer, state: TrainState,
+               micro: list[object], weights: list[float] | None, scale: float,
+               totals: Array, flops: FlopCount, *, ordered: bool) -> Accumulated:
+    """Every micro-batch's loss and gradients (of the loss times ``scale`` and its
+    weight), in order: the gradients to ``reducer``, the weighted loss into
+    ``totals``, the FLOPs counted into ``flops`` (step 1 of the step).
+    ``ordered``: ``reducer`` is an ``OrderedReducer``, told where each
+    micro-batch ends, and each loss is kept for its exact sum."""
+    c = plan.config
+    out = Accumulated([], [], state.model_state, None)
+    tracked = _update.tracks_missing(c)  # see [Note: missing gradients]
+    called = step_loss(plan, out.model_state is not None)  # see [Note: per-rank keys]
+    flops.step = 0.0
+    with placement(plan), configured(plan):
+        for i, b in enumerate(micro):
+            reducer.final = i == len(micro) - 1
+            weight = weights[i] if weights else 1.0  # micro-batches of unequal rows
+            b = keyed_batch(plan, b, int(state.step), i)
+            loss = _micro_batch(plan, units, reducer, b, scale * weight, called, flops, out)
+            if tracked:  # no gradient in the step: none in any of its micro-batches
+                got = c.loss_fn.missing
+                out.missing = got if out.missing is None else out.missing & got
+            loss = on_device(plan, loss, "the loss")
+            totals[_update.LOSS] += loss if weights is None else loss * weight
+            if ordered:
+                cast("OrderedReducer", reducer).end_call()
+                out.losses.append(loss)
+    return out
+
+
+def _micro_batch(plan: Plan, units: Units, reducer: GradReducer, b: object, scale: float,
+                 called: Any, flops: FlopCount, out: Accumulated) -> Any:
+    """One micro-batch's loss; its aux and new model state into ``out``."""
+    c = plan.config
+    model_state = out.model_state
+    with counted(plan, flops, called, b if model_state is None else (b, model_state)):
+        if model_state is None:
+            loss = loss_and_grads(plan, units, reducer, b, scale, called)
+            if c.has_aux:
+                loss, aux = loss
+                out.auxes.append(aux)
+            return loss
+        loss, (new, aux) = loss_and_grads(plan, units, reducer, (b, model_state), scale,
+                                          called)
+        out.model_state = same_model_state(plan, model_state, new)
+    if c.has_aux:
+        out.auxes.append(aux)
+    return loss
 
 
 # loss_fn: Any: a JaxLoss, or the step's LossProvider in its place, whose optional

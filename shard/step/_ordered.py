@@ -21,7 +21,6 @@ from shard.core._layout import Layout
 from shard.core._state import TrainState
 from shard.monitor._profile import timed
 from shard.step import _checks
-from shard.step._grads import reduce_dtype
 from shard.step.reduction._compressed import Compressed, LocalReducer, OneBitReducer
 from shard.step.reduction._reduce import CopyPlans, GradBuffers, GradReducer
 
@@ -101,10 +100,10 @@ def reducer(plan: Plan, buffers: GradBuffers,
                              else None, max_norm=c.clip_norm)
     if c.invariant_shards:
         return OrderedReducer(plan.grad_layout, plan.fast, stage=c.stage,
-                              dtype=reduce_dtype(plan), device=plan.device, buffers=buffers,
+                              dtype=plan.reduce_dtype, device=plan.device, buffers=buffers,
                               plans=plan.grad_plans, group=c.invariant_shards // c.ranks,
                               replica=plan.replica)
-    return GradReducer(plan.grad_layout, plan.fast, stage=c.stage, dtype=reduce_dtype(plan),
+    return GradReducer(plan.grad_layout, plan.fast, stage=c.stage, dtype=plan.reduce_dtype,
                        device=plan.device, buffers=buffers, plans=plan.grad_plans,
                        quantized=8 if c.quantized_gradients is True else
                        int(c.quantized_gradients), hierarchy=plan.secondary)
@@ -117,7 +116,7 @@ def virtual_shards(plan: Plan, state: TrainState, micro: list[object]) -> list[A
     if state.model_state is not None:
         raise NotImplementedError(f"{c.name}: invariant_shards= does not keep a model state "
                                   "(statistics averaged over the ranks) invariant")
-    if reduce_dtype(plan) == np.float64:
+    if plan.reduce_dtype == np.float64:
         raise NotImplementedError(f"{c.name}: invariant_shards= sums float32, bfloat16 and "
                                   "float16 gradients exactly; not float64")
     why = c.loss_fn.layout_dependent()

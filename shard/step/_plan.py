@@ -177,6 +177,12 @@ class Plan:
         return np.dtype(self.precision.param_dtype or self.master_dtype)
 
     @property
+    def reduce_dtype(self) -> np.dtype:
+        """The gradients' dtype in their reduction and shards."""
+        p = self.precision
+        return np.dtype(p.reduce_dtype or p.param_dtype or self.master_dtype)
+
+    @property
     def compute_on_host(self) -> bool:
         """Stage 3's compute shards in host memory (``Offload(params="host")``)."""
         off = self.config.offload

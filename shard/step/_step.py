@@ -105,6 +105,20 @@ log = logging.getLogger(__name__)
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(StepConfig))
 
 
+@dataclasses.dataclass
+class _Reduced:
+    """The gradient phase's result (steps 1-2), what the update reads."""
+
+    shards: list[Array]  # each unit's reduced gradient shard
+    totals: Array  # on the device: the sum of squares, the loss, the rows (see _update)
+    skip: frozenset[int]  # leaves no micro-batch gave a gradient on any rank
+    aux: Any  # the mean aux, with has_aux
+    model_state: Any  # the new model state, or None
+    onebit: Compressed | None  # what a compressed phase of the 1-bit family sent
+    grad_scale: float  # the gradients' factor: 1 / (divide factor x micro-batches x scale)
+    parts: int  # the losses summed: ranks x micro-batches
+
+
 class ZeroStep:
     """A ZeRO train step; build it with :func:`zero0` ... :func:`zero3`.
 
@@ -305,12 +319,34 @@ class ZeroStep:
         """The step after its checks. Nothing of ``state`` changes until the
         gradients are reduced and their norm is known; an exception before that
         leaves it valid (see [Note: failed steps])."""
-        c, device = self.config, plan.device
+        c = self.config
         scale = float(state.loss_scale)
-        w, k = c.ranks, len(micro)
-        grad_scale = 1.0 / ((c.gradient_divide_factor or w) * k * scale)
+        grad_scale = 1.0 / ((c.gradient_divide_factor or c.ranks) * len(micro) * scale)
+        reduced = self._reduce(plan, state, micro, weights, rows, scale, grad_scale)
+        state.donate()  # from here on the update reuses its buffers
+        if reduced.model_state is not None:
+            state = state.replace(model_state=reduced.model_state)
+        known = {"lr": lr, "loss_scale": scale, "skipped": False}
+        if lr is None:  # an optax transformation's rate is its own
+            del known["lr"]
+        if c.has_aux:
+            known["aux"] = reduced.aux
+        fresh_copies = c.stage in (1, 2) and bool(state.compute) and (
+            state.meta.compute_dtype != state.meta.master_dtype)
+        family = plan.optimizer.fused is not None and plan.optimizer.fused.onebit is not None
+        if c.clip_norm is None and c.loss_scale is None and not fresh_copies and not family:
+            return self._advance_on_device(plan, state, reduced, known)
+        return self._advance_on_host(plan, state, reduced, known)
+
+    def _reduce(self, plan: Plan, state: TrainState, micro: list[object],
+                weights: list[float] | None, rows: int, scale: float,
+                grad_scale: float) -> _Reduced:
+        """Steps 1-2: every micro-batch's gradients reduced into the shards, their
+        norm and the mean loss; on an exception, the step's collectives are
+        waited for and ``state`` is as it was."""
+        c, device = self.config, plan.device
         onebit = self._compressed(plan, state, grad_scale)  # see [Note: 1-bit Adam]
-        if onebit is not None and _grads.reduce_dtype(plan) != np.float32:  # compressed: f32
+        if onebit is not None and plan.reduce_dtype != np.float32:  # compressed: f32
             buffers = self.__dict__["_grad_buffers32"] = _grads.grad_buffers(
                 plan, self.__dict__.get("_grad_buffers32"), np.float32)
         else:
@@ -320,44 +356,14 @@ class ZeroStep:
         leaves = len(plan.layout.leaves) if _update.tracks_missing(c) else 0
         totals = _update.fresh_totals(self.__dict__.setdefault("_totals_cache", {}), device,
                                       rows, leaves)
-        missing: frozenset[int] | None = None  # see [Note: missing gradients]
         offloader = self._offloader
         overlap = offloader.start_overlap(state, reducer, grad_scale) if offloader else None
-        auxes, losses = [], []
-        model_state = state.model_state  # see [Note: model state]
-        called = _grads.step_loss(plan, model_state is not None)  # see [Note: per-rank keys]
-        self._flops.step = 0.0
         try:
-            with _grads.placement(plan), _grads.configured(plan):
-                for i, b in enumerate(micro):
-                    reducer.final = i == len(micro) - 1
-                    weight = weights[i] if weights else 1.0  # micro-batches of unequal rows
-                    b = _grads.keyed_batch(plan, b, int(state.step), i)
-                    with _grads.counted(plan, self._flops, called, b if model_state is None
-                                        else (b, model_state)):
-                        if model_state is not None:
-                            loss, (new, aux) = _grads.loss_and_grads(
-                                plan, units, reducer, (b, model_state), scale * weight, called)
-                            model_state = _grads.same_model_state(plan, model_state, new)
-                            if c.has_aux:
-                                auxes.append(aux)
-                        else:
-                            loss = _grads.loss_and_grads(plan, units, reducer, b,
-                                                         scale * weight, called)
-                    if leaves:  # no gradient in the step: none in any of its micro-batches
-                        got = c.loss_fn.missing
-                        missing = got if missing is None else missing & got
-                    if c.has_aux and model_state is None:
-                        loss, aux = loss
-                        auxes.append(aux)
-                    loss = _grads.on_device(plan, loss, "the loss")
-                    totals[_update.LOSS] += loss if weights is None else loss * weight
-                    if isinstance(reducer, OrderedReducer):
-                        reducer.end_call()
-                        losses.append(loss)
+            got = _grads.accumulate(plan, units, reducer, state, micro, weights, scale, totals,
+                                    self._flops, ordered=isinstance(reducer, OrderedReducer))
             shards = reducer.finish()
-            if missing:
-                _update.count_missing(totals, missing, device)
+            if got.missing:  # see [Note: missing gradients]
+                _update.count_missing(totals, got.missing, device)
             if overlap is not None:  # see [Note: overlapped offload]
                 overlap.submit_rest()
                 with timed("reduce_wait"):
@@ -367,82 +373,89 @@ class ZeroStep:
                     _update.local_norm_and_loss(plan, cast(LocalReducer, reducer).sumsq,
                                                 totals)
                 else:
-                    _update.norm_and_loss(plan, shards, totals, losses)
+                    _update.norm_and_loss(plan, shards, totals, got.losses)
                 if c.weight_by_rows:
-                    _update.weigh_by_rows(shards, totals, w * k)
-            aux = _grads.mean_aux(plan, auxes) if c.has_aux else None
-            if model_state is not None:
-                model_state = _grads.mean_model_state(plan, model_state)
-            skip = _update.skipped_leaves(totals, missing, c.ranks, device) if missing and \
-                onebit is None else frozenset()  # 1-bit Adam updates every leaf, as DeepSpeed
+                    _update.weigh_by_rows(shards, totals, c.ranks * len(micro))
+            aux = _grads.mean_aux(plan, got.auxes) if c.has_aux else None
+            model_state = None if got.model_state is None else _grads.mean_model_state(
+                plan, got.model_state)
+            skip = _update.skipped_leaves(totals, got.missing, c.ranks, device) if \
+                got.missing and onebit is None else frozenset()  # 1-bit Adam: every leaf
         except BaseException:
             units.drain()  # no collective of this step still writes anywhere
             reducer.drain()
             raise
-        state.donate()  # from here on the update reuses its buffers
-        if model_state is not None:
-            state = state.replace(model_state=model_state)
-        known = {"lr": lr, "loss_scale": scale, "skipped": False}
-        if lr is None:  # an optax transformation's rate is its own
-            del known["lr"]
-        if c.has_aux:
-            known["aux"] = aux
+        return _Reduced(shards, totals, skip, aux, model_state, onebit, grad_scale,
+                        c.ranks * len(micro))
 
-        def finish(host: np.ndarray) -> dict[str, float]:
-            if (not c.weight_by_rows and _update.value(host, _update.ROWS) > 0
-                    and not self.__dict__.get("_rows_warned")):
-                self._rows_warned = _update.warn_if_rows_differ(c, host)
-            sumsq = _update.value(host, _update.SUMSQ)
-            # 1-bit Adam's compressed phase: the norm of the momentum the ranks agreed on
-            norm = math.sqrt(sumsq) * (1.0 if onebit else grad_scale) if math.isfinite(
-                sumsq) else sumsq
-            return {"loss": _update.value(host, _update.LOSS) / (w * k), "grad_norm": norm}
+    def _metrics(self, reduced: _Reduced, host: np.ndarray) -> dict[str, float]:
+        """The loss and the gradients' norm from the totals read back."""
+        c = self.config
+        if (not c.weight_by_rows and _update.value(host, _update.ROWS) > 0
+                and not self.__dict__.get("_rows_warned")):
+            self._rows_warned = _update.warn_if_rows_differ(c, host)
+        sumsq = _update.value(host, _update.SUMSQ)
+        # 1-bit Adam's compressed phase: the norm of the momentum the ranks agreed on
+        norm = math.sqrt(sumsq) * (1.0 if reduced.onebit else reduced.grad_scale) if \
+            math.isfinite(sumsq) else sumsq
+        return {"loss": _update.value(host, _update.LOSS) / reduced.parts, "grad_norm": norm}
 
-        fresh_copies = c.stage in (1, 2) and bool(state.compute) and (
-            state.meta.compute_dtype != state.meta.master_dtype)
-        family = plan.optimizer.fused is not None and plan.optimizer.fused.onebit is not None
-        if c.clip_norm is None and c.loss_scale is None and not fresh_copies and not family:
-            # Nothing to decide on the host: no read back until metrics are looked
-            # at. The kernel reads the sum of squares on the device and skips the
-            # update when it is not finite (see [Note: non-finite gradients]).
-            del known["skipped"]
+    def _advance_on_device(self, plan: Plan, state: TrainState, reduced: _Reduced,
+                           known: dict[str, Any]) -> tuple[TrainState, StepMetrics]:
+        """Steps 4-5 with nothing to decide on the host: no read back until the
+        metrics are looked at. The kernel reads the sum of squares on the
+        device and skips the update when it is not finite (see [Note:
+        non-finite gradients])."""
+        c, step = self.config, int(state.step)
+        del known["skipped"]
 
-            def finish_and_flag(host: np.ndarray) -> dict[str, Any]:
-                out = finish(host)
-                out["skipped"] = not math.isfinite(_update.value(host, _update.SUMSQ))
-                if out["skipped"]:
-                    log.warning("%s: non-finite gradients (inf or nan) at step %d: the update "
-                                "was skipped", c.name, int(state.step))
-                return out
+        def finish_and_flag(host: np.ndarray) -> dict[str, Any]:
+            out: dict[str, Any] = self._metrics(reduced, host)
+            out["skipped"] = not math.isfinite(_update.value(host, _update.SUMSQ))
+            if out["skipped"]:
+                log.warning("%s: non-finite gradients (inf or nan) at step %d: the update "
+                            "was skipped", c.name, step)
+            return out
 
-            state = self._apply(plan, state, shards, grad_scale, totals[_update.SUMSQ], skip)
-            return (state.replace(step=np.asarray(int(state.step) + 1, np.int64),
-                                  batches=np.asarray(int(state.batches) + 1, np.int64),
-                                  skips=_update.add_skips(state.skips, skip)),
-                    StepMetrics(known, totals, finish_and_flag, device.to_host))
-        host = device.to_host(totals)  # the step's one read: skip it or not
-        known.update(finish(host))
+        totals = reduced.totals
+        state = self._apply(plan, state, reduced.shards, reduced.grad_scale,
+                            totals[_update.SUMSQ], reduced.skip)
+        return (state.replace(step=np.asarray(step + 1, np.int64),
+                              batches=np.asarray(int(state.batches) + 1, np.int64),
+                              skips=_update.add_skips(state.skips, reduced.skip)),
+                StepMetrics(known, totals, finish_and_flag, plan.device.to_host))
+
+    def _advance_on_host(self, plan: Plan, state: TrainState, reduced: _Reduced,
+                         known: dict[str, Any]) -> tuple[TrainState, StepMetrics]:
+        """Steps 3-5 where the host decides (clipping, loss scaling, the 1-bit
+        family, fresh compute copies): the totals read back once, the step
+        skipped on a non-finite norm, the loss scale updated."""
+        c, onebit, totals = self.config, reduced.onebit, reduced.totals
+        host = plan.device.to_host(totals)  # the step's one read: skip it or not
+        known.update(self._metrics(reduced, host))
         finite = math.isfinite(_update.value(host, _update.SUMSQ))
+        scale = float(state.loss_scale)
         new_scale, good, left = scale, int(state.good_steps), int(state.hysteresis)
         if c.loss_scale is not None:
             new_scale, good, left = c.loss_scale.update(scale, good, finite, left)
         if finite:
             needs_norm = c.clip_norm is not None or plan.optimizer.fused is None
             if onebit is not None and onebit.kind == "local":  # see [Note: 0/1 Adam]
-                self._local_step(plan, state, onebit.held, shards)
+                self._local_step(plan, state, onebit.held, reduced.shards)
             elif onebit is not None and onebit.kind == "momentum":  # see [Note: 1-bit Adam]
                 with timed("optimizer"):
                     _update.onebit_update(plan, state, onebit.held)
             else:
-                state = self._apply(plan, state, shards, 1.0 if onebit else grad_scale,
-                                    totals[_update.SUMSQ] if needs_norm else None, skip,
+                state = self._apply(plan, state, reduced.shards,
+                                    1.0 if onebit else reduced.grad_scale,
+                                    totals[_update.SUMSQ] if needs_norm else None, reduced.skip,
                                     onebit.kind if onebit is not None else None)
             for held in (self.__dict__.get("_onebit_momentum"),  # (a skipped update leaves
                          self.__dict__.get("_zero_one_local")):  # them for the state to remake)
                 if held is not None:
                     held.advanced(int(state.step), state.moments[0] if isinstance(
                         held, OneBitMomentum) else state.master)
-            state = state.replace(skips=_update.add_skips(state.skips, skip))
+            state = state.replace(skips=_update.add_skips(state.skips, reduced.skip))
         elif c.loss_scale is None:
             log.warning("%s: non-finite gradients (inf or nan) at step %d: the update was "
                         "skipped", c.name, int(state.step))
