@@ -256,6 +256,105 @@ def check_invariant(name: str, o: ZeroOptions, topology: Topology, optimizer: ob
                                       "drop one of them")
 
 
+def _check_layouts(name: str, stage: int, o: ZeroOptions, topology: Topology,
+                   tensor_parallel: object) -> None:
+    """What a 'replicate' axis (HSDP) and a 'model' axis (tensor parallelism)
+    compose with."""
+    if topology.replicate is not None:  # see [Note: replicas]
+        if stage == 0:
+            raise ValueError(f"{name}: zero0 keeps everything whole on every rank: give "
+                             "it a mesh without a 'replicate' axis")
+        if o.offload is not None and o.offload.overlap:
+            raise ValueError(f"{name}: Offload(overlap=True) updates each unit during "
+                             "the backward, before the replicas' gradients are summed; "
+                             "drop one of them")
+    for what, bad in (("a 'replicate' axis (HSDP)", topology.replicate is not None),
+                      ("offload=", o.offload is not None)):
+        if tensor_parallel is not None and bad:
+            raise NotImplementedError(f"{name}: a 'model' axis (tensor parallelism) does "
+                                      f"not compose with {what}; drop one of them")
+    if tensor_parallel is not None and o.specs is not None:
+        raise ValueError(f"{name}: specs= is the TensorParallel; ZeRO shards its slices "
+                         "with the default specs")
+
+
+def _check_quantized(name: str, stage: int, o: ZeroOptions, topology: Topology) -> None:
+    """ZeRO++'s quantized_weights= (qwZ) and quantized_gradients= (qgZ)."""
+    if not isinstance(o.quantized_weights, bool):
+        raise TypeError(f"{name}: quantized_weights must be True or False; got "
+                        f"{o.quantized_weights!r}")
+    if o.quantized_weights:
+        if stage != 3:
+            raise ValueError(f"{name}: quantized_weights= quantizes stage 3's all-gather "
+                             "of the params; stages 0-2 gather none")
+        if o.invariant_shards is not None:
+            raise NotImplementedError(f"{name}: quantized_weights= does not compose "
+                                      "with invariant_shards=; drop one of them")
+    qgz = o.quantized_gradients
+    if not (isinstance(qgz, bool) or (isinstance(qgz, int) and qgz in (8, 4))):
+        raise TypeError(f"{name}: quantized_gradients must be True, False, 8 or 4 (the "
+                        f"bits); got {qgz!r}")
+    if qgz:
+        if stage == 0:
+            raise ValueError(f"{name}: quantized_gradients= quantizes the gradients' "
+                             "reduce-scatter; zero0 all-reduces them: use zero1-zero3")
+        for what, bad in (("invariant_shards=", o.invariant_shards is not None),
+                          ("a 'replicate' axis (HSDP: the gradients cross nodes in the "
+                           "replicas' all-reduce, which stays exact)",
+                           topology.replicate is not None)):
+            if bad:
+                raise NotImplementedError(f"{name}: quantized_gradients= does not compose "
+                                          f"with {what}; drop one of them")
+
+
+def _check_scaling(name: str, o: ZeroOptions, topology: Topology) -> float | None:
+    """How the gradients are divided (gradient_divide_factor=, weight_by_rows=)
+    and accumulated; returns the divide factor (a number, or None)."""
+    f = o.gradient_divide_factor
+    if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
+                          or not f > 0 or f != f or f == float("inf")):
+        raise ValueError(f"{name}: gradient_divide_factor must be a finite number > 0; "
+                         f"got {f!r}")
+    if f is not None and o.weight_by_rows:
+        raise ValueError(f"{name}: weight_by_rows divides by the rows of every rank; drop "
+                         "gradient_divide_factor= or weight_by_rows=")
+    n = o.gradient_accumulation_steps
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"{name}: gradient_accumulation_steps must be an int >= 1; got {n!r}")
+    if not isinstance(o.weight_by_rows, bool):
+        raise TypeError(f"{name}: weight_by_rows must be True or False; got "
+                        f"{o.weight_by_rows!r}")
+    if o.weight_by_rows and topology.whole is not None:
+        raise ValueError(f"{name}: weight_by_rows is for data-parallel ranks; a pipeline's "
+                         "stages see the same micro-batches (give its data ranks equal "
+                         "rows)")
+    if o.weight_by_rows and o.offload is not None and o.offload.overlap:
+        raise ValueError(f"{name}: weight_by_rows needs every rank's rows before any update, "
+                         "and Offload(overlap=True) updates during the backward; drop one "
+                         "of them")
+    return f
+
+
+def _check_loss_options(name: str, o: ZeroOptions, kind: str, reads: LossProvider,
+                        loss_fn: object) -> None:
+    """The options that need a kind of loss: FLOPs counted, aux returned."""
+    peak = o.peak_flops
+    if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))
+                             or not 0 < peak < float("inf")):
+        raise ValueError(f"{name}: peak_flops must be a FLOP/s > 0 (this rank's device's "
+                         f"peak); got {peak!r}")
+    if (o.count_flops or peak is not None) and kind != "jax" and reads.counts_flops is None:
+        raise NotImplementedError(f"{name}: counting FLOPs is built for a JAX loss function "
+                                  "and interop.torch.functional's loss; not for this "
+                                  f"{type(loss_fn).__name__}")
+    if not isinstance(o.has_aux, bool):
+        raise TypeError(f"{name}: has_aux must be True or False; got {o.has_aux!r}")
+    if o.has_aux and kind != "jax" and not reads.supports_aux:
+        raise TypeError(f"{name}: has_aux=True is for a JAX loss function or "
+                        "interop.torch.functional's loss; this "
+                        f"{type(loss_fn).__name__} returns its loss alone")
+
+
 @dataclass(frozen=True, eq=False, kw_only=True)
 class StepConfig(ZeroOptions):
     """What a :class:`~shard.ZeroStep` is built with: the loss, the optimizer,
@@ -316,90 +415,15 @@ class StepConfig(ZeroOptions):
                                       f"{type(loss_fn).__name__} keeps one unit per layer or "
                                       "module (give units= instead)")
         check_offload(name, stage, o.offload, o.clip_norm)
-        if topology.replicate is not None:  # see [Note: replicas]
-            if stage == 0:
-                raise ValueError(f"{name}: zero0 keeps everything whole on every rank: give "
-                                 "it a mesh without a 'replicate' axis")
-            if o.offload is not None and o.offload.overlap:
-                raise ValueError(f"{name}: Offload(overlap=True) updates each unit during "
-                                 "the backward, before the replicas' gradients are summed; "
-                                 "drop one of them")
-        for what, bad in (("a 'replicate' axis (HSDP)", topology.replicate is not None),
-                          ("offload=", o.offload is not None)):
-            if tensor_parallel is not None and bad:
-                raise NotImplementedError(f"{name}: a 'model' axis (tensor parallelism) does "
-                                          f"not compose with {what}; drop one of them")
-        if tensor_parallel is not None and o.specs is not None:
-            raise ValueError(f"{name}: specs= is the TensorParallel; ZeRO shards its slices "
-                             "with the default specs")
-        if not isinstance(o.quantized_weights, bool):
-            raise TypeError(f"{name}: quantized_weights must be True or False; got "
-                            f"{o.quantized_weights!r}")
-        if o.quantized_weights:
-            if stage != 3:
-                raise ValueError(f"{name}: quantized_weights= quantizes stage 3's all-gather "
-                                 "of the params; stages 0-2 gather none")
-            for what, bad in (("invariant_shards=", o.invariant_shards is not None),):
-                if bad:
-                    raise NotImplementedError(f"{name}: quantized_weights= does not compose "
-                                              f"with {what}; drop one of them")
-        qgz = o.quantized_gradients
-        if not (isinstance(qgz, bool) or (isinstance(qgz, int) and qgz in (8, 4))):
-            raise TypeError(f"{name}: quantized_gradients must be True, False, 8 or 4 (the "
-                            f"bits); got {qgz!r}")
-        if o.quantized_gradients:
-            if stage == 0:
-                raise ValueError(f"{name}: quantized_gradients= quantizes the gradients' "
-                                 "reduce-scatter; zero0 all-reduces them: use zero1-zero3")
-            for what, bad in (("invariant_shards=", o.invariant_shards is not None),
-                              ("a 'replicate' axis (HSDP: the gradients cross nodes in the "
-                               "replicas' all-reduce, which stays exact)",
-                               topology.replicate is not None)):
-                if bad:
-                    raise NotImplementedError(f"{name}: quantized_gradients= does not compose "
-                                              f"with {what}; drop one of them")
-        f = o.gradient_divide_factor
-        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
-                              or not f > 0 or f != f or f == float("inf")):
-            raise ValueError(f"{name}: gradient_divide_factor must be a finite number > 0; "
-                             f"got {f!r}")
-        if f is not None and o.weight_by_rows:
-            raise ValueError(f"{name}: weight_by_rows divides by the rows of every rank; drop "
-                             "gradient_divide_factor= or weight_by_rows=")
-        n = o.gradient_accumulation_steps
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
-            raise ValueError(f"{name}: gradient_accumulation_steps must be an int >= 1; got {n!r}")
+        _check_layouts(name, stage, o, topology, tensor_parallel)
+        _check_quantized(name, stage, o, topology)
+        f = _check_scaling(name, o, topology)
         loggers = (o.loggers,) if callable(o.loggers) else tuple(o.loggers or ())
         for lg in loggers:
             if not callable(lg):
                 raise TypeError(f"{name}: loggers must be callables (step, metrics), such as "
                                 f"shard.CSVLogger; got {type(lg).__name__}")
-        if not isinstance(o.weight_by_rows, bool):
-            raise TypeError(f"{name}: weight_by_rows must be True or False; got "
-                            f"{o.weight_by_rows!r}")
-        if o.weight_by_rows and topology.whole is not None:
-            raise ValueError(f"{name}: weight_by_rows is for data-parallel ranks; a pipeline's "
-                             "stages see the same micro-batches (give its data ranks equal "
-                             "rows)")
-        if o.weight_by_rows and o.offload is not None and o.offload.overlap:
-            raise ValueError(f"{name}: weight_by_rows needs every rank's rows before any update, "
-                             "and Offload(overlap=True) updates during the backward; drop one "
-                             "of them")
-        peak = o.peak_flops
-        if peak is not None and (isinstance(peak, bool) or not isinstance(peak, (int, float))
-                                 or not 0 < peak < float("inf")):
-            raise ValueError(f"{name}: peak_flops must be a FLOP/s > 0 (this rank's device's "
-                             f"peak); got {peak!r}")
-        if (o.count_flops or peak is not None) and kind != "jax" and reads.counts_flops is None:
-            raise NotImplementedError(f"{name}: counting FLOPs is built for a JAX loss function "
-                                      "and interop.torch.functional's loss; not for this "
-                                      f"{type(loss_fn).__name__}")
-        if not isinstance(o.has_aux, bool):
-            raise TypeError(f"{name}: has_aux must be True or False; got {o.has_aux!r}")
-        if o.has_aux and kind != "jax" and not reads.supports_aux:
-            raise TypeError(f"{name}: has_aux=True is for a JAX loss function or "
-                            "interop.torch.functional's loss; this "
-                            f"{type(loss_fn).__name__} returns its loss alone")
+        _check_loss_options(name, o, kind, reads, loss_fn)
         units = o.units
         if units is None:  # a loss object may know its model's units (interop.torch does)
             units = reads.units if kind == "provider" else None
@@ -418,6 +442,6 @@ class StepConfig(ZeroOptions):
         fields.update(units=units, min_num_params=min_num_params, key=key, loggers=loggers,
                       precision=o.precision or Precision(),
                       gradient_divide_factor=None if f is None else float(f),
-                      count_flops=bool(o.count_flops) or peak is not None)
+                      count_flops=bool(o.count_flops) or o.peak_flops is not None)
         return cls(name=name, stage=stage, loss_fn=loss, kind=kind, optimizer=optimizer,
                    topology=topology, tensor_parallel=tensor_parallel, **fields)
