@@ -22,9 +22,10 @@ from shard.core._layout import Layout, LeafLayout, alloc_units
 from shard.core._paths import shapes_from_manifest
 from shard.core._specs import Split
 from shard.core._state import TrainState
-from shard.step._plan import make_plan, new_state
+from shard.step._plan import Plan, make_plan, new_state
 
 if TYPE_CHECKING:
+    from ops._types import Array
     from shard.step._step import ZeroStep
 
 __all__ = ["load", "read_any_manifest", "read_manifest"]
@@ -190,84 +191,18 @@ def load(path: str | os.PathLike, step: ZeroStep, *, comm: Communicator,
 # step: Any, as its plan (None before init) is read where a branch above made it
 def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: object,
           device: str | Device | None) -> tuple[TrainState, object]:
-    from safetensors import safe_open
-
-    config, plan = step.config, step.plan  # the plan of the step's init, if any
-    tp = config.tensor_parallel
-    described = config.loss_fn.params_like  # a torch module's params
-    # every leaf of the module (a module split by parallelize: this model rank's slices)
-    from_module = like is None and plan is None and callable(described)
-    if from_module:
-        like = described()
-    elif like is None and plan is None:
-        try:
-            like = shapes_from_manifest(manifest, f"{path}/manifest.json")
-        except ValueError as e:
-            raise CheckpointError(str(e)) from None
-    if like is not None and tp is not None and not from_module:  # this model rank's slices
-        like = tp.shard(like)
-    if like is not None:
-        plan = make_plan(config, like, device=plan.device if plan else None)
-    if device is not None:
-        plan = plan.on(device_named(device) if isinstance(device, str) else device)
+    config = step.config
+    plan, from_module = _plan_of(path, manifest, step, like, device)
     layout, rank = plan.layout, (comm.rank if config.stage > 0 else 0)
-    saved = {e["path"]: e for e in manifest["leaves"]}
-    extra = sorted(set(saved) - {leaf.path for leaf in layout.leaves}) if from_module else []
-    if extra:
-        raise CheckpointError(f"{path}/manifest.json: leaves {extra[:5]}"
-                              f"{f' and {len(extra) - 5} more' if len(extra) > 5 else ''} are "
-                              "not in the model this step trains: a checkpoint of another "
-                              "model?")
-    dims = _model_dims(layout, tp)
-    sources = []
-    for leaf, dim in zip(layout.leaves, dims, strict=True):
-        entry = saved.get(leaf.path)
-        if entry is None:
-            raise CheckpointError(f"{path}/manifest.json: no leaf {leaf.path} (the model has it; "
-                                  f"the checkpoint has {sorted(saved)[:5]}...)")
-        src = source_of(path, manifest, entry)
-        if dim is not None:  # this model rank's slice (see [Note: tensor-parallel checkpoints])
-            same = isinstance(src, Joined) and src.split == dim and len(src.parts) == tp.size
-            if same:
-                src = src.parts[tp.rank]
-            elif src.shape[dim.dim] % (dim.blocks * tp.size) == 0:
-                src = Sliced(src, dim, tp.rank, tp.size)
-        if tuple(src.shape) != leaf.shape:
-            split = f" (this model rank's slice of {tuple(entry['shape'])})" if dim is not None \
-                else ""
-            raise CheckpointError(f"{path}/manifest.json: leaf {leaf.path} has shape "
-                                  f"{tuple(src.shape)}{split} in the checkpoint but {leaf.shape} "
-                                  "in the model")
-        sources.append(src)
+    sources = _sources(path, manifest, layout, config.tensor_parallel, from_module)
     wanted = [_rows_of(leaf, rank) for leaf in layout.leaves]
-    needed = set().union(*(s.needs(lo, hi) for s, (lo, hi) in zip(sources, wanted, strict=True)))
-    if config.stage in (0, 1, 2):
-        needed |= set().union(*(s.needs(0, s.rows) for s in sources))
-    handles = {}
-    manifests = {k: v for s in sources for k, v in s.manifests().items()}
-    for where, m in manifests.items():
-        ranks = {r for p, r in needed if p == where}
-        verify_files(where, m, ranks)
-        files = m["files"]
-        handles.update({(where, r): safe_open(str(where / (files[r] if m["stage"] else
-                                                             files[0])["file"]),
-                                              framework="numpy") for r in ranks})
+    handles = _open_files(sources, wanted, whole=config.stage in (0, 1, 2))
     moments = plan.optimizer.moments
-    saved_moments, saved_rest = optimizer_of(manifest, f"{path}/manifest.json")
-    if tuple(saved_moments) != moments:
-        raise CheckpointError(f"{path}: saved with an optimizer whose moments are "
-                              f"{list(saved_moments)}; this step's optimizer keeps "
-                              f"{list(moments)}: load with the optimizer it was saved with")
-    if [tuple(r) for r in saved_rest] != list(plan.optimizer.rest):
-        raise CheckpointError(f"{path}: the optimizer's other state leaves are "
-                              f"{saved_rest} in the checkpoint and {list(plan.optimizer.rest)} "
-                              "in this step's optimizer: load with the optimizer it was saved "
-                              "with")
-    buffers = {kind: alloc_units(layout, plan.master_dtype)
-               for kind in ("master", *moments)}  # host
-    for kind, bufs in buffers.items():
+    saved_rest = _check_optimizer(path, manifest, plan)
+    host = {kind: alloc_units(layout, plan.master_dtype) for kind in ("master", *moments)}
+    for kind, bufs in host.items():
         for leaf, src, (lo, hi), dst in zip(layout.leaves, sources, wanted,
-                                            layout.local_views(bufs), strict=True):
+                                            layout.local_views(list(bufs)), strict=True):
             _fill(leaf, dst, src.read(handles, kind, lo, hi))
     on_device = plan.device.asarray  # host buffers: an explicit copy to a GPU
     full_leaves = [on_device(src.read(handles, "master", 0, src.rows).reshape(leaf.shape))
@@ -275,14 +210,15 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: objec
                    for leaf, src in zip(layout.leaves, sources, strict=True)]
     copies = None
     offloader = plan.offloader()
+    buffers: dict[str, list[Any]]  # each unit's buffer: on the device, or an offload tier's
     if offloader is not None:  # into host memory or the disk tier, unit by unit
         def fill(u: int, kind: str, buf: np.ndarray) -> None:
-            buf[...] = buffers[kind][u]
+            buf[...] = host[kind][u]
 
-        *bufs, copies = offloader.buffers(fill)
-        buffers = dict(zip(KINDS, bufs, strict=True))
+        *tiers, copies = offloader.buffers(fill)
+        buffers = dict(zip(KINDS, tiers, strict=True))
     else:
-        buffers = {kind: [on_device(b) for b in bufs] for kind, bufs in buffers.items()}
+        buffers = {kind: [on_device(b) for b in bufs] for kind, bufs in host.items()}
     any_file = next(iter(handles.values()))  # every rank file holds the other leaves
     rest = tuple(np.array(any_file.get_tensor(f"opt_rest/{i}"))
                  for i in range(len(saved_rest)))
@@ -307,6 +243,105 @@ def _load(path: Path, manifest: dict, step: Any, comm: Communicator, like: objec
     return state, manifest.get("extra")
 
 
+def _plan_of(path: Path, manifest: dict, step: Any, like: object,
+             device: str | Device | None) -> tuple[Plan, bool]:
+    """The plan the state is loaded into: the step's own, or one made from
+    ``like``, the step's torch module or the manifest's shapes; and whether it
+    was made from the module (whose leaves the checkpoint must all hold)."""
+    config, plan = step.config, step.plan  # the plan of the step's init, if any
+    tp = config.tensor_parallel
+    described = config.loss_fn.params_like  # a torch module's params
+    # every leaf of the module (a module split by parallelize: this model rank's slices)
+    from_module = like is None and plan is None and callable(described)
+    if from_module:
+        like = described()
+    elif like is None and plan is None:
+        try:
+            like = shapes_from_manifest(manifest, f"{path}/manifest.json")
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+    if like is not None and tp is not None and not from_module:  # this model rank's slices
+        like = tp.shard(like)
+    if like is not None:
+        plan = make_plan(config, like, device=plan.device if plan else None)
+    if device is not None:
+        plan = plan.on(device_named(device) if isinstance(device, str) else device)
+    return plan, from_module
+
+
+def _sources(path: Path, manifest: dict, layout: Layout, tp: Any,
+             from_module: bool) -> list[Any]:  # Any: a TensorParallel; each a Source
+    """Where each leaf of ``layout`` is read from (this model rank's slice of
+    it with tensor parallelism); a CheckpointError for a leaf missing, extra
+    (``from_module``) or of another shape."""
+    saved = {e["path"]: e for e in manifest["leaves"]}
+    extra = sorted(set(saved) - {leaf.path for leaf in layout.leaves}) if from_module else []
+    if extra:
+        raise CheckpointError(f"{path}/manifest.json: leaves {extra[:5]}"
+                              f"{f' and {len(extra) - 5} more' if len(extra) > 5 else ''} are "
+                              "not in the model this step trains: a checkpoint of another "
+                              "model?")
+    sources = []
+    for leaf, dim in zip(layout.leaves, _model_dims(layout, tp), strict=True):
+        entry = saved.get(leaf.path)
+        if entry is None:
+            raise CheckpointError(f"{path}/manifest.json: no leaf {leaf.path} (the model has it; "
+                                  f"the checkpoint has {sorted(saved)[:5]}...)")
+        src = source_of(path, manifest, entry)
+        if dim is not None:  # this model rank's slice (see [Note: tensor-parallel checkpoints])
+            same = isinstance(src, Joined) and src.split == dim and len(src.parts) == tp.size
+            if same:
+                src = src.parts[tp.rank]
+            elif src.shape[dim.dim] % (dim.blocks * tp.size) == 0:
+                src = Sliced(src, dim, tp.rank, tp.size)
+        if tuple(src.shape) != leaf.shape:
+            split = f" (this model rank's slice of {tuple(entry['shape'])})" if dim is not None \
+                else ""
+            raise CheckpointError(f"{path}/manifest.json: leaf {leaf.path} has shape "
+                                  f"{tuple(src.shape)}{split} in the checkpoint but {leaf.shape} "
+                                  "in the model")
+        sources.append(src)
+    return sources
+
+
+def _open_files(sources: list[Any], wanted: list[tuple[int, int]], *,
+                whole: bool) -> dict[tuple[Path, int], Any]:
+    """The rank files that hold the rows ``wanted`` of each source (every row
+    with ``whole``: stages 0-2 keep whole params), verified and opened."""
+    from safetensors import safe_open
+
+    needed = set().union(*(s.needs(lo, hi) for s, (lo, hi) in zip(sources, wanted, strict=True)))
+    if whole:
+        needed |= set().union(*(s.needs(0, s.rows) for s in sources))
+    handles = {}
+    manifests = {k: v for s in sources for k, v in s.manifests().items()}
+    for where, m in manifests.items():
+        ranks = {r for p, r in needed if p == where}
+        verify_files(where, m, ranks)
+        files = m["files"]
+        handles.update({(where, r): safe_open(str(where / (files[r] if m["stage"] else
+                                                             files[0])["file"]),
+                                              framework="numpy") for r in ranks})
+    return handles
+
+
+def _check_optimizer(path: Path, manifest: dict, plan: Plan) -> list:
+    """The saved optimizer's other state leaves, once its moments and those
+    leaves are this step's optimizer's."""
+    moments = plan.optimizer.moments
+    saved_moments, saved_rest = optimizer_of(manifest, f"{path}/manifest.json")
+    if tuple(saved_moments) != moments:
+        raise CheckpointError(f"{path}: saved with an optimizer whose moments are "
+                              f"{list(saved_moments)}; this step's optimizer keeps "
+                              f"{list(moments)}: load with the optimizer it was saved with")
+    if [tuple(r) for r in saved_rest] != list(plan.optimizer.rest):
+        raise CheckpointError(f"{path}: the optimizer's other state leaves are "
+                              f"{saved_rest} in the checkpoint and {list(plan.optimizer.rest)} "
+                              "in this step's optimizer: load with the optimizer it was saved "
+                              "with")
+    return saved_rest
+
+
 def _model_dims(layout: Layout, tp: Any) -> list[Split | None]:  # Any: a TensorParallel
     """Each leaf's split over the loading step's model ranks."""
     if tp is None:
@@ -324,7 +359,7 @@ def _rows_of(leaf: LeafLayout, rank: int) -> tuple[int, int]:
     return lo, min(lo + leaf.rows_per_rank, leaf.rows)
 
 
-def _fill(leaf: LeafLayout, dst: np.ndarray, rows: np.ndarray) -> None:
+def _fill(leaf: LeafLayout, dst: Array, rows: np.ndarray) -> None:
     flat = dst.reshape(-1, leaf.row_size) if leaf.sharded else dst.reshape(leaf.rows, -1)
     flat[:rows.shape[0]] = rows
     flat[rows.shape[0]:] = 0
