@@ -245,6 +245,46 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
     cfg, tuning = _resolve(copy.deepcopy(given), args)
     bad: list[str] = []
 
+    stage, offload, reshard, qwz, qgz = _zero_section(cfg, bad, tuning)
+
+    precision, loss_scale = precision_of(cfg, bad, tuning)
+    divide = allreduce_op(cfg, stage, bad)
+    clip = cfg.pop("gradient_clipping", 0.0)
+    accumulation = int(cfg.pop("gradient_accumulation_steps", 1))
+    micro = cfg.pop("train_micro_batch_size_per_gpu", None)
+    total = cfg.pop("train_batch_size", None)
+    optimizer = optimizer_of(cfg, bad)
+    if optimizer is not None and optimizer.onebit is not None and stage == 0:
+        stage = 1  # DeepSpeed runs the 1-bit family without ZeRO only; ZeRO-1: the same updates
+        log.info("from_deepspeed_config: %s at zero_optimization.stage 0 runs under zero1 here "
+                 "(the same updates, the optimizer's state sharded)",
+                 "ZeroOneAdam" if isinstance(optimizer.onebit, ZeroOne) else "OneBitAdam")
+    loggers = _loggers(cfg, bad)
+    bad += list(cfg)
+    if bad:
+        text = (f"from_deepspeed_config: not supported here: {', '.join(bad)}; remove them "
+                "(or pass unsupported='warn' to go on without them)")
+        if unsupported == "error":
+            raise ValueError(text)
+        log.warning(text)
+    if tuning:
+        log.info("from_deepspeed_config: accepted with no effect here (they tune DeepSpeed's "
+                 "own buffers and change no result): %s", ", ".join(tuning))
+    return DeepSpeedConfig(stage=stage, optimizer=optimizer, precision=precision,
+                           loss_scale=loss_scale, clip_norm=float(clip) if clip else None,
+                           gradient_accumulation_steps=accumulation, micro_batch_size=micro,
+                           train_batch_size=total, offload=offload, loggers=loggers,
+                           reshard_after_forward=reshard, gradient_divide_factor=divide,
+                           quantized_weights=qwz is True and stage == 3,
+                           quantized_gradients=qgz is True and stage > 0)
+
+
+def _zero_section(cfg: dict, bad: list[str], tuning: list[str]) -> tuple[
+        int, Offload | None, bool | int, object, object]:
+    """The ``zero_optimization`` section, taken out of ``cfg``: the stage, the
+    offload, ``reshard_after_forward`` (hpZ's partition size) and ZeRO++'s
+    quantized weights and gradients as given (checked: what is wrong goes to
+    ``bad``, what only tunes DeepSpeed to ``tuning``)."""
     zero = dict(cfg.pop("zero_optimization", {}) or {})
     stage = zero.pop("stage", 0)
     if stage not in (0, 1, 2, 3):
@@ -285,37 +325,7 @@ def from_deepspeed_config(config: dict | str | os.PathLike, *, unsupported: str 
         bad.append("zero_optimization.zero_quantized_gradients=true at stage 0 (it quantizes "
                    "the reduce-scatter of stages 1-3)")
     bad += [f"zero_optimization.{k}" for k in zero]
-
-    precision, loss_scale = precision_of(cfg, bad, tuning)
-    divide = allreduce_op(cfg, stage, bad)
-    clip = cfg.pop("gradient_clipping", 0.0)
-    accumulation = int(cfg.pop("gradient_accumulation_steps", 1))
-    micro = cfg.pop("train_micro_batch_size_per_gpu", None)
-    total = cfg.pop("train_batch_size", None)
-    optimizer = optimizer_of(cfg, bad)
-    if optimizer is not None and optimizer.onebit is not None and stage == 0:
-        stage = 1  # DeepSpeed runs the 1-bit family without ZeRO only; ZeRO-1: the same updates
-        log.info("from_deepspeed_config: %s at zero_optimization.stage 0 runs under zero1 here "
-                 "(the same updates, the optimizer's state sharded)",
-                 "ZeroOneAdam" if isinstance(optimizer.onebit, ZeroOne) else "OneBitAdam")
-    loggers = _loggers(cfg, bad)
-    bad += list(cfg)
-    if bad:
-        text = (f"from_deepspeed_config: not supported here: {', '.join(bad)}; remove them "
-                "(or pass unsupported='warn' to go on without them)")
-        if unsupported == "error":
-            raise ValueError(text)
-        log.warning(text)
-    if tuning:
-        log.info("from_deepspeed_config: accepted with no effect here (they tune DeepSpeed's "
-                 "own buffers and change no result): %s", ", ".join(tuning))
-    return DeepSpeedConfig(stage=stage, optimizer=optimizer, precision=precision,
-                           loss_scale=loss_scale, clip_norm=float(clip) if clip else None,
-                           gradient_accumulation_steps=accumulation, micro_batch_size=micro,
-                           train_batch_size=total, offload=offload, loggers=loggers,
-                           reshard_after_forward=reshard, gradient_divide_factor=divide,
-                           quantized_weights=qwz is True and stage == 3,
-                           quantized_gradients=qgz is True and stage > 0)
+    return stage, offload, reshard, qwz, qgz
 
 
 def _resolve(cfg: dict, args: dict) -> tuple[dict, list[str]]:
