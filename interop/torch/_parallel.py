@@ -198,49 +198,14 @@ def parallelize(module: Any, mesh: Mesh | Communicator,
         raise TypeError("parallelize: mesh must be a shard.Mesh with a 'model' axis or an "
                         f"ops.Communicator; got {mesh!r} (a number of ranks describes a split "
                         "without running one)")
-    place = "cpu" if model.host_memory is not False else model.device.torch_device
-    for i, m in enumerate(modules):
-        where = f"layers[{i}]" if layers else "module"
-        if not isinstance(m, torch.nn.Module):
-            raise TypeError(f"parallelize: {where} is a {type(m).__name__}, not a "
-                            "torch.nn.Module")
-        if getattr(m, "_zeroshard_tensor_parallel", None) is not None:
-            raise ValueError(f"parallelize: this {where} is split already")
-        if any(p.device.type != place for p in m.parameters()):
-            raise ValueError(f"parallelize: the {where}'s parameters are on "
-                             f"{sorted({p.device.type for p in m.parameters()})}; the model "
-                             f"ranks' {model.backend} communicator moves {place} tensors")
+    _check_modules(modules, layers, model)
     if plan is None:
-        plan = None if layers else getattr(module, "_tp_plan", None)
-        if not plan:
-            what = "a list of layers" if layers else f"{type(module).__name__} has no Hugging " \
-                "Face _tp_plan"
-            raise ValueError(f"parallelize: {what}; give plan={{'*.q_proj': 'colwise', ...}}")
+        plan = _default_plan(module, layers)
     styles = {pattern: _style(pattern, entry) for pattern, entry in plan.items()}
     rank, size = tp.rank, tp.size
     Copy, Reduce, Gather = _functions()
-    split: dict[int, tuple[Split, torch.nn.Parameter]] = {}  # id(whole parameter) -> (split, slice)
+    cut = _Splitter(rank, size)
     matched: set[str] = set()  # patterns
-
-    def cut(owner: torch.nn.Module, name: str, where: str, how: Split) -> None:
-        p = getattr(owner, name)
-        if id(p) in split:  # tied: sliced once
-            if split[id(p)][0] != how:
-                raise ValueError(f"parallelize: {where}.{name} is tied to a weight split "
-                                 f"{split[id(p)][0]}; its style splits {how}")
-            setattr(owner, name, split[id(p)][1])
-            return
-        dim, blocks = how
-        if p.shape[dim] % (blocks * size):
-            each = f" in each of {blocks} packed blocks" if blocks > 1 else ""
-            raise ValueError(f"parallelize: {where}.{name} has {p.shape[dim] // blocks} along "
-                             f"dimension {dim}{each}, which does not divide over {size} model "
-                             "ranks")
-        part = torch.nn.Parameter(take_split(p.detach(), how, rank, size).clone(),
-                                  requires_grad=p.requires_grad)
-        split[id(p)] = (how, part)
-        setattr(owner, name, part)
-
     for i, m in enumerate(modules):
         for name, sub in m.named_modules():
             pattern = next((pat for pat in styles if fnmatch.fnmatchcase(name, pat)), None)
@@ -266,13 +231,73 @@ def parallelize(module: Any, mesh: Mesh | Communicator,
     if unused:
         of = "the layers" if layers else type(module).__name__
         raise ValueError(f"parallelize: plan pattern {unused[0]!r} matches no module of {of}")
-    how = {id(part): s for s, part in split.values()}
+    how = {id(part): s for s, part in cut.split.values()}
     specs = [{pname: _spec(how.get(id(p)), axis) for pname, p in m.named_parameters()}
              for m in modules]
     tp.specs = specs if layers else specs[0]
     for m in modules:
         m._zeroshard_tensor_parallel = tp
     return tp
+
+
+def _check_modules(modules: list[Any], layers: bool, model: Communicator) -> None:
+    """Each module a torch module, not split yet, with its parameters where the
+    model ranks' communicator moves tensors."""
+    import torch
+
+    place = "cpu" if model.host_memory is not False else model.device.torch_device
+    for i, m in enumerate(modules):
+        where = f"layers[{i}]" if layers else "module"
+        if not isinstance(m, torch.nn.Module):
+            raise TypeError(f"parallelize: {where} is a {type(m).__name__}, not a "
+                            "torch.nn.Module")
+        if getattr(m, "_zeroshard_tensor_parallel", None) is not None:
+            raise ValueError(f"parallelize: this {where} is split already")
+        if any(p.device.type != place for p in m.parameters()):
+            raise ValueError(f"parallelize: the {where}'s parameters are on "
+                             f"{sorted({p.device.type for p in m.parameters()})}; the model "
+                             f"ranks' {model.backend} communicator moves {place} tensors")
+
+
+def _default_plan(module: Any, layers: bool) -> Mapping[str, str | tuple[str, int]]:
+    """A Hugging Face model's own ``_tp_plan``; an error naming what to give otherwise."""
+    plan = None if layers else getattr(module, "_tp_plan", None)
+    if not plan:
+        what = "a list of layers" if layers else f"{type(module).__name__} has no Hugging " \
+            "Face _tp_plan"
+        raise ValueError(f"parallelize: {what}; give plan={{'*.q_proj': 'colwise', ...}}")
+    return plan
+
+
+class _Splitter:
+    """Replaces a module's parameter by this model rank's slice of it (a
+    parameter tied to one sliced already takes the same slice)."""
+
+    def __init__(self, rank: int, size: int) -> None:
+        self.rank, self.size = rank, size
+        # id(whole parameter) -> (split, slice)
+        self.split: dict[int, tuple[Split, torch.nn.Parameter]] = {}
+
+    def __call__(self, owner: torch.nn.Module, name: str, where: str, how: Split) -> None:
+        import torch
+
+        p = getattr(owner, name)
+        if id(p) in self.split:  # tied: sliced once
+            if self.split[id(p)][0] != how:
+                raise ValueError(f"parallelize: {where}.{name} is tied to a weight split "
+                                 f"{self.split[id(p)][0]}; its style splits {how}")
+            setattr(owner, name, self.split[id(p)][1])
+            return
+        dim, blocks = how
+        if p.shape[dim] % (blocks * self.size):
+            each = f" in each of {blocks} packed blocks" if blocks > 1 else ""
+            raise ValueError(f"parallelize: {where}.{name} has {p.shape[dim] // blocks} along "
+                             f"dimension {dim}{each}, which does not divide over {self.size} "
+                             "model ranks")
+        part = torch.nn.Parameter(take_split(p.detach(), how, self.rank, self.size).clone(),
+                                  requires_grad=p.requires_grad)
+        self.split[id(p)] = (how, part)
+        setattr(owner, name, part)
 
 
 def _spec(how: Split | None, axis: str) -> PartitionSpec | Packed | None:
