@@ -23,7 +23,7 @@ One step, in order (the part that does each in brackets):
 2. finish the reductions; the global sum of squares of the gradients and the
    mean loss in one all-reduce (``_update.norm_and_loss``);
 3. dynamic loss scaling: on inf/nan skip the step and back the scale off
-   (:meth:`ZeroStep._run`, below);
+   (:meth:`ZeroStep._advance_on_host`, below);
 4. the fused optimizer on every unit's shard: unscale, clip, AdamW, and the
    compute-dtype copy of the new params, in one pass (``_update.apply``, or
    the :class:`~shard.offload._offloader.Offloader` where the masters are
