@@ -245,41 +245,11 @@ class Topology:
                             f"data axis), exactly one of them; got "
                             f"{'both' if mesh is not None else 'neither'}")
         if comm is not None:
-            if isinstance(comm, Mesh):
-                raise TypeError(f"{where}: comm= takes one communicator; pass a shard.Mesh "
-                                "as mesh=")
-            if not isinstance(comm, Communicator):
-                raise TypeError(f"{where}: comm must be an ops.Communicator (from ops.spawn or "
-                                f"ops.init_from_env); got {type(comm).__name__}")
-            if model is not None:
-                raise ValueError(f"{where}: a tensor-parallel split needs its model axis: pass "
-                                 "mesh=shard.Mesh(comm, {'data': D, 'model': M}) rather than "
-                                 "comm=")
-            if data_axis is not None and comm is not data_axis \
-                    and comm.world_size != data_axis.world_size:
-                raise ValueError(f"{where}: a pipeline's step runs on its data axis: pass "
-                                 f"comm=pipe.data ({data_axis.world_size} rank(s)) or the "
-                                 f"pipeline's mesh as mesh=; got a communicator of "
-                                 f"{comm.world_size} ranks")
+            _check_comm(where, comm, model, data_axis)
             return cls(comm, whole=whole)
         if not isinstance(mesh, Mesh):
             raise TypeError(f"{where}: mesh must be a shard.Mesh; got {type(mesh).__name__}")
-        names = set(mesh.axis_names)
-        odd = sorted(names - set(_AXES))
-        if odd:
-            raise ValueError(f"{where}: the mesh's axis {odd[0]!r} is not one a ZeRO step "
-                             f"knows; name its axes from {list(_AXES)} (data, or replicate "
-                             "and shard for HSDP; model; pipe)")
-        if "data" in names and names & {"replicate", "shard"}:
-            raise ValueError(f"{where}: the mesh has 'data' and "
-                             f"{sorted(names & {'replicate', 'shard'})}: HSDP's data ranks are "
-                             "'replicate' x 'shard'; flat ZeRO's are 'data'")
-        if ("replicate" in names) != ("shard" in names):
-            raise ValueError(f"{where}: HSDP's mesh names both 'replicate' and 'shard'; got "
-                             f"{list(mesh.axis_names)}")
-        if "data" not in names and "shard" not in names:
-            raise ValueError(f"{where}: the mesh has no data axis ('data', or 'replicate' and "
-                             f"'shard'); its axes are {list(mesh.axis_names)}")
+        names = _check_axes(where, mesh)
         data = mesh["data"] if "data" in names else mesh["shard"]
         replicate = mesh["replicate"] if "replicate" in names else None
         if "model" in names and model is None and mesh.shape["model"] > 1:
@@ -291,18 +261,7 @@ class Topology:
                              f"'model' axis: build it on the same mesh "
                              f"(shard.TensorParallel(mesh, ...)); the axes are "
                              f"{list(mesh.axis_names)}")
-        if "pipe" in names and (data_axis is not None or mesh.shape["pipe"] > 1):
-            if data_axis is None:
-                raise ValueError(f"{where}: the mesh has a 'pipe' axis: the loss must be a "
-                                 "shard.Pipeline over it (shard.pipeline(...))")
-            if data_axis is not data and data_axis.world_size != data.world_size:
-                raise ValueError(f"{where}: the pipeline's data axis has "
-                                 f"{data_axis.world_size} rank(s), the mesh's 'data' "
-                                 f"{data.world_size}: build the pipeline on this mesh")
-            data = data_axis  # the communicator the stage's own collectives use
-        elif data_axis is not None:
-            raise ValueError(f"{where}: a pipeline's step needs its 'pipe' axis in mesh= (the "
-                             "pipeline's own mesh), or comm=pipe.data")
+        data = _stage_data(where, mesh, data, data_axis)
         if replicate is not None and whole is not None:
             raise ValueError(f"{where}: a pipeline's stages have their own data axis; HSDP's "
                              "'replicate' axis is for a step without pipeline stages")
@@ -337,3 +296,67 @@ class Topology:
                                           f"compose with {what}; keep the default True")
         grid = Mesh(self.data, {"node": w // size, "local": size})
         return replace(self, secondary=(grid["local"], grid["node"]))
+
+
+
+def _check_comm(where: str, comm: object, model: Communicator | None,
+                data_axis: Communicator | None) -> None:
+    """``comm=``: one communicator, the data ranks (no model axis; a pipeline's
+    data axis where the step is a pipeline's)."""
+    if isinstance(comm, Mesh):
+        raise TypeError(f"{where}: comm= takes one communicator; pass a shard.Mesh "
+                        "as mesh=")
+    if not isinstance(comm, Communicator):
+        raise TypeError(f"{where}: comm must be an ops.Communicator (from ops.spawn or "
+                        f"ops.init_from_env); got {type(comm).__name__}")
+    if model is not None:
+        raise ValueError(f"{where}: a tensor-parallel split needs its model axis: pass "
+                         "mesh=shard.Mesh(comm, {'data': D, 'model': M}) rather than "
+                         "comm=")
+    if data_axis is not None and comm is not data_axis \
+            and comm.world_size != data_axis.world_size:
+        raise ValueError(f"{where}: a pipeline's step runs on its data axis: pass "
+                         f"comm=pipe.data ({data_axis.world_size} rank(s)) or the "
+                         f"pipeline's mesh as mesh=; got a communicator of "
+                         f"{comm.world_size} ranks")
+
+
+def _check_axes(where: str, mesh: Mesh) -> set[str]:
+    """The mesh's axis names, once they are a ZeRO step's: a data axis
+    ('data', or HSDP's 'replicate' and 'shard'), 'model', 'pipe'."""
+    names = set(mesh.axis_names)
+    odd = sorted(names - set(_AXES))
+    if odd:
+        raise ValueError(f"{where}: the mesh's axis {odd[0]!r} is not one a ZeRO step "
+                         f"knows; name its axes from {list(_AXES)} (data, or replicate "
+                         "and shard for HSDP; model; pipe)")
+    if "data" in names and names & {"replicate", "shard"}:
+        raise ValueError(f"{where}: the mesh has 'data' and "
+                         f"{sorted(names & {'replicate', 'shard'})}: HSDP's data ranks are "
+                         "'replicate' x 'shard'; flat ZeRO's are 'data'")
+    if ("replicate" in names) != ("shard" in names):
+        raise ValueError(f"{where}: HSDP's mesh names both 'replicate' and 'shard'; got "
+                         f"{list(mesh.axis_names)}")
+    if "data" not in names and "shard" not in names:
+        raise ValueError(f"{where}: the mesh has no data axis ('data', or 'replicate' and "
+                         f"'shard'); its axes are {list(mesh.axis_names)}")
+    return names
+
+
+def _stage_data(where: str, mesh: Mesh, data: Communicator,
+                data_axis: Communicator | None) -> Communicator:
+    """The data ranks a step on ``mesh`` reduces over: a pipeline stage's own
+    data axis (``data_axis``) where the mesh has a 'pipe' axis."""
+    if "pipe" in mesh.axis_names and (data_axis is not None or mesh.shape["pipe"] > 1):
+        if data_axis is None:
+            raise ValueError(f"{where}: the mesh has a 'pipe' axis: the loss must be a "
+                             "shard.Pipeline over it (shard.pipeline(...))")
+        if data_axis is not data and data_axis.world_size != data.world_size:
+            raise ValueError(f"{where}: the pipeline's data axis has "
+                             f"{data_axis.world_size} rank(s), the mesh's 'data' "
+                             f"{data.world_size}: build the pipeline on this mesh")
+        return data_axis  # the communicator the stage's own collectives use
+    if data_axis is not None:
+        raise ValueError(f"{where}: a pipeline's step needs its 'pipe' axis in mesh= (the "
+                         "pipeline's own mesh), or comm=pipe.data")
+    return data
