@@ -282,39 +282,63 @@ def with_optax_state(c: StepConfig, plan: Plan, state: TrainState, opt_state: ob
         raise NotImplementedError(f"{fn}: opt_state= with offload= is not built; init without "
                                   "it and load a checkpoint instead")
     tu = ops._types.tree_util()
-    layout, opt = plan.layout, plan.optimizer
+    opt = plan.optimizer
     rank = c.comm.rank if c.stage > 0 else 0
     found = [x for x in tu.tree_leaves(opt_state, is_leaf=lambda x: _has(x, "count"))
              if _has(x, "count")]
     count = int(host_copy(found[0].count)) if found else None
-    rest = state.opt_rest
+    full, rest = _moments_of(fn, plan, opt_state, state.opt_rest, have_count=count is not None)
+    if count is None:
+        raise TypeError(f"{fn}: opt_state holds no count: without it the state's step, and "
+                        "with it Adam's bias correction and the schedule, would start again")
+    buffers, checksum = _scattered(fn, plan, full, rank, count + 1)
+    for comm in (c.comm, c.replicate) if c.replicate is not None else (c.comm,):
+        _checks.agree_on_values(comm, checksum, fn, "give every rank the same opt_state")
+    if opt.fused is not None:
+        buffers = [[plan.device.asarray(b) for b in bufs] for bufs in buffers]
+        moments = plan.packed_moments(buffers)
+    else:
+        moments = buffers
+    return state.replace(moments=tuple(tuple(m) for m in moments), opt_rest=rest,
+                         step=np.asarray(count, np.int64))
+
+
+def _moments_of(fn: str, plan: Plan, opt_state: object, rest: tuple,
+                have_count: bool) -> tuple[list[object], tuple]:
+    """The whole moments in ``opt_state`` (the fused optimizer's, or an optax
+    transformation's own) and the optimizer's other state leaves (``rest``
+    where there are none)."""
+    tu = ops._types.tree_util()
+    opt = plan.optimizer
     if opt.fused is None:  # an optax transformation: its own structure
         try:
             tops = opt._treedef.flatten_up_to(opt_state)
         except (TypeError, ValueError) as e:
             raise TypeError(f"{fn}: opt_state does not have the structure of the optimizer's "
                             f"init(params): {e}") from None
-        full = [t for t, m in zip(tops, opt._is_moment, strict=True) if m]
         rest = tuple(np.array(host_copy(t)) for t, m in zip(tops, opt._is_moment, strict=True)
                      if not m)
         for x, (shape, dtype) in zip(rest, opt.rest, strict=True):
             if tuple(x.shape) != tuple(shape) or str(x.dtype) != dtype:
                 raise TypeError(f"{fn}: opt_state has a {x.dtype}{list(x.shape)} leaf where "
                                 f"the optimizer keeps {dtype}{list(shape)}")
-    else:
-        adam = [x for x in tu.tree_leaves(opt_state, is_leaf=lambda x: _has(x, "mu"))
-                if _has(x, "mu")]
-        fields = [_OPTAX_FIELDS[m] for m in opt.moments]
-        if not adam or not all(_has(adam[0], f) for f in fields) or count is None:
-            raise TypeError(f"{fn}: opt_state holds no optax state with "
-                            f"{', '.join(fields)} and count (optax.adam's, adamw's, lion's or "
-                            f"lamb's) for this step's {'/'.join(opt.moments)}")
-        full = [getattr(adam[0], f) for f in fields]
-    if count is None:
-        raise TypeError(f"{fn}: opt_state holds no count: without it the state's step, and "
-                        "with it Adam's bias correction and the schedule, would start again")
+        return [t for t, m in zip(tops, opt._is_moment, strict=True) if m], rest
+    adam = [x for x in tu.tree_leaves(opt_state, is_leaf=lambda x: _has(x, "mu"))
+            if _has(x, "mu")]
+    fields = [_OPTAX_FIELDS[m] for m in opt.moments]
+    if not adam or not all(_has(adam[0], f) for f in fields) or not have_count:
+        raise TypeError(f"{fn}: opt_state holds no optax state with "
+                        f"{', '.join(fields)} and count (optax.adam's, adamw's, lion's or "
+                        f"lamb's) for this step's {'/'.join(opt.moments)}")
+    return [getattr(adam[0], f) for f in fields], rest
+
+
+def _scattered(fn: str, plan: Plan, full: list[object], rank: int,
+               checksum: int) -> tuple[list[list[Array]], int]:
+    """This rank's shards of each whole moment tree in ``full`` (host buffers,
+    one per unit), and ``checksum`` with every moment's values digested in."""
+    layout = plan.layout
     buffers = [alloc_units(layout, plan.master_dtype) for _ in full]
-    checksum = count + 1
     for tree, bufs in zip(full, buffers, strict=True):
         try:
             leaves = layout.treedef.flatten_up_to(tree)
@@ -329,12 +353,4 @@ def with_optax_state(c: StepConfig, plan: Plan, state: TrainState, opt_state: ob
             x = x.astype(plan.master_dtype, copy=False)
             checksum = _checks.digest(ops.HOST, [x], checksum)
             layout.scatter_leaf(leaf, x, rank, view)
-    for comm in (c.comm, c.replicate) if c.replicate is not None else (c.comm,):
-        _checks.agree_on_values(comm, checksum, fn, "give every rank the same opt_state")
-    if opt.fused is not None:
-        buffers = [[plan.device.asarray(b) for b in bufs] for bufs in buffers]
-        moments = plan.packed_moments(buffers)
-    else:
-        moments = buffers
-    return state.replace(moments=tuple(tuple(m) for m in moments), opt_rest=rest,
-                         step=np.asarray(count, np.int64))
+    return buffers, checksum
