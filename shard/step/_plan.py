@@ -230,36 +230,12 @@ def make_plan(config: StepConfig, params: object, *, device: Device | None = Non
                          units=config.units, min_num_params=config.min_num_params, fn=fn)
     if not layout.leaves:
         raise ValueError(f"{fn}: the params tree has no leaves: nothing to train")
-    for leaf in layout.leaves:
-        if leaf.dtype not in FLOAT_DTYPES:
-            raise TypeError(f"{fn}: params{leaf.path} is {leaf.dtype}; ZeRO trains "
-                            "floating-point params (float16, bfloat16, float32, float64): "
-                            "keep integer, boolean and complex state out of params")
-    precision = config.precision
-    dtypes = sorted({leaf.dtype for leaf in layout.leaves})
-    if precision.param_dtype is None and {"float16", "bfloat16"} & set(dtypes):
-        if len(dtypes) > 1:  # 16-bit params: compute in their dtype, if they agree
-            raise ValueError(f"{fn}: the params mix dtypes {dtypes}; say which one the loss "
-                             "computes in: precision=shard.Precision(param_dtype=...)")
-        precision = dataclasses.replace(precision, param_dtype=dtypes[0])
-    master_dtype = master_dtype_of(layout)
-    if master_dtype == np.float64 and precision.param_dtype not in (None, np.dtype(np.float64)):
-        raise NotImplementedError(f"{fn}: float64 params keep float64 masters, which mixed "
-                                  "precision does not support; give float32 params or drop "
-                                  "precision=")
+    precision, master_dtype = _dtypes(config.precision, layout, fn)
     if isinstance(loss_fn, Layered) and len(loss_fn.layers) != len(layout.units):
         raise ValueError(f"{fn}: Layered has {len(loss_fn.layers)} layers but the "
                          f"params form {len(layout.units)} units "
                          f"({[u.name for u in layout.units]}); give one layer per unit")
-    agree_on_layout(config.comm, layout, fn)
-    if config.replicate is not None:  # every replica holds the same shards
-        agree_on_layout(config.replicate, layout, fn)
-    model_whole: frozenset[int] = frozenset()
-    tp = config.tensor_parallel
-    if tp is not None:  # every model rank holds slices of one shape
-        agree_on_layout(tp.comm, layout, fn)
-        model_whole = frozenset(i for i, d in enumerate(tp.dims(params, whole=False))
-                                if d is None)
+    model_whole = _agreed(config, layout, params, fn)
     full_layout = make_layout(params, config.specs, world_size=1, units=config.units,
                               min_num_params=config.min_num_params)
     if config.stage == 3 and w > 1 and config.comm.rank == 0:
@@ -285,6 +261,43 @@ def make_plan(config: StepConfig, params: object, *, device: Device | None = Non
                 secondary=(secondary[0].unchecked(), secondary[1].unchecked())
                 if secondary else None,
                 frozen=frozen, runs=runs, packing=packing)
+
+
+def _dtypes(precision: Precision, layout: Layout, fn: str) -> tuple[Precision, np.dtype]:
+    """The precision (16-bit params compute in their own dtype unless it says
+    otherwise) and the masters' dtype, once the params are floating point and
+    their dtypes agree with it."""
+    for leaf in layout.leaves:
+        if leaf.dtype not in FLOAT_DTYPES:
+            raise TypeError(f"{fn}: params{leaf.path} is {leaf.dtype}; ZeRO trains "
+                            "floating-point params (float16, bfloat16, float32, float64): "
+                            "keep integer, boolean and complex state out of params")
+    dtypes = sorted({leaf.dtype for leaf in layout.leaves})
+    if precision.param_dtype is None and {"float16", "bfloat16"} & set(dtypes):
+        if len(dtypes) > 1:  # 16-bit params: compute in their dtype, if they agree
+            raise ValueError(f"{fn}: the params mix dtypes {dtypes}; say which one the loss "
+                             "computes in: precision=shard.Precision(param_dtype=...)")
+        precision = dataclasses.replace(precision, param_dtype=dtypes[0])
+    master_dtype = master_dtype_of(layout)
+    if master_dtype == np.float64 and precision.param_dtype not in (None, np.dtype(np.float64)):
+        raise NotImplementedError(f"{fn}: float64 params keep float64 masters, which mixed "
+                                  "precision does not support; give float32 params or drop "
+                                  "precision=")
+    return precision, master_dtype
+
+
+def _agreed(config: StepConfig, layout: Layout, params: object, fn: str) -> frozenset[int]:
+    """Every rank of the data axis (and of the replicas' and the model ranks')
+    made the same layout (a collective); returns the leaves each model rank
+    holds whole (none without tensor parallelism)."""
+    agree_on_layout(config.comm, layout, fn)
+    if config.replicate is not None:  # every replica holds the same shards
+        agree_on_layout(config.replicate, layout, fn)
+    tp = config.tensor_parallel
+    if tp is not None:  # every model rank holds slices of one shape
+        agree_on_layout(tp.comm, layout, fn)
+        return frozenset(i for i, d in enumerate(tp.dims(params, whole=False)) if d is None)
+    return frozenset()
 
 
 def _frozen_runs(layout: Layout, frozen: frozenset[int]) -> tuple:
