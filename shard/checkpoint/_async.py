@@ -37,10 +37,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ops import Communicator
 from shard.checkpoint._files import CheckpointError
 from shard.core._state import TrainState
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from shard.step._plan import Plan
 
 __all__ = ["AsyncSave", "async_save", "wait_pending"]
 
@@ -137,13 +143,7 @@ def async_save(state: TrainState, path: str | os.PathLike, *, comm: Communicator
     path = Path(path)
     ck.check_savable(state, extra, "async_save")
     plan = ck.step_plan(state, "async_save")
-    if plan is not None and plan.config.tensor_parallel is not None:
-        raise NotImplementedError("async_save: a tensor-parallel state is saved by shard.save "
-                                  "(one checkpoint per model rank, see [Note: tensor-parallel "
-                                  "checkpoints])")
-    if state.meta.offload == "disk":
-        raise TypeError("async_save: the disk tier's file is its rank file and changes every "
-                        "step; save it with shard.save(...)")
+    _check_async(state, plan)
     key = (str(path.absolute()), id(comm))
     wait_pending(path, comm)
     c = plan.config if plan is not None else None
@@ -182,27 +182,50 @@ def async_save(state: TrainState, path: str | os.PathLike, *, comm: Communicator
     rank, world = comm.rank, comm.world_size
 
     def work() -> None:
-        try:
-            digest, size = (ck.write_tensors(tensors, tmp / f"rank-{rank:05d}.safetensors")
-                            if tensors is not None else ("", 0))
-            _receipt(tmp, rank, {"sha256": digest, "bytes": size})
-            if manifest is not None:  # rank 0's
-                _commit(path, tmp, manifest, world, timeout)
-        except BaseException as e:  # the other ranks learn of it from the files
-            _receipt(tmp, rank, {"error": f"{type(e).__name__}: {e}"})
-            if rank == 0:  # whole (rename), so that a waiting rank never reads it half written
-                with contextlib.suppress(OSError):
-                    part = tmp / f"{_FAILED}.part"
-                    part.write_text(f"{type(e).__name__}: {e}")
-                    os.replace(part, tmp / _FAILED)
-            raise
-        if rank != 0:
-            _await_commit(path, tmp, timeout)
+        _write(tensors, path, tmp, manifest, rank, world, timeout)
 
     handle = AsyncSave(path, work)
     with _lock:
         _pending[key] = handle
     return handle
+
+
+def _check_async(state: TrainState, plan: Plan | None) -> None:
+    """What async_save refuses: a tensor-parallel state, the disk tier."""
+    if plan is not None and plan.config.tensor_parallel is not None:
+        raise NotImplementedError("async_save: a tensor-parallel state is saved by shard.save "
+                                  "(one checkpoint per model rank, see [Note: tensor-parallel "
+                                  "checkpoints])")
+    if state.meta.offload == "disk":
+        raise TypeError("async_save: the disk tier's file is its rank file and changes every "
+                        "step; save it with shard.save(...)")
+
+
+def _write(tensors: dict[str, np.ndarray] | None, path: Path, tmp: Path, manifest: dict | None,
+           rank: int, world: int, timeout: float) -> None:
+    """A rank's part of an async save, on its writer thread: its rank file (where
+    it writes one) and its receipt; rank 0 (the one holding ``manifest``)
+    commits once every receipt is in, the others wait for the commit. A
+    failure is written as the rank's receipt (rank 0's also as the failure
+    file) before it is raised."""
+    from shard.checkpoint import _checkpoint as ck
+
+    try:
+        digest, size = (ck.write_tensors(tensors, tmp / f"rank-{rank:05d}.safetensors")
+                        if tensors is not None else ("", 0))
+        _receipt(tmp, rank, {"sha256": digest, "bytes": size})
+        if manifest is not None:  # rank 0's
+            _commit(path, tmp, manifest, world, timeout)
+    except BaseException as e:  # the other ranks learn of it from the files
+        _receipt(tmp, rank, {"error": f"{type(e).__name__}: {e}"})
+        if rank == 0:  # whole (rename), so that a waiting rank never reads it half written
+            with contextlib.suppress(OSError):
+                part = tmp / f"{_FAILED}.part"
+                part.write_text(f"{type(e).__name__}: {e}")
+                os.replace(part, tmp / _FAILED)
+        raise
+    if rank != 0:
+        _await_commit(path, tmp, timeout)
 
 
 def _receipt(tmp: Path, rank: int, content: dict) -> None:
