@@ -233,7 +233,7 @@ class PerTransformation(Generic[_T]):
     that thread ranks passing one transformation for equal layouts share one
     answer: the first computes it, the others wait for it. The transformation
     is kept beside its answer (an update's id is not reused while it lives);
-    the last 64 keys are kept."""
+    at most 64 answers are kept (all are dropped when a 65th comes)."""
 
     def __init__(self) -> None:
         self._kept: dict[tuple, tuple[object, _T]] = {}
