@@ -87,8 +87,6 @@ class CutProgram:
     it never reads."""
 
     def __init__(self, closed: ClosedJaxpr, layout: Layout) -> None:
-        from jax.extend.core import Literal
-
         self.layout = layout
         n_units = len(layout.units)
         leaf_unit = [0] * len(layout.leaves)
@@ -103,21 +101,9 @@ class CutProgram:
         self.batch_vars = list(jaxpr.invars[n_p:])
         unit_of = {v: leaf_unit[i] for i, v in enumerate(self.param_vars)}
 
-        # the units in the order of first use, and where each one's segment starts
-        order: list[int] = []
-        starts: list[int] = []
-        seen: set[int] = set()
-        for e, eqn in enumerate(jaxpr.eqns):
-            for v in eqn.invars:
-                first = unit_of.get(v) if not isinstance(v, Literal) else None
-                if first is not None and first not in seen:
-                    seen.add(first)
-                    order.append(first)
-                    starts.append(e)
-        if order:
-            starts[0] = 0
+        order, starts = _first_uses(jaxpr.eqns, unit_of)
         self.order = order
-        self.unused = [u for u in range(n_units) if u not in seen]
+        self.unused = [u for u in range(n_units) if u not in order]
         bounds = [*starts, len(jaxpr.eqns)]
         seg_of_eqn = np.zeros(len(jaxpr.eqns), np.int64)
         for k in range(len(order)):
@@ -125,22 +111,10 @@ class CutProgram:
         position = {u: k for k, u in enumerate(order)}
         n = len(order)
 
-        # where each value is made (segment), and the last segment reading it
-        made: dict[Var, int] = {v: position[unit_of[v]] for v in self.param_vars
-                                if unit_of[v] in position}
-        last: dict[Var, int] = {}
-        for e, eqn in enumerate(jaxpr.eqns):
-            k = int(seg_of_eqn[e])
-            for v in eqn.invars:
-                if not isinstance(v, Literal):
-                    last[v] = max(last.get(v, k), k)
-            for v in eqn.outvars:
-                made[v] = k
+        made = {v: position[unit_of[v]] for v in self.param_vars if unit_of[v] in position}
+        last = _last_reads(jaxpr.eqns, jaxpr.outvars, seg_of_eqn, made, n)
         outs = list(jaxpr.outvars)
         self._eqns, self._outvars = list(jaxpr.eqns), outs
-        for v in outs:
-            if not isinstance(v, Literal):
-                last[v] = n  # read after the last segment
         carried = [v for v in made if last.get(v, -1) > made[v]]
         self.segments: list[Cut] = []
         for k, u in enumerate(order):
@@ -155,6 +129,47 @@ class CutProgram:
         if self.segments:  # the last one returns the program's outputs
             final = self.segments[-1]
             final.out_d, final.out_nd = [outs[0]], outs[1:]
+
+
+def _first_uses(eqns: list[JaxprEqn], unit_of: dict[Var, int]) -> tuple[list[int], list[int]]:
+    """The units in the order the equations first read their params, and the
+    equation where each one's segment starts (the first segment at 0)."""
+    from jax.extend.core import Literal
+
+    order: list[int] = []
+    starts: list[int] = []
+    seen: set[int] = set()
+    for e, eqn in enumerate(eqns):
+        for v in eqn.invars:
+            first = unit_of.get(v) if not isinstance(v, Literal) else None
+            if first is not None and first not in seen:
+                seen.add(first)
+                order.append(first)
+                starts.append(e)
+    if order:
+        starts[0] = 0
+    return order, starts
+
+
+def _last_reads(eqns: list[JaxprEqn], outvars: list[Var | Literal], seg_of_eqn: np.ndarray,
+                made: dict[Var, int], n: int) -> dict[Var, int]:
+    """The last segment reading each value (``n`` for the program's outputs);
+    ``made`` (each value's segment, the params' given) gets every equation's
+    outputs."""
+    from jax.extend.core import Literal
+
+    last: dict[Var, int] = {}
+    for e, eqn in enumerate(eqns):
+        k = int(seg_of_eqn[e])
+        for v in eqn.invars:
+            if not isinstance(v, Literal):
+                last[v] = max(last.get(v, k), k)
+        for v in eqn.outvars:
+            made[v] = k
+    for v in outvars:
+        if not isinstance(v, Literal):
+            last[v] = n  # read after the last segment
+    return last
 
 
 class Cut:
