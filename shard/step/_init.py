@@ -15,7 +15,7 @@ import ops._types
 from ops import Device
 from ops.comm._programs import SharedJit
 from ops.device._device import device_of_or_none
-from ops.device._dlpack import host_copy as explicit_host_copy
+from ops.device._dlpack import to_native
 from shard.core._layout import alloc_units, native_leaves
 from shard.core._paths import is_shape
 from shard.core._state import TrainState
@@ -108,13 +108,13 @@ def host_copy(x: object) -> np.ndarray:
         return _host(x)
 
 
-def _host(x: Any) -> np.ndarray:  # Any: reads a JAX array's devices
-    module = type(x).__module__.split(".")[0]
-    if module in ("jax", "jaxlib") and {d.platform for d in x.devices()} == {"cpu"}:
-        return np.asarray(x)  # a view of the host's memory, as before any device
-    if device_of_or_none(x) is None and module not in ("torch", "jax", "jaxlib"):
-        return np.asarray(x)  # numbers, lists, numpy scalars
-    return explicit_host_copy(x)
+def _host(x: object) -> np.ndarray:
+    try:
+        native = to_native(x)[0]  # an array of its device: on the host, a view (DLPack)
+    except TypeError:  # numbers, lists, numpy scalars
+        return np.asarray(x)
+    device = device_of_or_none(native)
+    return np.asarray(native) if device is None or device.host else device.to_host(native)
 
 
 def rows_of(x: jax.Array, lo: int, hi: int) -> np.ndarray | None:
