@@ -17,7 +17,8 @@ interleaved pass by pass; the table gives medians:
             sharded on their first dimension where it divides (NamedSharding
             over a "data" axis), the batch on its rows: what a JAX user has
   zero3x2   shard.zero3 on the same loss and 2 thread ranks, ops.adamw, each
-            rank half the batch (the loss traced once and cut into one segment
+            rank half the batch, placed as jax arrays before the clock as the
+            others' are (the loss traced once and cut into one segment
             per unit: see [Note: traced units] in shard/step/_traced.py), units
             under 100,000 params joined to their neighbours (min_num_params)
   pure3x2   shard.pure_zero3 on the same loss, units and min_num_params and 2
@@ -184,6 +185,8 @@ def run_jax_fsdp(model: str, steps: int) -> dict[str, Any]:
 
 
 def run_zero3(model: str, steps: int) -> dict[str, Any]:
+    import jax
+
     import ops
     import shard
 
@@ -197,8 +200,9 @@ def run_zero3(model: str, steps: int) -> dict[str, Any]:
         state = step.init(params)
         times = []
         for i in range(steps + 1):
-            b = shard.split_batch(batch(i), rank=comm.rank, world_size=2)
-            comm.barrier()
+            b = jax.tree_util.tree_map(jax.numpy.asarray, shard.split_batch(
+                batch(i), rank=comm.rank, world_size=2))  # placed before the clock, as
+            comm.barrier()  # jax_fsdp's and pure3x2's are
             t = time.perf_counter()
             state, metrics = step(state, b)
             float(metrics["loss"])
