@@ -126,6 +126,36 @@ def test_segments_follow_first_use_and_carry_what_later_ones_read():
     assert seen["unused"] == [3] and seen["same"]
 
 
+
+def test_a_forward_keeps_its_matrix_products_and_convolutions_and_recomputes_the_rest():
+    # [Note: what a forward keeps]: of a layer's residuals, the outputs of its matrix
+    # products without batch dimensions and of its convolutions are kept, besides its
+    # inputs; the elementwise work and a batched product are recomputed
+    from shard.core.losses._layered import kept_vjp
+
+    rng = np.random.default_rng(0)
+    w, x = jnp.asarray(rng.standard_normal((5, 6)), jnp.float32), \
+        jnp.asarray(rng.standard_normal((4, 5)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((2, 1, 3, 3)), jnp.float32)
+
+    def f(w, x, k):
+        h = x @ w
+        scores = jnp.einsum("bi,bj->bij", h, h)  # batch dimension b: recomputed
+        c = jax.lax.conv_general_dilated(h[:, None, None, :], k, (1, 1), "SAME")
+        return jnp.sum(jnp.tanh(jnp.exp(0.1 * h)) ** 2) + jnp.sum(jnp.sin(scores)) + \
+            jnp.sum(jax.nn.relu(c))
+
+    out, vjp = kept_vjp(f, w, x, k)
+    own = [r for r in jax.tree_util.tree_leaves(vjp) if not any(r is i for i in (w, x, k))]
+    assert sorted(r.shape for r in own) == [(4, 2, 1, 6), (4, 6)]
+    np.testing.assert_array_equal(next(r for r in own if r.shape == (4, 6)), x @ w)
+    want_out, want_vjp = jax.vjp(f, w, x, k)
+    assert len([r for r in jax.tree_util.tree_leaves(want_vjp)
+                if not any(r is i for i in (w, x, k))]) > 6  # jax.vjp alone keeps them all
+    assert out == want_out
+    for got, want in zip(vjp(jnp.float32(1)), want_vjp(jnp.float32(1)), strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
 # in the leaves' order, block 110, embed 70, mix 100 and unused 5 elements: at
 # 100 block stands alone, embed joins mix and unused (a short tail) joins them
 # (the tied embedding's unit carried to its second use); 1000 makes one unit

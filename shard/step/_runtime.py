@@ -11,8 +11,9 @@ one launch over the unit's runs (``ops/device/_runs.py``), and the caller drops 
 after use. A torch module keeps each unit's activations and saves its params
 by reference (see [Note: torch ZeRO-3] in ``interop/torch/_adapter.py``). For a
 :class:`Layered` loss each layer takes its unit's flat buffer (one DLPack
-exchange, sliced into leaves inside the compiled layer) and the forward pass keeps its VJP
-residuals except those that are its own inputs; the backward pass re-gathers
+exchange, sliced into leaves inside the compiled layer) and the forward pass keeps the VJP
+residuals that [Note: what a forward keeps] in ``shard/core/losses/_layered.py`` names,
+except those that are its own inputs; the backward pass re-gathers
 each unit in reverse order (the last unit stays gathered from its forward,
 as FSDP2's root does), hands the layer's VJP its params again (so no residual
 pins a unit's params; with ``activation_checkpointing=True`` it recomputes

@@ -17,7 +17,8 @@ segment directly.
 Each segment then runs as a :class:`~shard.core.losses._layered.Layered` layer does
 (see [Note: ZeRO-3 schedule] in ``shard/step/_runtime.py``): its unit is
 gathered just before it runs with the next unit's gather in flight, its
-forward keeps its VJP residuals less its own inputs, and the backward
+forward keeps its VJP residuals less its own inputs (those that [Note: what
+a forward keeps] names), and the backward
 gathers the unit again, runs the segment's VJP and hands the unit's
 gradient to the reduction while the next segment's backward computes. So a
 rank holds its shards plus about two units, whatever the model library (a
@@ -48,7 +49,7 @@ import numpy as np
 
 from ops.comm._programs import SharedJit, program_key, ready
 from ops.device._dlpack import jax_view
-from shard.core.losses._layered import _UnitLayer, placed
+from shard.core.losses._layered import _UnitLayer, kept_vjp, placed
 from shard.monitor._profile import timed
 from shard.step._cut import Cut, CutProgram, dtype_of, evaluate_eqns, trace
 
@@ -321,8 +322,8 @@ class _Segment(_UnitLayer):
                 b: tuple[jax.Array, ...]
                 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...], list[jax.Array]]:
             ls = self.leaves(flat)
-            out_d, vjp, out_nd = jax.vjp(lambda ls, cd: self.f(ls, (cd, cnd), b), ls, cd,
-                                         has_aux=True)
+            out_d, vjp, out_nd = kept_vjp(lambda ls, cd: self.f(ls, (cd, cnd), b), ls, cd,
+                                          has_aux=True)
             res, structure = jax.tree_util.tree_flatten(vjp)
             ins = {id(x): k for k, x in enumerate(jax.tree_util.tree_leaves((ls, cd, cnd, b)))}
             sources[:] = [ins.get(id(r)) for r in res]
