@@ -1,4 +1,11 @@
-"""The notebooks run from top to bottom (outputs stay cleared in the repository)."""
+"""The notebooks run from top to bottom (outputs stay cleared in the repository).
+
+A test worker's notebooks share one kernel, each notebook starting from a reset
+namespace, working directory and environment: a kernel's start and its imports
+of torch, JAX and the library are paid once a worker, not once a notebook (this
+file on two workers, three runs each: 101-128 against 133-156 CPU seconds).
+``make docs`` runs each notebook in a kernel of its own.
+"""
 
 from __future__ import annotations
 
@@ -27,24 +34,60 @@ CHECKED = {"01_quickstart.ipynb": "largest difference from torch.optim.AdamW",
            "11_training_loop.ipynb": "loader, range test and autotune checked"}
 
 
+@pytest.fixture(scope="session")
+def kernel(tmp_path_factory):
+    """The worker's kernel: ``{"km", "kc"}`` once the first notebook has started
+    it, with XLA's optimisations and default emitters, as users run notebooks
+    (see conftest); a notebook that fails stops it, and the next starts another."""
+    env = {k: v for k, v in os.environ.items() if k != "JAX_DISABLE_MOST_OPTIMIZATIONS"}
+    env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace(
+        "--xla_cpu_use_fusion_emitters=false", "").strip()
+    # the kernel's sockets are files: TCP ports, picked free and then bound, can be taken
+    # in between by another kernel or process group that the suite starts
+    sockets = Config({"KernelManager": {"transport": "ipc", "connection_file": str(
+        tmp_path_factory.mktemp("kernel") / "kernel.json")}})
+    shared = {"env": env, "config": sockets}
+    yield shared
+    _stop(shared)
+
+
+def _stop(shared):
+    if shared.get("km") is not None:
+        NotebookClient(nbformat.v4.new_notebook(), km=shared.pop("km"), kc=shared.pop("kc"),
+                       shutdown_kernel="immediate")._cleanup_kernel()
+
+
+def _reset(path):
+    """The first cell: a namespace, working directory and environment as the
+    kernel's when it started (ipykernel adds MPLBACKEND to it), and no figure
+    left open."""
+    return "\n".join([
+        "%reset -f", "import os as _os, sys as _sys", f"_os.chdir({str(path.parent)!r})",
+        "_env = vars(_sys).setdefault('_notebook_env', dict(_os.environ))",
+        "_os.environ.clear()", "_os.environ.update(_env)",
+        "_sys.modules['matplotlib.pyplot'].close('all') "
+        "if 'matplotlib.pyplot' in _sys.modules else None",
+        "del _os, _sys, _env"])
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_runs(path, monkeypatch, tmp_path):
-    # as users run them: XLA's optimisations and its default emitters (see conftest)
-    monkeypatch.delenv("JAX_DISABLE_MOST_OPTIMIZATIONS", raising=False)
-    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", "").replace(
-        "--xla_cpu_use_fusion_emitters=false", "").strip())
+def test_notebook_runs(path, kernel):
     nb = nbformat.read(path, as_version=4)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code"), \
         "commit notebooks with their outputs cleared"
-    # the kernel's sockets are files in tmp_path: TCP ports, picked free and then bound, can be
-    # taken in between by another kernel or process group that the suite starts
-    sockets = Config({"KernelManager": {"transport": "ipc",
-                                        "connection_file": str(tmp_path / "kernel.json")}})
-    NotebookClient(nb, timeout=300, kernel_name="python3", config=sockets,
-                   resources={"metadata": {"path": str(path.parent)}}).execute()
-    outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                      for o in c.outputs)
+    nb.cells.insert(0, nbformat.v4.new_code_cell(_reset(path)))
+    client = NotebookClient(nb, timeout=300, kernel_name="python3", config=kernel["config"],
+                            km=kernel.get("km"), kc=kernel.get("kc"),
+                            resources={"metadata": {"path": str(path.parent)}})
+    try:
+        client.execute(cleanup_kc=False, env=kernel["env"])
+    except BaseException:
+        kernel.update(km=client.km, kc=client.kc)
+        _stop(kernel)
+        raise
+    kernel.update(km=client.km, kc=client.kc)
+    cells = [c for c in nb.cells[1:] if c.cell_type == "code"]
+    outputs = "".join(o.get("text", "") for c in cells for o in c.outputs)
     assert CHECKED[path.name] in outputs
     if path.name.startswith(("02", "05", "06", "07", "08", "09", "10", "11")):  # the plot was drawn
-        assert any("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
-                   for o in c.outputs)
+        assert any("image/png" in o.get("data", {}) for c in cells for o in c.outputs)
