@@ -53,8 +53,10 @@ def kernel(tmp_path_factory):
 
 def _stop(shared):
     if shared.get("km") is not None:
-        NotebookClient(nbformat.v4.new_notebook(), km=shared.pop("km"), kc=shared.pop("kc"),
-                       shutdown_kernel="immediate")._cleanup_kernel()
+        client = NotebookClient(nbformat.v4.new_notebook(), km=shared.pop("km"),
+                                shutdown_kernel="immediate")
+        client.kc = shared.pop("kc")
+        client._cleanup_kernel()
 
 
 def _reset(path):
@@ -77,8 +79,9 @@ def test_notebook_runs(path, kernel):
         "commit notebooks with their outputs cleared"
     nb.cells.insert(0, nbformat.v4.new_code_cell(_reset(path)))
     client = NotebookClient(nb, timeout=300, kernel_name="python3", config=kernel["config"],
-                            km=kernel.get("km"), kc=kernel.get("kc"),
+                            km=kernel.get("km"),
                             resources={"metadata": {"path": str(path.parent)}})
+    client.kc = kernel.get("kc")  # (not a constructor argument)
     try:
         client.execute(cleanup_kc=False, env=kernel["env"])
     except BaseException:
