@@ -207,11 +207,13 @@ def kept_vjp(f: Callable[..., Any], *primals: object,
     neighbours instead of writing it out. Keeping every residual, as
     ``jax.vjp`` alone does, wrote each of them out of the forward and read it
     back: a block of the equinox encoder of ``benchmarks/jax_models.py`` (half
-    its batch) kept 35 arrays, 4.87 MB, against 6 arrays, 1.18 MB, and its
-    ZeRO-3 step at 2 thread ranks took 64.2-70.6 ms against 52.7-59.0 ms
-    (four rounds, interleaved). The gradients are those of ``jax.vjp``. A
-    forward with effects that ``jax.checkpoint`` refuses (the ordered host
-    callbacks of synchronised batch statistics) keeps every residual.
+    its batch) kept 35 arrays, 4.87 MB, against 6 arrays, 1.18 MB, and the
+    encoder's ZeRO-3 step at 2 thread ranks took a median 63.1 against
+    67.2 ms (eight runs of each, interleaved with the tree before). The
+    gradients are ``jax.vjp``'s, to rounding where XLA fuses a recomputed
+    value otherwise than the forward did. A forward with effects that
+    ``jax.checkpoint`` refuses (the ordered host callbacks of synchronised
+    batch statistics) keeps every residual.
     """
     import jax
 
