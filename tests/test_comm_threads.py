@@ -312,3 +312,66 @@ def test_thread_ranks_share_the_kernels_openmp_threads():
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120, check=True).stdout
     assert json.loads(out.splitlines()[-1]) == [[4], [2, 2], [1, 1, 1], [1] * 8, 4]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_large_collective_runs_in_parts_on_every_rank_waiting_for_it(world, monkeypatch):
+    """See [Note: thread collectives]: past SHARE_BYTES, the ranks already
+    waiting run parts beside the last to arrive. Each part here waits until
+    every rank is inside one, so the collective completes only if each rank
+    ran a part (and fails at the barrier's timeout otherwise); the results
+    are numpy's, for section sizes no world divides evenly."""
+    from ops.comm import _threads
+
+    n = _threads.SHARE_BYTES // 4 + 7  # float32 elements a rank: over the threshold
+    inside = threading.Barrier(world, timeout=30)
+    ran: dict[str, set] = {}
+
+    def together(name, fn):
+        def part(*args):
+            ran.setdefault(name, set()).add(threading.get_ident())
+            inside.wait()
+            return fn(*args)
+        monkeypatch.setattr(_threads, name, part)
+
+    for name in ("_gather_into", "_sum_into", "_reduce_range"):
+        together(name, getattr(_threads, name))
+    xs = _inputs(world, n * world, np.float32)
+
+    def body(comm):
+        x = xs[comm.rank]
+        if comm.rank == world - 1:
+            time.sleep(0.05)  # the others are waiting by now (or they help once they are)
+        gathered = comm.all_gather_async(comm.allocate(n * world * world, np.float32), x).wait()
+        if comm.rank == world - 1:
+            time.sleep(0.05)
+        mine = comm.reduce_scatter_async(comm.allocate(n, np.float32), x, "mean").wait()
+        summed = comm.all_reduce_async(x.copy(), "sum").wait()
+        return gathered, mine, summed
+
+    total = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    for r, (gathered, mine, summed) in enumerate(ops.spawn(body, world)):
+        np.testing.assert_array_equal(gathered, np.concatenate(xs))
+        np.testing.assert_allclose(mine, total[r * n:(r + 1) * n] / world, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(summed, total, rtol=1e-6, atol=1e-6 * world)
+    assert {k: len(v) for k, v in ran.items()} == dict.fromkeys(ran, world) and len(ran) == 3
+
+
+def test_a_part_that_fails_fails_every_rank_s_collective(monkeypatch):
+    from ops.comm import _threads
+
+    def broken(out, xs):
+        raise MemoryError("out of device memory")
+
+    monkeypatch.setattr(_threads, "_gather_into", broken)
+    n = _threads.SHARE_BYTES // 4
+
+    def body(comm):
+        try:
+            comm.all_gather_async(comm.allocate(2 * n, np.float32), np.ones(n, np.float32)).wait()
+        except ops.CollectiveError as exc:
+            return str(exc)
+        return "completed"
+
+    for message in ops.spawn(body, 2):
+        assert message.startswith("all_gather failed: MemoryError: out of device memory"), message
