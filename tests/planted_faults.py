@@ -37,8 +37,10 @@ class Fault:
 FAULTS = [
     Fault("a wrong sign in the reduce (the threads communicator's sums)",
           "ops/comm/_threads.py",
-          "        xp.add(acc, xr.reshape(-1)[lo:hi], out=acc)\n",
-          "        xp.subtract(acc, xr.reshape(-1)[lo:hi], out=acc)\n",
+          "        for xr in xs[1:]:\n"
+          "            xp.add(acc, xr.reshape(-1)[lo:hi], out=acc)\n",
+          "        for xr in xs[1:]:\n"
+          "            xp.subtract(acc, xr.reshape(-1)[lo:hi], out=acc)\n",
           ("tests/test_zero.py",)),
     Fault("a skipped gather (stage 3's unit gather)",
           "shard/step/_runtime.py",
