@@ -108,4 +108,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # freed blocks of 64 KiB and up go back to the system at once, so the resident
+    # size falls when a scenario frees (glibc's MALLOC_MMAP_THRESHOLD_, set here so
+    # that the ranks can fork from the launcher's server: see tests/multiproc.py)
+    import ctypes
+
+    ctypes.CDLL(None).mallopt(-3, 65536)  # M_MMAP_THRESHOLD
     main()

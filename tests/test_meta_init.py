@@ -403,9 +403,8 @@ def test_peak_memory_of_an_init_is_the_state_plus_about_one_unit(tmp_path):
     least."""
     from tests.multiproc import run_ranks
 
-    env = {"MALLOC_MMAP_THRESHOLD_": "65536"}  # freed blocks go back to the system
     reports = run_ranks("tests/meta_init_worker.py", 2, tmp_path,
-                        dict(env, ZS_SCENARIO="meta+jax+eager"))
+                        {"ZS_SCENARIO": "meta+jax+eager"})
     assert all("eager" in rep for rep in reports), reports
     for scenario, slack in (("meta", 1), ("jax", 4)):  # slack: units of transient memory
         for rank in reports:
