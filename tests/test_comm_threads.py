@@ -358,20 +358,72 @@ def test_a_large_collective_runs_in_parts_on_every_rank_waiting_for_it(world, mo
 
 
 def test_a_part_that_fails_fails_every_rank_s_collective(monkeypatch):
+    """Each rank runs a part (they meet inside), one part raises: every rank's
+    handle fails with the cause, and so do the group's later collectives."""
     from ops.comm import _threads
 
-    def broken(out, xs):
-        raise MemoryError("out of device memory")
-
-    monkeypatch.setattr(_threads, "_gather_into", broken)
     n = _threads.SHARE_BYTES // 4
+    assert _threads._shared(("all_gather", n, np.dtype(np.float32)), 2)
+    inside = threading.Barrier(2, timeout=30)
+    gather = _threads._gather_into
+
+    def part(out, xs):
+        inside.wait()
+        if out[0] == 1:  # rank 1's output, whichever rank runs it
+            raise MemoryError("out of device memory")
+        gather(out, xs)
+
+    monkeypatch.setattr(_threads, "_gather_into", part)
 
     def body(comm):
-        try:
-            comm.all_gather_async(comm.allocate(2 * n, np.float32), np.ones(n, np.float32)).wait()
-        except ops.CollectiveError as exc:
-            return str(exc)
-        return "completed"
+        out = comm.allocate(2 * n, np.float32)
+        out[0] = comm.rank
+        errors = []
+        for _ in range(2):
+            try:
+                comm.all_gather_async(out, np.ones(n, np.float32)).wait()
+                errors.append("completed")
+            except ops.CollectiveError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+        return errors
 
-    for message in ops.spawn(body, 2):
-        assert message.startswith("all_gather failed: MemoryError: out of device memory"), message
+    for first, later in ops.spawn(body, 2):
+        assert first.startswith("CollectiveError: all_gather failed: MemoryError: out of device "
+                                "memory"), first
+        assert later.startswith("PeerFailed"), later
+
+
+def test_a_large_collective_in_place_runs_in_rank_order(monkeypatch):
+    """An output that overlaps an input (a reduce-scatter into the front of each
+    rank's own input, an all-gather into a buffer holding its own section) is
+    run by the last rank in rank order, not in parts: numpy's answer. Rank 0's
+    section waits (up to 0.5 s) for rank 1's to be written, so parts run at once
+    would read rank 1's output where its input was."""
+    from ops.comm import _threads
+
+    world, n = 2, _threads.SHARE_BYTES // 4 + 3
+    xs = _inputs(world, n * world, np.float32)
+    written = threading.Event()
+    sum_into = _threads._sum_into
+
+    def section(out, inputs, lo, hi, op):
+        if lo == 0:
+            written.wait(0.5)
+        sum_into(out, inputs, lo, hi, op)
+        if lo:
+            written.set()
+
+    monkeypatch.setattr(_threads, "_sum_into", section)
+
+    def body(comm):
+        x = xs[comm.rank].copy()
+        comm.reduce_scatter_into(x[:n], x, "sum")  # rank 1's output is rank 0's section
+        buf = np.zeros(n * world, np.float32)
+        buf[comm.rank * n:(comm.rank + 1) * n] = xs[comm.rank][:n]
+        comm.all_gather_into(buf, buf[comm.rank * n:(comm.rank + 1) * n])
+        return x[:n], buf
+
+    total = np.sum(xs, axis=0)
+    for r, (mine, gathered) in enumerate(ops.spawn(body, world)):
+        np.testing.assert_allclose(mine, total[r * n:(r + 1) * n], rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(gathered, np.concatenate([x[:n] for x in xs]))

@@ -30,7 +30,9 @@ against 2.0-2.7 run by one rank, a reduce-scatter 6.7-7.0 against 1.6-1.8
 (its sections are summed into the outputs directly, one pass, where the
 three passes of a copy, an add and a copy-out had been). Below the
 threshold the last rank runs it all: waking a rank costs more than the
-copies save.
+copies save; so does it where an output overlaps an input (in place). A
+rank's wait on such a collective (a step's ``all_gather_wait`` and
+``reduce_wait``) includes the parts it ran.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ class ThreadGroup:
             for r, slot in enumerate(pending.slots):
                 if slot is not None:
                     _settle(slot.future, self._peer_failed(r, slot.name))
-            if pending.ready is not None:
+            if pending.ready is not None:  # its handles keep it: not the ranks' buffers
+                pending.slots = [None] * len(pending.slots)
                 pending.ready.set()
         with self._mail_cv:
             self._mail_cv.notify_all()
@@ -181,7 +184,7 @@ class ThreadGroup:
                                   "match (collective (size, dtype, argument, device)): "
                                   f"{detail}; every rank must make the same calls in the same "
                                   "order (save and load included)")
-        elif done.ready is not None:  # run in parts, with the ranks waiting on it
+        elif done.ready is not None and _apart(args):  # in parts, with the ranks waiting
             try:
                 done.parts = _PARTS[slots[rank].name](args)
             except Exception as exc:
@@ -202,16 +205,25 @@ class ThreadGroup:
         """Run parts of a collective that every rank has entered until none is
         left; whoever finishes the last part completes every rank's handle."""
         parts = done.parts
-        while (i := next(done.claims)) < len(parts):
+        while True:
+            with self._lock:
+                i = done.claimed
+                if i >= len(parts):
+                    return
+                done.claimed += 1
             try:
                 _inside(parts[i])
-            except Exception as exc:  # a backend error: every rank's collective fails
-                done.error = done.error or _failed(done.slots[rank].name, exc)  # type: ignore[union-attr]
-            with self._lock:
-                done.left -= 1
-                last = done.left == 0
-            if last:
-                self._settle(done, rank, done.error)
+            except BaseException as exc:  # a backend error: every rank's collective fails
+                # (the slots stay until the last part is done, this one included)
+                done.error = done.error or _failed(cast(_Slot, done.slots[rank]).name, exc)
+                if not isinstance(exc, Exception):
+                    raise
+            finally:
+                with self._lock:
+                    done.left -= 1
+                    last = done.left == 0
+                if last:
+                    self._settle(done, rank, done.error)
 
     def _settle(self, done: _Round, rank: int, err: BaseException | None) -> None:
         for slot in cast(list[_Slot], done.slots):
@@ -375,6 +387,7 @@ class _RoundWork(Work):
             deadline = time.monotonic() + timeout
             if cast(threading.Event, entered.ready).wait(timeout) and entered.parts:
                 self._group.run_parts(entered, self._rank)  # its parts (see the Note)
+            self._round = None
             timeout = max(deadline - time.monotonic(), 0.0)
         try:
             self._future.result(timeout=timeout)
@@ -413,7 +426,7 @@ class _Round:
     claimed and left, the first error, and ``ready``, set once the ranks
     waiting on it may run parts or it is complete (None for the others)."""
 
-    __slots__ = ("arrived", "claims", "error", "left", "parts", "ready", "run", "slots")
+    __slots__ = ("arrived", "claimed", "error", "left", "parts", "ready", "run", "slots")
 
     def __init__(self, world_size: int, shared: bool) -> None:
         self.slots: list[_Slot | None] = [None] * world_size
@@ -423,7 +436,7 @@ class _Round:
         if shared:
             self.ready = threading.Event()
             self.parts: list[Callable[[], None]] = []
-            self.claims = itertools.count()  # next() is one step under the GIL: each part once
+            self.claimed = 0
             self.left = 0
             self.error: BaseException | None = None
 
@@ -434,7 +447,18 @@ def _shared(meta: tuple, world_size: int) -> bool:
         meta[1] * meta[2].itemsize * world_size >= SHARE_BYTES
 
 
-def _failed(name: str, exc: Exception) -> CollectiveError:
+def _apart(ranks: list[tuple]) -> bool:
+    """Whether no rank's output overlaps any rank's input (an all-reduce's: no
+    two ranks' buffers overlap), so parts may run at once in any order; where
+    one does (in place, as NCCL allows), the last rank runs it in rank order."""
+    outs = [out for out, _, _ in ranks]
+    xs = [x for _, x, _ in ranks]
+    if all(out is x for out, x in zip(outs, xs, strict=True)):  # an all-reduce
+        return not any(_overlaps(a, b) for i, a in enumerate(xs) for b in xs[i + 1:])
+    return not any(_overlaps(out, x) for out in outs for x in xs)
+
+
+def _failed(name: str, exc: BaseException) -> CollectiveError:
     err = CollectiveError(f"{name} failed: {type(exc).__name__}: {exc}")
     err.__cause__ = exc
     return err
