@@ -36,7 +36,7 @@ class Fault:
 
 FAULTS = [
     Fault("a wrong sign in the reduce (the threads communicator's sums)",
-          "ops/comm/_threads.py",
+          "ops/comm/_thread_runs.py",
           "        for xr in xs[1:]:\n"
           "            xp.add(acc, xr.reshape(-1)[lo:hi], out=acc)\n",
           "        for xr in xs[1:]:\n"

@@ -321,7 +321,7 @@ def test_a_large_collective_runs_in_parts_on_every_rank_waiting_for_it(world, mo
     every rank is inside one, so the collective completes only if each rank
     ran a part (and fails at the barrier's timeout otherwise); the results
     are numpy's, for section sizes no world divides evenly."""
-    from ops.comm import _threads
+    from ops.comm import _thread_runs, _threads
 
     n = _threads.SHARE_BYTES // 4 + 7  # float32 elements a rank: over the threshold
     inside = threading.Barrier(world, timeout=30)
@@ -332,10 +332,10 @@ def test_a_large_collective_runs_in_parts_on_every_rank_waiting_for_it(world, mo
             ran.setdefault(name, set()).add(threading.get_ident())
             inside.wait()
             return fn(*args)
-        monkeypatch.setattr(_threads, name, part)
+        monkeypatch.setattr(_thread_runs, name, part)
 
-    for name in ("_gather_into", "_sum_into", "_reduce_range"):
-        together(name, getattr(_threads, name))
+    for name in ("gather_into", "sum_into", "reduce_range"):
+        together(name, getattr(_thread_runs, name))
     xs = _inputs(world, n * world, np.float32)
 
     def body(comm):
@@ -360,12 +360,12 @@ def test_a_large_collective_runs_in_parts_on_every_rank_waiting_for_it(world, mo
 def test_a_part_that_fails_fails_every_rank_s_collective(monkeypatch):
     """Each rank runs a part (they meet inside), one part raises: every rank's
     handle fails with the cause, and so do the group's later collectives."""
-    from ops.comm import _threads
+    from ops.comm import _thread_runs, _threads
 
     n = _threads.SHARE_BYTES // 4
     assert _threads._shared(("all_gather", n, np.dtype(np.float32)), 2)
     inside = threading.Barrier(2, timeout=30)
-    gather = _threads._gather_into
+    gather = _thread_runs.gather_into
 
     def part(out, xs):
         inside.wait()
@@ -373,7 +373,7 @@ def test_a_part_that_fails_fails_every_rank_s_collective(monkeypatch):
             raise MemoryError("out of device memory")
         gather(out, xs)
 
-    monkeypatch.setattr(_threads, "_gather_into", part)
+    monkeypatch.setattr(_thread_runs, "gather_into", part)
 
     def body(comm):
         out = comm.allocate(2 * n, np.float32)
@@ -399,12 +399,12 @@ def test_a_large_collective_in_place_runs_in_rank_order(monkeypatch):
     run by the last rank in rank order, not in parts: numpy's answer. Rank 0's
     section waits (up to 0.5 s) for rank 1's to be written, so parts run at once
     would read rank 1's output where its input was."""
-    from ops.comm import _threads
+    from ops.comm import _thread_runs, _threads
 
     world, n = 2, _threads.SHARE_BYTES // 4 + 3
     xs = _inputs(world, n * world, np.float32)
     written = threading.Event()
-    sum_into = _threads._sum_into
+    sum_into = _thread_runs.sum_into
 
     def section(out, inputs, lo, hi, op):
         if lo == 0:
@@ -413,7 +413,7 @@ def test_a_large_collective_in_place_runs_in_rank_order(monkeypatch):
         if lo:
             written.set()
 
-    monkeypatch.setattr(_threads, "_sum_into", section)
+    monkeypatch.setattr(_thread_runs, "sum_into", section)
 
     def body(comm):
         x = xs[comm.rank].copy()

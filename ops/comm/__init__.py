@@ -5,7 +5,8 @@ backends: threads as ranks in one process ([Note: thread collectives]), gloo
 processes under torchrun ([Note: gloo algorithms]) and NCCL on GPUs.
 
 - ``_base.py``: :class:`~ops.Communicator`, :class:`~ops.Work`, the errors;
-- ``_threads.py``, ``_gloo.py``, ``_nccl.py``: the backends; ``_spawn.py``:
+- ``_threads.py``, ``_gloo.py``, ``_nccl.py``: the backends; ``_thread_runs.py``:
+  the threads backend's copies and sums, whole or in parts; ``_spawn.py``:
   :func:`~ops.spawn`, thread ranks running a function;
 - ``_world.py``: :func:`~ops.init_from_env`, the communicator torchrun's
   environment describes;
