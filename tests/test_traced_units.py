@@ -126,7 +126,6 @@ def test_segments_follow_first_use_and_carry_what_later_ones_read():
     assert seen["unused"] == [3] and seen["same"]
 
 
-
 def test_a_forward_keeps_its_matrix_products_and_convolutions_and_recomputes_the_rest():
     # [Note: what a forward keeps]: of a layer's residuals, the outputs of its matrix
     # products without batch dimensions and of its convolutions are kept, besides its
@@ -155,6 +154,7 @@ def test_a_forward_keeps_its_matrix_products_and_convolutions_and_recomputes_the
     assert out == want_out
     for got, want in zip(vjp(jnp.float32(1)), want_vjp(jnp.float32(1)), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
 
 # in the leaves' order, block 110, embed 70, mix 100 and unused 5 elements: at
 # 100 block stands alone, embed joins mix and unused (a short tail) joins them

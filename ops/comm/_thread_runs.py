@@ -86,8 +86,9 @@ def _parts_all_gather(ranks: list[tuple]) -> list[Callable[[], None]]:
 
 
 def _run_reduce_scatter(ranks: list[tuple]) -> None:
-    for part in _parts_reduce_scatter(ranks):
-        part()
+    xs = [x for _, x, _ in ranks]
+    for r, (out, _, op) in enumerate(ranks):
+        sum_into(out, xs, r * out.size, (r + 1) * out.size, op)
 
 
 def _parts_reduce_scatter(ranks: list[tuple]) -> list[Callable[[], None]]:
