@@ -34,7 +34,7 @@ def reset_peak() -> int:
     return status_bytes("VmHWM")
 
 
-def init(scenario: str, comm) -> dict:
+def init(scenario: str, comm, width: int = WIDTH) -> dict:
     """One scenario's init: the memory it took (``grew``) and its state's size."""
     import numpy as np
     import torch
@@ -43,13 +43,13 @@ def init(scenario: str, comm) -> dict:
     import ops
     import shard
 
-    unit_bytes = WIDTH * WIDTH * 4
+    unit_bytes = width * width * 4
     if scenario == "jax":
         import jax
 
         def init_fn(key):
             keys = jax.random.split(key, UNITS)
-            return [jax.random.normal(k, (WIDTH, WIDTH)) * 0.02 for k in keys]
+            return [jax.random.normal(k, (width, width)) * 0.02 for k in keys]
 
         def loss(p, x):
             for w in p:
@@ -61,7 +61,7 @@ def init(scenario: str, comm) -> dict:
         state = step.init_from(init_fn, jax.random.key(0))
     else:
         def build() -> torch.nn.Module:
-            return torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH, bias=False)
+            return torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False)
                                          for _ in range(UNITS)])
 
         if scenario == "meta":
@@ -86,10 +86,12 @@ def init(scenario: str, comm) -> dict:
 def main() -> None:
     """The scenarios of ZS_SCENARIO (``+`` between them) in turn. Each one's
     ``grew`` is counted from the resident size it starts at; ``held_before`` is
-    what the scenarios before it left resident (about 10 MiB after a meta
-    init), which it may have grown into unseen. So ``grew`` is at most what
-    the scenario took, and ``grew + held_before`` at least (both exact for the
-    first, as in a process of its own)."""
+    what the scenarios before it left resident (under 1 MiB after a meta
+    init, 12-15 MiB after a JAX one), which it may have grown into unseen. So
+    ``grew`` is at most what the scenario took, and ``grew + held_before`` at
+    least (both exact for the first, as in a process of its own). A small init of each scenario runs
+    first, so that lazy imports and the first collectives' buffers (7 MiB of a
+    meta init here, 18 MiB in one CI run) are not counted as the init's."""
     import gc
 
     import jax
@@ -98,6 +100,8 @@ def main() -> None:
 
     comm = ops.init_from_env()
     jax.jit(lambda k: jax.random.normal(k, (4, 4)))(jax.random.key(1))  # runtime up
+    for scenario in os.environ["ZS_SCENARIO"].split("+"):  # lazy imports, first buffers
+        init(scenario, comm, width=16)
     reports, base = {}, status_bytes("VmRSS")
     for scenario in os.environ["ZS_SCENARIO"].split("+"):
         gc.collect()

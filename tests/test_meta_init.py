@@ -395,7 +395,7 @@ def test_init_from_refuses_ranks_with_different_keys():
 def test_peak_memory_of_an_init_is_the_state_plus_about_one_unit(tmp_path):
     """Two gloo processes each init a ZeRO-3 state of 8 units of 16 MiB, from a
     meta module and from a JAX init; a rank's resident memory grows by its state
-    plus one unit (JAX's random draws keep a few unit-sized temporaries), where
+    plus one unit (JAX's random draws keep one or two unit-sized temporaries), where
     building the module whole first grows it by the whole model on top (one
     launch, the three inits in turn: the eager one is the reference of both).
     Each is bounded by what it can have taken at most (its growth plus what the
@@ -406,7 +406,7 @@ def test_peak_memory_of_an_init_is_the_state_plus_about_one_unit(tmp_path):
     reports = run_ranks("tests/meta_init_worker.py", 2, tmp_path,
                         {"ZS_SCENARIO": "meta+jax+eager"})
     assert all("eager" in rep for rep in reports), reports
-    for scenario, slack in (("meta", 1), ("jax", 4)):  # slack: units of transient memory
+    for scenario, slack in (("meta", 1), ("jax", 3)):  # slack: units of transient memory
         for rank in reports:
             rep, whole = rank[scenario], rank["eager"]
             bound = rep["state_bytes"] + (1 + slack) * rep["unit_bytes"]
