@@ -374,21 +374,21 @@ def main(argv: list[str] | None = None) -> None:
                                "zero3x1off", "zero3x1ovl", "adam"])
     s = SMOKE if args.smoke else Shape()
     results = {}
+    from tests.multiproc import launch  # a fresh process a row (forked in the tests' runs)
+
     for row in rows:
         cmd = [sys.executable, __file__, "--child", row, "--steps", str(args.steps),
                "--warmup", str(args.warmup), "--adam-sizes", *map(str, args.adam_sizes)]
         cmd += ["--smoke"] if args.smoke else []
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT,
-                                  timeout=args.row_timeout)
-        except subprocess.TimeoutExpired as e:
-            results[row] = {"error": f"timed out after {args.row_timeout} s\n"
-                                     f"{(e.stderr or b'')[-1500:]!r}"}
+            (code,), (log,) = launch(cmd, 1, {}, timeout=args.row_timeout)
+        except subprocess.TimeoutExpired:
+            results[row] = {"error": f"timed out after {args.row_timeout} s"}
             print(f"{row}: {results[row]['error']}", file=sys.stderr, flush=True)
             continue
-        line = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
-        if proc.returncode or not line:
-            results[row] = {"error": (proc.stderr or proc.stdout)[-2000:]}
+        line = [x for x in log.splitlines() if x.startswith("RESULT ")]
+        if code or not line:
+            results[row] = {"error": log[-2000:]}
             print(f"{row}: failed\n{results[row]['error']}", file=sys.stderr, flush=True)
             continue
         results[row] = json.loads(line[-1][len("RESULT "):])

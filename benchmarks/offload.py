@@ -22,7 +22,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -159,15 +158,17 @@ def main() -> None:
     print(f"disk under {base}: sequential write {write_bw / 1e6:.0f} MB/s, read "
           f"{read_bw / 1e6:.0f} MB/s", flush=True)
     rows = []
+    sys.path.insert(0, str(ROOT))
+    from tests.multiproc import launch  # a fresh process a mode (forked in the tests' runs)
+
     for mode in args.modes.split(","):
         cmd = [sys.executable, __file__, "--worker", mode, "--params", str(args.params),
                "--width", str(args.width), "--steps", str(args.steps), "--batch",
                str(args.batch), "--chunk-mb", str(args.chunk_mb), "--path", str(base / mode)]
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-        if out.returncode or not line:
-            print(f"{mode}: failed\n{out.stderr[-3000:]}", flush=True)
+        (code,), (log,) = launch(cmd, 1, {"OMP_NUM_THREADS": "1"}, timeout=3600)
+        line = [x for x in log.splitlines() if x.startswith("RESULT ")]
+        if code or not line:
+            print(f"{mode}: failed\n{log[-3000:]}", flush=True)
             continue
         rows.append(json.loads(line[0][len("RESULT "):]))
         print(f"{mode}: done", flush=True)

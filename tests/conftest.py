@@ -44,6 +44,41 @@ os.environ.setdefault("ZS_FORK_LAUNCH", "1")
 
 
 @pytest.fixture
+def run_benchmark(monkeypatch, capsys):
+    """``run_benchmark(name, *args)``: ``benchmarks/NAME.py``'s ``main()`` in this
+    process, with ``args`` as its command line; returns what it printed. Its
+    launched modes and ranks fork from this worker's server (see [Note: forked
+    launches] in tests/multiproc.py), where a fresh interpreter would import
+    torch, JAX and the library and start a server of its own to import them again
+    (about 5 CPU seconds a benchmark)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    environ, threads = dict(os.environ), torch.get_num_threads()  # the benchmarks set both
+
+    def run(name: str, *args: object) -> str:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(f"benchmarks_{name}", path)
+        assert spec is not None and spec.loader is not None, path
+        module = importlib.util.module_from_spec(spec)
+        monkeypatch.setitem(sys.modules, spec.name, module)  # for its dataclasses
+        monkeypatch.setattr(sys, "path", list(sys.path))  # the benchmarks add to it
+        monkeypatch.setattr(sys, "argv", [str(path), *map(str, args)])
+        capsys.readouterr()
+        spec.loader.exec_module(module)
+        module.main()
+        return capsys.readouterr().out
+
+    yield run
+    os.environ.clear()
+    os.environ.update(environ)
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def rng() -> np.random.Generator:
     return np.random.default_rng(0)
 

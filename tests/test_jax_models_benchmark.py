@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,14 +15,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.multiprocess
-def test_the_jax_models_benchmark_prints_its_table():
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "jax_models.py"),
-                           "--models", "cnn", "--passes", "1", "--steps", "1"],
-                          capture_output=True, text=True, timeout=600, check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line for line in done.stdout.splitlines() if line.startswith("| cnn |")]
-    assert [r.split("|")[2].strip() for r in rows] == ["jax_fsdp", "zero3x2", "pure3x2"], \
-        done.stdout
+def test_the_jax_models_benchmark_prints_its_table(run_benchmark):
+    out = run_benchmark("jax_models", "--models", "cnn", "--passes", 1, "--steps", 1)
+    rows = [line for line in out.splitlines() if line.startswith("| cnn |")]
+    assert [r.split("|")[2].strip() for r in rows] == ["jax_fsdp", "zero3x2", "pure3x2"], out
     peak = float(rows[1].split("|")[7])
     # a unit's gather buffer (its rows padded to divide the ranks) and its copy-out, at most
     spec = importlib.util.spec_from_file_location("jax_models",

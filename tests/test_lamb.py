@@ -311,18 +311,10 @@ def test_lamb_checkpoints_reshard_and_refuse_offload(tmp_path):
 
 
 @pytest.mark.multiprocess
-def test_the_optimizer_benchmark_prints_lamb_rows_against_their_floor():
-    import subprocess
-    import sys
-
-    from tests.multiproc import ROOT
-
-    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "adam.py"), "--sizes", "2e5",
-                          "--layouts", "list", "--impls", "lamb floor", "ours lamb",
-                          "--steps", "2", "--rounds", "2"],
-                         capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert out.returncode == 0, out.stderr[-2000:]
+def test_the_optimizer_benchmark_prints_lamb_rows_against_their_floor(run_benchmark):
+    out = run_benchmark("adam", "--sizes", "2e5", "--layouts", "list", "--impls", "lamb floor",
+                        "ours lamb", "--steps", 2, "--rounds", 2)
     rows = {line.split("|")[3].strip(): line.split("|")[6].strip()
-            for line in out.stdout.splitlines() if line.startswith("| 0M")}
+            for line in out.splitlines() if line.startswith("| 0M")}
     assert set(rows) == {"lamb floor", "ours lamb"} and rows["lamb floor"] == "1.00"
     assert float(rows["ours lamb"]) > 0

@@ -4,10 +4,7 @@ unoffloaded trajectory bit for bit ([Note: offload])."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import tracemalloc
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -291,18 +288,13 @@ def test_bad_offload_arguments_are_refused():
 
 
 @pytest.mark.multiprocess
-def test_offload_benchmark_prints_its_table(tmp_path):
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "offload.py"), "--params",
-                          "2e6", "--width", "512", "--steps", "1", "--chunk-mb", "1",
-                          "--probe-mb", "16", "--path", str(tmp_path)],
-                         capture_output=True, text=True, timeout=300,
-                         env=dict(os.environ, PYTHONPATH=str(root)))
-    assert out.returncode == 0, out.stderr[-2000:]
-    rows = [line for line in out.stdout.splitlines() if line.startswith("| ")]
+def test_offload_benchmark_prints_its_table(tmp_path, run_benchmark):
+    out = run_benchmark("offload", "--params", "2e6", "--width", 512, "--steps", 1,
+                        "--chunk-mb", 1, "--probe-mb", 16, "--path", tmp_path)
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
     assert rows[0].startswith("| mode | step s | optimizer s | disk floor s")
     assert [r.split("|")[1].strip() for r in rows[1:]] == ["ram", "disk"]
-    assert "sequential write" in out.stdout
+    assert "sequential write" in out
 
 
 @pytest.mark.parametrize("stage", [1, 3])

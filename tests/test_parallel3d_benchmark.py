@@ -3,23 +3,17 @@ and the bytes ours moves between the model ranks equal the analytic count."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 
 @pytest.mark.multiprocess
-def test_parallel3d_benchmark_moves_the_analytic_bytes_and_prints_its_table():
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/parallel3d.py", "--layouts", "1x2", "--layers", "2",
-         "--hidden", "64", "--ffn", "128", "--heads", "4", "--vocab", "256", "--seq", "16",
-         "--batch", "4", "--steps", "2", "--rounds", "1"],
-        capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in proc.stdout.splitlines()
+def test_parallel3d_benchmark_moves_the_analytic_bytes_and_prints_its_table(run_benchmark):
+    out = run_benchmark("parallel3d", "--layouts", "1x2", "--layers", 2, "--hidden", 64,
+                        "--ffn", 128, "--heads", 4, "--vocab", 256, "--seq", 16, "--batch", 4,
+                        "--steps", 2, "--rounds", 1)
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.splitlines()
             if line.startswith("| 1 x 2")]
-    assert len(rows) == 1, proc.stdout
+    assert len(rows) == 1, out
     row = rows[0]
     assert float(row[1]) > 0 and float(row[2]) > 0 and float(row[3]) > 0
     # (7 L + 2) B S d all-reduced floats, the head's B S V / T gathered, the norm's 8 bytes

@@ -117,23 +117,13 @@ def test_a_stage_checkpoint_names_its_layers_and_loads_back(tmp_path):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("model", ["mlp", "gpt"])
-def test_pipeline_benchmark_prints_its_table(model):
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parents[1]
-    out = subprocess.run([sys.executable, str(root / "benchmarks" / "pipeline.py"), "--stages",
-                          "2", "--micro", "2", "--layers", "2", "--width", "64", "--batch", "8",
-                          "--steps", "1", "--model", model, "--seq", "8"],
-                         capture_output=True, text=True, timeout=600,
-                         env=dict(os.environ, PYTHONPATH=str(root)))
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line for line in out.stdout.splitlines() if line.startswith("| 2 | 2 |")]
-    ds = "DeepSpeed is not installed" not in out.stdout  # its three columns, when it is
+def test_pipeline_benchmark_prints_its_table(model, run_benchmark):
+    out = run_benchmark("pipeline", "--stages", 2, "--micro", 2, "--layers", 2, "--width", 64,
+                        "--batch", 8, "--steps", 1, "--model", model, "--seq", 8)
+    rows = [line for line in out.splitlines() if line.startswith("| 2 | 2 |")]
+    ds = "DeepSpeed is not installed" not in out  # its three columns, when it is
     jax_row = model == "mlp"  # ours over JAX layers: three more columns
-    assert len(rows) == 1 and len(rows[0].split("|")) == 11 + 3 * jax_row + 3 * ds, out.stdout
+    assert len(rows) == 1 and len(rows[0].split("|")) == 11 + 3 * jax_row + 3 * ds, out
 
 
 def test_loggers_write_once_per_step_for_the_whole_mesh(tmp_path):

@@ -2,7 +2,7 @@
 namespaces carries its marker, so that ``make test-fast`` (which leaves them
 out) never starts one. Read from the test files' syntax: a test reaches a
 launch through ``tests.multiproc``, ``sys.executable``, ``torchrun`` or the
-``gloo_shared`` fixture, or a
+``gloo_shared`` and ``run_benchmark`` fixtures, or a
 namespace through ``tests.netns``, in its own body or in a helper or fixture
 of its module it calls."""
 
@@ -50,6 +50,7 @@ def needed(path: Path) -> dict[str, tuple[set[str], set[str]]]:
     tree = ast.parse(path.read_text())
     base = {"executable": "multiprocess", "torchrun": "multiprocess",
             "gloo_shared": "multiprocess",  # conftest's fixture: shared gloo launches
+            "run_benchmark": "multiprocess",  # conftest's fixture: the benchmarks launch
             **_imported(tree.body)}
     funcs = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
     module = set()
