@@ -89,9 +89,10 @@ def main() -> None:
     what the scenarios before it left resident (under 1 MiB after a meta
     init, 12-15 MiB after a JAX one), which it may have grown into unseen. So
     ``grew`` is at most what the scenario took, and ``grew + held_before`` at
-    least (both exact for the first, as in a process of its own). A small init of each scenario runs
-    first, so that lazy imports and the first collectives' buffers (7 MiB of a
-    meta init here, 18 MiB in one CI run) are not counted as the init's."""
+    least (both exact for the first, as in a process of its own). A small init
+    of each scenario runs first, so that lazy imports and the first
+    collectives' buffers are not counted as the init's (without it, a meta init
+    grew 7 MiB beyond its state and one unit here, and 18 MiB in one CI run)."""
     import gc
 
     import jax
