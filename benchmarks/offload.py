@@ -158,7 +158,6 @@ def main() -> None:
     print(f"disk under {base}: sequential write {write_bw / 1e6:.0f} MB/s, read "
           f"{read_bw / 1e6:.0f} MB/s", flush=True)
     rows = []
-    sys.path.insert(0, str(ROOT))
     from tests.multiproc import launch  # a fresh process a mode (forked in the tests' runs)
 
     for mode in args.modes.split(","):
